@@ -1,0 +1,1 @@
+"""raytrain_fast."""

@@ -1,0 +1,250 @@
+"""The root config: composes each component's own dataclass, loads YAML strictly, applies
+`--set section.field=value` overrides and validates everything before any worker starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raytrain_fast._dataclass_yaml import from_dict, to_dict
+from raytrain_fast.checkpoint.config import CheckpointConfig
+from raytrain_fast.data.config import DataConfig
+from raytrain_fast.engine.config import EngineConfig, OptimConfig
+from raytrain_fast.errors import ConfigError
+from raytrain_fast.launch.config import ResourcesConfig
+from raytrain_fast.loop.config import TrainConfig
+from raytrain_fast.model.config import ModelConfig
+from raytrain_fast.storage.config import StorageConfig
+
+DEFAULT_PRESET = "tiny"
+BYTE_VOCAB_SIZE = 257  # 256 byte values + one end-of-document token
+_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(kw_only=True)
+class Config:
+    """Everything one training run needs. Each component receives only its own section."""
+
+    name: str | None = None
+    """Run name: the directory under storage.uri. Same name = same run (it resumes). null = derived from the preset."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> Config:
+        problems: list[str] = []
+        config = from_dict(cls, data, path="", problems=problems)
+        if problems:
+            raise ConfigError(problems, source=source)
+        return config
+
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step (explicit, or derived from the global batch)."""
+        if self.train.grad_accum is not None:
+            return self.train.grad_accum
+        per_step = self.train.micro_batch * self.resources.num_workers
+        return max(1, self.train.global_batch // per_step)
+
+
+def presets() -> dict[str, Path]:
+    """Shipped presets: name -> YAML file."""
+    folder = resources.files("raytrain_fast") / "configs"
+    return {Path(p.name).stem: Path(str(p)) for p in folder.iterdir() if p.name.endswith(".yaml")}
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise ConfigError(f"duplicate key '{key}' (line {key_node.start_mark.line + 1})")
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read config file: {error.strerror}", source=str(path)) from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except ConfigError as error:
+        raise ConfigError(error.problems, source=str(path)) from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"not valid YAML: {error}", source=str(path)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("the top level must be a mapping of sections", source=str(path))
+    return data
+
+
+def resolve_config_path(config: str | None) -> Path:
+    """A preset name (`tiny`) or a path to a YAML file."""
+    if config is None:
+        config = DEFAULT_PRESET
+    shipped = presets()
+    if config in shipped:
+        return shipped[config]
+    path = Path(config)
+    if path.exists():
+        return path
+    names = ", ".join(sorted(shipped))
+    raise ConfigError(f"--config '{config}' is neither a file nor a preset (presets: {names})")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> list[str]:
+    """Apply `section.field=value` strings in place (values parsed as YAML). Returns problems."""
+    problems = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            problems.append(f"--set '{item}': expected section.field=value, e.g. train.steps=500")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                problems.append(f"--set '{item}': '{part}' is not a section")
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    return problems
+
+
+def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...] = (), *, name: str | None = None) -> Config:
+    """Read a preset or YAML file, apply overrides, and check types and unknown keys."""
+    path = resolve_config_path(config)
+    data = read_yaml(path)
+    problems = apply_overrides(data, list(overrides))
+    if name is not None:
+        data["name"] = name
+    structure: list[str] = []
+    loaded = from_dict(Config, data, path="", problems=structure)
+    problems.extend(structure)
+    if problems:
+        raise ConfigError(problems, source=str(path) + (" with --set overrides" if overrides else ""))
+    if loaded.name is None:
+        loaded = dataclasses.replace(loaded, name=path.stem)
+    return loaded
+
+
+def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus: float | None = None) -> None:
+    """Every check that can run before a worker starts. Raises one ConfigError listing all problems."""
+    problems: list[str] = []
+    m, d, t, o, e, c, r = (config.model, config.data, config.train, config.optim, config.engine,
+                           config.checkpoint, config.resources)
+
+    if config.name is not None and not _NAME_PATTERN.match(config.name):
+        problems.append(f"name '{config.name}': use letters, digits, '.', '_' or '-' (it becomes a directory name)")
+
+    def positive(section: str, obj: Any, *names: str) -> None:
+        for n in names:
+            value = getattr(obj, n)
+            if value is not None and value <= 0:
+                problems.append(f"{section}.{n} must be > 0, got {value}")
+
+    positive("model", m, "vocab_size", "max_seq_len", "num_layers", "num_heads", "d_model", "mlp_ratio", "init_std")
+    positive("data", d, "seq_len", "prefetch_batches")
+    positive("train", t, "steps", "global_batch", "micro_batch", "grad_accum", "log_every")
+    positive("optim", o, "lr", "eps")
+    positive("checkpoint", c, "every_steps", "keep_last")
+    positive("resources", r, "num_workers")
+
+    if m.num_heads > 0 and m.d_model % m.num_heads:
+        problems.append(f"model.d_model ({m.d_model}) must be divisible by model.num_heads ({m.num_heads})")
+    elif m.positions == "rotary" and m.num_heads > 0 and (m.d_model // m.num_heads) % 2:
+        problems.append("model.positions=rotary needs an even head size (d_model / num_heads)")
+    if not 0.0 <= m.dropout < 1.0:
+        problems.append(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.vocab_size < BYTE_VOCAB_SIZE:
+        problems.append(f"model.vocab_size ({m.vocab_size}) is smaller than the byte tokenizer's {BYTE_VOCAB_SIZE} tokens")
+    if d.seq_len > m.max_seq_len and m.positions == "learned":
+        problems.append(
+            f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); raise model.max_seq_len or lower data.seq_len"
+        )
+    if d.max_tokens < 0:
+        problems.append(f"data.max_tokens must be >= 0 (0 = whole corpus), got {d.max_tokens}")
+    if d.source != "stdlib" and not Path(d.source).expanduser().exists():
+        problems.append(f"data.source '{d.source}' does not exist; give a text file or directory, or 'stdlib'")
+
+    if o.warmup_steps < 0:
+        problems.append(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    elif t.steps > 0 and o.warmup_steps > t.steps:
+        problems.append(f"optim.warmup_steps ({o.warmup_steps}) exceeds train.steps ({t.steps})")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        problems.append(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    if o.grad_clip < 0:
+        problems.append(f"optim.grad_clip must be >= 0 (0 = off), got {o.grad_clip}")
+    if e.zero_stage not in (0, 1, 2):
+        problems.append(f"engine.zero_stage must be 0, 1 or 2, got {e.zero_stage}")
+    positive("engine", e, "reduce_bucket_size", "allgather_bucket_size")
+
+    if t.micro_batch > 0 and t.global_batch > 0 and r.num_workers > 0:
+        per_step = t.micro_batch * r.num_workers
+        if t.grad_accum is None:
+            if t.global_batch % per_step:
+                problems.append(
+                    f"train.global_batch ({t.global_batch}) is not a multiple of train.micro_batch x "
+                    f"resources.num_workers ({t.micro_batch} x {r.num_workers} = {per_step}); "
+                    f"try global_batch={max(per_step, t.global_batch // per_step * per_step)}"
+                )
+        elif t.grad_accum > 0 and per_step * t.grad_accum != t.global_batch:
+            problems.append(
+                f"train.global_batch ({t.global_batch}) != micro_batch x grad_accum x num_workers "
+                f"({t.micro_batch} x {t.grad_accum} x {r.num_workers} = {per_step * t.grad_accum}); "
+                "fix one of them, or set train.grad_accum=null to derive it"
+            )
+
+    if r.cpus_per_worker < 0:
+        problems.append(f"resources.cpus_per_worker must be >= 0 (0 = automatic), got {r.cpus_per_worker}")
+    if r.max_failures < -1:
+        problems.append(f"resources.max_failures must be -1 (unlimited) or >= 0, got {r.max_failures}")
+    if r.use_gpu is True and cluster_gpus is not None and cluster_gpus < r.num_workers:
+        problems.append(
+            f"resources.use_gpu=true with {r.num_workers} workers, but the Ray cluster has {cluster_gpus:g} GPUs; "
+            "set resources.use_gpu=false (or auto) or fewer workers"
+        )
+    if cluster_cpus is not None and r.cpus_per_worker > 0 and r.cpus_per_worker * r.num_workers > cluster_cpus:
+        problems.append(
+            f"resources.cpus_per_worker x num_workers = {r.cpus_per_worker * r.num_workers} CPUs, but the Ray cluster "
+            f"has {cluster_cpus:g}; the workers would wait forever. Lower one of them (0 = automatic)"
+        )
+
+    if problems:
+        raise ConfigError(problems)
+
+
+__all__ = ["Config", "load_config", "presets", "validate"]

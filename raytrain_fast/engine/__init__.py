@@ -1,0 +1,14 @@
+"""DeepSpeed ZeRO engine built from config."""
+
+from raytrain_fast.engine.config import EngineConfig, OptimConfig
+from raytrain_fast.engine.deepspeed_engine import (
+    build_deepspeed_config,
+    build_engine,
+    lr_lambda,
+    measure_cpu_bf16_speedup,
+    resolve_precision,
+    select_accelerator,
+)
+
+__all__ = ["EngineConfig", "OptimConfig", "build_deepspeed_config", "build_engine", "lr_lambda",
+    "measure_cpu_bf16_speedup", "resolve_precision", "select_accelerator"]

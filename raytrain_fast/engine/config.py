@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay."""
+
+    lr: float = 1e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of `lr` at the last step of the cosine decay."""
+    warmup_steps: int = 20
+    """Optimizer steps of linear warmup from 0 to `lr`."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 turns clipping off)."""
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """DeepSpeed settings. bf16 is the single mixed-precision path (no torch.autocast around it)."""
+
+    zero_stage: int = 2
+    """ZeRO stage: 0 (plain data parallel), 1 (optimizer states sharded) or 2 (+ gradients sharded)."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """bf16 (fp32 master weights kept by DeepSpeed) or fp32. auto = bf16 on GPUs, and on CPUs only
+    where a measured bf16 matmul is at least as fast as fp32 (CPUs without AVX-512 BF16 / AMX run
+    bf16 matmuls far slower); the choice and its measurement are logged."""
+    overlap_comm: bool = True
+    """Overlap gradient reduction with the backward pass."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+    reduce_bucket_size: int = 50_000_000
+    """Elements per gradient reduce bucket."""
+    allgather_bucket_size: int = 50_000_000
+    """Elements per parameter all-gather bucket."""
+    check_grad_overflow: bool = False
+    """Check bf16 gradients for inf/nan before every optimizer step. Costs a host sync per step."""

@@ -1,0 +1,5 @@
+"""Launching a run on Ray (`raytrain_fast.launch.trainer`): resources, storage, TorchTrainer."""
+
+from raytrain_fast.launch.config import ResourcesConfig
+
+__all__ = ["ResourcesConfig"]

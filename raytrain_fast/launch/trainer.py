@@ -1,0 +1,112 @@
+"""Turns a validated Config into a Ray TorchTrainer run: resources, storage, failure handling."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from raytrain_fast.config import Config, validate
+from raytrain_fast.engine import resolve_precision
+
+logger = logging.getLogger("raytrain_fast")
+
+
+@dataclass(kw_only=True)
+class RunResult:
+    name: str
+    run_dir: str
+    """Where the run's checkpoints are: `<storage.uri>/<name>`."""
+    checkpoint: str | None
+    """The latest checkpoint, or None if the run saved none."""
+    metrics: dict
+
+
+def storage_path(uri: str) -> str:
+    """Local paths become absolute (Ray requires it); URIs (s3://...) pass through unchanged."""
+    if "://" in uri:
+        return uri
+    return str(Path(uri).expanduser().resolve())
+
+
+def _ensure_ray() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        # Joins RAY_ADDRESS (a cluster, or the job's cluster under `ray job submit`), else starts a local instance.
+        ray.init(log_to_driver=True, configure_logging=False)
+
+
+def resolve_resources(config: Config) -> Config:
+    """Fill in `auto` values from the cluster, then validate everything before a worker starts."""
+    import ray
+
+    _ensure_ray()
+    cluster = ray.cluster_resources()
+    cpus, gpus = cluster.get("CPU", 0.0), cluster.get("GPU", 0.0)
+    validate(config, cluster_cpus=cpus, cluster_gpus=gpus)
+
+    resources = config.resources
+    use_gpu = gpus >= resources.num_workers if resources.use_gpu == "auto" else bool(resources.use_gpu)
+    cpus_per_worker = resources.cpus_per_worker
+    if cpus_per_worker == 0:
+        cpus_per_worker = 4 if use_gpu else max(1, int(cpus // resources.num_workers))
+        cpus_per_worker = min(cpus_per_worker, max(1, int(cpus // resources.num_workers)))
+    precision, reason = resolve_precision(config.engine.precision, use_gpu=use_gpu)
+    logger.info("precision: %s (%s)", precision, reason)
+    print(f"Precision: {precision} ({reason})", flush=True)
+    return dataclasses.replace(
+        config,
+        resources=dataclasses.replace(resources, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker),
+        engine=dataclasses.replace(config.engine, precision=precision),
+        storage=dataclasses.replace(config.storage, uri=storage_path(config.storage.uri)),
+    )
+
+
+def build_trainer(config: Config):
+    """A TorchTrainer for an already resolved config (see `resolve_resources`)."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain_fast.data import build_dataset
+    from raytrain_fast.loop.train_loop import train_loop_per_worker
+
+    resources = config.resources
+    dataset, num_sequences = build_dataset(config.data)
+    print(f"Data: {num_sequences:,} sequences of {config.data.seq_len + 1} tokens from '{config.data.source}'", flush=True)
+    env_vars = {
+        "DS_ACCELERATOR": "cuda" if resources.use_gpu else "cpu",
+        "OMP_NUM_THREADS": str(resources.cpus_per_worker),
+        # Ray Train routes print() through a logger AND the redirected stdout: every line twice.
+        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    }
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=config.to_dict(),
+        torch_config=TorchConfig(backend="nccl" if resources.use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=resources.num_workers,
+            use_gpu=bool(resources.use_gpu),
+            resources_per_worker={"CPU": resources.cpus_per_worker},
+        ),
+        run_config=ray.train.RunConfig(
+            name=config.name,
+            storage_path=config.storage.uri,
+            failure_config=ray.train.FailureConfig(max_failures=resources.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.checkpoint.keep_last),
+            worker_runtime_env={"env_vars": env_vars},
+        ),
+        datasets={"train": dataset},
+    )
+
+
+def run(config: Config) -> RunResult:
+    """Validate, build and fit. Same name + same storage = the run continues from its latest checkpoint."""
+    config = resolve_resources(config)
+    run_dir = os.path.join(config.storage.uri, config.name or "")
+    print(f"Run '{config.name}': {config.resources.num_workers} worker(s), storage {run_dir}", flush=True)
+    result = build_trainer(config).fit()
+    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    return RunResult(name=config.name or "", run_dir=run_dir, checkpoint=checkpoint, metrics=dict(result.metrics or {}))

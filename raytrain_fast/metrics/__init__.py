@@ -1,0 +1,5 @@
+"""Metrics read from the training loop at the log cadence."""
+
+from raytrain_fast.metrics.progress import Progress
+
+__all__ = ["Progress"]

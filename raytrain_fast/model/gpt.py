@@ -1,0 +1,144 @@
+"""A decoder-only GPT: pre-norm blocks, causal SDPA attention (flash kernels on GPU), learned or
+rotary positions, optional weight tying."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raytrain_fast.model.config import ModelConfig
+
+
+def _rotary_tables(seq_len: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # RoPE (Su et al. 2021): rotate channel pairs by position * theta_i, theta_i = 10000^(-2i/head_dim).
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, hd); cos/sin: (T, hd/2)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.flatten(-2)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.head_dim = config.d_model // config.num_heads
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.dropout = config.dropout
+        self.rotary = config.positions == "rotary"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape  # (B, T, d)
+        q, k, v = self.qkv(x).split(width, dim=-1)
+        # (B, T, d) -> (B, H, T, hd)
+        q, k, v = (t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if self.rotary:
+            cos, sin = _rotary_tables(seq, self.head_dim, x.device)
+            q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )  # (B, H, T, hd)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden = config.mlp_ratio * config.d_model
+        self.up = nn.Linear(config.d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.norm_attn = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.norm_mlp = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm_attn(x)))  # pre-norm residual
+        return x + self.drop(self.mlp(self.norm_mlp(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = (
+            nn.Embedding(config.max_seq_len, config.d_model) if config.positions == "learned" else None
+        )
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm_out = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.token_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2 scaling of residual projections: std / sqrt(2 * num_layers).
+        for name, param in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "mlp.down.weight")):
+                nn.init.normal_(param, std=config.init_std / math.sqrt(2 * config.num_layers))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.config.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (B, T) int64. Returns logits (B, T, V), or the mean cross-entropy if targets are given."""
+        seq = tokens.shape[1]
+        x = self.token_emb(tokens)  # (B, T, d)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(seq, device=tokens.device))
+        x = self.drop(x)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.norm_out(x))  # (B, T, V)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def num_params(self) -> int:
+        """Unique parameters (a tied embedding counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token; see `flops_per_token`."""
+        return flops_per_token(self.config, seq_len)
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * N_matmul + 12 * L * d * T.
+
+    Source: Kaplan et al. 2020 (Scaling Laws, sec. 2.1) and PaLM (Chowdhury et al. 2022, app. B).
+    - N_matmul: weights used in matrix products per token: per block 4*d^2 (qkv + out proj)
+      + 2*r*d^2 (MLP), plus V*d for the output projection (counted even when tied, since the
+      product is computed; the embedding lookup itself is a gather, 0 FLOPs).
+    - 6 = 2 FLOPs per multiply-add in the forward pass x 3 (backward costs twice the forward).
+    - 12*L*d*T: attention scores QK^T and the weighted sum AV, 2*T*d FLOPs each per token and
+      layer forward, x3 for backward. Counted for the full T x T square, as FlopCounterMode and
+      the usual MFU convention do, although causal kernels skip half of it.
+    Norms, softmax, GELU and rotary are elementwise and left out. FlopCounterMode counts a bit
+    more (+2% on the tiny preset): its attention backward includes recomputing the scores.
+    """
+    d, num_layers = config.d_model, config.num_layers
+    n_matmul = num_layers * (4 + 2 * config.mlp_ratio) * d * d + config.vocab_size * d
+    return 6.0 * n_matmul + 12.0 * num_layers * d * seq_len
