@@ -5,7 +5,14 @@ from dataclasses import dataclass
 
 @dataclass(kw_only=True)
 class StorageConfig:
-    """Where runs (checkpoints, metrics) are stored."""
+    """Where runs (checkpoints, metrics) and prepared data live. Credentials never go here: they
+    come from the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or a named profile."""
 
     uri: str = "./runs"
-    """A local directory (made absolute) or a URI understood by pyarrow (e.g. s3://bucket/prefix)."""
+    """A local directory (made absolute) or s3://bucket/prefix."""
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (MinIO, Ceph, R2, ...), e.g. http://127.0.0.1:9000. null = AWS S3."""
+    region: str | None = None
+    """S3 region; null = AWS_DEFAULT_REGION / AWS_REGION from the environment, else us-east-1."""
+    path_style: bool = True
+    """Path-style addressing (endpoint/bucket/key), which MinIO and most S3-compatible services need."""

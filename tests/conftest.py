@@ -1,0 +1,48 @@
+"""Shared fixtures: one real local Ray instance and one loopback S3 server per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.s3_server import S3Server
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # faster reports in tests
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    server = S3Server().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A real local Ray instance with 2 CPUs, shared by every test that needs one."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
