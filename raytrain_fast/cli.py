@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(pretrain)
     show = commands.add_parser("show-config", help="print the resolved config as YAML, without running")
     _add_config_args(show)
+    show.add_argument("--reference", action="store_true", help="print the reference of every config key (Markdown) instead")
     return parser
 
 
@@ -40,8 +41,11 @@ def pretrain(args: argparse.Namespace) -> int:
 
 
 def show_config(args: argparse.Namespace) -> int:
-    from raytrain_fast.config import load_config, validate
+    from raytrain_fast.config import load_config, reference_markdown, validate
 
+    if args.reference:
+        print(reference_markdown(), end="")
+        return 0
     config = load_config(args.config, args.overrides, name=args.name)
     validate(config)
     print(config.to_yaml(), end="")

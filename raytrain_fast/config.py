@@ -247,4 +247,24 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
         raise ConfigError(problems)
 
 
-__all__ = ["Config", "load_config", "presets", "validate"]
+__all__ = ["Config", "load_config", "presets", "reference_markdown", "validate"]
+
+
+def reference_markdown() -> str:
+    """The config reference table (README), generated from the dataclasses' field docstrings."""
+    from raytrain_fast._dataclass_yaml import field_docs
+
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    root_docs = field_docs(Config)
+    lines.append(f"| `name` | `null` | {root_docs['name']} |")
+    for section in dataclasses.fields(Config):
+        if not dataclasses.is_dataclass(section.default_factory):  # type: ignore[arg-type]
+            continue
+        cls = section.default_factory
+        docs = field_docs(cls)  # type: ignore[arg-type]
+        instance = cls()  # type: ignore[operator]
+        for item in dataclasses.fields(instance):
+            default = yaml.safe_dump(getattr(instance, item.name), default_flow_style=True).strip()
+            default = default.removesuffix("...").strip()
+            lines.append(f"| `{section.name}.{item.name}` | `{default}` | {docs.get(item.name, '')} |")
+    return "\n".join(lines) + "\n"

@@ -22,6 +22,9 @@ class RunResult:
     checkpoint: str | None
     """The latest checkpoint, or None if the run saved none."""
     metrics: dict
+    """Metrics reported with the latest checkpoint."""
+    checkpoints: list[tuple[str, dict]]
+    """(path, metrics) of every checkpoint kept, oldest first."""
 
 
 def storage_path(uri: str) -> str:
@@ -43,6 +46,7 @@ def resolve_resources(config: Config) -> Config:
     """Fill in `auto` values from the cluster, then validate everything before a worker starts."""
     import ray
 
+    validate(config)  # everything that needs no cluster, before Ray even starts
     _ensure_ray()
     cluster = ray.cluster_resources()
     cpus, gpus = cluster.get("CPU", 0.0), cluster.get("GPU", 0.0)
@@ -81,6 +85,8 @@ def build_trainer(config: Config):
         "OMP_NUM_THREADS": str(resources.cpus_per_worker),
         # Ray Train routes print() through a logger AND the redirected stdout: every line twice.
         "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+        # Our own knobs (e.g. RAYTRAIN_FAST_FAIL_ONCE_AT for failure drills) reach the workers too.
+        **{key: value for key, value in os.environ.items() if key.startswith("RAYTRAIN_FAST_")},
     }
     return TorchTrainer(
         train_loop_per_worker,
@@ -109,4 +115,7 @@ def run(config: Config) -> RunResult:
     print(f"Run '{config.name}': {config.resources.num_workers} worker(s), storage {run_dir}", flush=True)
     result = build_trainer(config).fit()
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
-    return RunResult(name=config.name or "", run_dir=run_dir, checkpoint=checkpoint, metrics=dict(result.metrics or {}))
+    kept = sorted(((c.path, dict(m)) for c, m in (result.best_checkpoints or [])), key=lambda item: item[0])
+    return RunResult(
+        name=config.name or "", run_dir=run_dir, checkpoint=checkpoint, metrics=dict(result.metrics or {}), checkpoints=kept
+    )

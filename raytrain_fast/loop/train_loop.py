@@ -34,6 +34,18 @@ def train_step(engine: Any, data: Iterator[torch.Tensor], *, grad_accum: int, lo
         loss_sum += loss.detach()
 
 
+def _maybe_inject_failure(step: int, rank: int) -> None:
+    """Fault injection for tests and drills: RAYTRAIN_FAST_FAIL_ONCE_AT="<step>:<marker file>[:<rank>]"
+    makes one worker raise when it completes <step>, once (the marker file records that it happened)."""
+    spec = os.environ.get("RAYTRAIN_FAST_FAIL_ONCE_AT")
+    if not spec:
+        return
+    fail_step, marker, *fail_rank = spec.split(":")
+    if step == int(fail_step) and rank == int(fail_rank[0] if fail_rank else 0) and not os.path.exists(marker):
+        open(marker, "w").close()
+        raise RuntimeError(f"injected failure at step {step} on rank {rank} (RAYTRAIN_FAST_FAIL_ONCE_AT)")
+
+
 def _setup_threads(cpus: int) -> None:
     # Ray starts actors with OMP_NUM_THREADS=1; torch must be told how many cores it may use.
     if cpus > 0:
@@ -86,12 +98,13 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
     progress = Progress(total_steps=train.steps, start_step=state.step, tokens_per_step=tokens_per_step, enabled=rank == 0)
     loss_sum = torch.zeros((), device=engine.device)
     last: dict[str, float] = {}
-    window_start = state.step
+    window_start = start_step = state.step
 
     while state.step < train.steps:
         train_step(engine, data, grad_accum=grad_accum, loss_sum=loss_sum)
         state.step += 1
         state.tokens += tokens_per_step
+        _maybe_inject_failure(state.step, rank)
 
         if state.step % train.log_every == 0 or state.step == train.steps:
             torch.distributed.all_reduce(loss_sum)  # mean over ranks, log steps only
@@ -101,5 +114,5 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
             last = progress.log(step=state.step, loss=mean_loss, lr=engine.get_lr()[0])
 
         if state.step % config.checkpoint.every_steps == 0 or state.step == train.steps:
-            save_checkpoint(engine, state, metrics={"step": state.step, "tokens": state.tokens, **last}, rank=rank)
+            save_checkpoint(engine, state, metrics={"step": state.step, "tokens": state.tokens, "start_step": start_step, **last}, rank=rank)
             progress.restart_clock(state.step)

@@ -1,0 +1,35 @@
+"""The command line and the `ray job submit` entry point, without starting Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from raytrain_fast.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_show_config_prints_resolved_yaml(capsys):
+    assert main(["show-config", "--set", "train.steps=42", "--name", "abc"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["name"] == "abc" and shown["train"]["steps"] == 42 and shown["model"]["d_model"] == 128
+
+
+def test_bad_config_exits_2_with_the_message(capsys):
+    assert main(["pretrain", "--set", "train.micro_batch=0"]) == 2
+    err = capsys.readouterr().err
+    assert "train.micro_batch must be > 0, got 0" in err and "Traceback" not in err
+
+
+def test_job_entry_point_parses_the_same_arguments():
+    # Runs as `ray job submit` would: a plain python process in the repo root.
+    done = subprocess.run(
+        [sys.executable, "jobs/pretrain.py", "--config", "tiny", "--set", "train.stepz=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2
+    assert "unknown key 'train.stepz'" in done.stderr

@@ -1,0 +1,141 @@
+"""Config loading and validation: the messages users see before any worker starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_fast.config import Config, load_config, presets, validate
+from raytrain_fast.errors import ConfigError
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_default_is_tiny_preset():
+    config = load_config()
+    assert config.name == "tiny"
+    assert config.model.d_model == 128
+    validate(config)
+
+
+@pytest.mark.parametrize("preset", sorted(presets()))
+def test_every_shipped_preset_loads_and_validates(preset):
+    config = load_config(preset)
+    validate(config)
+    assert config.train.global_batch == config.train.micro_batch * config.grad_accum() * config.resources.num_workers
+
+
+def test_unknown_key_names_the_key_and_the_file(tmp_path):
+    path = write(tmp_path, "model:\n  d_modle: 64\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    message = str(error.value)
+    assert "model.d_modle" in message and "run.yaml" in message and "d_model" in message
+
+
+def test_unknown_section_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'optimizer'"):
+        load_config(write(tmp_path, "optimizer:\n  lr: 0.1\n"))
+
+
+def test_duplicate_key_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="duplicate key 'steps'"):
+        load_config(write(tmp_path, "train:\n  steps: 10\n  steps: 20\n"))
+
+
+def test_wrong_types_are_all_reported_together(tmp_path):
+    path = write(tmp_path, "train:\n  steps: ten\n  micro_batch: 2.5\nengine:\n  zero_stage: '2'\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    message = str(error.value)
+    assert "3 problems" in message
+    assert "train.steps: expected an integer, got 'ten'" in message
+    assert "train.micro_batch" in message and "engine.zero_stage" in message
+
+
+def test_scientific_notation_without_dot_is_a_number(tmp_path):
+    # PyYAML reads 6e-4 as a string; users write it all the time.
+    assert load_config(write(tmp_path, "optim:\n  lr: 6e-4\n")).optim.lr == pytest.approx(6e-4)
+
+
+def test_set_overrides_are_typed_and_checked():
+    config = load_config("tiny", ["train.steps=7", "model.positions=rotary", "train.grad_accum=null"])
+    assert config.train.steps == 7 and config.model.positions == "rotary" and config.train.grad_accum is None
+    with pytest.raises(ConfigError, match="unknown key 'train.stepz'"):
+        load_config("tiny", ["train.stepz=7"])
+    with pytest.raises(ConfigError, match="expected section.field=value"):
+        load_config("tiny", ["train.steps"])
+    with pytest.raises(ConfigError, match="must be one of 'learned', 'rotary'"):
+        load_config("tiny", ["model.positions=alibi"])
+
+
+def test_missing_config_file_lists_presets():
+    with pytest.raises(ConfigError, match="neither a file nor a preset .*tiny"):
+        load_config("no-such-config.yaml")
+
+
+def test_bad_batch_arithmetic_names_fields_and_fix():
+    config = load_config("tiny", ["train.global_batch=64", "train.micro_batch=8", "train.grad_accum=3", "resources.num_workers=2"])
+    with pytest.raises(ConfigError) as error:
+        validate(config)
+    message = str(error.value)
+    assert "train.global_batch (64) != micro_batch x grad_accum x num_workers (8 x 3 x 2 = 48)" in message
+    assert "grad_accum=null" in message
+
+
+def test_derived_grad_accum_must_divide():
+    config = load_config("tiny", ["train.global_batch=20", "train.micro_batch=8"])
+    with pytest.raises(ConfigError, match=r"not a multiple of .* \(8 x 1 = 8\); try global_batch=16"):
+        validate(config)
+    assert load_config("tiny", ["train.global_batch=32", "train.micro_batch=8", "resources.num_workers=2"]).grad_accum() == 2
+
+
+def test_many_bad_values_in_one_message():
+    config = load_config(
+        "tiny",
+        ["model.d_model=100", "model.num_heads=3", "train.steps=0", "optim.lr=-1", "data.seq_len=512", "engine.zero_stage=3"],
+    )
+    with pytest.raises(ConfigError) as error:
+        validate(config)
+    message = str(error.value)
+    for expected in (
+        "model.d_model (100) must be divisible by model.num_heads (3)",
+        "train.steps must be > 0, got 0",
+        "optim.lr must be > 0",
+        "data.seq_len (512) exceeds model.max_seq_len (128)",
+        "engine.zero_stage must be 0, 1 or 2",
+    ):
+        assert expected in message
+
+
+def test_cluster_checks_gpu_and_cpu_requests():
+    gpu = load_config("tiny", ["resources.use_gpu=true"])
+    with pytest.raises(ConfigError, match="use_gpu=true with 1 workers, but the Ray cluster has 0 GPUs"):
+        validate(gpu, cluster_cpus=2, cluster_gpus=0)
+    cpus = load_config("tiny", ["resources.cpus_per_worker=4", "resources.num_workers=2", "train.global_batch=32"])
+    with pytest.raises(ConfigError, match="8 CPUs, but the Ray cluster has 2; the workers would wait forever"):
+        validate(cpus, cluster_cpus=2, cluster_gpus=0)
+
+
+def test_missing_data_source_and_bad_name():
+    config = load_config("tiny", ["data.source=/no/such/corpus", "name=bad name!"])
+    with pytest.raises(ConfigError) as error:
+        validate(config)
+    assert "data.source '/no/such/corpus' does not exist" in str(error.value)
+    assert "name 'bad name!'" in str(error.value)
+
+
+def test_round_trip_through_dict_keeps_every_value():
+    config = load_config("gpt2-124m", ["train.steps=5"], name="x")
+    assert Config.from_dict(config.to_dict()) == config
+
+
+def test_config_error_pickles_across_actors():
+    import pickle
+
+    error = ConfigError(["a", "b"], source="f.yaml")
+    copy = pickle.loads(pickle.dumps(error))
+    assert copy.problems == ["a", "b"] and str(copy) == str(error)

@@ -1,0 +1,67 @@
+"""The DeepSpeed config builder and the LR schedule."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_fast.engine import EngineConfig, OptimConfig, build_deepspeed_config, lr_lambda, resolve_precision
+
+
+def build(world_size: int = 2, **engine_fields):
+    return build_deepspeed_config(
+        engine=EngineConfig(**{"precision": "bf16", **engine_fields}), optim=OptimConfig(grad_clip=0.5),
+        micro_batch=4, grad_accum=3, world_size=world_size,
+    )
+
+
+def test_default_is_zero2_bf16_without_per_step_host_syncs():
+    ds = build()
+    assert ds["zero_optimization"]["stage"] == 2
+    assert ds["zero_optimization"]["overlap_comm"] is True and ds["zero_optimization"]["contiguous_gradients"] is True
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False}
+    assert ds["wall_clock_breakdown"] is False
+    assert ds["timers"]["throughput"] == {"enabled": False, "synchronized": False}
+    assert ds["optimizer"]["type"] == "AdamW" and ds["gradient_clipping"] == 0.5
+    assert "fp16" not in ds  # one mixed-precision path
+
+
+def test_batch_sizes_are_consistent():
+    ds = build()
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (24, 4, 3)
+
+
+def test_stage_buckets_and_fp32_come_from_config():
+    ds = build(zero_stage=1, reduce_bucket_size=123, allgather_bucket_size=456, precision="fp32", check_grad_overflow=True)
+    assert ds["zero_optimization"]["stage"] == 1
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 123 and ds["zero_optimization"]["allgather_bucket_size"] == 456
+    assert ds["bf16"]["enabled"] is False and ds["bf16"]["check_grad_overflow"] is True
+
+
+def test_unresolved_precision_is_refused():
+    with pytest.raises(ValueError, match="resolve_precision"):
+        build(precision="auto")
+
+
+def test_deepspeed_accepts_the_config():
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    parsed = DeepSpeedConfig(build(world_size=1), mpu=None)  # no process group here: world size 1
+    assert parsed.zero_optimization_stage == 2 and parsed.bfloat16_config.enabled
+    assert parsed.bfloat16_config.check_grad_overflow is False
+
+
+def test_lr_warmup_then_cosine_to_min():
+    optim = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    factor = lr_lambda(optim=optim, total_steps=110)
+    assert factor(0) == pytest.approx(0.1) and factor(9) == pytest.approx(1.0)
+    assert factor(60) == pytest.approx(0.55)  # halfway through the cosine
+    assert factor(110) == pytest.approx(0.1) and factor(500) == pytest.approx(0.1)
+    values = [factor(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_explicit_precision_is_kept_and_gpu_auto_is_bf16():
+    assert resolve_precision("fp32", use_gpu=True)[0] == "fp32"
+    assert resolve_precision("auto", use_gpu=True)[0] == "bf16"
+    precision, reason = resolve_precision("auto", use_gpu=False)
+    assert precision in ("bf16", "fp32") and "fp32" in reason  # the measured ratio is in the reason

@@ -1,0 +1,76 @@
+"""Real runs: Ray TorchTrainer, 2 gloo workers, DeepSpeed ZeRO-2 in bf16 on the CPU accelerator."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from raytrain_fast.config import load_config
+from raytrain_fast.launch.trainer import run
+
+pytestmark = pytest.mark.slow
+
+
+def micro_config(tmp_path: Path, name: str, *extra: str):
+    """A model small enough that bf16 (slow on CPUs without native bf16) still runs in seconds."""
+    return load_config(
+        "tiny",
+        [
+            "model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.max_seq_len=32",
+            "data.seq_len=32", "data.max_tokens=60000", "train.micro_batch=4", "train.global_batch=8",
+            "train.steps=30", "train.log_every=5", "checkpoint.every_steps=10", "optim.warmup_steps=3",
+            "optim.lr=0.01", "resources.num_workers=2", "resources.max_failures=0", "engine.precision=bf16",
+            f"storage.uri={tmp_path / 'runs'}", *extra,
+        ],
+        name=name,
+    )
+
+
+def by_step(result) -> dict[int, dict]:
+    return {metrics["step"]: metrics for _, metrics in result.checkpoints}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_session, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    return run(micro_config(tmp_path, "straight"))
+
+
+def test_two_worker_zero2_bf16_loss_falls_and_checkpoint_has_both_shards(uninterrupted):
+    steps = by_step(uninterrupted)
+    assert sorted(steps) == [10, 20, 30]
+    assert steps[30]["train/loss"] < steps[10]["train/loss"] < math.log(257)
+    deepspeed_dir = Path(uninterrupted.checkpoint, "deepspeed")
+    names = sorted(p.name for p in deepspeed_dir.iterdir())
+    assert "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in names
+    assert "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt" in names
+    assert "mp_rank_00_model_states.pt" in names
+
+
+def test_rerun_with_same_name_resumes_at_the_right_step_and_lr(uninterrupted, ray_session, tmp_path, monkeypatch):
+    marker = tmp_path / "failed-once"
+    monkeypatch.setenv("RAYTRAIN_FAST_FAIL_ONCE_AT", f"25:{marker}:1")
+    config = micro_config(tmp_path, "crashy")
+    with pytest.raises(Exception, match="injected failure at step 25 on rank 1"):
+        run(config)  # max_failures=0: the job dies, as a preempted job would
+    assert marker.exists()
+    kept = sorted(p.name for p in Path(tmp_path, "runs", "crashy").glob("checkpoint_0*"))
+    assert kept == ["checkpoint_00000010", "checkpoint_00000020"]
+
+    resumed = run(config)  # the same command again
+    steps = by_step(resumed)
+    assert steps[30]["start_step"] == 20  # continued from the step-20 checkpoint, not from 0
+    assert steps[30]["tokens"] == uninterrupted.metrics["tokens"] == 30 * 8 * 32
+    assert steps[30]["train/lr"] == pytest.approx(by_step(uninterrupted)[30]["train/lr"], rel=1e-6)
+    assert steps[30]["train/loss"] < steps[10]["train/loss"]
+    os.environ.pop("RAYTRAIN_FAST_FAIL_ONCE_AT", None)
+
+
+def test_finished_run_rerun_does_nothing_and_says_how_to_continue(uninterrupted, ray_session, capfd):
+    config = micro_config(Path(uninterrupted.run_dir).parent.parent, "straight")
+    again = run(config)
+    assert again.checkpoint == uninterrupted.checkpoint
+    assert "already reached train.steps=30" in capfd.readouterr().out
