@@ -22,6 +22,7 @@ def test_default_is_zero2_bf16_without_per_step_host_syncs():
     assert ds["wall_clock_breakdown"] is False
     assert ds["timers"]["throughput"] == {"enabled": False, "synchronized": False}
     assert ds["optimizer"]["type"] == "AdamW" and ds["gradient_clipping"] == 0.5
+    assert ds["optimizer"]["params"]["torch_adam"] is True  # no JIT-compiled FusedAdam
     assert "fp16" not in ds  # one mixed-precision path
 
 

@@ -85,7 +85,12 @@ def build_deepspeed_config(
         },
         "optimizer": {
             "type": "AdamW",
+            # torch's own multi-tensor AdamW instead of DeepSpeed's FusedAdam: FusedAdam is
+            # JIT-compiled on first use (minutes on a CPU, and nvcc on a GPU box without a prebuilt
+            # op), while torch's foreach implementation needs no build and is close in speed.
             "params": {
+                "torch_adam": True,
+                "foreach": True,
                 "lr": optim.lr,
                 "betas": [optim.beta1, optim.beta2],
                 "eps": optim.eps,
@@ -114,6 +119,15 @@ def lr_lambda(*, optim: OptimConfig, total_steps: int):
     return factor
 
 
+def _skip_shm_comm_build() -> None:
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory allreduce op on its first process group,
+    # even with one rank, where it never communicates: 1-2 minutes on 2 cores on a fresh machine
+    # (cached afterwards). With a single worker we mark the op unavailable so it is not built.
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def build_engine(
     model: torch.nn.Module,
     *,
@@ -125,7 +139,8 @@ def build_engine(
     total_steps: int,
 ):
     """deepspeed.initialize on an already-initialised process group (TorchTrainer made it)."""
-    select_accelerator()
+    if select_accelerator() == "cpu" and world_size == 1:
+        _skip_shm_comm_build()
     import deepspeed
 
     ds_config = build_deepspeed_config(
