@@ -17,11 +17,40 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=None, help="run name; the same name resumes the run (default: the preset's name)")
 
 
+def _add_storage_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage", required=True, help="storage URI: a local directory or s3://bucket/prefix")
+    parser.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
+    parser.add_argument("--region", default=None, help="S3 region")
+    parser.add_argument("--profile", default=None, help="named AWS profile for credentials")
+
+
+def _storage_config(args: argparse.Namespace):
+    from raytrain_fast.storage import StorageConfig
+
+    return StorageConfig(uri=args.storage, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raytrain-fast", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     pretrain = commands.add_parser("pretrain", help="train a GPT on Ray (local by default; resumes a run of the same name)")
     _add_config_args(pretrain)
+    pretrain.add_argument(
+        "--resume", choices=("auto", "must", "never"), default=None,
+        help="auto: continue the run if it has a complete checkpoint (default); must: fail if none; never: fail if one exists",
+    )
+    pretrain.add_argument("--create-bucket", action="store_true", help="create the S3 bucket of storage.uri if it is missing")
+
+    runs = commands.add_parser("runs", help="list the runs under a storage URI, their checkpoints, steps and completeness")
+    _add_storage_args(runs)
+    runs.add_argument("--checksums", action="store_true", help="also verify every file's checksum (reads every byte)")
+
+    export = commands.add_parser("export", help="write a checkpoint's consolidated model weights (safetensors) and model config")
+    _add_storage_args(export)
+    export.add_argument("--name", required=True, help="run name")
+    export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
+    export.add_argument("--out", required=True, help="local output directory")
+    export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     show = commands.add_parser("show-config", help="print the resolved config as YAML, without running")
     _add_config_args(show)
     show.add_argument("--reference", action="store_true", help="print the reference of every config key (Markdown) instead")
@@ -32,8 +61,9 @@ def pretrain(args: argparse.Namespace) -> int:
     from raytrain_fast.config import load_config
     from raytrain_fast.launch.trainer import run
 
-    config = load_config(args.config, args.overrides, name=args.name)
-    result = run(config)
+    overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
+    config = load_config(args.config, overrides, name=args.name)
+    result = run(config, create_bucket=args.create_bucket)
     print(f"\nDone. Run directory: {result.run_dir}")
     print(f"Latest checkpoint: {result.checkpoint or 'none'}")
     print(f"Continue this run: same command with --name {result.name} (raise train.steps to train further)")
@@ -52,9 +82,28 @@ def show_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def runs(args: argparse.Namespace) -> int:
+    from raytrain_fast.checkpoint import format_runs_table, list_runs
+
+    print(format_runs_table(list_runs(args.storage, _storage_config(args), checksums=args.checksums), storage_uri=args.storage))
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    from raytrain_fast.checkpoint import export_checkpoint
+
+    out = export_checkpoint(
+        storage_uri=args.storage, storage=_storage_config(args), name=args.name, step=args.step,
+        out_dir=args.out, dtype=args.dtype,
+    )
+    print(f"Exported run '{args.name}' to {out} (model.safetensors, config.yaml).")
+    print("Load it with: from raytrain_fast.checkpoint import load_exported; model = load_exported(" + repr(out) + ")")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"pretrain": pretrain, "show-config": show_config}
+    handlers = {"pretrain": pretrain, "show-config": show_config, "runs": runs, "export": export}
     try:
         return handlers[args.command](args)
     except RaytrainFastError as error:

@@ -38,3 +38,10 @@ class DataError(RaytrainFastError):
 
 class CheckpointError(RaytrainFastError):
     """A checkpoint cannot be saved or restored."""
+
+
+class StorageError(RaytrainFastError):
+    """Storage is unreachable, missing, not writable or the credentials are missing or refused.
+
+    The message names the endpoint, the bucket or path and the fix; it never contains a secret.
+    """

@@ -1,6 +1,32 @@
-"""Checkpoints: every rank's DeepSpeed state plus the loop's own state, saved through Ray Train."""
+"""Checkpoints: every rank's DeepSpeed state plus the loop's own state, saved through Ray Train,
+verified by per-rank manifests, listed and exported."""
 
-from raytrain_fast.checkpoint.checkpointing import TrainState, checkpoint_dir_name, restore_checkpoint, save_checkpoint
+from raytrain_fast.checkpoint.checkpointing import Checkpointer, TrainState, checkpoint_dir_name
 from raytrain_fast.checkpoint.config import CheckpointConfig
+from raytrain_fast.checkpoint.export import export_checkpoint, load_exported
+from raytrain_fast.checkpoint.manifest import (
+    IncompleteCheckpointError,
+    download_checkpoint,
+    find_resumable_checkpoint,
+    verify_checkpoint,
+    write_rank_manifest,
+)
+from raytrain_fast.checkpoint.runs import CheckpointInfo, RunInfo, format_runs_table, list_runs
 
-__all__ = ["CheckpointConfig", "TrainState", "checkpoint_dir_name", "restore_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointInfo",
+    "Checkpointer",
+    "IncompleteCheckpointError",
+    "RunInfo",
+    "TrainState",
+    "checkpoint_dir_name",
+    "download_checkpoint",
+    "export_checkpoint",
+    "find_resumable_checkpoint",
+    "format_runs_table",
+    "list_runs",
+    "load_exported",
+    "verify_checkpoint",
+    "write_rank_manifest",
+]

@@ -1,25 +1,42 @@
 """Saving and restoring the whole training state through Ray Train checkpoints.
 
-One checkpoint = one directory `checkpoint_<step>` in the run's storage, holding:
+One checkpoint = one directory `checkpoint_<step>` in the run's storage, merged by Ray from every
+rank's local directory:
 - `deepspeed/`: DeepSpeed's own files: model states (rank 0) and one optimizer shard per rank
-  (`bf16_zero_pp_rank_<r>_mp_rank_00_optim_states.pt`, distinct names, so Ray's merge of every
-  rank's files into one directory never collides), LR scheduler state included;
-- `train_state.json` (rank 0): step, tokens seen, world size, ZeRO stage, precision.
+  (`<bf16_>zero_pp_rank_<r>_mp_rank_00_optim_states.pt`: distinct names, so the merge never
+  collides), LR scheduler state included;
+- `rng_state_rank<r>.pt`: each rank's torch RNG state;
+- `train_state.json` (rank 0): step, tokens, data position, coordinator values, world size, ZeRO
+  stage, precision and the metrics at save time; `config.yaml` (rank 0): the run config, redacted;
+- `manifest.rank<r>.json`, written last by each rank: every file it wrote, with size and checksum.
+  Resume uses only checkpoints whose manifests all check out (see checkpoint/manifest.py).
+
+Uploads go through our own `checkpoint_upload_fn` so that they are retried, timed
+(`checkpoint/upload_s`), and so the next save can wait for the previous async upload.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+import threading
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+import yaml
+
+from raytrain_fast.checkpoint.config import CheckpointConfig
+from raytrain_fast.checkpoint.manifest import download_checkpoint, find_resumable_checkpoint, list_checkpoint_dirs, write_rank_manifest
 from raytrain_fast.errors import CheckpointError
 
 DEEPSPEED_TAG = "deepspeed"
 STATE_FILE = "train_state.json"
+CONFIG_FILE = "config.yaml"
 
 
 @dataclass(kw_only=True)
@@ -33,54 +50,184 @@ class TrainState:
     world_size: int = 1
     zero_stage: int = 2
     precision: str = "bf16"
+    data_position: dict[str, Any] | None = None
+    """This run's data position (per rank), see data/ingest.py."""
+    coordinator: dict[str, Any] | None = None
+    """Values measured once per run (FLOPs per token, peaks), so a resumed job does not measure again."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Metrics at save time (keep_best reads these)."""
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainState:
+        data = json.loads(text)
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def checkpoint_dir_name(step: int) -> str:
     return f"checkpoint_{step:08d}"
 
 
-def save_checkpoint(engine: Any, state: TrainState, *, metrics: dict[str, Any], rank: int) -> None:
-    """Every rank writes its DeepSpeed files to a local dir; ray.train.report merges and uploads them.
+class Checkpointer:
+    """One per worker: saves (every rank, same steps), restores, uploads and prunes old checkpoints."""
 
-    Must be called by every rank at the same step (DeepSpeed's save and Ray's report are collectives).
-    """
-    import ray.train
+    def __init__(self, config: CheckpointConfig, *, rank: int, world_size: int, run_config: dict[str, Any]) -> None:
+        import ray.train
 
-    local_dir = tempfile.mkdtemp(prefix="raytrain-fast-ckpt-")
-    try:
-        engine.save_checkpoint(local_dir, tag=DEEPSPEED_TAG)
-        if rank == 0:
-            Path(local_dir, STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
-        ray.train.report(
-            metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(local_dir),
-            checkpoint_dir_name=checkpoint_dir_name(state.step),
-        )
-    finally:
-        shutil.rmtree(local_dir, ignore_errors=True)
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self._run_config = run_config  # already redacted by the caller
+        storage = ray.train.get_context().get_storage()
+        self.filesystem, self.run_path = storage.storage_filesystem, storage.experiment_fs_path
+        self._upload_idle = threading.Event()
+        self._upload_idle.set()
+        self.last_upload_s: float | None = None
+        self._last_save = time.monotonic()
+        self._best_cache: dict[str, float | None] = {}
 
+    # ------------------------------------------------------------------ cadence
+    def due_by_steps(self, step: int, total_steps: int) -> bool:
+        every = self.config.every_steps
+        return step == total_steps or (every > 0 and step % every == 0)
 
-def restore_checkpoint(engine: Any, *, world_size: int) -> TrainState | None:
-    """Load the run's latest checkpoint into `engine`; None when the run has none yet."""
-    import ray.train
+    def due_by_time(self) -> bool:
+        """This rank's view only: the loop agrees across ranks before acting on it."""
+        minutes = self.config.every_minutes
+        return minutes > 0 and time.monotonic() - self._last_save >= minutes * 60
 
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return None
-    with checkpoint.as_directory() as directory:
-        state_path = Path(directory, STATE_FILE)
-        if not state_path.exists():
-            raise CheckpointError(f"checkpoint {checkpoint.path} has no {STATE_FILE}: it was not written by raytrain_fast")
-        state = TrainState(**json.loads(state_path.read_text()))
-        if state.world_size != world_size:
-            raise CheckpointError(
-                f"checkpoint {checkpoint.path} was saved by {state.world_size} workers, this run has {world_size}. "
-                f"ZeRO optimizer shards are per worker: resume with resources.num_workers={state.world_size}, "
-                "or start a new run under another name."
+    # ------------------------------------------------------------------ save
+    def save(self, engine: Any, state: TrainState, *, metrics: dict[str, Any]) -> float:
+        """Write this rank's files, then report them to Ray (a barrier across ranks).
+
+        Returns the seconds the training thread was blocked, including the wait for the previous
+        async upload.
+        """
+        import ray.train
+
+        start = time.perf_counter()
+        self._upload_idle.wait()  # bounded local disk: at most one checkpoint in flight per worker
+        local_dir = tempfile.mkdtemp(prefix="raytrain-fast-ckpt-")
+        try:
+            engine.save_checkpoint(local_dir, tag=DEEPSPEED_TAG)
+            torch.save(torch.get_rng_state(), Path(local_dir, f"rng_state_rank{self.rank}.pt"))
+            if self.rank == 0:
+                state.metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+                Path(local_dir, STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+                Path(local_dir, CONFIG_FILE).write_text(yaml.safe_dump(self._run_config, sort_keys=False))
+            write_rank_manifest(local_dir, rank=self.rank, world_size=self.world_size, step=state.step)
+        except BaseException:
+            shutil.rmtree(local_dir, ignore_errors=True)
+            raise
+        mode = ray.train.CheckpointUploadMode.ASYNC if self.config.upload == "async" else ray.train.CheckpointUploadMode.SYNC
+        self._upload_idle.clear()
+        try:
+            ray.train.report(
+                metrics,
+                checkpoint=ray.train.Checkpoint.from_directory(local_dir),
+                checkpoint_dir_name=checkpoint_dir_name(state.step),
+                checkpoint_upload_mode=mode,
+                checkpoint_upload_fn=self._upload,
+                delete_local_checkpoint_after_upload=True,
             )
-        load_path, _ = engine.load_checkpoint(
-            directory, tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
-        if load_path is None:
-            raise CheckpointError(f"DeepSpeed found no loadable state in {checkpoint.path}")
-    return state
+        except BaseException:
+            self._upload_idle.set()
+            raise
+        self._last_save = time.monotonic()
+        return time.perf_counter() - start
+
+    def _upload(self, checkpoint: Any, dir_name: str) -> Any:
+        """Runs in Ray's upload thread (async) or inline (sync). Retries, times, prunes."""
+        import pyarrow.fs as pafs
+        import ray.train
+
+        destination = f"{self.run_path}/{dir_name}"
+        start = time.perf_counter()
+        try:
+            for attempt in range(1, self.config.upload_attempts + 1):
+                try:
+                    pafs.copy_files(
+                        checkpoint.path, destination,
+                        source_filesystem=checkpoint.filesystem, destination_filesystem=self.filesystem,
+                    )
+                    break
+                except OSError as error:
+                    if attempt == self.config.upload_attempts:
+                        raise CheckpointError(
+                            f"uploading {dir_name} to {destination} failed {attempt} times, last error: {error}. "
+                            "Training stops here; the previous complete checkpoint is what a rerun resumes from."
+                        ) from None
+                    time.sleep(min(2.0**attempt, 10.0))
+            self.last_upload_s = time.perf_counter() - start
+            if self.rank == 0:
+                self._prune()
+        finally:
+            self._upload_idle.set()
+        return ray.train.Checkpoint(destination, self.filesystem)
+
+    def wait_for_upload(self) -> None:
+        self._upload_idle.wait()
+
+    def _prune(self) -> None:
+        """Keep the newest keep_last plus the best keep_best checkpoints; delete the rest."""
+        checkpoints = [path for _, path in list_checkpoint_dirs(self.filesystem, self.run_path)]  # newest first
+        keep = set(checkpoints[: max(1, self.config.keep_last)])
+        if self.config.keep_best > 0:
+            scored = [(value, path) for path in checkpoints if (value := self._metric_of(path)) is not None]
+            scored.sort(reverse=self.config.best_mode == "max")
+            keep.update(path for _, path in scored[: self.config.keep_best])
+        for path in checkpoints:
+            if path not in keep:
+                self.filesystem.delete_dir(path)
+                self._best_cache.pop(path, None)
+
+    def _metric_of(self, path: str) -> float | None:
+        if path not in self._best_cache:
+            try:
+                with self.filesystem.open_input_stream(f"{path}/{STATE_FILE}") as stream:
+                    value = TrainState.from_json(stream.read().decode()).metrics.get(self.config.best_metric)
+                self._best_cache[path] = float(value) if value is not None and math.isfinite(value) else None
+            except (OSError, ValueError):
+                self._best_cache[path] = None
+        return self._best_cache[path]
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, engine: Any) -> TrainState | None:
+        """Load the newest complete checkpoint of the run into `engine`; None when there is none.
+
+        Rank 0 picks it (skipping incomplete ones, with the reason printed), every rank downloads
+        and verifies it and loads its own shard.
+        """
+        from ray.train.collective import broadcast_from_rank_zero
+
+        local_dir = tempfile.mkdtemp(prefix="raytrain-fast-restore-")
+        try:
+            chosen = None
+            if self.rank == 0:
+                chosen, skipped = find_resumable_checkpoint(self.filesystem, self.run_path, download_to=local_dir)
+                for path, reason in skipped:
+                    print(f"Skipping checkpoint {path}: {reason}", flush=True)
+            chosen = broadcast_from_rank_zero(chosen)
+            if chosen is None:
+                return None
+            if self.rank != 0:
+                download_checkpoint(self.filesystem, chosen, local_dir)
+            state = TrainState.from_json(Path(local_dir, STATE_FILE).read_text())
+            if state.world_size != self.world_size:
+                raise CheckpointError(
+                    f"checkpoint {chosen} was saved by {state.world_size} workers, this run has {self.world_size}. "
+                    f"ZeRO optimizer shards are per worker: resume with resources.num_workers={state.world_size}, "
+                    "or start a new run (another --name) from its weights with "
+                    f"--set checkpoint.init_from=... (see README, 'Resume')."
+                )
+            load_path, _ = engine.load_checkpoint(
+                local_dir, tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+            if load_path is None:
+                raise CheckpointError(f"DeepSpeed found no loadable state in {chosen}")
+            rng_file = Path(local_dir, f"rng_state_rank{self.rank}.pt")
+            if rng_file.exists():
+                torch.set_rng_state(torch.load(rng_file))
+            self._last_save = time.monotonic()
+            return state
+        finally:
+            shutil.rmtree(local_dir, ignore_errors=True)

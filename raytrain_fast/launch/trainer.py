@@ -10,6 +10,8 @@ from pathlib import Path
 
 from raytrain_fast.config import Config, validate
 from raytrain_fast.engine import resolve_precision
+from raytrain_fast.errors import CheckpointError
+from raytrain_fast.storage import check_storage, resolve_filesystem
 
 logger = logging.getLogger("raytrain_fast")
 
@@ -42,11 +44,36 @@ def _ensure_ray() -> None:
         ray.init(log_to_driver=True, configure_logging=False)
 
 
-def resolve_resources(config: Config) -> Config:
+def check_resume_policy(config: Config) -> None:
+    """checkpoint.resume=must|never, decided from storage before any worker starts."""
+    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs, verify_checkpoint
+
+    policy = config.checkpoint.resume
+    if policy == "auto":
+        return
+    filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
+    run_path = f"{root.rstrip('/')}/{config.name}"
+    complete = [path for _, path in list_checkpoint_dirs(filesystem, run_path) if verify_checkpoint(filesystem, path, checksums=False)[0]]
+    if policy == "must" and not complete:
+        raise CheckpointError(
+            f"--resume must: run '{config.name}' has no complete checkpoint under {config.storage.uri}. "
+            "Check --name and storage.uri (`raytrain-fast runs --storage URI` lists runs), or use --resume auto."
+        )
+    if policy == "never" and complete:
+        raise CheckpointError(
+            f"--resume never: run '{config.name}' already has {len(complete)} checkpoint(s) under {config.storage.uri}. "
+            "Pick another --name to start fresh, or use --resume auto to continue it."
+        )
+
+
+def resolve_resources(config: Config, *, create_bucket: bool = False) -> Config:
     """Fill in `auto` values from the cluster, then validate everything before a worker starts."""
     import ray
 
     validate(config)  # everything that needs no cluster, before Ray even starts
+    config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, uri=storage_path(config.storage.uri)))
+    check_storage(config.storage, create_bucket=create_bucket)  # reachable and writable, in seconds
+    check_resume_policy(config)
     _ensure_ray()
     cluster = ray.cluster_resources()
     cpus, gpus = cluster.get("CPU", 0.0), cluster.get("GPU", 0.0)
@@ -65,7 +92,6 @@ def resolve_resources(config: Config) -> Config:
         config,
         resources=dataclasses.replace(resources, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker),
         engine=dataclasses.replace(config.engine, precision=precision),
-        storage=dataclasses.replace(config.storage, uri=storage_path(config.storage.uri)),
     )
 
 
@@ -78,6 +104,11 @@ def build_trainer(config: Config):
     from raytrain_fast.loop.train_loop import train_loop_per_worker
 
     resources = config.resources
+    # Built from config and passed explicitly: pyarrow ignores AWS_ENDPOINT_URL, so a bare
+    # s3:// path would silently go to AWS instead of MinIO / Ceph / R2.
+    filesystem, storage_root = resolve_filesystem(config.storage.uri, config.storage)
+    if "://" not in config.storage.uri:
+        filesystem = None  # local: let Ray use a plain path
     dataset, num_sequences = build_dataset(config.data)
     print(f"Data: {num_sequences:,} sequences of {config.data.seq_len + 1} tokens from '{config.data.source}'", flush=True)
     env_vars = {
@@ -99,23 +130,33 @@ def build_trainer(config: Config):
         ),
         run_config=ray.train.RunConfig(
             name=config.name,
-            storage_path=config.storage.uri,
+            storage_path=storage_root,
+            storage_filesystem=filesystem,
             failure_config=ray.train.FailureConfig(max_failures=resources.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.checkpoint.keep_last),
+            # Retention (keep_last + keep_best) is ours: Ray's can do one or the other.
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
             worker_runtime_env={"env_vars": env_vars},
         ),
         datasets={"train": dataset},
     )
 
 
-def run(config: Config) -> RunResult:
+def _exists(result, path: str) -> bool:
+    import pyarrow.fs as pafs
+
+    filesystem = result.checkpoint.filesystem if result.checkpoint is not None else pafs.LocalFileSystem()
+    return filesystem.get_file_info(path).type == pafs.FileType.Directory
+
+
+def run(config: Config, *, create_bucket: bool = False) -> RunResult:
     """Validate, build and fit. Same name + same storage = the run continues from its latest checkpoint."""
-    config = resolve_resources(config)
-    run_dir = os.path.join(config.storage.uri, config.name or "")
+    config = resolve_resources(config, create_bucket=create_bucket)
+    run_dir = f"{config.storage.uri.rstrip('/')}/{config.name}"
     print(f"Run '{config.name}': {config.resources.num_workers} worker(s), storage {run_dir}", flush=True)
     result = build_trainer(config).fit()
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
     kept = sorted(((c.path, dict(m)) for c, m in (result.best_checkpoints or [])), key=lambda item: item[0])
+    kept = [(path, metrics) for path, metrics in kept if _exists(result, path)]  # pruned ones are gone
     return RunResult(
         name=config.name or "", run_dir=run_dir, checkpoint=checkpoint, metrics=dict(result.metrics or {}), checkpoints=kept
     )

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from raytrain_fast.checkpoint import TrainState, restore_checkpoint, save_checkpoint
+from raytrain_fast.checkpoint import Checkpointer, TrainState
 from raytrain_fast.config import Config
 from raytrain_fast.data import batches
 from raytrain_fast.engine import build_engine, select_accelerator
 from raytrain_fast.metrics import Progress
 from raytrain_fast.model import GPT
+from raytrain_fast.storage import redact
 
 
 def train_step(engine: Any, data: Iterator[torch.Tensor], *, grad_accum: int, loss_sum: torch.Tensor) -> None:
@@ -35,15 +37,28 @@ def train_step(engine: Any, data: Iterator[torch.Tensor], *, grad_accum: int, lo
 
 
 def _maybe_inject_failure(step: int, rank: int) -> None:
-    """Fault injection for tests and drills: RAYTRAIN_FAST_FAIL_ONCE_AT="<step>:<marker file>[:<rank>]"
-    makes one worker raise when it completes <step>, once (the marker file records that it happened)."""
+    """Fault injection for tests and drills: RAYTRAIN_FAST_FAIL_ONCE_AT="<step>:<marker file>[:<rank>[:kill]]"
+    makes one worker raise (or, with `kill`, die by SIGKILL as on a lost node) when it completes
+    <step>, once: the marker file records that it happened."""
     spec = os.environ.get("RAYTRAIN_FAST_FAIL_ONCE_AT")
     if not spec:
         return
-    fail_step, marker, *fail_rank = spec.split(":")
-    if step == int(fail_step) and rank == int(fail_rank[0] if fail_rank else 0) and not os.path.exists(marker):
+    fail_step, marker, *rest = spec.split(":")
+    fail_rank = int(rest[0]) if rest else 0
+    if step == int(fail_step) and rank == fail_rank and not os.path.exists(marker):
         open(marker, "w").close()
+        if rest[1:] == ["kill"]:
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected failure at step {step} on rank {rank} (RAYTRAIN_FAST_FAIL_ONCE_AT)")
+
+
+def _agree(flag: bool) -> bool:
+    """True on every rank if it is True on any rank (a tiny all-reduce; log steps only)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return flag
+    tensor = torch.tensor([1.0 if flag else 0.0], device="cuda" if torch.cuda.is_available() else "cpu")
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return bool(tensor.item())  # host sync: log steps only, and only with every_minutes set
 
 
 def _setup_threads(cpus: int) -> None:
@@ -74,7 +89,8 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
         world_size=world_size,
         total_steps=train.steps,
     )
-    state = restore_checkpoint(engine, world_size=world_size) or TrainState(
+    checkpointer = Checkpointer(config.checkpoint, rank=rank, world_size=world_size, run_config=redact(config.to_dict()))
+    state = checkpointer.restore(engine) or TrainState(
         world_size=world_size, zero_stage=config.engine.zero_stage, precision=config.engine.precision
     )
     if rank == 0 and state.step:
@@ -106,13 +122,19 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
         state.tokens += tokens_per_step
         _maybe_inject_failure(state.step, rank)
 
-        if state.step % train.log_every == 0 or state.step == train.steps:
+        is_log_step = state.step % train.log_every == 0 or state.step == train.steps
+        if is_log_step:
             torch.distributed.all_reduce(loss_sum)  # mean over ranks, log steps only
             mean_loss = loss_sum.item() / (world_size * grad_accum * (state.step - window_start))  # host sync
             loss_sum.zero_()
             window_start = state.step
             last = progress.log(step=state.step, loss=mean_loss, lr=engine.get_lr()[0])
 
-        if state.step % config.checkpoint.every_steps == 0 or state.step == train.steps:
-            save_checkpoint(engine, state, metrics={"step": state.step, "tokens": state.tokens, "start_step": start_step, **last}, rank=rank)
+        if checkpointer.due_by_steps(state.step, train.steps) or (
+            is_log_step and config.checkpoint.every_minutes > 0 and _agree(checkpointer.due_by_time())
+        ):
+            blocked_s = checkpointer.save(
+                engine, state, metrics={"step": state.step, "tokens": state.tokens, "start_step": start_step, **last}
+            )
             progress.restart_clock(state.step)
+    checkpointer.wait_for_upload()

@@ -13,6 +13,9 @@ class StorageConfig:
     endpoint_url: str | None = None
     """S3-compatible endpoint (MinIO, Ceph, R2, ...), e.g. http://127.0.0.1:9000. null = AWS S3."""
     region: str | None = None
-    """S3 region; null = AWS_DEFAULT_REGION / AWS_REGION from the environment, else us-east-1."""
+    """S3 region; null = the profile's region, else AWS_DEFAULT_REGION / AWS_REGION, else us-east-1."""
     path_style: bool = True
     """Path-style addressing (endpoint/bucket/key), which MinIO and most S3-compatible services need."""
+    profile: str | None = None
+    """Named AWS profile (~/.aws/credentials or ~/.aws/config) to take credentials from. null = the
+    environment variables, then the default AWS chain (shared files, instance or container role)."""

@@ -9,27 +9,88 @@ from urllib.parse import urlparse
 import pyarrow.fs as pafs
 
 from raytrain_fast.storage.config import StorageConfig
+from raytrain_fast.storage.credentials import S3Credentials, resolve_credentials
+from raytrain_fast.storage.errors import StorageError
 
 
 def is_remote(uri: str) -> bool:
     return "://" in uri and not uri.startswith("file://")
 
 
-def build_s3_filesystem(storage: StorageConfig) -> pafs.S3FileSystem:
-    """An S3FileSystem for `storage`; credentials from the environment only."""
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    """s3://bucket/a/b -> ("bucket", "a/b")."""
+    if not uri.startswith("s3://"):
+        raise StorageError(f"'{uri}' is not an s3:// URI")
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    if not bucket:
+        raise StorageError(f"storage.uri '{uri}' names no bucket: use s3://<bucket>/<prefix>")
+    return bucket, prefix.strip("/")
+
+
+def describe_endpoint(storage: StorageConfig) -> str:
+    """The endpoint in words for messages, without any user:password part of the URL."""
+    if not storage.endpoint_url:
+        return f"AWS S3 (region {s3_region(storage)})"
+    parsed = urlparse(storage.endpoint_url)
+    host = parsed.hostname or parsed.path
+    port = f":{parsed.port}" if parsed.port else ""
+    scheme = f"{parsed.scheme}://" if parsed.scheme else ""
+    return f"endpoint {scheme}{host}{port}"
+
+
+def s3_region(storage: StorageConfig) -> str:
+    if storage.region:
+        return storage.region
+    if storage.profile:
+        import botocore.session
+
+        try:
+            region = botocore.session.Session(profile=storage.profile).get_config_variable("region")
+        except Exception:  # a missing profile is reported where credentials are resolved
+            region = None
+        if region:
+            return region
+    return os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
+
+
+def build_s3_filesystem(
+    storage: StorageConfig,
+    *,
+    credentials: S3Credentials | None = None,
+    connect_timeout_s: float | None = None,
+    request_timeout_s: float | None = None,
+    max_attempts: int | None = None,
+    allow_bucket_creation: bool = False,
+) -> pafs.S3FileSystem:
+    """An S3FileSystem for `storage`.
+
+    Credentials: `credentials` if given, else `resolve_credentials(storage)` (profile, environment,
+    default chain). Fixed keys are passed to pyarrow (and so travel, pickled, with the filesystem
+    to Ray workers); role-based temporary ones are left to pyarrow's own default chain, which
+    refreshes them. Timeouts and attempts: pyarrow's defaults unless given (check_storage uses
+    short ones to fail in seconds).
+    """
     kwargs: dict = {
-        "region": storage.region or os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1",
+        "region": s3_region(storage),
         "force_virtual_addressing": not storage.path_style,
+        "allow_bucket_creation": allow_bucket_creation,
     }
     if storage.endpoint_url:
         endpoint = urlparse(storage.endpoint_url)
-        kwargs["endpoint_override"] = endpoint.netloc or endpoint.path
+        kwargs["endpoint_override"] = endpoint.netloc.rpartition("@")[2] or endpoint.path
         kwargs["scheme"] = endpoint.scheme or "https"
-    access_key, secret_key = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
-    if access_key and secret_key:
-        kwargs["access_key"], kwargs["secret_key"] = access_key, secret_key
-        if os.environ.get("AWS_SESSION_TOKEN"):
-            kwargs["session_token"] = os.environ["AWS_SESSION_TOKEN"]
+    if credentials is None:
+        credentials = resolve_credentials(storage)
+    if credentials is not None and not credentials.refreshable:
+        kwargs["access_key"], kwargs["secret_key"] = credentials.access_key, credentials.secret_key
+        if credentials.session_token:
+            kwargs["session_token"] = credentials.session_token
+    if connect_timeout_s is not None:
+        kwargs["connect_timeout"] = connect_timeout_s
+    if request_timeout_s is not None:
+        kwargs["request_timeout"] = request_timeout_s
+    if max_attempts is not None:
+        kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=max_attempts)
     return pafs.S3FileSystem(**kwargs)
 
 

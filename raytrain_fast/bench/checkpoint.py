@@ -1,0 +1,214 @@
+"""How long a checkpoint blocks training: Ray Train's ASYNC upload against SYNC upload.
+
+A small self-contained TorchTrainer run per mode: every worker builds a DeepSpeed engine for a GPT
+sized so that its checkpoint reaches a target size, trains a few steps between checkpoints, and
+times, on the training thread, `engine.save_checkpoint` + manifest + `ray.train.report` (the
+time training cannot proceed). The design target: blocked time with ASYNC <= 25% of SYNC.
+
+What Ray 2.60 does with ASYNC (read in ray/train/v2/_internal/execution/context.py):
+- `report` still runs the cross-rank barrier that agrees on the checkpoint directory name
+  (a call to Ray's synchronization actor), then hands the upload to a ThreadPoolExecutor with ONE
+  thread per worker process and returns: the training thread does not wait for the upload.
+- Uploads run one at a time in that thread, in report order; a SYNC report issued after an ASYNC
+  one waits for it, and the end of the training function waits for all of them. An ASYNC report
+  does NOT wait for the previous upload, so with a checkpoint cadence faster than the upload,
+  local checkpoint directories pile up on disk until their uploads finish.
+- The local directory is deleted after its upload (default for ASYNC), so it must come from
+  tempfile.mkdtemp, not a TemporaryDirectory that deletes it on exit. Upload errors are re-raised
+  in the training thread.
+
+Blocked time is not the whole cost: the upload thread shares the worker's CPUs (and the GIL) with
+training, so steps taken while an upload runs can be slower. `step_s_async` vs `step_s_sync` (the
+median step time just before each checkpoint after the first) shows it; on CPU-only workers on
+a busy machine it can eat the gain, on GPU workers the step runs on the device and it should not.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from raytrain_fast.checkpoint.manifest import verify_checkpoint
+from raytrain_fast.model import ModelConfig
+from raytrain_fast.storage.config import StorageConfig
+
+BYTES_PER_PARAM = 16  # fp32 ZeRO-1/2 with Adam: module weights 4 + fp32 master 4 + two moments 8
+
+
+def model_for_checkpoint_mb(target_mb: float, *, num_layers: int = 4, vocab_size: int = 320, seq_len: int = 32) -> ModelConfig:
+    """The smallest GPT (d_model a multiple of 64) whose fp32 ZeRO checkpoint is >= target_mb."""
+    d_model = 64
+    while True:
+        # 12 d^2 per block (qkv 3 + proj 1 + MLP 8 with mlp_ratio 4) + token and position tables.
+        num_params = num_layers * 12 * d_model * d_model + (vocab_size + seq_len) * d_model
+        if num_params * BYTES_PER_PARAM / 1e6 >= target_mb:
+            return ModelConfig(
+                vocab_size=vocab_size, max_seq_len=seq_len, num_layers=num_layers, num_heads=4, d_model=d_model,
+            )
+        d_model += 64
+
+
+def _bench_loop(config: dict[str, Any]) -> None:
+    """Per worker: train, and time every checkpoint's save + report on the training thread."""
+    import ray.train
+    import torch
+
+    from raytrain_fast.checkpoint.manifest import write_rank_manifest
+    from raytrain_fast.engine import EngineConfig, OptimConfig, build_engine, select_accelerator
+    from raytrain_fast.model import GPT
+
+    torch.set_num_threads(config["cpus_per_worker"])  # Ray starts actors with one thread
+    select_accelerator()
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    model_config = ModelConfig(**config["model"])
+    torch.manual_seed(0)
+    engine = build_engine(
+        GPT(model_config), engine=EngineConfig(precision="fp32", zero_stage=2), optim=OptimConfig(warmup_steps=1),
+        micro_batch=1, grad_accum=1, world_size=world_size, total_steps=10_000,
+    )
+    mode = ray.train.CheckpointUploadMode[config["mode"]]
+    tokens = torch.randint(0, model_config.vocab_size, (1, model_config.max_seq_len + 1))
+    records, step = [], 0
+    for _ in range(config["num_checkpoints"]):
+        step_times = []
+        for _ in range(config["steps_between"]):
+            start = time.perf_counter()
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            step_times.append(time.perf_counter() - start)
+            step += 1
+        start = time.perf_counter()
+        local_dir = tempfile.mkdtemp(prefix="raytrain-fast-bench-")  # Ray deletes it after the upload
+        engine.save_checkpoint(local_dir, tag="deepspeed")
+        manifest = write_rank_manifest(local_dir, rank=rank, world_size=world_size, step=step)
+        saved = time.perf_counter()
+        ray.train.report(
+            {"step": step}, checkpoint=ray.train.Checkpoint.from_directory(local_dir),
+            checkpoint_dir_name=f"checkpoint_{step:08d}", checkpoint_upload_mode=mode,
+            delete_local_checkpoint_after_upload=True,
+        )
+        done = time.perf_counter()
+        records.append({
+            "step": step, "save_s": saved - start, "report_s": done - saved, "blocked_s": done - start,
+            "bytes": manifest.num_bytes, "step_s_before": statistics.median(step_times),
+        })
+    Path(config["results_dir"], f"rank{rank}.json").write_text(json.dumps(records))
+
+
+def _run_mode(mode: str, *, storage: StorageConfig, model: ModelConfig, num_workers: int, cpus_per_worker: int,
+              num_checkpoints: int, steps_between: int, results_dir: str) -> tuple[list[list[dict[str, Any]]], bool, str]:
+    """(per-rank records, whether the last checkpoint in storage verifies against its manifests, why not)."""
+    import dataclasses
+
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain_fast.storage.filesystem import resolve_filesystem
+
+    filesystem, storage_path = resolve_filesystem(storage.uri, storage)
+    trainer_name = f"bench-checkpoint-{mode.lower()}-{uuid.uuid4().hex[:6]}"
+    trainer = TorchTrainer(
+        _bench_loop,
+        train_loop_config={
+            "mode": mode, "model": dataclasses.asdict(model), "cpus_per_worker": cpus_per_worker,
+            "num_checkpoints": num_checkpoints, "steps_between": steps_between, "results_dir": results_dir,
+        },
+        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=num_workers, resources_per_worker={"CPU": cpus_per_worker}),
+        run_config=ray.train.RunConfig(
+            name=trainer_name,
+            storage_path=storage_path,
+            storage_filesystem=filesystem,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
+            worker_runtime_env={"env_vars": {
+                "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(cpus_per_worker), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+            }},
+        ),
+    )
+    result = trainer.fit()
+    records = [json.loads(Path(results_dir, f"rank{r}.json").read_text()) for r in range(num_workers)]
+    complete, reason = verify_checkpoint(result.checkpoint.filesystem, result.checkpoint.path)
+    filesystem.delete_dir(f"{storage_path}/{trainer_name}")  # the bench's run is of no further use
+    return records, complete, reason
+
+
+def measure_checkpoint_blocking(
+    *,
+    storage: StorageConfig,
+    checkpoint_mb: float = 200.0,
+    num_workers: int = 2,
+    cpus_per_worker: int = 1,
+    num_checkpoints: int = 3,
+    steps_between: int = 3,
+) -> dict[str, Any]:
+    """Blocked seconds per checkpoint with ASYNC and SYNC upload to `storage` (a fresh run each).
+
+    Blocked time per checkpoint = the slowest rank's save + report (the ranks meet again at the
+    next collective); the median over checkpoints is reported. Uses the running Ray instance, or
+    starts a local one (num_workers * cpus_per_worker CPUs) and shuts it down afterwards.
+    Results come back through files in a local temp dir: all workers must run on this machine.
+    """
+    import ray
+
+    model = model_for_checkpoint_mb(checkpoint_mb)
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=num_workers * cpus_per_worker, include_dashboard=False, configure_logging=False)
+    result: dict[str, Any] = {"model": {"d_model": model.d_model, "num_layers": model.num_layers}}
+    try:
+        for mode in ("ASYNC", "SYNC"):
+            results_dir = tempfile.mkdtemp(prefix="raytrain-fast-bench-results-")
+            try:
+                per_rank, complete, reason = _run_mode(
+                    mode, storage=storage, model=model, num_workers=num_workers, cpus_per_worker=cpus_per_worker,
+                    num_checkpoints=num_checkpoints, steps_between=steps_between, results_dir=results_dir,
+                )
+            finally:
+                shutil.rmtree(results_dir, ignore_errors=True)
+            per_checkpoint = [max(r[i]["blocked_s"] for r in per_rank) for i in range(num_checkpoints)]
+            key = mode.lower()
+            # Ray merged every rank's files, manifests included: the result must verify, checksums and all.
+            result[f"last_checkpoint_complete_{key}"] = complete if complete else f"NO: {reason}"
+            result[f"blocked_s_{key}"] = statistics.median(per_checkpoint)
+            result[f"blocked_s_{key}_all"] = per_checkpoint
+            result[f"save_s_{key}"] = statistics.median(max(r[i]["save_s"] for r in per_rank) for i in range(num_checkpoints))
+            # Step time before each checkpoint after the first: the async upload runs during these steps.
+            later = [max(r[i]["step_s_before"] for r in per_rank) for i in range(1, num_checkpoints)]
+            result[f"step_s_{key}"] = statistics.median(later) if later else None
+            result["checkpoint_mb"] = sum(r[0]["bytes"] for r in per_rank) / 1e6
+    finally:
+        if started_ray:
+            ray.shutdown()
+    result["ratio"] = result["blocked_s_async"] / result["blocked_s_sync"]
+    result["target_ratio"] = 0.25
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m raytrain_fast.bench.checkpoint --storage s3://bucket/prefix --endpoint-url URL [--mb 200]"""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--storage", required=True, help="s3://bucket/prefix or a local directory")
+    parser.add_argument("--endpoint-url", default=None)
+    parser.add_argument("--mb", type=float, default=200.0, help="checkpoint size to aim for (MB)")
+    parser.add_argument("--checkpoints", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args(argv)
+    storage = StorageConfig(uri=args.storage, endpoint_url=args.endpoint_url)
+    print(json.dumps(measure_checkpoint_blocking(
+        storage=storage, checkpoint_mb=args.mb, num_checkpoints=args.checkpoints, num_workers=args.workers,
+    ), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

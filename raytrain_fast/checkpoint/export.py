@@ -1,0 +1,186 @@
+"""Export a run's checkpoint as plain model weights: `model.safetensors` + `config.yaml`.
+
+The weights come from the fp32 master copy in the ZeRO optimizer shards when present (DeepSpeed's
+zero_to_fp32 consolidates them across ranks), else from rank 0's module weights (ZeRO stage 0,
+or a checkpoint saved without optimizer state). The model config comes from the checkpoint's own
+`config.yaml` (the run config, `model` section). The checkpoint is downloaded and verified against
+its manifests first: an incomplete or altered checkpoint is never exported.
+
+Tied embeddings: safetensors refuses tensors that share memory, so `save_model` stores the shared
+matrix once; `load_exported` builds the GPT (which ties lm_head to token_emb) and loads into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from raytrain_fast.checkpoint.manifest import download_checkpoint, find_resumable_checkpoint, list_checkpoint_dirs
+from raytrain_fast.errors import CheckpointError
+from raytrain_fast.model import GPT, ModelConfig
+from raytrain_fast.storage.config import StorageConfig
+from raytrain_fast.storage.filesystem import resolve_filesystem
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.yaml"
+CHECKPOINT_CONFIG_FILE = "config.yaml"  # the run config rank 0 writes into each checkpoint
+DEEPSPEED_TAG = "deepspeed"
+_STRIP_PREFIXES = ("module.", "_orig_mod.")  # DDP / torch.compile wrappers
+
+
+def _model_config_from_dict(data: Any, *, source: str) -> ModelConfig:
+    from raytrain_fast._dataclass_yaml import from_dict
+
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise CheckpointError(f"{source} has no 'model' section")
+    problems: list[str] = []
+    config = from_dict(ModelConfig, data["model"], path="model", problems=problems)
+    if problems:
+        raise CheckpointError(f"{source}: the model section does not fit this version's ModelConfig: {'; '.join(problems)}")
+    return config
+
+
+def read_checkpoint_model_config(local_dir: str) -> ModelConfig | None:
+    """The ModelConfig in a downloaded checkpoint's config.yaml, or None if it has none."""
+    path = Path(local_dir, CHECKPOINT_CONFIG_FILE)
+    if not path.exists():
+        return None
+    return _model_config_from_dict(yaml.safe_load(path.read_text()), source=f"the checkpoint's {CHECKPOINT_CONFIG_FILE}")
+
+
+def _deepspeed_dir(local_dir: str) -> tuple[str, str]:
+    """(directory holding `latest`, tag) of the DeepSpeed save inside a checkpoint."""
+    latest = Path(local_dir, "latest")
+    tag = latest.read_text().strip() if latest.exists() else DEEPSPEED_TAG
+    if not Path(local_dir, tag).is_dir():
+        raise CheckpointError(f"checkpoint has no DeepSpeed directory '{tag}/'")
+    return local_dir, tag
+
+
+def consolidated_state_dict(local_dir: str) -> tuple[dict[str, Any], str]:
+    """(full fp32 state dict, where the weights came from) from a downloaded checkpoint."""
+    import torch
+
+    from raytrain_fast.engine import select_accelerator
+
+    root, tag = _deepspeed_dir(local_dir)
+    ds_dir = Path(root, tag)
+    if any(ds_dir.glob("*zero_pp_rank_*_optim_states.pt")):
+        select_accelerator()  # DeepSpeed reads DS_ACCELERATOR once, at its first import
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per parameter group
+            state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
+        source = "fp32 master weights from the ZeRO optimizer shards"
+    else:
+        model_file = ds_dir / "mp_rank_00_model_states.pt"
+        if not model_file.exists():
+            raise CheckpointError(f"checkpoint has neither ZeRO optimizer shards nor {model_file.name}")
+        # weights_only=False: DeepSpeed pickles its own objects in here; the file comes from our
+        # own verified checkpoint, never from an untrusted source.
+        state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+        state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+        source = "module weights from mp_rank_00_model_states.pt"
+    cleaned = {}
+    for key, value in state.items():
+        for prefix in _STRIP_PREFIXES:
+            key = key.removeprefix(prefix)
+        cleaned[key] = value
+    return cleaned, source
+
+
+def export_local_checkpoint(
+    local_dir: str,
+    out_dir: str,
+    *,
+    model_config: ModelConfig | None = None,
+    dtype: Literal["float32", "bfloat16"] = "float32",
+    metadata: dict[str, str] | None = None,
+) -> str:
+    """Write model.safetensors + config.yaml into out_dir from an already downloaded checkpoint."""
+    import torch
+    from safetensors.torch import save_model
+
+    config = read_checkpoint_model_config(local_dir) or model_config
+    if config is None:
+        raise CheckpointError(
+            f"the checkpoint has no {CHECKPOINT_CONFIG_FILE} with the model config (saved by an older version?): "
+            "pass model_config= with the run's model settings"
+        )
+    state, source = consolidated_state_dict(local_dir)
+    model = GPT(config)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as error:
+        raise CheckpointError(f"the checkpoint's weights do not fit its model config: {error}") from None
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    os.makedirs(out_dir, exist_ok=True)
+    info = {"weights": source, "dtype": dtype, **(metadata or {})}
+    save_model(model, str(Path(out_dir, WEIGHTS_FILE)), metadata={k: str(v) for k, v in info.items()})
+    Path(out_dir, CONFIG_FILE).write_text(
+        yaml.safe_dump({"model": dataclasses.asdict(config), "export": info}, sort_keys=False)
+    )
+    return out_dir
+
+
+def export_checkpoint(
+    *,
+    storage_uri: str,
+    storage: StorageConfig,
+    name: str,
+    step: int | None,
+    out_dir: str,
+    model_config: ModelConfig | None = None,
+    dtype: Literal["float32", "bfloat16"] = "float32",
+) -> str:
+    """Export run `name`'s checkpoint at `step` (None = the newest complete one) to out_dir (local).
+
+    Returns out_dir, which then holds model.safetensors and config.yaml (see load_exported).
+    Raises CheckpointError when the run has no such checkpoint or it is incomplete.
+    """
+    filesystem, root = resolve_filesystem(storage_uri, storage)
+    run_path = f"{root.rstrip('/')}/{name}"
+    local_dir = tempfile.mkdtemp(prefix="raytrain-fast-export-")
+    try:
+        if step is None:
+            path, skipped = find_resumable_checkpoint(filesystem, run_path, download_to=local_dir)
+            if path is None:
+                why = "; ".join(f"{p.rsplit('/', 1)[-1]}: {r}" for p, r in skipped) or "it has no checkpoints"
+                raise CheckpointError(f"run '{name}' under {storage_uri} has no complete checkpoint ({why})")
+        else:
+            path = f"{run_path}/checkpoint_{step:08d}"
+            if not any(s == step for s, _ in list_checkpoint_dirs(filesystem, run_path)):
+                steps = [s for s, _ in list_checkpoint_dirs(filesystem, run_path)]
+                raise CheckpointError(
+                    f"run '{name}' under {storage_uri} has no checkpoint at step {step} (steps: {sorted(steps) or 'none'})"
+                )
+            download_checkpoint(filesystem, path, local_dir)
+        checkpoint_step = int(path.rstrip("/").rsplit("_", 1)[-1])
+        return export_local_checkpoint(
+            local_dir, out_dir, model_config=model_config, dtype=dtype,
+            metadata={"run": name, "step": str(checkpoint_step), "checkpoint": path},
+        )
+    finally:
+        shutil.rmtree(local_dir, ignore_errors=True)
+
+
+def load_exported(out_dir: str, *, device: str = "cpu") -> GPT:
+    """The GPT saved by export_checkpoint, in eval mode (tied embeddings tied again)."""
+    from safetensors.torch import load_model
+
+    config_path = Path(out_dir, CONFIG_FILE)
+    if not config_path.exists():
+        raise CheckpointError(f"{out_dir} has no {CONFIG_FILE}: not an exported model")
+    config = _model_config_from_dict(yaml.safe_load(config_path.read_text()), source=str(config_path))
+    model = GPT(config)
+    load_model(model, str(Path(out_dir, WEIGHTS_FILE)), strict=True, device=device)
+    return model.to(device).eval()
