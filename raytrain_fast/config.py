@@ -189,7 +189,7 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
         problems.append("model.positions=rotary needs an even head size (d_model / num_heads)")
     if not 0.0 <= m.dropout < 1.0:
         problems.append(f"model.dropout must be in [0, 1), got {m.dropout}")
-    if m.vocab_size < BYTE_VOCAB_SIZE:
+    if d.tokenizer == "byte" and m.vocab_size < BYTE_VOCAB_SIZE:
         problems.append(f"model.vocab_size ({m.vocab_size}) is smaller than the byte tokenizer's {BYTE_VOCAB_SIZE} tokens")
     if d.seq_len > m.max_seq_len and m.positions == "learned":
         problems.append(
@@ -197,8 +197,12 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
         )
     if d.max_tokens < 0:
         problems.append(f"data.max_tokens must be >= 0 (0 = whole corpus), got {d.max_tokens}")
-    if d.source != "stdlib" and not Path(d.source).expanduser().exists():
-        problems.append(f"data.source '{d.source}' does not exist; give a text file or directory, or 'stdlib'")
+    if d.source != "stdlib" and "://" not in d.source and not any(c in d.source for c in "*?[") and not Path(d.source).expanduser().exists():
+        problems.append(
+            f"data.source '{d.source}' does not exist; give a text file, directory or glob, a prepare-data output, or 'stdlib'"
+        )
+    if d.tokenizer != "byte" and "://" not in d.tokenizer and not Path(d.tokenizer).expanduser().is_file():
+        problems.append(f"data.tokenizer '{d.tokenizer}' is neither 'byte' nor an existing tokenizer.json file")
 
     if o.warmup_steps < 0:
         problems.append(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -33,10 +34,28 @@ def by_step(result) -> dict[int, dict]:
     return {metrics["step"]: metrics for _, metrics in result.checkpoints}
 
 
+def recorded_sequences(directory: Path) -> dict[int, dict[int, list[int]]]:
+    """rank -> step -> sequence ids, the last record of a step winning (a resumed run repeats the
+    steps after its checkpoint; what counts is what the surviving run trained on)."""
+    seen: dict[int, dict[int, list[int]]] = {}
+    for path in sorted(directory.glob("rank*.jsonl")):
+        rank = int(path.stem.removeprefix("rank"))
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            seen.setdefault(rank, {})[record["step"]] = record["ids"]
+    return seen
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(ray_session, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("uninterrupted")
-    return run(micro_config(tmp_path, "straight"))
+    os.environ["RAYTRAIN_FAST_RECORD_SEQUENCES"] = str(tmp_path)
+    try:
+        result = run(micro_config(tmp_path, "straight"))
+    finally:
+        del os.environ["RAYTRAIN_FAST_RECORD_SEQUENCES"]
+    result.sequences = recorded_sequences(tmp_path)
+    return result
 
 
 def test_two_worker_zero2_bf16_loss_falls_and_checkpoint_has_both_shards(uninterrupted):
@@ -53,6 +72,7 @@ def test_two_worker_zero2_bf16_loss_falls_and_checkpoint_has_both_shards(uninter
 def test_rerun_with_same_name_resumes_at_the_right_step_and_lr(uninterrupted, ray_session, tmp_path, monkeypatch):
     marker = tmp_path / "failed-once"
     monkeypatch.setenv("RAYTRAIN_FAST_FAIL_ONCE_AT", f"25:{marker}:1")
+    monkeypatch.setenv("RAYTRAIN_FAST_RECORD_SEQUENCES", str(tmp_path))
     config = micro_config(tmp_path, "crashy")
     with pytest.raises(Exception, match="injected failure at step 25 on rank 1"):
         run(config)  # max_failures=0: the job dies, as a preempted job would
@@ -66,7 +86,13 @@ def test_rerun_with_same_name_resumes_at_the_right_step_and_lr(uninterrupted, ra
     assert steps[30]["tokens"] == uninterrupted.metrics["tokens"] == 30 * 8 * 32
     assert steps[30]["train/lr"] == pytest.approx(by_step(uninterrupted)[30]["train/lr"], rel=1e-6)
     assert steps[30]["train/loss"] < steps[10]["train/loss"]
-    os.environ.pop("RAYTRAIN_FAST_FAIL_ONCE_AT", None)
+    # Exact data resume: every rank trained on the same sequences at every step as the
+    # uninterrupted run with the same seed; none seen twice within the epoch, none skipped.
+    sequences = recorded_sequences(tmp_path)
+    assert sequences == uninterrupted.sequences
+    for rank_steps in sequences.values():
+        ids = [i for step in sorted(rank_steps) for i in rank_steps[step]]
+        assert len(ids) == len(set(ids)) == 30 * 4
 
 
 def test_finished_run_rerun_does_nothing_and_says_how_to_continue(uninterrupted, ray_session, capfd):

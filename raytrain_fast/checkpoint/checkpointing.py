@@ -191,43 +191,78 @@ class Checkpointer:
         return self._best_cache[path]
 
     # ------------------------------------------------------------------ restore
-    def restore(self, engine: Any) -> TrainState | None:
-        """Load the newest complete checkpoint of the run into `engine`; None when there is none.
+    def restore_state(self) -> TrainState | None:
+        """Find and download the newest complete checkpoint; returns its TrainState (None if none).
 
-        Rank 0 picks it (skipping incomplete ones, with the reason printed), every rank downloads
-        and verifies it and loads its own shard.
+        Rank 0 picks it (skipping incomplete ones, with the reason printed); every rank downloads
+        and verifies it. Call `load_into(engine)` next. Split in two so that the data iterator can
+        start at the restored position while the engine is being built.
         """
         from ray.train.collective import broadcast_from_rank_zero
 
-        local_dir = tempfile.mkdtemp(prefix="raytrain-fast-restore-")
+        self._restore_dir = tempfile.mkdtemp(prefix="raytrain-fast-restore-")
+        chosen = None
+        if self.rank == 0:
+            chosen, skipped = find_resumable_checkpoint(self.filesystem, self.run_path, download_to=self._restore_dir)
+            for path, reason in skipped:
+                print(f"Skipping checkpoint {path}: {reason}", flush=True)
+        chosen = broadcast_from_rank_zero(chosen)
+        if chosen is None:
+            self._discard_restore_dir()
+            return None
+        if self.rank != 0:
+            download_checkpoint(self.filesystem, chosen, self._restore_dir)
+        state = TrainState.from_json(Path(self._restore_dir, STATE_FILE).read_text())
+        if state.world_size != self.world_size:
+            self._discard_restore_dir()
+            raise CheckpointError(
+                f"checkpoint {chosen} was saved by {state.world_size} workers, this run has {self.world_size}. "
+                f"ZeRO optimizer shards are per worker: resume with resources.num_workers={state.world_size}, "
+                f"or start a new run (another --name) from its model weights with --set checkpoint.init_from={chosen}"
+            )
+        self._restored_from = chosen
+        return state
+
+    def load_into(self, engine: Any) -> None:
+        """Load the checkpoint found by `restore_state` into the engine (model, optimizer, LR schedule, RNG)."""
         try:
-            chosen = None
-            if self.rank == 0:
-                chosen, skipped = find_resumable_checkpoint(self.filesystem, self.run_path, download_to=local_dir)
-                for path, reason in skipped:
-                    print(f"Skipping checkpoint {path}: {reason}", flush=True)
-            chosen = broadcast_from_rank_zero(chosen)
-            if chosen is None:
-                return None
-            if self.rank != 0:
-                download_checkpoint(self.filesystem, chosen, local_dir)
-            state = TrainState.from_json(Path(local_dir, STATE_FILE).read_text())
-            if state.world_size != self.world_size:
-                raise CheckpointError(
-                    f"checkpoint {chosen} was saved by {state.world_size} workers, this run has {self.world_size}. "
-                    f"ZeRO optimizer shards are per worker: resume with resources.num_workers={state.world_size}, "
-                    "or start a new run (another --name) from its weights with "
-                    f"--set checkpoint.init_from=... (see README, 'Resume')."
-                )
             load_path, _ = engine.load_checkpoint(
-                local_dir, tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+                self._restore_dir, tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
             )
             if load_path is None:
-                raise CheckpointError(f"DeepSpeed found no loadable state in {chosen}")
-            rng_file = Path(local_dir, f"rng_state_rank{self.rank}.pt")
+                raise CheckpointError(f"DeepSpeed found no loadable state in {self._restored_from}")
+            rng_file = Path(self._restore_dir, f"rng_state_rank{self.rank}.pt")
             if rng_file.exists():
                 torch.set_rng_state(torch.load(rng_file))
             self._last_save = time.monotonic()
-            return state
         finally:
-            shutil.rmtree(local_dir, ignore_errors=True)
+            self._discard_restore_dir()
+
+    def discard(self) -> None:
+        """Drop a restored checkpoint without loading it (the run has nothing left to do)."""
+        self._discard_restore_dir()
+
+    def _discard_restore_dir(self) -> None:
+        shutil.rmtree(getattr(self, "_restore_dir", ""), ignore_errors=True)
+
+
+def load_initial_weights(model: torch.nn.Module, uri: str, *, storage: Any) -> str:
+    """checkpoint.init_from: copy model weights (only) from a checkpoint directory into `model`."""
+    from raytrain_fast.checkpoint.export import consolidated_state_dict
+    from raytrain_fast.storage import resolve_filesystem
+
+    filesystem, path = resolve_filesystem(uri, storage)
+    local_dir = tempfile.mkdtemp(prefix="raytrain-fast-init-")
+    try:
+        download_checkpoint(filesystem, path, local_dir)
+        state_dict, source = consolidated_state_dict(local_dir)
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+        missing = [k for k in missing if k != "lm_head.weight"]  # tied to token_emb.weight
+        if missing or unexpected:
+            raise CheckpointError(
+                f"checkpoint.init_from={uri} does not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
+                "use the same model section as the run that saved it"
+            )
+        return source
+    finally:
+        shutil.rmtree(local_dir, ignore_errors=True)

@@ -8,13 +8,19 @@ class DataConfig:
     """Where training sequences come from and how they are fed."""
 
     source: str = "stdlib"
-    """`stdlib` = the source files of the running Python's standard library (on every machine, no
-    download), or a directory of text files / a single text file."""
+    """`stdlib` (this Python's standard library source: on every machine, no download), a text file,
+    directory or glob (prepared once into cache_dir), or a dataset made by `prepare-data` (a local
+    directory or s3:// URI holding manifest.json)."""
     seq_len: int = 128
     """Tokens per training sequence (the model sees seq_len inputs and predicts seq_len targets)."""
+    tokenizer: str = "byte"
+    """`byte` (256 byte values + end-of-document, vocab 257) or a path to a HuggingFace tokenizer.json
+    (needs `pip install tokenizers`); used when source is prepared on the fly."""
+    cache_dir: str | None = None
+    """Where sources are prepared on the fly; null = `<storage.uri>/_prepared`. Must be readable by every node."""
     max_tokens: int = 0
-    """Use at most this many tokens of the corpus (0 = all of it). Handy for quick runs."""
+    """Use at most this many tokens of the prepared data (0 = all of it). Handy for quick runs."""
     prefetch_batches: int = 2
     """Batches Ray Data prepares ahead of the step loop."""
     shuffle_seed: int = 0
-    """Seed of the per-epoch shuffle of sequences."""
+    """Seed of the per-epoch shard order (and so of which sequences each worker sees)."""

@@ -7,6 +7,7 @@ token (256) after every file.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -20,8 +21,13 @@ BYTE_VOCAB_SIZE = 257
 
 def stdlib_files() -> list[Path]:
     """The .py files of this interpreter's standard library, site-packages excluded, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    # os.walk that never enters site-packages: Path.rglob would walk every installed package first (~40x slower).
+    for directory, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        files += [Path(directory, n) for n in names if n.endswith(".py") and os.path.isfile(os.path.join(directory, n))]
+    return sorted(files)
 
 
 def corpus_files(source: str) -> list[Path]:

@@ -95,12 +95,41 @@ def resolve_resources(config: Config, *, create_bucket: bool = False) -> Config:
     )
 
 
-def build_trainer(config: Config):
+def max_sequences(config: Config) -> int | None:
+    """data.max_tokens as whole sequences; None = all of the prepared data."""
+    if config.data.max_tokens <= 0:
+        return None
+    return max(1, config.data.max_tokens // (config.data.seq_len + 1))
+
+
+def prepare_training_data(config: Config) -> str:
+    """Prepare data.source once (cached) and check it against the model; returns the manifest URI."""
+    from raytrain_fast.data import check_manifest_matches, ensure_prepared_corpus, load_manifest
+    from raytrain_fast.errors import ConfigError
+
+    cache_dir = config.data.cache_dir or f"{config.storage.uri.rstrip('/')}/_prepared"
+    uri = ensure_prepared_corpus(
+        config.data.source, seq_len=config.data.seq_len, cache_dir=cache_dir,
+        tokenizer=config.data.tokenizer, storage=config.storage,
+    )
+    manifest = load_manifest(uri, config.storage)
+    problems = check_manifest_matches(
+        manifest, seq_len=config.data.seq_len, vocab_size=config.model.vocab_size,
+        micro_batch=config.train.micro_batch, world_size=config.resources.num_workers,
+        max_sequences=max_sequences(config),
+    )
+    if problems:
+        raise ConfigError(problems)
+    used = min(manifest.num_sequences, max_sequences(config) or manifest.num_sequences)
+    print(f"Data: {used:,} sequences of {config.data.seq_len + 1} tokens from {uri}", flush=True)
+    return uri
+
+
+def build_trainer(config: Config, *, data_uri: str):
     """A TorchTrainer for an already resolved config (see `resolve_resources`)."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raytrain_fast.data import build_dataset
     from raytrain_fast.loop.train_loop import train_loop_per_worker
 
     resources = config.resources
@@ -109,8 +138,6 @@ def build_trainer(config: Config):
     filesystem, storage_root = resolve_filesystem(config.storage.uri, config.storage)
     if "://" not in config.storage.uri:
         filesystem = None  # local: let Ray use a plain path
-    dataset, num_sequences = build_dataset(config.data)
-    print(f"Data: {num_sequences:,} sequences of {config.data.seq_len + 1} tokens from '{config.data.source}'", flush=True)
     env_vars = {
         "DS_ACCELERATOR": "cuda" if resources.use_gpu else "cpu",
         "OMP_NUM_THREADS": str(resources.cpus_per_worker),
@@ -121,7 +148,7 @@ def build_trainer(config: Config):
     }
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=config.to_dict(),
+        train_loop_config={"config": config.to_dict(), "data_uri": data_uri, "max_sequences": max_sequences(config)},
         torch_config=TorchConfig(backend="nccl" if resources.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
             num_workers=resources.num_workers,
@@ -137,7 +164,6 @@ def build_trainer(config: Config):
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
             worker_runtime_env={"env_vars": env_vars},
         ),
-        datasets={"train": dataset},
     )
 
 
@@ -153,7 +179,8 @@ def run(config: Config, *, create_bucket: bool = False) -> RunResult:
     config = resolve_resources(config, create_bucket=create_bucket)
     run_dir = f"{config.storage.uri.rstrip('/')}/{config.name}"
     print(f"Run '{config.name}': {config.resources.num_workers} worker(s), storage {run_dir}", flush=True)
-    result = build_trainer(config).fit()
+    data_uri = prepare_training_data(config)
+    result = build_trainer(config, data_uri=data_uri).fit()
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
     kept = sorted(((c.path, dict(m)) for c, m in (result.best_checkpoints or [])), key=lambda item: item[0])
     kept = [(path, metrics) for path, metrics in kept if _exists(result, path)]  # pruned ones are gone

@@ -1,0 +1,130 @@
+"""Corpora prepared once and reused: the default `stdlib` corpus and plain local files/directories go
+through `prepare_data` into a cache directory keyed by (source, seq_len, tokenizer, Python version)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+
+import pyarrow.fs as pafs
+
+from raytrain_fast.data.corpus import stdlib_files
+from raytrain_fast.data.manifest import MANIFEST_NAME, join_uri
+from raytrain_fast.data.prepare import _canonical_input, _list_inputs, prepare_data
+from raytrain_fast.data.tokenizer import load_tokenizer
+from raytrain_fast.errors import DataError
+from raytrain_fast.storage import StorageConfig, resolve_filesystem
+
+STDLIB = "stdlib"
+_CACHE_INFO = "cache.json"
+
+
+def _is_prepared(uri: str, storage: StorageConfig) -> bool:
+    filesystem, path = resolve_filesystem(uri, storage)
+    try:
+        return filesystem.get_file_info(join_uri(path, MANIFEST_NAME)).type == pafs.FileType.File
+    except OSError:
+        return False
+
+
+def _fingerprint(inputs: list[str], storage: StorageConfig) -> str:
+    """sha256 over (path, size, mtime) of every input file: notices changed files without reading them."""
+    s3 = resolve_filesystem("s3://", storage)[0] if any(i.startswith("s3://") for i in inputs) else None
+    listing = _list_inputs(inputs, s3=s3, exclude=None)
+    digest = hashlib.sha256()
+    for source in listing.sources:
+        digest.update(f"{source.uri}\0{source.size}\0{source.mtime_ns}\n".encode())
+    for skipped in listing.skipped:
+        digest.update(f"{skipped.path}\0{skipped.reason}\n".encode())
+    return digest.hexdigest()
+
+
+def _read_info(uri: str, storage: StorageConfig) -> dict:
+    filesystem, path = resolve_filesystem(uri, storage)
+    try:
+        with filesystem.open_input_stream(join_uri(path, _CACHE_INFO)) as stream:
+            return json.loads(stream.read())
+    except (OSError, ValueError):
+        return {}
+
+
+def ensure_prepared_corpus(
+    source: str = STDLIB,
+    *,
+    seq_len: int,
+    cache_dir: str,
+    tokenizer: str = "byte",
+    storage: StorageConfig | None = None,
+    verbose: bool = True,
+) -> str:
+    """The manifest directory (URI) of `source`, prepared on first use and reused afterwards.
+
+    source: `stdlib` (this Python's standard library, .py files only), a local file, directory or glob,
+        or an already prepared dataset (a directory or s3:// URI holding manifest.json), returned as is.
+    cache_dir: local directory or s3:// URI under which prepared corpora are kept. Workers on other
+        nodes must be able to read it: use shared storage or a bucket on a multi-node cluster.
+    A cached corpus is prepared again when its files changed (path, size or modification time).
+    """
+    storage = storage or StorageConfig()
+    if source != STDLIB and _is_prepared(source, storage):
+        return source.rstrip("/") if "://" in source else os.path.abspath(os.path.expanduser(source))
+
+    spec = load_tokenizer(tokenizer, storage)
+    if source == STDLIB:
+        inputs = [str(p) for p in stdlib_files()]
+        slug = f"stdlib-{platform.python_implementation().lower()}{platform.python_version()}"
+        canonical = {"source": STDLIB, "python": sys.version, "stdlib": sysconfig.get_paths()["stdlib"]}
+    else:
+        inputs = [_canonical_input(source)]
+        if not inputs[0].startswith("s3://") and not any(c in inputs[0] for c in "*?[") and not os.path.exists(inputs[0]):
+            raise DataError(f"data source '{source}' does not exist; give a text file, a directory, a glob or 'stdlib'")
+        slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in os.path.basename(inputs[0].rstrip("/")))[:40] or "corpus"
+        canonical = {"source": inputs[0]}
+    key = hashlib.sha256(
+        json.dumps({**canonical, "seq_len": seq_len, "tokenizer": spec.info.identity()}, sort_keys=True).encode()
+    ).hexdigest()[:16]
+    target = join_uri(cache_dir.rstrip("/") if "://" in cache_dir else os.path.abspath(os.path.expanduser(cache_dir)), f"{slug}-seq{seq_len}-{key}")
+    fingerprint = _fingerprint(inputs, storage)
+    if _is_prepared(target, storage) and _read_info(target, storage).get("fingerprint") == fingerprint:
+        return target
+
+    if verbose:
+        print(f"Preparing '{source}' (seq_len {seq_len}, tokenizer {spec.info.name}) once into {target}", file=sys.stderr, flush=True)
+    info = json.dumps({"source": source, "seq_len": seq_len, "tokenizer": spec.info.name, "fingerprint": fingerprint}).encode()
+    if "://" in target:
+        prepare_data(inputs=inputs, output=target, seq_len=seq_len, tokenizer=tokenizer, storage=storage, overwrite=True, verbose=verbose)
+        filesystem, path = resolve_filesystem(target, storage)
+        with filesystem.open_output_stream(join_uri(path, _CACHE_INFO)) as stream:
+            stream.write(info)
+        return target
+
+    # Local: prepare next to the target and rename it into place, so a concurrent run sees either
+    # nothing or a complete dataset.
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    staging = f"{target}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        prepare_data(inputs=inputs, output=staging, seq_len=seq_len, tokenizer=tokenizer, storage=storage, overwrite=True, verbose=verbose)
+        with open(os.path.join(staging, _CACHE_INFO), "wb") as file:
+            file.write(info)
+        if os.path.exists(target):
+            stale = f"{target}.stale-{os.getpid()}"
+            os.rename(target, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.rename(staging, target)
+        if verbose:
+            print(f"Prepared corpus moved into place: {target}", file=sys.stderr, flush=True)
+    except OSError:
+        if not (_is_prepared(target, storage) and _read_info(target, storage).get("fingerprint") == fingerprint):
+            raise  # not a lost race with a concurrent run that finished first
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+__all__ = ["STDLIB", "ensure_prepared_corpus"]

@@ -1,0 +1,145 @@
+"""`manifest.json`: what a prepared dataset holds and how it was made.
+
+Written last by `prepare_data`, so a directory with a manifest is complete. Shard paths are relative
+to the manifest's directory, so a prepared dataset can be copied or moved (local dir <-> bucket).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from raytrain_fast.errors import DataError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class TokenizerInfo:
+    """Which tokenizer made the tokens: two datasets with the same `kind` and `hash` tokenize alike."""
+
+    kind: str
+    """`byte` (bytes 0-255 plus EOD) or `hf` (a HuggingFace `tokenizers` JSON file)."""
+    name: str
+    """`byte`, or the tokenizer file as given."""
+    hash: str
+    """sha256 of the tokenizer file (of a fixed description for `byte`)."""
+    vocab_size: int
+    """Number of token ids, special tokens included; the model's vocab_size must be at least this."""
+    eod_id: int
+    """Token id appended after every document."""
+
+    def identity(self) -> dict[str, str]:
+        return {"kind": self.kind, "hash": self.hash}
+
+
+@dataclass(kw_only=True)
+class SourceFile:
+    path: str
+    """Local absolute path or s3:// URI."""
+    size: int
+    sha256: str
+    num_documents: int
+    """Plain-text files are one document; JSONL files one per usable record."""
+    num_tokens: int
+    """Tokens this file contributed, EOD tokens included."""
+    mtime_ns: int | None = None
+    """Local files only: lets a cache notice a changed file without reading it (not part of any hash)."""
+
+
+@dataclass(kw_only=True)
+class Skipped:
+    path: str
+    reason: str
+
+
+@dataclass(kw_only=True)
+class Shard:
+    path: str
+    """Relative to the manifest's directory."""
+    num_rows: int
+    first_seq_id: int
+    """Rows hold seq_ids first_seq_id .. first_seq_id + num_rows - 1, in order."""
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    """A prepared dataset: fixed-length packed sequences in Parquet shards.
+
+    Each row is one sequence: `seq_id` (int64, global, in packing order) and `tokens`
+    (fixed-size list of seq_len + 1 token ids: the model reads seq_len and predicts the shifted seq_len).
+    Documents are concatenated in source order, each followed by the EOD token, and cut into rows; the
+    tail shorter than one row is dropped (counted in `num_dropped_tokens`).
+    """
+
+    format_version: int = FORMAT_VERSION
+    seq_len: int
+    num_sequences: int
+    num_documents: int
+    num_dropped_tokens: int
+    """Tokens of the final, incomplete row that were not written."""
+    max_token_id: int
+    token_dtype: str
+    """numpy dtype of the stored ids: uint16 for vocabularies up to 65,536, else uint32."""
+    tokenizer: TokenizerInfo
+    recipe: dict[str, Any]
+    """What was asked for (inputs, seq_len, tokenizer identity, shard sizing, max_tokens); with
+    `sources_hash` it decides whether preparing again is a no-op or a conflict."""
+    sources: list[SourceFile]
+    sources_hash: str
+    """sha256 over (path, size, sha256) of every source file, in order."""
+    skipped: list[Skipped] = field(default_factory=list)
+    """Everything that was given but not used, with the reason (nothing is dropped silently)."""
+    shards: list[Shard]
+    root: str = ""
+    """Directory (or URI) the manifest was read from; not stored in the file."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens stored: num_sequences x (seq_len + 1)."""
+        return self.num_sequences * (self.seq_len + 1)
+
+    def shard_uri(self, index: int) -> str:
+        return join_uri(self.root, self.shards[index].path)
+
+    def identity(self) -> dict[str, Any]:
+        return {"recipe": self.recipe, "sources_hash": self.sources_hash}
+
+    def to_dict(self) -> dict[str, Any]:
+        # Shallow copies per entry: dataclasses.asdict deep-copies thousands of source entries slowly.
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "root"}
+        data["tokenizer"] = asdict(self.tokenizer)
+        data["recipe"] = json.loads(json.dumps(self.recipe))
+        for name in ("sources", "skipped", "shards"):
+            data[name] = [dict(vars(entry)) for entry in data[name]]
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, root: str = "") -> Manifest:
+        try:
+            version = data.get("format_version")
+            if version != FORMAT_VERSION:
+                raise DataError(
+                    f"manifest at {root or '?'} has format_version {version!r}; this raytrain_fast reads "
+                    f"version {FORMAT_VERSION}. Prepare the data again with this version."
+                )
+            values = dict(data)
+            values["tokenizer"] = TokenizerInfo(**data["tokenizer"])
+            values["sources"] = [SourceFile(**s) for s in data["sources"]]
+            values["skipped"] = [Skipped(**s) for s in data.get("skipped", [])]
+            values["shards"] = [Shard(**s) for s in data["shards"]]
+            return cls(**values, root=root)
+        except (KeyError, TypeError) as error:
+            raise DataError(f"manifest at {root or '?'} is malformed ({error}); prepare the data again") from None
+
+
+def join_uri(root: str, relative: str) -> str:
+    return f"{root.rstrip('/')}/{relative}" if root else relative
+
+
+__all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "Shard", "Skipped", "SourceFile", "TokenizerInfo", "join_uri"]

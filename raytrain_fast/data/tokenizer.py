@@ -1,0 +1,125 @@
+"""Tokenizers for `prepare_data`: the built-in byte tokenizer, or a HuggingFace `tokenizers` JSON file.
+
+Both turn a list of documents (UTF-8 bytes) into one id array with the end-of-document id after each
+document. A tokenizer travels to Ray tasks as its JSON text (never as a path: the file may only
+exist on the driver) and is rebuilt once per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from raytrain_fast.data.corpus import BYTE_VOCAB_SIZE, EOD_TOKEN
+from raytrain_fast.data.manifest import TokenizerInfo
+from raytrain_fast.errors import DataError
+from raytrain_fast.storage import StorageConfig, resolve_filesystem
+
+BYTE_TOKENIZER = "byte"
+_BYTE_DESCRIPTION = b"raytrain_fast byte tokenizer v1: ids 0-255 are bytes, 256 ends a document"
+# Looked up in this order in a tokenizer file; the first one present ends every document.
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|end_of_text|>", "[EOS]", "<|im_end|>")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerSpec:
+    """Everything a worker process needs to rebuild the tokenizer (picklable, no paths)."""
+
+    info: TokenizerInfo
+    json_text: str | None = None
+    """The tokenizer file's content; None for the byte tokenizer."""
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.uint16 if self.info.vocab_size <= 1 << 16 else np.uint32)
+
+    def encode_documents(self, documents: list[bytes]) -> np.ndarray:
+        """Ids of every document, each followed by the EOD id, as one array of `dtype`."""
+        if not documents:
+            return np.zeros(0, dtype=self.dtype)
+        if self.json_text is None:
+            return _encode_bytes(documents)
+        tokenizer = _hf_tokenizer(self.info.hash, self.json_text)
+        texts = [doc.decode("utf-8") for doc in documents]
+        encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+        eod = np.array([self.info.eod_id], dtype=self.dtype)
+        parts: list[np.ndarray] = []
+        for encoding in encodings:
+            parts += [np.asarray(encoding.ids, dtype=self.dtype), eod]
+        return np.concatenate(parts)
+
+    def decode(self, ids: np.ndarray) -> str:
+        """Text of `ids` (EOD ids must be removed first). For tests and inspection."""
+        if self.json_text is None:
+            return np.asarray(ids, dtype=np.uint8).tobytes().decode("utf-8")
+        return _hf_tokenizer(self.info.hash, self.json_text).decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _encode_bytes(documents: list[bytes]) -> np.ndarray:
+    total = sum(len(doc) for doc in documents) + len(documents)
+    out = np.empty(total, dtype=np.uint16)
+    position = 0
+    for doc in documents:
+        out[position : position + len(doc)] = np.frombuffer(doc, dtype=np.uint8)
+        position += len(doc)
+        out[position] = EOD_TOKEN
+        position += 1
+    return out
+
+
+def byte_tokenizer() -> TokenizerSpec:
+    info = TokenizerInfo(
+        kind="byte", name=BYTE_TOKENIZER, hash=hashlib.sha256(_BYTE_DESCRIPTION).hexdigest(),
+        vocab_size=BYTE_VOCAB_SIZE, eod_id=EOD_TOKEN,
+    )
+    return TokenizerSpec(info=info)
+
+
+def load_tokenizer(tokenizer: str, storage: StorageConfig | None = None) -> TokenizerSpec:
+    """`byte`, or the path / s3:// URI of a HuggingFace `tokenizers` JSON file (tokenizer.json)."""
+    if tokenizer == BYTE_TOKENIZER:
+        return byte_tokenizer()
+    filesystem, path = resolve_filesystem(tokenizer, storage or StorageConfig())
+    try:
+        with filesystem.open_input_stream(path) as stream:
+            raw = stream.read()
+    except (FileNotFoundError, OSError) as error:
+        raise DataError(
+            f"tokenizer '{tokenizer}' cannot be read ({error}); give 'byte' or the path of a "
+            "HuggingFace tokenizers JSON file (tokenizer.json)"
+        ) from None
+    try:
+        json_text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"tokenizer '{tokenizer}' is not a JSON text file") from None
+    digest = hashlib.sha256(raw).hexdigest()
+    hf = _hf_tokenizer(digest, json_text, source=tokenizer)
+    eod_id = next((hf.token_to_id(token) for token in EOD_CANDIDATES if hf.token_to_id(token) is not None), None)
+    if eod_id is None:
+        raise DataError(
+            f"tokenizer '{tokenizer}' has no end-of-document token (looked for {', '.join(EOD_CANDIDATES)}); "
+            "add one as a special token, e.g. tokenizer.add_special_tokens(['<|endoftext|>'])"
+        )
+    info = TokenizerInfo(kind="hf", name=tokenizer, hash=digest, vocab_size=hf.get_vocab_size(with_added_tokens=True), eod_id=eod_id)
+    return TokenizerSpec(info=info, json_text=json_text)
+
+
+@lru_cache(maxsize=4)
+def _hf_tokenizer(digest: str, json_text: str, *, source: str = "tokenizer"):
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise DataError(
+            f"tokenizer '{source}' is a HuggingFace tokenizers file, but the 'tokenizers' package is not "
+            "installed: pip install tokenizers (or use tokenizer 'byte')"
+        ) from None
+    try:
+        return Tokenizer.from_str(json_text)
+    except Exception as error:  # the Rust side raises a plain Exception for malformed files
+        raise DataError(f"tokenizer '{source}' is not a valid tokenizers JSON file: {error}") from None
+
+
+__all__ = ["BYTE_TOKENIZER", "EOD_CANDIDATES", "TokenizerSpec", "byte_tokenizer", "load_tokenizer"]

@@ -1,0 +1,138 @@
+"""Training-side ingest: manifest checks, the per-rank plan, and exact resume through Ray Data."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from raytrain_fast.data import BatchIterator, DataPosition, check_manifest_matches, load_manifest, prepare_data
+from raytrain_fast.data.ingest import rank_plan, shard_order, usable_rows
+from raytrain_fast.errors import DataError
+
+SEQ_LEN = 8
+MICRO_BATCH = 4
+NUM_SEQUENCES = 64  # 4 files x (143 bytes + EOD) = 576 tokens = 64 rows of 9
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ingest")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"{i}.txt").write_bytes(bytes([97 + i]) * 143)
+    # 7 rows per shard: 10 shards (the last has 1 row), so shard and rank boundaries never line up.
+    manifest = prepare_data(inputs=[str(corpus)], output=str(root / "out"), seq_len=SEQ_LEN, rows_per_shard=7, verbose=False)
+    assert manifest.num_sequences == NUM_SEQUENCES and len(manifest.shards) == 10
+    return load_manifest(str(root / "out"))
+
+
+def take(iterator: BatchIterator, n: int) -> tuple[list[int], list[DataPosition]]:
+    """seq_ids of the next n batches and the position after each."""
+    ids, positions = [], []
+    for _ in range(n):
+        tokens, seq_ids = next(iterator)
+        assert tokens.shape == (MICRO_BATCH, SEQ_LEN + 1) and str(tokens.dtype) == "torch.int64"
+        ids += seq_ids.tolist()
+        positions.append(iterator.position)
+    return ids, positions
+
+
+def test_manifest_mismatches_are_named(prepared):
+    assert check_manifest_matches(prepared, seq_len=SEQ_LEN, vocab_size=320, micro_batch=4, world_size=2) == []
+    problems = check_manifest_matches(prepared, seq_len=16, vocab_size=256, micro_batch=40, world_size=2)
+    assert len(problems) == 3
+    assert "data.seq_len is 16" in problems[0] and "seq_len 8" in problems[0]
+    assert "model.vocab_size (256)" in problems[1] and "257" in problems[1]
+    assert "32 per worker, fewer than one micro-batch of 40" in problems[2]
+    assert check_manifest_matches(prepared, seq_len=SEQ_LEN, vocab_size=320, micro_batch=4, world_size=2, max_sequences=6)
+
+
+def test_missing_manifest_says_how_to_prepare(tmp_path):
+    with pytest.raises(DataError, match="prepare-data"):
+        load_manifest(str(tmp_path))
+
+
+def test_position_round_trips_through_json():
+    position = DataPosition(epoch=3, consumed=128, world_size=2)
+    assert DataPosition.from_dict(json.loads(json.dumps(position.to_dict()))) == position
+    with pytest.raises(DataError):
+        DataPosition.from_dict({"epoch": 1, "step": 2})
+
+
+def test_plan_deals_each_sequence_to_one_rank_per_epoch(prepared):
+    rows = usable_rows(prepared)
+    for world_size in (1, 2, 3):
+        orders = set()
+        for epoch in range(3):
+            shares = []
+            for rank in range(world_size):
+                plan = rank_plan(rows, seed=7, epoch=epoch, rank=rank, world_size=world_size)
+                ids = [prepared.shards[s.shard].first_seq_id + i for s in plan for i in range(s.start, s.stop)]
+                shares.append(ids)
+            flat = [i for share in shares for i in share]
+            assert len(set(len(s) for s in shares)) == 1 and len(shares[0]) == NUM_SEQUENCES // world_size
+            assert len(flat) == len(set(flat)) == NUM_SEQUENCES - NUM_SEQUENCES % world_size
+            orders.add(tuple(flat))
+        assert len(orders) == 3  # a new shard order every epoch
+    assert shard_order(10, seed=1, epoch=0) == shard_order(10, seed=1, epoch=0) != shard_order(10, seed=2, epoch=0)
+    assert usable_rows(prepared, max_sequences=10) == [7, 3] + [0] * 8
+
+
+def test_ranks_cover_every_sequence_once_per_epoch(prepared, ray_session):
+    per_epoch = NUM_SEQUENCES // 2 // MICRO_BATCH
+    seen = {}
+    for rank in (0, 1):
+        with BatchIterator(prepared, rank=rank, world_size=2, micro_batch=MICRO_BATCH, seed=5, prefetch_batches=2) as it:
+            assert it.batches_per_epoch == per_epoch
+            ids, positions = take(it, 2 * per_epoch)
+            assert positions[per_epoch - 2] == DataPosition(epoch=0, consumed=(per_epoch - 1) * MICRO_BATCH, world_size=2)
+            assert positions[per_epoch - 1] == DataPosition(epoch=1, consumed=0, world_size=2)
+            assert it.num_batches == 2 * per_epoch and it.wait_s > 0
+        seen[rank] = ids
+    half = per_epoch * MICRO_BATCH
+    for epoch in (0, 1):
+        both = seen[0][epoch * half : (epoch + 1) * half] + seen[1][epoch * half : (epoch + 1) * half]
+        assert sorted(both) == list(range(NUM_SEQUENCES))
+    assert seen[0][:half] != seen[0][half:]  # reshuffled between epochs
+
+    with BatchIterator(prepared, rank=0, world_size=1, micro_batch=MICRO_BATCH, seed=5, max_sequences=20) as it:
+        ids, _ = take(it, 10)  # 20 sequences = 5 batches an epoch
+    assert sorted(ids[:20]) == sorted(ids[20:]) == list(range(20))
+
+
+def test_resume_continues_exactly_where_it_stopped(prepared, ray_session):
+    per_epoch = NUM_SEQUENCES // 2 // MICRO_BATCH  # 8 batches
+    total = 3 * per_epoch
+    # Stop points: mid-epoch, mid next epoch, exactly at an epoch boundary, just after one.
+    stops = {0: (3, per_epoch + 5), 1: (per_epoch, 2 * per_epoch + 1)}
+    for rank in (0, 1):
+        with BatchIterator(prepared, rank=rank, world_size=2, micro_batch=MICRO_BATCH, seed=11) as it:
+            reference, positions = take(it, total)
+        for k in stops[rank]:
+            saved = json.dumps(positions[k - 1].to_dict())  # what a checkpoint stores after k batches
+            resumed_at = DataPosition.from_dict(json.loads(saved))
+            with BatchIterator(prepared, rank=rank, world_size=2, micro_batch=MICRO_BATCH, seed=11, position=resumed_at) as it:
+                assert it.position == resumed_at
+                rest, _ = take(it, total - k)
+            assert reference[: k * MICRO_BATCH] + rest == reference, f"rank {rank}, resumed after {k} batches"
+
+
+def test_too_little_data_for_one_batch(prepared):
+    with pytest.raises(DataError, match="fewer than one micro-batch"):
+        BatchIterator(prepared, rank=0, world_size=4, micro_batch=32)
+
+
+def test_bench_data_reports_both_paths(tmp_path, ray_session):
+    from raytrain_fast.bench.data import bench_data
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "text.txt").write_text("some text to train on. " * 400)
+    result = bench_data(steps=3, warmup_steps=1, rounds=1, micro_batch=4, seq_len=32, source=str(corpus), cache_dir=str(tmp_path / "cache"), verbose=False)
+    assert result["steps_measured"] == 3 and json.loads(json.dumps(result)) == result
+    for key in ("data_wait_frac", "data_wait_frac_baseline"):
+        assert 0 <= result[key] < 1
+    assert result["tokens_per_sec"] > 0 and result["tokens_per_sec_baseline"] > 0
