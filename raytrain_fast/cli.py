@@ -51,6 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
     export.add_argument("--out", required=True, help="local output directory")
     export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+
+    prepare = commands.add_parser("prepare-data", help="tokenize and pack text files into Parquet shards plus a manifest")
+    prepare.add_argument("--input", nargs="+", required=True, metavar="PATH_OR_GLOB", help="text/JSONL files, directories, globs or s3:// URIs")
+    prepare.add_argument("--output", required=True, help="output directory or s3:// URI")
+    prepare.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence (rows hold seq_len + 1)")
+    prepare.add_argument("--tokenizer", default="byte", help="'byte' or a path to a HuggingFace tokenizer.json")
+    prepare.add_argument("--overwrite", action="store_true", help="replace an output that was prepared from other inputs")
+    prepare.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// inputs/outputs")
+    prepare.add_argument("--region", default=None)
+    prepare.add_argument("--profile", default=None)
+
+    from raytrain_fast.bench.run import add_parser as add_bench_parser
+
+    add_bench_parser(commands)
     show = commands.add_parser("show-config", help="print the resolved config as YAML, without running")
     _add_config_args(show)
     show.add_argument("--reference", action="store_true", help="print the reference of every config key (Markdown) instead")
@@ -101,9 +115,32 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
+def prepare_data(args: argparse.Namespace) -> int:
+    from raytrain_fast.data import prepare_data as prepare
+    from raytrain_fast.storage import StorageConfig
+
+    storage = StorageConfig(uri=args.output, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile)
+    manifest = prepare(
+        inputs=args.input, output=args.output, seq_len=args.seq_len, tokenizer=args.tokenizer,
+        storage=storage, overwrite=args.overwrite,
+    )
+    print(f"Prepared {manifest.num_sequences:,} sequences of {args.seq_len + 1} tokens in {args.output}")
+    print(f"Train on it: raytrain-fast pretrain --set data.source={args.output} --set data.seq_len={args.seq_len}")
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    from raytrain_fast.bench.run import run as run_bench
+
+    return run_bench(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"pretrain": pretrain, "show-config": show_config, "runs": runs, "export": export}
+    handlers = {
+        "pretrain": pretrain, "show-config": show_config, "runs": runs, "export": export,
+        "prepare-data": prepare_data, "bench": bench,
+    }
     try:
         return handlers[args.command](args)
     except RaytrainFastError as error:

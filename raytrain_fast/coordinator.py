@@ -1,0 +1,318 @@
+"""One named Ray actor per run that holds what must be measured only once: FLOPs per token and the
+achievable matmul peak per device type and dtype.
+
+The launcher creates it before `fit()` (`start_coordinator`); workers find it by name
+(`Coordinator.connect`). It is owned by the driver, so it outlives worker-group restarts: a restarted
+group reads the values instead of measuring again. `export_state()` / `import_state()` carry the
+values through checkpoints, so a job that is run again (a new driver, a new actor) does not measure
+again either.
+
+Protocol, per value: a rank that may measure asks for a claim; the first one gets it, measures and
+posts; the others wait for the post (bounded by a timeout, with an error that says who was
+expected to post). The claimant renews its claim from a background thread while it measures; a
+claim not renewed for `lease_s` expires, so when a rank dies mid-measurement (and Ray restarts the
+worker group) the new rank takes over within seconds instead of waiting for the timeout.
+The actor uses no CPU reservation and imports neither torch nor deepspeed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from raytrain_fast.errors import RaytrainFastError
+
+logger = logging.getLogger("raytrain_fast.coordinator")
+
+STATE_VERSION = 1
+FLOPS_MISMATCH = 0.10
+"""Relative disagreement between counted FLOPs and the model's formula that is worth a warning."""
+
+
+class CoordinatorError(RaytrainFastError):
+    """A value every rank needs was not measured in time, or the run's coordinator is unreachable."""
+
+
+def coordinator_name(run_name: str) -> str:
+    """The actor's name, derived from the run name (named actors live in the job's namespace)."""
+    return f"raytrain_fast-coordinator-{run_name}"
+
+
+class _CoordinatorActor:
+    """Holds the run's measured values. Async: waiting ranks do not block posts."""
+
+    def __init__(self, run_name: str) -> None:
+        self.run_name = run_name
+        self._values: dict[str, Any] = {}
+        self._meta: dict[str, dict[str, Any]] = {}
+        self._claims: dict[str, tuple[str, float]] = {}  # key -> (claim token, last renewal)
+        self._events: dict[str, asyncio.Event] = {}
+        self._measured: dict[str, int] = {}
+        self._next_token = 0
+
+    def _event(self, key: str) -> asyncio.Event:
+        if key not in self._events:
+            self._events[key] = asyncio.Event()
+        return self._events[key]
+
+    async def claim(self, key: str, may_measure: bool, lease_s: float) -> tuple[str, Any]:
+        """("have", value) | ("measure", token): measure, renew with the token, post | ("wait", None)."""
+        if key in self._values:
+            return "have", self._values[key]
+        if not may_measure:
+            return "wait", None
+        held = self._claims.get(key)
+        if held is not None and time.monotonic() - held[1] < lease_s:
+            return "wait", None
+        self._next_token += 1
+        token = str(self._next_token)
+        self._claims[key] = (token, time.monotonic())
+        return "measure", token
+
+    async def renew(self, key: str, token: str) -> bool:
+        """The claimant is still measuring. False if its claim expired and was taken over."""
+        held = self._claims.get(key)
+        if held is None or held[0] != token:
+            return False
+        self._claims[key] = (token, time.monotonic())
+        return True
+
+    async def post(self, key: str, value: Any, meta: dict[str, Any]) -> Any:
+        """Store a measured value (the first post wins). Returns the stored value."""
+        self._measured[key] = self._measured.get(key, 0) + 1
+        if key not in self._values:
+            self._values[key] = value
+            self._meta[key] = meta
+        self._claims.pop(key, None)
+        self._event(key).set()
+        return self._values[key]
+
+    async def release(self, key: str, token: str) -> None:
+        """The claimant failed to measure: let another rank claim at once."""
+        held = self._claims.get(key)
+        if held is not None and held[0] == token:
+            del self._claims[key]
+
+    async def wait(self, key: str, timeout_s: float) -> tuple[bool, Any]:
+        if key not in self._values:
+            try:
+                await asyncio.wait_for(self._event(key).wait(), timeout=timeout_s)
+            except asyncio.TimeoutError:
+                return False, None
+        return True, self._values[key]
+
+    async def export_state(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "run_name": self.run_name, "values": dict(self._values), "meta": dict(self._meta)}
+
+    async def import_state(self, state: dict[str, Any]) -> list[str]:
+        """Adopt values from a checkpoint (never overwriting values this run already has)."""
+        if state.get("version") != STATE_VERSION:
+            return []
+        adopted = []
+        for key, value in state.get("values", {}).items():
+            if key not in self._values:
+                self._values[key] = value
+                self._meta[key] = {**state.get("meta", {}).get(key, {}), "imported": True}
+                self._event(key).set()
+                adopted.append(key)
+        return adopted
+
+    async def measurements(self) -> dict[str, int]:
+        """How many times each value was measured and posted during this actor's life."""
+        return dict(self._measured)
+
+
+def _remote_class():
+    import ray
+
+    # num_cpus=0: it only answers small calls, and must never hold back a training worker.
+    return ray.remote(num_cpus=0, max_restarts=0)(_CoordinatorActor)
+
+
+def start_coordinator(run_name: str):
+    """Launcher, before `fit()`: the run's coordinator actor (created, or the existing one).
+
+    Not detached: it lives as long as the driver, across worker-group restarts.
+    """
+    return _remote_class().options(name=coordinator_name(run_name), get_if_exists=True).remote(run_name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlopsPerToken:
+    counted: float
+    """Counted with FlopCounterMode over one forward + backward micro-batch (rank 0, once per run)."""
+    formula: float | None
+    """The model's own formula (6N + attention), when it has one."""
+
+    @property
+    def for_mfu(self) -> float:
+        """The formula when there is one (the usual MFU convention, comparable across codebases), else the count."""
+        return self.formula if self.formula is not None else self.counted
+
+
+def model_fingerprint(*parts: Any) -> str:
+    """A short stable hash of what determines FLOPs per token (model config, sequence length):
+    a value measured for another shape is never reused."""
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+class Coordinator:
+    """Worker-side handle of the run's coordinator actor."""
+
+    def __init__(self, actor: Any, *, run_name: str, timeout_s: float = 600.0, lease_s: float = 20.0) -> None:
+        self.actor = actor
+        self.run_name = run_name
+        self.timeout_s = timeout_s
+        self.lease_s = lease_s
+        """A claim not renewed for this long expires (its rank died); renewals come every lease_s / 4."""
+
+    @classmethod
+    def connect(cls, run_name: str, *, timeout_s: float = 600.0, create_if_missing: bool = True) -> Coordinator:
+        """Find the run's actor by name. If the launcher did not create one (a bare TorchTrainer),
+        create it here, with a warning: owned by this worker, it dies with it (no reuse after a restart)."""
+        import ray
+
+        name = coordinator_name(run_name)
+        try:
+            actor = ray.get_actor(name)
+        except ValueError:
+            if not create_if_missing:
+                raise CoordinatorError(
+                    f"no coordinator actor '{name}' in this Ray job; the launcher creates it with "
+                    "start_coordinator(run_name) before fit()"
+                ) from None
+            logger.warning(
+                "coordinator actor '%s' not found (launcher did not start it): creating it from this worker; "
+                "measured values will not survive a worker-group restart", name,
+            )
+            actor = start_coordinator(run_name)
+        return cls(actor, run_name=run_name, timeout_s=timeout_s)
+
+    def get_or_measure(self, key: str, *, measure: Callable[[], Any], may_measure: bool, who: str, meta: Mapping[str, Any] | None = None) -> Any:
+        """The value under `key`: measured by exactly one rank per run, read by all the others.
+
+        `who` names the rank(s) expected to measure, for the timeout error.
+        """
+        import ray
+
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            verdict, value = ray.get(self.actor.claim.remote(key, may_measure, self.lease_s))
+            if verdict == "have":
+                return value
+            if verdict == "measure":
+                return self._measure_and_post(key, token=value, measure=measure, meta=meta)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CoordinatorError(
+                    f"waited {self.timeout_s:.0f} s for '{key}' from {who} through the coordinator of run "
+                    f"'{self.run_name}', and it was never posted: did that rank fail or hang while measuring? "
+                    "(its own error, if any, is in its log; metrics.coordinator_timeout_s sets this limit)"
+                )
+            found, value = ray.get(self.actor.wait.remote(key, min(remaining, self.lease_s, 30.0)))
+            if found:
+                return value
+
+    def _measure_and_post(self, key: str, *, token: str, measure: Callable[[], Any], meta: Mapping[str, Any] | None) -> Any:
+        import ray
+
+        done = threading.Event()
+
+        def renew() -> None:
+            while not done.wait(self.lease_s / 4):
+                try:
+                    ray.get(self.actor.renew.remote(key, token))
+                except Exception:  # the actor is gone: the measurement's post will say so
+                    return
+
+        renewer = threading.Thread(target=renew, name=f"raytrain-fast-claim-{key}", daemon=True)
+        renewer.start()
+        started = time.perf_counter()
+        try:
+            value = measure()
+        except BaseException:
+            ray.get(self.actor.release.remote(key, token))
+            raise
+        finally:
+            done.set()
+        info = {**(meta or {}), "measure_s": round(time.perf_counter() - started, 3), "time": time.time()}
+        return ray.get(self.actor.post.remote(key, value, info))
+
+    def flops_per_token(
+        self, *, rank: int, count: Callable[[], float], formula: float | None, fingerprint: str
+    ) -> FlopsPerToken:
+        """Rank 0 counts FLOPs per token once per run (`count`, e.g. a closure over
+        `count_training_flops_per_token(model, tokens)`) and posts it; the other ranks wait for it.
+
+        If the count and the model's formula disagree by more than 10%, rank 0 logs a warning
+        naming both.
+        """
+
+        def measure() -> dict[str, float | None]:
+            counted = float(count())
+            if formula and abs(counted - formula) / formula > FLOPS_MISMATCH:
+                logger.warning(
+                    "FLOPs per token: counted %.4g (FlopCounterMode, one forward + backward) but the model's formula "
+                    "gives %.4g (%+.0f%%); MFU uses the formula. A large gap means the formula misses part of the "
+                    "model or the counter misses an op.", counted, formula, 100 * (counted - formula) / formula,
+                )
+            return {"counted": counted, "formula": formula}
+
+        value = self.get_or_measure(
+            f"flops_per_token/{fingerprint}", measure=measure, may_measure=rank == 0, who="rank 0",
+            meta={"rank": rank},
+        )
+        return FlopsPerToken(counted=float(value["counted"]), formula=value["formula"])
+
+    def achievable_peak(self, *, device: Any, dtype: str, seconds: float) -> float:
+        """Measured matmul FLOP/s of this device type in `dtype`, once per run and device type
+        (the first rank of that type measures; any others wait)."""
+        from raytrain_fast.metrics.peak import device_key, measure_matmul_peak
+
+        key = f"peak/{device_key(device)}/{dtype}"
+        return float(
+            self.get_or_measure(
+                key,
+                measure=lambda: measure_matmul_peak(device=device, dtype=dtype, seconds=seconds),
+                may_measure=True,
+                who="the first rank on this device type",
+                meta={"seconds": seconds},
+            )
+        )
+
+    def export_state(self) -> dict[str, Any]:
+        """JSON-able values to store in a checkpoint."""
+        import ray
+
+        return ray.get(self.actor.export_state.remote())
+
+    def import_state(self, state: Mapping[str, Any] | None) -> list[str]:
+        """Adopt values saved in a checkpoint (call on resume, before asking for any value)."""
+        import ray
+
+        if not state:
+            return []
+        return ray.get(self.actor.import_state.remote(dict(state)))
+
+    def measurements(self) -> dict[str, int]:
+        import ray
+
+        return ray.get(self.actor.measurements.remote())
+
+
+__all__ = [
+    "Coordinator",
+    "CoordinatorError",
+    "FlopsPerToken",
+    "coordinator_name",
+    "model_fingerprint",
+    "start_coordinator",
+]

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    """What the step loop measures and where rank 0 sends it. The log cadence is train.log_every."""
+
+    profile_every: int = 50
+    """Time the forward, backward and optimizer phases on every this many steps (CUDA events on GPU, read back at the next log step: no extra sync). 0 = never."""
+    jsonl_flush_every_s: float = 10.0
+    """Write buffered metrics to `<run>/metrics/*.jsonl` in the run's storage at most this often (always on; S3 objects are rewritten, not appended)."""
+    wandb: bool = False
+    """Send metrics to Weights & Biases from rank 0 (system-stats sampling off, run id derived from the run name so a resumed run continues its curves)."""
+    wandb_project: str = "raytrain-fast"
+    """W&B project."""
+    wandb_entity: str | None = None
+    """W&B entity (team or user); null = your default entity."""
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"
+    """auto = online when WANDB_API_KEY is set, else offline (files under the run's local dir, `wandb sync` them later)."""
+    tensorboard: bool = False
+    """Write TensorBoard event files from rank 0 (needs the `tensorboard` package)."""
+    tensorboard_flush_every_s: float = 30.0
+    """Flush TensorBoard event files at most this often."""
+    queue_size: int = 1000
+    """Log records buffered for the sink thread. When full, the oldest record is dropped and counted in sink/dropped: training never waits for a sink."""
+    slowdown_threshold: float = 0.10
+    """Raise alert/slowdown when the rolling median step time exceeds the run's own baseline by more than this fraction."""
+    slowdown_windows: int = 3
+    """Log windows in the rolling median (and in the baseline taken right after warm-up)."""
+    slowdown_warmup_steps: int = 50
+    """Steps left out of the baseline (allocator and data pipeline warm-up)."""
+    gc_every: int = 200
+    """After setup, freeze the heap, turn off Python's automatic full collections and run one timed full collection every this many steps. 0 = leave Python's GC alone."""
+    peak_measure_s: float = 3.0
+    """Seconds of large matrix products that measure the achievable matmul peak, once per run, device type and dtype (for throughput/mfu_measured_peak). 0 = skip."""
+    coordinator_timeout_s: float = 600.0
+    """How long a rank waits for a value another rank measures (FLOPs per token, peak) before failing with an error."""
+
+
+def metrics_config_problems(config: MetricsConfig) -> list[str]:
+    """Every problem with `config`, as messages naming the field and the fix (empty when valid)."""
+    problems: list[str] = []
+    for name in ("profile_every", "gc_every", "slowdown_warmup_steps"):
+        value = getattr(config, name)
+        if value < 0:
+            problems.append(f"metrics.{name} must be >= 0 (0 = off), got {value}")
+    for name in ("queue_size", "slowdown_windows"):
+        value = getattr(config, name)
+        if value <= 0:
+            problems.append(f"metrics.{name} must be > 0, got {value}")
+    for name in ("jsonl_flush_every_s", "tensorboard_flush_every_s", "peak_measure_s"):
+        value = getattr(config, name)
+        if value < 0:
+            problems.append(f"metrics.{name} must be >= 0, got {value}")
+    if config.coordinator_timeout_s <= 0:
+        problems.append(f"metrics.coordinator_timeout_s must be > 0, got {config.coordinator_timeout_s}")
+    if config.slowdown_threshold <= 0:
+        problems.append(f"metrics.slowdown_threshold must be > 0 (e.g. 0.1 = 10% slower), got {config.slowdown_threshold}")
+    if config.wandb and not config.wandb_project.strip():
+        problems.append("metrics.wandb_project must not be empty when metrics.wandb is true")
+    return problems

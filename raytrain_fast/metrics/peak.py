@@ -1,0 +1,214 @@
+"""Peak FLOP/s for MFU: a datasheet table keyed by device name and dtype, and a measured matmul peak.
+
+MFU = achieved training FLOP/s / peak FLOP/s. The datasheet peak is the usual denominator, but it
+exists only for the accelerators listed here (and never for CPUs): anything else gets `None`, never a
+guess. The measured peak (large square matmuls in the dtype training uses) works everywhere,
+CPUs included, and shows how close the loop gets to what this device really sustains.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+TERA = 1e12
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Datasheet:
+    """Dense (no 2:4 sparsity) tensor-core peaks in TFLOP/s, and the plain FP32 (non-tensor) peak."""
+
+    bf16: float
+    fp16: float
+    tf32: float
+    fp32: float
+    source: str
+
+
+# NVIDIA datasheets list tensor-core figures "with sparsity" (marked *); those are halved here, since
+# training does not use 2:4 structured sparsity. Figures as printed in each datasheet:
+_A100 = _Datasheet(  # A100 40GB/80GB, SXM and PCIe alike: BF16 312 (624*), TF32 156 (312*), FP32 19.5
+    bf16=312.0, fp16=312.0, tf32=156.0, fp32=19.5, source="NVIDIA A100 Tensor Core GPU datasheet"
+)
+_H100_SXM = _Datasheet(  # H100 SXM: BF16 1,979*, TF32 989*, FP32 67
+    bf16=989.5, fp16=989.5, tf32=494.5, fp32=67.0, source="NVIDIA H100 Tensor Core GPU datasheet (SXM)"
+)
+_H100_PCIE = _Datasheet(  # H100 PCIe: BF16 1,513*, TF32 756*, FP32 51
+    bf16=756.5, fp16=756.5, tf32=378.0, fp32=51.0, source="NVIDIA H100 Tensor Core GPU datasheet (PCIe)"
+)
+_H100_NVL = _Datasheet(  # H100 NVL (per GPU): BF16 1,671*, TF32 835*, FP32 60
+    bf16=835.5, fp16=835.5, tf32=417.5, fp32=60.0, source="NVIDIA H100 Tensor Core GPU datasheet (NVL)"
+)
+_H200_SXM = _Datasheet(  # H200 SXM: same compute as H100 SXM (BF16 1,979*, TF32 989*, FP32 67)
+    bf16=989.5, fp16=989.5, tf32=494.5, fp32=67.0, source="NVIDIA H200 Tensor Core GPU datasheet (SXM)"
+)
+_H200_NVL = _Datasheet(  # H200 NVL: BF16 1,671*, TF32 835*, FP32 60
+    bf16=835.5, fp16=835.5, tf32=417.5, fp32=60.0, source="NVIDIA H200 Tensor Core GPU datasheet (NVL)"
+)
+_L4 = _Datasheet(  # L4: BF16 242*, TF32 120*, FP32 30.3
+    bf16=121.0, fp16=121.0, tf32=60.0, fp32=30.3, source="NVIDIA L4 Tensor Core GPU datasheet"
+)
+_L40S = _Datasheet(  # L40S: BF16 362.05 (733*), TF32 183 (366*), FP32 91.6
+    bf16=362.05, fp16=362.05, tf32=183.0, fp32=91.6, source="NVIDIA L40S GPU datasheet"
+)
+_L40 = _Datasheet(  # L40: BF16 181.05 (362.1*), TF32 90.5 (181*), FP32 90.5
+    bf16=181.05, fp16=181.05, tf32=90.5, fp32=90.5, source="NVIDIA L40 GPU datasheet"
+)
+_A10 = _Datasheet(  # A10: BF16 125 (250*), TF32 62.5 (125*), FP32 31.2
+    bf16=125.0, fp16=125.0, tf32=62.5, fp32=31.2, source="NVIDIA A10 Tensor Core GPU datasheet"
+)
+
+# Ordered: the first pattern that matches `torch.cuda.get_device_name()` wins. Names seen in the wild:
+# "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe", "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe",
+# "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA L4", "NVIDIA L40S", "NVIDIA A10G".
+# \b keeps "GH200" from matching H200 and "L40S" from matching L4.
+_TABLE: tuple[tuple[re.Pattern[str], _Datasheet | None], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), sheet)
+    for pattern, sheet in (
+        (r"\bH200\b.*\bNVL\b", _H200_NVL),
+        (r"\bH200\b", _H200_SXM),
+        (r"\bH100\b.*\bNVL\b", _H100_NVL),
+        (r"\bH100\b.*\bPCIe\b", _H100_PCIE),
+        (r"\bH100\b.*(\bSXM|\bHBM3\b)", _H100_SXM),
+        (r"\bA100\b", _A100),
+        (r"\bL40S\b", _L40S),
+        (r"\bL40\b", _L40),
+        (r"\bL4\b", _L4),
+        # The A10G is an AWS-only variant of the A10 with different tensor-core throughput; NVIDIA
+        # publishes no datasheet for it, so there is no honest figure: MFU against the measured peak only.
+        (r"\bA10G\b", None),
+        (r"\bA10\b", _A10),
+    )
+)
+
+DTYPES = ("bf16", "fp16", "tf32", "fp32")
+
+
+def datasheet_peak_flops(device_name: str, dtype: str) -> float | None:
+    """Dense datasheet peak in FLOP/s of one device for matmuls in `dtype` (bf16, fp16, tf32, fp32).
+
+    None for CPUs and for devices not in the table: MFU against a made-up number is worse than none.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    for pattern, sheet in _TABLE:
+        if pattern.search(device_name):
+            return None if sheet is None else getattr(sheet, dtype) * TERA
+    return None
+
+
+def matmul_dtype(precision: str) -> str:
+    """The dtype the tensor cores see for a training precision: fp32 runs as tf32 when torch allows it."""
+    if precision in ("bf16", "fp16"):
+        return precision
+    if precision != "fp32":
+        raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
+    import torch
+
+    tf32 = torch.cuda.is_available() and torch.backends.cuda.matmul.allow_tf32
+    return "tf32" if tf32 else "fp32"
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def device_name(device: torch.device | str) -> str:
+    """The name the datasheet table is keyed by: the CUDA device name, or `cpu:<model name>`."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type}:{_cpu_model_name()}"
+
+
+def device_key(device: torch.device | str) -> str:
+    """Identifies one kind of device for the measured peak. On CPUs the peak depends on the threads
+    torch uses, so they are part of the key."""
+    import torch
+
+    name = device_name(device)
+    if torch.device(device).type == "cpu":
+        return f"{name}:{torch.get_num_threads()}t"
+    return name
+
+
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "tf32": "float32"}
+
+
+def measure_matmul_peak(
+    *, device: torch.device | str, dtype: str, seconds: float = 3.0, size: int | None = None
+) -> float:
+    """Achievable dense matmul FLOP/s of one device in `dtype`: the best of several timed bursts of
+    square (size x size) products over about `seconds`.
+
+    Measure in the dtype training uses: on CPUs without native bf16, bf16 matmuls run ~50x slower
+    than fp32. `tf32` means fp32 tensors with TF32 allowed (the caller's torch settings decide).
+    """
+    import torch
+
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_TORCH_DTYPES)}, got {dtype!r}")
+    device = torch.device(device)
+    torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+    is_cuda = device.type == "cuda"
+    if size is None:
+        size = 8192 if is_cuda else 1024
+    a = torch.randn(size, size, device=device, dtype=torch_dtype)
+    b = torch.randn(size, size, device=device, dtype=torch_dtype)
+    flops_per_product = 2.0 * size**3
+
+    def sync() -> None:
+        if is_cuda:
+            torch.cuda.synchronize(device)  # measurement only, never in the step loop
+
+    def burst(count: int) -> float:
+        sync()
+        start = time.perf_counter()
+        for _ in range(count):
+            torch.mm(a, b)
+        sync()
+        return time.perf_counter() - start
+
+    burst(1)  # warm-up: kernel selection, first-touch allocation
+    # Size the bursts to ~1/5 of the budget so a few of them fit and the best one is kept.
+    one = max(burst(1), 1e-6)
+    count = max(1, int(seconds / 5 / one))
+    best = flops_per_product / one
+    deadline = time.perf_counter() + max(0.0, seconds - one)
+    while time.perf_counter() < deadline:
+        best = max(best, count * flops_per_product / burst(count))
+    return best
+
+
+def mfu(*, tokens_per_sec: float, flops_per_token: float | None, peak_flops: float | None, num_devices: int) -> float | None:
+    """Model FLOPs utilisation: achieved FLOP/s over the peak of all devices; None when unknown."""
+    if not flops_per_token or not peak_flops or num_devices <= 0:
+        return None
+    return tokens_per_sec * flops_per_token / (peak_flops * num_devices)
+
+
+__all__ = [
+    "datasheet_peak_flops",
+    "device_key",
+    "device_name",
+    "matmul_dtype",
+    "measure_matmul_peak",
+    "mfu",
+]

@@ -1,0 +1,178 @@
+"""Progressive-slowdown detector: the run's own step time after warm-up is the baseline.
+
+Fed one `Window` per log step. After `warmup_steps`, the median of the first `num_windows` windows
+becomes the baseline; from then on, when the median of the last `num_windows` windows exceeds the
+baseline by more than `threshold`, the detector raises an alert naming the most likely cause among
+what the loop measures, by how many seconds per step each signal grew against its own baseline:
+data wait, GC pauses, checkpoint stalls, CPU the sink thread took; then sink drops and memory
+growth, which cost no measurable seconds of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("raytrain_fast.metrics")
+
+CAUSES = ("data_wait", "gc", "checkpoint", "sink", "memory", "unexplained")
+
+_DESCRIPTIONS = {
+    "data_wait": "the data pipeline: waiting for the next batch",
+    "gc": "Python garbage collection pauses",
+    "checkpoint": "checkpoint stalls (time training was blocked saving)",
+    "sink": "the metric sinks (the sink thread's CPU time, a growing backlog or dropped records)",
+    "memory": "memory growth",
+    "unexplained": (
+        "nothing the loop measures: the compute itself got slower (other processes on this machine, "
+        "thermal or power throttling, a straggler rank, a slower interconnect)"
+    ),
+}
+# A seconds-based cause must explain at least this share of the extra step time to be named.
+_MIN_EXPLAINED = 0.25
+_MEMORY_GROWTH = 0.10
+
+
+@dataclass(kw_only=True)
+class Window:
+    """What the loop measured over one log window, per optimizer step where it is a time."""
+
+    step: int
+    step_s: float
+    data_wait_s: float = 0.0
+    gc_s: float = 0.0
+    checkpoint_s: float = 0.0
+    sink_cpu_s: float = 0.0
+    sink_dropped: int = 0
+    """Records dropped by the sink queue during this window."""
+    sink_backlog: int = 0
+    memory_gb: float = 0.0
+    """Memory in use now (host RSS on CPU, allocated on GPU)."""
+
+
+@dataclass(kw_only=True)
+class Alert:
+    step: int
+    ratio: float
+    """Rolling median step time / baseline."""
+    cause: str
+    message: str
+    excess_s: dict[str, float] = field(default_factory=dict)
+
+
+class SlowdownDetector:
+    def __init__(self, *, threshold: float = 0.10, num_windows: int = 3, warmup_steps: int = 50) -> None:
+        self.threshold = threshold
+        self.num_windows = num_windows
+        self.warmup_steps = warmup_steps
+        self.baseline: Window | None = None
+        self.alerting = False
+        self.last_alert: Alert | None = None
+        self._baseline_windows: list[Window] = []
+        self._recent: deque[Window] = deque(maxlen=num_windows)
+
+    def update(self, window: Window) -> tuple[float, Alert | None]:
+        """Feed one log window. Returns (alert/slowdown value: 1.0 or 0.0, the alert when one starts).
+
+        Only the transition into a slowdown returns an Alert (and logs a warning); the value stays
+        1.0 while the slowdown lasts.
+        """
+        if window.step <= self.warmup_steps:
+            return 0.0, None
+        if self.baseline is None:
+            self._baseline_windows.append(window)
+            if len(self._baseline_windows) == self.num_windows:
+                self.baseline = _median_window(self._baseline_windows)
+            return 0.0, None
+        self._recent.append(window)
+        if len(self._recent) < self.num_windows:
+            return 0.0, None
+        current = _median_window(list(self._recent))
+        ratio = current.step_s / self.baseline.step_s if self.baseline.step_s > 0 else 1.0
+        slow = ratio > 1.0 + self.threshold
+        alert = None
+        if slow and not self.alerting:
+            # Diagnose on the slow windows only: their signals are the ones that explain the slowdown.
+            limit = self.baseline.step_s * (1.0 + self.threshold)
+            slow_windows = [w for w in self._recent if w.step_s > limit]
+            dropped = sum(w.sink_dropped for w in self._recent)
+            alert = self._diagnose(_mean_window(slow_windows), ratio=ratio, step=window.step, dropped=dropped)
+            self.last_alert = alert
+            logger.warning(alert.message)
+        self.alerting = slow
+        return (1.0 if slow else 0.0), alert
+
+    def _diagnose(self, current: Window, *, ratio: float, step: int, dropped: int) -> Alert:
+        base = self.baseline
+        assert base is not None
+        excess = current.step_s - base.step_s
+        grew = {
+            "data_wait": current.data_wait_s - base.data_wait_s,
+            "gc": current.gc_s - base.gc_s,
+            "checkpoint": current.checkpoint_s - base.checkpoint_s,
+            "sink": current.sink_cpu_s - base.sink_cpu_s,
+        }
+        top = max(grew, key=lambda k: grew[k])
+        memory_growth = (current.memory_gb - base.memory_gb) / base.memory_gb if base.memory_gb > 0 else 0.0
+        if excess > 0 and grew[top] >= _MIN_EXPLAINED * excess:
+            cause = top
+        elif dropped > 0 or current.sink_backlog > base.sink_backlog + 1:
+            cause = "sink"
+        elif memory_growth > _MEMORY_GROWTH:
+            cause = "memory"
+        else:
+            cause = "unexplained"
+        details = {
+            "data_wait": f"data wait {base.data_wait_s * 1e3:.1f} -> {current.data_wait_s * 1e3:.1f} ms/step",
+            "gc": f"GC {base.gc_s * 1e3:.1f} -> {current.gc_s * 1e3:.1f} ms/step",
+            "checkpoint": f"checkpoint blocked {base.checkpoint_s * 1e3:.1f} -> {current.checkpoint_s * 1e3:.1f} ms/step",
+            "sink": (
+                f"sink thread CPU {base.sink_cpu_s * 1e3:.1f} -> {current.sink_cpu_s * 1e3:.1f} ms/step, "
+                f"backlog {current.sink_backlog}, {dropped} dropped"
+            ),
+            "memory": f"memory {base.memory_gb:.2f} -> {current.memory_gb:.2f} GB",
+        }
+        message = (
+            f"slowdown at step {step}: step time {current.step_s * 1e3:.1f} ms is {ratio - 1:.0%} above the baseline "
+            f"{base.step_s * 1e3:.1f} ms (median of the last {self.num_windows} log windows). "
+            f"Most likely cause: {_DESCRIPTIONS[cause]}"
+            + (f" ({details[cause]})" if cause in details else "")
+            + ". Measured: " + "; ".join(v for k, v in details.items() if k != cause) + "."
+        )
+        return Alert(step=step, ratio=ratio, cause=cause, message=message, excess_s=grew)
+
+
+def _median_window(windows: list[Window]) -> Window:
+    def med(name: str) -> float:
+        return statistics.median(getattr(w, name) for w in windows)
+
+    return Window(
+        step=windows[-1].step,
+        step_s=med("step_s"),
+        data_wait_s=med("data_wait_s"),
+        gc_s=med("gc_s"),
+        checkpoint_s=med("checkpoint_s"),
+        sink_cpu_s=med("sink_cpu_s"),
+        sink_dropped=sum(w.sink_dropped for w in windows),
+        sink_backlog=int(med("sink_backlog")),
+        memory_gb=med("memory_gb"),
+    )
+
+
+def _mean_window(windows: list[Window]) -> Window:
+    def mean(name: str) -> float:
+        return statistics.fmean(getattr(w, name) for w in windows)
+
+    return Window(
+        step=windows[-1].step,
+        step_s=mean("step_s"),
+        data_wait_s=mean("data_wait_s"),
+        gc_s=mean("gc_s"),
+        checkpoint_s=mean("checkpoint_s"),
+        sink_cpu_s=mean("sink_cpu_s"),
+        sink_dropped=sum(w.sink_dropped for w in windows),
+        sink_backlog=max(w.sink_backlog for w in windows),
+        memory_gb=windows[-1].memory_gb,
+    )

@@ -1,0 +1,438 @@
+"""What the step loop measures, and the one place it reads the device back (every `log_every` steps).
+
+Per step, `TrainMetrics` only adds detached tensors into an on-device accumulator (loss, grad norm,
+optionally token counts) and reads the host clock around each phase: no host syncs. On log steps,
+`log()` does, on every rank:
+
+1. one all-reduce of the accumulator and one all-gather of four host floats per rank (time to
+   reach the log step, data wait, GC time, a caller's flag), both queued on the device without waiting;
+2. ONE host sync: a single `.tolist()` of all of it (it waits for every kernel queued in the window);
+3. on rank 0: throughput, MFU, phase times, memory, rank spread, slowdown check, progress line, and
+   a hand-off of the record to the sink thread (which never blocks training).
+
+The window's wall time runs from one drain's host sync to the next, so it is exact even on a GPU
+where the host runs ahead. Phase times (forward, backward, optimizer) are sampled every
+`profile_every` steps: with CUDA events on GPU (read at the next drain, when they are complete:
+no extra sync) and with the host clock on CPU, where ops run synchronously. Data wait is the host
+time spent in `next(data)`, every step.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from raytrain_fast.metrics.config import MetricsConfig
+from raytrain_fast.metrics.gc_control import GcControl
+from raytrain_fast.metrics.peak import mfu
+from raytrain_fast.metrics.progress import _duration
+from raytrain_fast.metrics.sinks import MetricSink, SinkWriter
+from raytrain_fast.metrics.slowdown import SlowdownDetector, Window
+
+PHASES = ("data", "forward", "backward", "optimizer")
+_GB = 1e9
+_STATS = 4  # per-rank host floats gathered on log steps: seconds to reach the drain, data wait, GC, flag
+
+
+def _host_memory_gb() -> tuple[float, float]:
+    """(peak RSS, current RSS) of this process in GB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_bytes = peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+    try:
+        with open("/proc/self/statm") as statm:
+            current_bytes = int(statm.read().split()[1]) * resource.getpagesize()
+    except (OSError, IndexError, ValueError):
+        current_bytes = peak_bytes
+    return max(peak_bytes, current_bytes) / _GB, current_bytes / _GB
+
+
+class TrainMetrics:
+    """Metrics of one worker's step loop. Construct it on every rank after setup (model, engine and
+    data built: it freezes the heap for GC control), right before the first step.
+
+    Per step (hot path, no host sync)::
+
+        metrics.begin_step()
+        for each micro-batch:
+            tokens = next(data);          metrics.lap("data")
+            loss = engine(...);           metrics.lap("forward")
+            engine.backward(loss);        metrics.lap("backward")
+            engine.step();                metrics.lap("optimizer")
+            metrics.add_loss(loss)
+        metrics.add_grad_norm(engine.get_global_grad_norm())
+        metrics.end_step(step)
+        if metrics.is_log_step(step):
+            last = metrics.log(step, lr=engine.get_lr()[0])   # every rank: a collective + ONE host sync
+
+    Checkpoints: `with metrics.checkpoint_timer(): save(...)` (or `record_checkpoint(blocked_s=...)`),
+    and `record_checkpoint(upload_s=...)` when an async upload reports its duration.
+    """
+
+    def __init__(
+        self,
+        config: MetricsConfig,
+        *,
+        log_every: int,
+        total_steps: int,
+        start_step: int,
+        tokens_per_step: int,
+        device: torch.device | str,
+        rank: int = 0,
+        world_size: int = 1,
+        flops_per_token: float | None = None,
+        datasheet_peak_flops: float | None = None,
+        measured_peak_flops: float | None = None,
+        sinks: Sequence[MetricSink] = (),
+        print_progress: bool = True,
+        process_group: Any = None,
+    ) -> None:
+        if log_every <= 0:
+            raise ValueError(f"log_every must be > 0, got {log_every}")
+        self.config = config
+        self.log_every = log_every
+        self.total_steps = total_steps
+        self.tokens_per_step = tokens_per_step
+        """Tokens per optimizer step across all ranks."""
+        self.rank = rank
+        self.world_size = world_size
+        self.flops_per_token = flops_per_token
+        self.datasheet_peak_flops = datasheet_peak_flops
+        """Per device, from the datasheet table; None where unknown (CPUs, unlisted devices)."""
+        self.measured_peak_flops = measured_peak_flops
+        """Per device, measured with large matmuls in the training dtype."""
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._group = process_group
+        import torch.distributed as dist
+
+        self._distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
+
+        # On-device accumulators: [loss sum, grad-norm sum, token sum]. Views avoid re-indexing per step.
+        self._acc = torch.zeros(3, dtype=torch.float32, device=self.device)
+        self._loss_acc, self._grad_norm_acc, self._token_acc = self._acc[0], self._acc[1], self._acc[2]
+        if self._distributed:
+            self._stats_host = torch.zeros(_STATS, dtype=torch.float32, pin_memory=self._cuda)
+            self._stats_dev = torch.zeros(_STATS, dtype=torch.float32, device=self.device)
+            self._gathered = [torch.zeros(_STATS, dtype=torch.float32, device=self.device) for _ in range(world_size)]
+
+        self._step = start_step
+        self._window_start_step = start_step
+        self._reset_window_counters()
+        self._lap_t = time.perf_counter()
+        self._profiling = False
+        self._events: list[tuple[str | None, Any]] = []
+        self._pending_events: list[list[tuple[str | None, Any]]] = []
+
+        self._gc = GcControl(every_steps=config.gc_every)
+        self._gc.start()
+        self._gc_s_at_window_start = self._gc.collect_s
+        self._gc_n_at_window_start = self._gc.num_collections
+
+        self._is_logger = rank == 0
+        self._print = print_progress and self._is_logger
+        self._writer = SinkWriter(sinks, max_queue=config.queue_size) if (self._is_logger and sinks) else None
+        self._sink_cpu_at_window_start = 0.0
+        self._dropped_at_window_start = 0
+        self._detector = SlowdownDetector(
+            threshold=config.slowdown_threshold,
+            num_windows=config.slowdown_windows,
+            warmup_steps=start_step + config.slowdown_warmup_steps,
+        )
+        self._last_upload_s: float | None = None
+        self.flag_any_rank = False
+        """After log(): whether any rank passed flag=True to it."""
+        self._window_start = time.perf_counter()
+
+    # --- hot path ------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Start the clock of the next step (and its phase sampling on profile steps)."""
+        self._lap_t = time.perf_counter()
+        every = self.config.profile_every
+        self._profiling = every > 0 and (self._step + 1) % every == 0
+        if self._profiling:
+            if self._cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                self._events = [(None, start)]
+            self._phase_step = {phase: 0.0 for phase in PHASES}
+
+    def lap(self, phase: str) -> None:
+        """The phase `phase` (data, forward, backward or optimizer) just ended. Host clock only."""
+        now = time.perf_counter()
+        if phase == "data":
+            self._data_wait_s += now - self._lap_t
+        if self._profiling:
+            if self._cuda:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                self._events.append((phase, event))
+            else:
+                self._phase_step[phase] += now - self._lap_t
+        self._lap_t = now
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """Add a micro-batch's loss to the on-device sum (detached: no graph is kept, no sync)."""
+        self._loss_acc.add_(loss.detach())
+        self._num_losses += 1
+
+    def add_grad_norm(self, grad_norm: torch.Tensor | float | None) -> None:
+        """The optimizer step's global gradient norm (DeepSpeed: `engine.get_global_grad_norm()`)."""
+        if grad_norm is None:
+            return
+        if isinstance(grad_norm, torch.Tensor):
+            self._grad_norm_acc.add_(grad_norm.detach())
+            self._num_grad_norms += 1
+        else:
+            self._grad_norm_host += float(grad_norm)
+            self._num_grad_norms_host += 1
+
+    def add_tokens(self, num_tokens: torch.Tensor) -> None:
+        """Count tokens on the device (e.g. targets that are not padding) instead of `tokens_per_step`."""
+        self._token_acc.add_(num_tokens.detach())
+        self._tokens_on_device = True
+
+    def end_step(self, step: int) -> None:
+        """Step `step` is done (optimizer applied). GC runs its timed collection here on its cadence."""
+        self._step = step
+        if self._profiling:
+            if self._cuda:
+                self._pending_events.append(self._events)
+                self._events = []
+            else:
+                for phase, seconds in self._phase_step.items():
+                    self._phase_sum[phase] += seconds
+                self._num_profiled += 1
+            self._profiling = False
+        self._gc.step(step)
+
+    def is_log_step(self, step: int) -> bool:
+        return step % self.log_every == 0 or step == self.total_steps
+
+    # --- side concerns -------------------------------------------------------------------------
+
+    def record_checkpoint(self, *, blocked_s: float | None = None, upload_s: float | None = None) -> None:
+        """Time training was blocked by a checkpoint, and/or how long its (async) upload took."""
+        if blocked_s is not None:
+            self._checkpoint_blocked_s += blocked_s
+            self._num_checkpoints += 1
+        if upload_s is not None:
+            self._last_upload_s = upload_s
+
+    def flush_sinks(self) -> None:
+        """Make the records so far durable (JSONL written to storage) without blocking training.
+        Called after each checkpoint, so a crash never loses metrics older than the checkpoint."""
+        if self._writer is not None:
+            self._writer.request_flush()
+
+    @contextmanager
+    def checkpoint_timer(self) -> Iterator[None]:
+        """Times the block as checkpoint/blocked_s."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.record_checkpoint(blocked_s=time.perf_counter() - start)
+
+    # --- log steps -----------------------------------------------------------------------------
+
+    def log(self, step: int, *, lr: float | None = None, flag: bool = False) -> dict[str, float]:
+        """Drain the window. Every rank must call it at the same step (it is a collective).
+
+        `flag` rides along for free: afterwards `flag_any_rank` is True on every rank if any rank
+        passed True (e.g. "my checkpoint timer is due"), with no extra collective or sync.
+        """
+        arrival_s = time.perf_counter() - self._window_start
+        gc_s = self._gc.collect_s - self._gc_s_at_window_start
+        self.flag_any_rank = flag
+        if self._distributed:
+            import torch.distributed as dist
+
+            host_stats = [arrival_s, self._data_wait_s, gc_s, 1.0 if flag else 0.0]
+            self._stats_host.copy_(torch.tensor(host_stats, dtype=torch.float32))
+            self._stats_dev.copy_(self._stats_host, non_blocking=True)
+            dist.all_reduce(self._acc, group=self._group)
+            dist.all_gather(self._gathered, self._stats_dev, group=self._group)
+            drained = torch.cat([self._acc, *self._gathered])
+        else:
+            drained = self._acc
+        values = drained.tolist()  # HOST SYNC: the one per log window; waits for all queued work
+        now = time.perf_counter()
+        metrics = self._compute(step, values, now=now, gc_s=gc_s, lr=lr)
+        self._start_window(step, now)
+        if self._is_logger:
+            self._emit(step, metrics)
+        return metrics
+
+    def _compute(self, step: int, values: list[float], *, now: float, gc_s: float, lr: float | None) -> dict[str, float]:
+        world = self.world_size if self._distributed else 1
+        num_steps = max(1, step - self._window_start_step)
+        wall = max(now - self._window_start, 1e-9)
+        step_s = wall / num_steps
+        loss_sum, grad_norm_sum, token_sum = values[0], values[1], values[2]
+        tokens = token_sum if self._tokens_on_device else self.tokens_per_step * num_steps
+        tokens_per_sec = tokens / wall
+
+        metrics: dict[str, float] = {}
+        if self._num_losses:
+            metrics["train/loss"] = loss_sum / (self._num_losses * world)
+        if lr is not None:
+            metrics["train/lr"] = float(lr)
+        if self._num_grad_norms:
+            metrics["train/grad_norm"] = grad_norm_sum / (self._num_grad_norms * world)
+        elif self._num_grad_norms_host:
+            metrics["train/grad_norm"] = self._grad_norm_host / self._num_grad_norms_host
+        metrics["throughput/tokens_per_sec"] = tokens_per_sec
+        for name, peak in (("throughput/mfu", self.datasheet_peak_flops), ("throughput/mfu_measured_peak", self.measured_peak_flops)):
+            value = mfu(tokens_per_sec=tokens_per_sec, flops_per_token=self.flops_per_token, peak_flops=peak, num_devices=self.world_size)
+            if value is not None:
+                metrics[name] = value
+        metrics["time/step_s"] = step_s
+
+        if self._distributed:
+            per_rank = [values[3 + i * _STATS: 3 + (i + 1) * _STATS] for i in range(self.world_size)]
+            self.flag_any_rank = any(r[3] > 0 for r in per_rank)
+            arrivals = [r[0] for r in per_rank]
+            data_wait = max(r[1] for r in per_rank)
+            gc_window = max(r[2] for r in per_rank)
+            metrics["time/step_s_rank_spread"] = (max(arrivals) - min(arrivals)) / num_steps
+            metrics["time/data_wait_frac_rank_min"] = min(r[1] for r in per_rank) / wall
+        else:
+            data_wait, gc_window = self._data_wait_s, gc_s
+        metrics["time/data_wait_frac"] = data_wait / wall  # the rank that waited most: it sets the pace
+
+        phases = self._phase_means()
+        for phase in ("forward", "backward", "optimizer"):
+            if phase in phases:
+                metrics[f"time/{phase}_s"] = phases[phase]
+
+        if self._num_checkpoints:
+            metrics["checkpoint/blocked_s"] = self._checkpoint_blocked_s / self._num_checkpoints
+        if self._last_upload_s is not None:
+            metrics["checkpoint/upload_s"] = self._last_upload_s
+            self._last_upload_s = None
+
+        if self._cuda:
+            metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.device) / _GB  # allocator stats: no sync
+            memory_now = torch.cuda.memory_allocated(self.device) / _GB
+        else:
+            metrics["memory/peak_gb"], memory_now = _host_memory_gb()
+        metrics["memory/current_gb"] = memory_now
+
+        metrics["gc/collect_s"] = gc_window
+        metrics["gc/collections"] = float(self._gc.num_collections - self._gc_n_at_window_start)
+
+        if self._writer is not None:
+            sink_cpu = self._writer.cpu_s - self._sink_cpu_at_window_start
+            dropped = self._writer.dropped - self._dropped_at_window_start
+            metrics["sink/dropped"] = float(self._writer.dropped)
+            metrics["sink/backlog"] = float(self._writer.backlog)
+            metrics["sink/errors"] = float(self._writer.errors)
+            self._sink_cpu_at_window_start = self._writer.cpu_s
+            self._dropped_at_window_start = self._writer.dropped
+        else:
+            sink_cpu, dropped = 0.0, 0
+
+        if self._is_logger:
+            window = Window(
+                step=step,
+                step_s=step_s,
+                data_wait_s=data_wait / num_steps,
+                gc_s=gc_window / num_steps,
+                checkpoint_s=self._checkpoint_blocked_s / num_steps,
+                sink_cpu_s=sink_cpu / num_steps,
+                sink_dropped=dropped,
+                sink_backlog=self._writer.backlog if self._writer is not None else 0,
+                memory_gb=memory_now,
+            )
+            slowdown, alert = self._detector.update(window)
+            if self._detector.baseline is not None:
+                metrics["alert/slowdown"] = slowdown
+                metrics["alert/slowdown_ratio"] = step_s / self._detector.baseline.step_s
+            if alert is not None:
+                metrics[f"alert/slowdown_cause/{alert.cause}"] = 1.0
+        return metrics
+
+    def _phase_means(self) -> dict[str, float]:
+        if self._cuda:
+            # Every event here was recorded before the drain's host sync, so it has completed and
+            # elapsed_time() returns without waiting.
+            for events in self._pending_events:
+                for (_, previous), (phase, event) in zip(events, events[1:]):
+                    self._phase_sum[phase] += previous.elapsed_time(event) / 1e3
+                self._num_profiled += 1
+            self._pending_events = []
+        if not self._num_profiled:
+            return {}
+        return {phase: total / self._num_profiled for phase, total in self._phase_sum.items()}
+
+    def _reset_window_counters(self) -> None:
+        self._num_losses = 0
+        self._num_grad_norms = 0
+        self._grad_norm_host = 0.0
+        self._num_grad_norms_host = 0
+        self._tokens_on_device = False
+        self._data_wait_s = 0.0
+        self._checkpoint_blocked_s = 0.0
+        self._num_checkpoints = 0
+        self._phase_sum = {phase: 0.0 for phase in PHASES}
+        self._num_profiled = 0
+
+    def _start_window(self, step: int, now: float) -> None:
+        self._acc.zero_()
+        self._reset_window_counters()
+        self._window_start_step = step
+        self._window_start = now  # logging and sink hand-off below count in the next window
+        self._gc_s_at_window_start = self._gc.collect_s
+        self._gc_n_at_window_start = self._gc.num_collections
+
+    def _emit(self, step: int, metrics: dict[str, float]) -> None:
+        if self._writer is not None:
+            self._writer.log(metrics, step)
+        if self._print:
+            print(self.format_line(step, metrics), flush=True)
+
+    def format_line(self, step: int, metrics: dict[str, float]) -> str:
+        """The progress line rank 0 prints on log steps."""
+        width = len(str(self.total_steps))
+        parts = [f"step {step:>{width}}/{self.total_steps}"]
+        if "train/loss" in metrics:
+            parts.append(f"loss {metrics['train/loss']:.4f}")
+        if "train/lr" in metrics:
+            parts.append(f"lr {metrics['train/lr']:.2e}")
+        step_s = metrics["time/step_s"]
+        parts.append(f"{metrics['throughput/tokens_per_sec']:,.0f} tok/s")
+        parts.append(f"{step_s * 1000:.0f} ms/step")
+        if "throughput/mfu" in metrics:
+            parts.append(f"MFU {metrics['throughput/mfu']:.1%}")
+        if "throughput/mfu_measured_peak" in metrics:
+            parts.append(f"{metrics['throughput/mfu_measured_peak']:.0%} of measured peak")
+        parts.append(f"data wait {metrics['time/data_wait_frac']:.1%}")
+        parts.append(f"ETA {_duration(step_s * max(0, self.total_steps - step))}")
+        if metrics.get("alert/slowdown"):
+            parts.append(f"SLOWDOWN x{metrics.get('alert/slowdown_ratio', math.nan):.2f}")
+        return "  ".join(parts)
+
+    # --- end -----------------------------------------------------------------------------------
+
+    @property
+    def sink_writer(self) -> SinkWriter | None:
+        return self._writer
+
+    @property
+    def slowdown(self) -> SlowdownDetector:
+        return self._detector
+
+    def close(self) -> None:
+        """Deliver queued records, close the sinks, give Python's GC its settings back."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self._gc.close()
