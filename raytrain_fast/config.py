@@ -19,6 +19,7 @@ from raytrain_fast.engine.config import EngineConfig, OptimConfig
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.launch.config import ResourcesConfig
 from raytrain_fast.loop.config import TrainConfig
+from raytrain_fast.metrics.config import MetricsConfig, metrics_config_problems
 from raytrain_fast.model.config import ModelConfig
 from raytrain_fast.storage.config import StorageConfig
 
@@ -39,6 +40,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
 
@@ -180,7 +182,7 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
     positive("data", d, "seq_len", "prefetch_batches")
     positive("train", t, "steps", "global_batch", "micro_batch", "grad_accum", "log_every")
     positive("optim", o, "lr", "eps")
-    positive("checkpoint", c, "every_steps", "keep_last")
+    positive("checkpoint", c, "keep_last")
     positive("resources", r, "num_workers")
 
     if m.num_heads > 0 and m.d_model % m.num_heads:
@@ -246,6 +248,14 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
             f"resources.cpus_per_worker x num_workers = {r.cpus_per_worker * r.num_workers} CPUs, but the Ray cluster "
             f"has {cluster_cpus:g}; the workers would wait forever. Lower one of them (0 = automatic)"
         )
+
+    problems.extend(metrics_config_problems(config.metrics))
+    if c.every_steps < 0 or c.every_minutes < 0:
+        problems.append("checkpoint.every_steps and checkpoint.every_minutes must be >= 0 (0 = off)")
+    if c.keep_best < 0:
+        problems.append(f"checkpoint.keep_best must be >= 0, got {c.keep_best}")
+    if c.upload_attempts < 1:
+        problems.append(f"checkpoint.upload_attempts must be >= 1, got {c.upload_attempts}")
 
     if problems:
         raise ConfigError(problems)

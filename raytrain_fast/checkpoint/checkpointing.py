@@ -31,7 +31,13 @@ import torch
 import yaml
 
 from raytrain_fast.checkpoint.config import CheckpointConfig
-from raytrain_fast.checkpoint.manifest import download_checkpoint, find_resumable_checkpoint, list_checkpoint_dirs, write_rank_manifest
+from raytrain_fast.checkpoint.manifest import (
+    download_checkpoint,
+    find_resumable_checkpoint,
+    list_checkpoint_dirs,
+    verify_checkpoint,
+    write_rank_manifest,
+)
 from raytrain_fast.errors import CheckpointError
 
 DEEPSPEED_TAG = "deepspeed"
@@ -64,6 +70,14 @@ class TrainState:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+def world_size_message(uri: str, *, saved: int, now: int) -> str:
+    return (
+        f"checkpoint {uri} was saved by {saved} workers, this run has {now}. ZeRO optimizer shards are per "
+        f"worker: resume with resources.num_workers={saved}, or start a new run (another --name) from its "
+        f"model weights with --set checkpoint.init_from={uri}"
+    )
+
+
 def checkpoint_dir_name(step: int) -> str:
     return f"checkpoint_{step:08d}"
 
@@ -79,6 +93,7 @@ class Checkpointer:
         self._run_config = run_config  # already redacted by the caller
         storage = ray.train.get_context().get_storage()
         self.filesystem, self.run_path = storage.storage_filesystem, storage.experiment_fs_path
+        self._scheme = "s3://" if self.filesystem.type_name == "s3" else ""
         self._upload_idle = threading.Event()
         self._upload_idle.set()
         self.last_upload_s: float | None = None
@@ -164,18 +179,33 @@ class Checkpointer:
             self._upload_idle.set()
         return ray.train.Checkpoint(destination, self.filesystem)
 
+    def take_upload_s(self) -> float | None:
+        """Duration of the last finished upload, once (None if none finished since the last call)."""
+        value, self.last_upload_s = self.last_upload_s, None
+        return value
+
     def wait_for_upload(self) -> None:
         self._upload_idle.wait()
 
+    def uri(self, path: str) -> str:
+        """A storage path as the user writes it (s3://bucket/... for S3)."""
+        return f"{self._scheme}{path}"
+
     def _prune(self) -> None:
-        """Keep the newest keep_last plus the best keep_best checkpoints; delete the rest."""
-        checkpoints = [path for _, path in list_checkpoint_dirs(self.filesystem, self.run_path)]  # newest first
-        keep = set(checkpoints[: max(1, self.config.keep_last)])
+        """Keep the newest keep_last COMPLETE checkpoints, the best keep_best, and anything newer
+        than the oldest kept (still uploading from another rank); delete the rest."""
+        newest_first = [path for _, path in list_checkpoint_dirs(self.filesystem, self.run_path)]
+        complete = [p for p in newest_first if verify_checkpoint(self.filesystem, p, checksums=False)[0]]
+        kept_recent = complete[: max(1, self.config.keep_last)]
+        if not kept_recent:
+            return  # nothing proven complete yet: delete nothing
+        oldest_kept = newest_first.index(kept_recent[-1])
+        keep = set(newest_first[: oldest_kept + 1])
         if self.config.keep_best > 0:
-            scored = [(value, path) for path in checkpoints if (value := self._metric_of(path)) is not None]
+            scored = [(value, path) for path in complete if (value := self._metric_of(path)) is not None]
             scored.sort(reverse=self.config.best_mode == "max")
             keep.update(path for _, path in scored[: self.config.keep_best])
-        for path in checkpoints:
+        for path in newest_first:
             if path not in keep:
                 self.filesystem.delete_dir(path)
                 self._best_cache.pop(path, None)
@@ -205,7 +235,7 @@ class Checkpointer:
         if self.rank == 0:
             chosen, skipped = find_resumable_checkpoint(self.filesystem, self.run_path, download_to=self._restore_dir)
             for path, reason in skipped:
-                print(f"Skipping checkpoint {path}: {reason}", flush=True)
+                print(f"Skipping checkpoint {self.uri(path)}: {reason}", flush=True)
         chosen = broadcast_from_rank_zero(chosen)
         if chosen is None:
             self._discard_restore_dir()
@@ -216,9 +246,7 @@ class Checkpointer:
         if state.world_size != self.world_size:
             self._discard_restore_dir()
             raise CheckpointError(
-                f"checkpoint {chosen} was saved by {state.world_size} workers, this run has {self.world_size}. "
-                f"ZeRO optimizer shards are per worker: resume with resources.num_workers={state.world_size}, "
-                f"or start a new run (another --name) from its model weights with --set checkpoint.init_from={chosen}"
+                world_size_message(self.uri(chosen), saved=state.world_size, now=self.world_size)
             )
         self._restored_from = chosen
         return state

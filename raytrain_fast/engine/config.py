@@ -13,7 +13,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of `lr` at the last step of the cosine decay."""
     warmup_steps: int = 20
-    """Optimizer steps of linear warmup from 0 to `lr`."""
+    """Optimizer steps of linear warmup to `lr` (step s uses lr * (s + 1) / warmup_steps)."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay."""
     beta1: float = 0.9

@@ -27,6 +27,8 @@ class RunResult:
     """Metrics reported with the latest checkpoint."""
     checkpoints: list[tuple[str, dict]]
     """(path, metrics) of every checkpoint kept, oldest first."""
+    measurements: dict
+    """How many times the coordinator measured each value during this fit (FLOPs, peaks)."""
 
 
 def storage_path(uri: str) -> str:
@@ -45,15 +47,23 @@ def _ensure_ray() -> None:
 
 
 def check_resume_policy(config: Config) -> None:
-    """checkpoint.resume=must|never, decided from storage before any worker starts."""
+    """checkpoint.resume=must|never, and the worker count of the checkpoint to resume, decided from
+    storage before any worker starts (a mismatch inside the workers would be retried max_failures times)."""
+    import json
+
+    from raytrain_fast.checkpoint.checkpointing import STATE_FILE, world_size_message
     from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs, verify_checkpoint
 
     policy = config.checkpoint.resume
-    if policy == "auto":
-        return
     filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
     run_path = f"{root.rstrip('/')}/{config.name}"
     complete = [path for _, path in list_checkpoint_dirs(filesystem, run_path) if verify_checkpoint(filesystem, path, checksums=False)[0]]
+    if complete:
+        with filesystem.open_input_stream(f"{complete[0]}/{STATE_FILE}") as stream:
+            saved = int(json.loads(stream.read()).get("world_size", config.resources.num_workers))
+        if saved != config.resources.num_workers:
+            scheme = "s3://" if config.storage.uri.startswith("s3://") else ""
+            raise CheckpointError(world_size_message(f"{scheme}{complete[0]}", saved=saved, now=config.resources.num_workers))
     if policy == "must" and not complete:
         raise CheckpointError(
             f"--resume must: run '{config.name}' has no complete checkpoint under {config.storage.uri}. "
@@ -72,6 +82,10 @@ def resolve_resources(config: Config, *, create_bucket: bool = False) -> Config:
 
     validate(config)  # everything that needs no cluster, before Ray even starts
     config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, uri=storage_path(config.storage.uri)))
+    if config.checkpoint.init_from:  # resolved here: the workers' working directory differs
+        config = dataclasses.replace(
+            config, checkpoint=dataclasses.replace(config.checkpoint, init_from=storage_path(config.checkpoint.init_from))
+        )
     check_storage(config.storage, create_bucket=create_bucket)  # reachable and writable, in seconds
     check_resume_policy(config)
     _ensure_ray()
@@ -81,6 +95,11 @@ def resolve_resources(config: Config, *, create_bucket: bool = False) -> Config:
 
     resources = config.resources
     use_gpu = gpus >= resources.num_workers if resources.use_gpu == "auto" else bool(resources.use_gpu)
+    if resources.use_gpu == "auto" and 0 < gpus < resources.num_workers:
+        print(
+            f"Warning: the cluster has {gpus:g} GPUs for {resources.num_workers} workers, so resources.use_gpu=auto "
+            "trains on CPUs. Lower resources.num_workers to use the GPUs.", flush=True,
+        )
     cpus_per_worker = resources.cpus_per_worker
     if cpus_per_worker == 0:
         cpus_per_worker = 4 if use_gpu else max(1, int(cpus // resources.num_workers))
@@ -148,7 +167,12 @@ def build_trainer(config: Config, *, data_uri: str):
     }
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": config.to_dict(), "data_uri": data_uri, "max_sequences": max_sequences(config)},
+        train_loop_config={
+            "config": config.to_dict(), "data_uri": data_uri, "max_sequences": max_sequences(config),
+            # The driver's S3 filesystem (credentials inside, as in storage_filesystem): workers
+            # use it for data and metrics too, whatever their own environment holds.
+            "s3_filesystem": filesystem if config.storage.uri.startswith("s3://") else None,
+        },
         torch_config=TorchConfig(backend="nccl" if resources.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
             num_workers=resources.num_workers,
@@ -179,11 +203,21 @@ def run(config: Config, *, create_bucket: bool = False) -> RunResult:
     config = resolve_resources(config, create_bucket=create_bucket)
     run_dir = f"{config.storage.uri.rstrip('/')}/{config.name}"
     print(f"Run '{config.name}': {config.resources.num_workers} worker(s), storage {run_dir}", flush=True)
+    import ray
+
+    from raytrain_fast.coordinator import start_coordinator
+
     data_uri = prepare_training_data(config)
+    # One named actor per run, owned by this driver: it outlives worker-group restarts, so FLOPs
+    # and the matmul peak are measured once per run. Kept referenced until fit() returns.
+    coordinator = start_coordinator(config.name or "run")
     result = build_trainer(config, data_uri=data_uri).fit()
+    measurements = ray.get(coordinator.measurements.remote())
+    ray.kill(coordinator)  # the next run of this name starts a fresh one (values come from checkpoints)
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
     kept = sorted(((c.path, dict(m)) for c, m in (result.best_checkpoints or [])), key=lambda item: item[0])
     kept = [(path, metrics) for path, metrics in kept if _exists(result, path)]  # pruned ones are gone
     return RunResult(
-        name=config.name or "", run_dir=run_dir, checkpoint=checkpoint, metrics=dict(result.metrics or {}), checkpoints=kept
+        name=config.name or "", run_dir=run_dir, checkpoint=checkpoint, metrics=dict(result.metrics or {}),
+        checkpoints=kept, measurements=measurements,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import random
 import signal
 from collections.abc import Iterator
@@ -19,24 +20,32 @@ from raytrain_fast.checkpoint import Checkpointer, TrainState
 from raytrain_fast.checkpoint.checkpointing import load_initial_weights
 from raytrain_fast.config import Config
 from raytrain_fast.engine import build_engine, select_accelerator
-from raytrain_fast.metrics import Progress
+from raytrain_fast.coordinator import Coordinator
+from raytrain_fast.metrics import TrainMetrics, build_sinks, mfu_inputs
 from raytrain_fast.model import GPT
 from raytrain_fast.storage import redact
+from raytrain_fast.storage.filesystem import use_shipped_s3_filesystem
 
 
-def train_step(engine: Any, data: Iterator[tuple[torch.Tensor, torch.Tensor]], *, grad_accum: int, loss_sum: torch.Tensor, on_batch=None) -> None:
+def train_step(engine: Any, data: Iterator[tuple[torch.Tensor, torch.Tensor]], metrics: TrainMetrics, *, grad_accum: int, on_batch=None) -> None:
     """One optimizer step: grad_accum micro-batches of forward + backward, then DeepSpeed's step.
 
-    The detached loss is added to `loss_sum` on the device: no host sync here.
+    The detached loss and grad norm go into on-device accumulators: no host sync here.
     """
+    metrics.begin_step()
     for _ in range(grad_accum):
         tokens, seq_ids = next(data)  # tokens: (B, T + 1)
+        metrics.lap("data")
         if on_batch is not None:
             on_batch(seq_ids)
         loss = engine(tokens[:, :-1], tokens[:, 1:])
+        metrics.lap("forward")
         engine.backward(loss)
+        metrics.lap("backward")
         engine.step()  # applies the optimizer only at the accumulation boundary
-        loss_sum += loss.detach()
+        metrics.lap("optimizer")
+        metrics.add_loss(loss)
+    metrics.add_grad_norm(engine.get_global_grad_norm())
 
 
 def _maybe_inject_failure(step: int, rank: int) -> None:
@@ -73,15 +82,6 @@ class _SequenceRecorder:
         self._ids = []
 
 
-def _agree(flag: bool) -> bool:
-    """True on every rank if it is True on any rank (a tiny all-reduce; log steps only)."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return flag
-    tensor = torch.tensor([1.0 if flag else 0.0], device="cuda" if torch.cuda.is_available() else "cpu")
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return bool(tensor.item())  # host sync: log steps only, and only with every_minutes set
-
-
 def _setup_threads(cpus: int) -> None:
     # Ray starts actors with OMP_NUM_THREADS=1; torch must be told how many cores it may use.
     if cpus > 0:
@@ -103,6 +103,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     from raytrain_fast.data import BatchIterator, DataPosition, load_manifest
 
     config = Config.from_dict(loop_config["config"])
+    if loop_config.get("s3_filesystem") is not None:
+        use_shipped_s3_filesystem(config.storage, loop_config["s3_filesystem"])
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     _setup_threads(config.resources.cpus_per_worker)
@@ -135,11 +137,23 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         position=DataPosition.from_dict(state.data_position) if state.data_position else None,
         max_sequences=loop_config.get("max_sequences"),
     )
-    model = GPT(config.model)
+    model = GPT(config.model).to(_device())
     if restored is None and config.checkpoint.init_from:
         source = load_initial_weights(model, config.checkpoint.init_from, storage=config.storage)
         if rank == 0:
             print(f"New run initialised from {config.checkpoint.init_from} ({source}).", flush=True)
+
+    # FLOPs per token and the achievable peak: measured once per run (rank 0), shared through the
+    # coordinator actor, kept in checkpoints. Counted before DeepSpeed wraps the model.
+    coordinator = Coordinator.connect(config.name or "run", timeout_s=config.metrics.coordinator_timeout_s)
+    if rank == 0 and state.coordinator:
+        coordinator.import_state(state.coordinator)
+    mfu = mfu_inputs(
+        coordinator, config.metrics, rank=rank, model=model, device=_device(), precision=config.engine.precision,
+        sample_tokens=torch.randint(0, config.model.vocab_size, (1, config.data.seq_len), device=_device()),
+    )
+    state.coordinator = coordinator.export_state()
+
     engine = build_engine(
         model, engine=config.engine, optim=config.optim, micro_batch=train.micro_batch,
         grad_accum=grad_accum, world_size=world_size, total_steps=train.steps,
@@ -148,35 +162,49 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         checkpointer.load_into(engine)
 
     tokens_per_step = train.micro_batch * grad_accum * world_size * config.data.seq_len
-    progress = Progress(total_steps=train.steps, start_step=state.step, tokens_per_step=tokens_per_step, enabled=rank == 0)
+    run_uri = f"{config.storage.uri.rstrip('/')}/{config.name}"
+    sinks = []
+    if rank == 0:
+        local_dir = run_uri if "://" not in run_uri else tempfile.mkdtemp(prefix="raytrain-fast-sinks-")
+        sinks = build_sinks(
+            config.metrics, run_uri=run_uri, run_name=config.name or "run", start_step=state.step,
+            local_dir=local_dir, storage=config.storage, run_config=redact(config.to_dict()),
+        )
+    metrics = TrainMetrics(  # built last: it freezes the heap for GC control
+        config.metrics, log_every=train.log_every, total_steps=train.steps, start_step=state.step,
+        tokens_per_step=tokens_per_step, device=engine.device, rank=rank, world_size=world_size,
+        flops_per_token=mfu.flops_per_token, datasheet_peak_flops=mfu.datasheet_peak_flops,
+        measured_peak_flops=mfu.measured_peak_flops, sinks=sinks,
+    )
     recorder = _SequenceRecorder(rank)
-    loss_sum = torch.zeros((), device=engine.device)
     last: dict[str, float] = {}
-    window_start = start_step = state.step
+    start_step = state.step
 
     try:
         while state.step < train.steps:
-            train_step(engine, data, grad_accum=grad_accum, loss_sum=loss_sum, on_batch=recorder.add if recorder.path else None)
+            train_step(engine, data, metrics, grad_accum=grad_accum, on_batch=recorder.add if recorder.path else None)
             state.step += 1
             state.tokens += tokens_per_step
+            metrics.end_step(state.step)
             if recorder.path:
                 recorder.end_step(state.step)
             _maybe_inject_failure(state.step, rank)
 
-            is_log_step = state.step % train.log_every == 0 or state.step == train.steps
-            if is_log_step:
-                torch.distributed.all_reduce(loss_sum)  # mean over ranks, log steps only
-                mean_loss = loss_sum.item() / (world_size * grad_accum * (state.step - window_start))  # host sync
-                loss_sum.zero_()
-                window_start = state.step
-                last = progress.log(step=state.step, loss=mean_loss, lr=engine.get_lr()[0])
+            time_due = False
+            if metrics.is_log_step(state.step):
+                # Every rank: one collective and the one host sync of the window. A rank that thinks
+                # a timed checkpoint is due says so here, so all ranks save at the same step.
+                last = metrics.log(state.step, lr=engine.get_lr()[0], flag=checkpointer.due_by_time())
+                time_due = metrics.flag_any_rank
 
-            if checkpointer.due_by_steps(state.step, train.steps) or (
-                is_log_step and config.checkpoint.every_minutes > 0 and _agree(checkpointer.due_by_time())
-            ):
+            if checkpointer.due_by_steps(state.step, train.steps) or time_due:
                 state.data_position = data.position.to_dict()
-                checkpointer.save(engine, state, metrics={"step": state.step, "tokens": state.tokens, "start_step": start_step, **last})
-                progress.restart_clock(state.step)
+                blocked_s = checkpointer.save(
+                    engine, state, metrics={"step": state.step, "tokens": state.tokens, "start_step": start_step, **last}
+                )
+                metrics.record_checkpoint(blocked_s=blocked_s, upload_s=checkpointer.take_upload_s())
+                metrics.flush_sinks()
         checkpointer.wait_for_upload()
     finally:
+        metrics.close()
         data.close()

@@ -94,10 +94,28 @@ def build_s3_filesystem(
     return pafs.S3FileSystem(**kwargs)
 
 
+_SHIPPED: dict[tuple, pafs.FileSystem] = {}
+
+
+def _endpoint_key(storage: StorageConfig) -> tuple:
+    return (storage.endpoint_url, storage.region, storage.path_style, storage.profile)
+
+
+def use_shipped_s3_filesystem(storage: StorageConfig, filesystem: pafs.FileSystem) -> None:
+    """In a worker: use the S3 filesystem the driver built (it carries the driver's credentials,
+    pickled as Ray's own storage filesystem is) for every s3:// URI of this storage endpoint.
+
+    Workers need not see the credential environment variables themselves: a Ray instance started
+    before they were exported, or a cluster whose workers lack them, still reaches the bucket.
+    """
+    _SHIPPED[_endpoint_key(storage)] = filesystem
+
+
 def resolve_filesystem(uri: str, storage: StorageConfig) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it) for a local path or an s3:// URI. The path has no scheme."""
     if uri.startswith("s3://"):
-        return build_s3_filesystem(storage), uri[len("s3://"):].rstrip("/")
+        shipped = _SHIPPED.get(_endpoint_key(storage))
+        return shipped or build_s3_filesystem(storage), uri[len("s3://"):].rstrip("/")
     if uri.startswith("file://"):
         uri = uri[len("file://"):]
     if is_remote(uri):
