@@ -1,19 +1,33 @@
 """raytrain_fast: fast, fault-tolerant pretraining of decoder-only language models on Ray.
 
 Entry points: the `raytrain-fast` command (raytrain_fast.cli) and `jobs/pretrain.py`. The public
-Python surface is below; everything else is internal.
+Python surface is below (imported on first use, so light modules such as the coordinator actor
+never pay for importing torch); everything else is internal.
 """
 
-from raytrain_fast.config import Config, load_config, validate
-from raytrain_fast.errors import CheckpointError, ConfigError, DataError, RaytrainFastError, StorageError
+from __future__ import annotations
 
-__all__ = [
-    "CheckpointError",
-    "Config",
-    "ConfigError",
-    "DataError",
-    "RaytrainFastError",
-    "StorageError",
-    "load_config",
-    "validate",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Config": "raytrain_fast.config",
+    "load_config": "raytrain_fast.config",
+    "validate": "raytrain_fast.config",
+    "CheckpointError": "raytrain_fast.errors",
+    "ConfigError": "raytrain_fast.errors",
+    "DataError": "raytrain_fast.errors",
+    "RaytrainFastError": "raytrain_fast.errors",
+    "StorageError": "raytrain_fast.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'raytrain_fast' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

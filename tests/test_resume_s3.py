@@ -96,7 +96,8 @@ def test_worker_failure_resumes_from_the_last_complete_checkpoint_with_the_same_
     result = run(config)
 
     assert marker.exists(), "the failure was not injected"
-    resumed_from = (fail_step // EVERY) * EVERY
+    # The failure fires right after step `fail_step` is trained, before that step's own checkpoint.
+    resumed_from = ((fail_step - 1) // EVERY) * EVERY
     final = dict(result.checkpoints)[result.checkpoint]
     assert final["start_step"] == resumed_from, (fail_step, final)
     got = losses(config)
