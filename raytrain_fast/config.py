@@ -15,6 +15,7 @@ import yaml
 from raytrain_fast._dataclass_yaml import from_dict, to_dict
 from raytrain_fast.checkpoint.config import CheckpointConfig
 from raytrain_fast.data.config import DataConfig
+from raytrain_fast.data.corpus import BYTE_VOCAB_SIZE
 from raytrain_fast.engine.config import EngineConfig, OptimConfig
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.launch.config import ResourcesConfig
@@ -24,7 +25,6 @@ from raytrain_fast.model.config import ModelConfig
 from raytrain_fast.storage.config import StorageConfig
 
 DEFAULT_PRESET = "tiny"
-BYTE_VOCAB_SIZE = 257  # 256 byte values + one end-of-document token
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 

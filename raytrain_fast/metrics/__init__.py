@@ -4,7 +4,6 @@ MFU, phase times, a slowdown detector, GC control, and sinks written from rank 0
 from raytrain_fast.metrics.config import MetricsConfig, metrics_config_problems
 from raytrain_fast.metrics.names import METRICS
 from raytrain_fast.metrics.peak import datasheet_peak_flops, device_key, device_name, matmul_dtype, measure_matmul_peak, mfu
-from raytrain_fast.metrics.progress import Progress
 from raytrain_fast.metrics.sinks import (
     JsonlSink,
     MetricSink,
@@ -24,7 +23,6 @@ __all__ = [
     "MetricSink",
     "MetricsConfig",
     "MfuInputs",
-    "Progress",
     "SinkWriter",
     "SlowdownDetector",
     "TensorBoardSink",

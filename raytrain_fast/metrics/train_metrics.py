@@ -32,9 +32,16 @@ import torch
 from raytrain_fast.metrics.config import MetricsConfig
 from raytrain_fast.metrics.gc_control import GcControl
 from raytrain_fast.metrics.peak import mfu
-from raytrain_fast.metrics.progress import _duration
 from raytrain_fast.metrics.sinks import MetricSink, SinkWriter
 from raytrain_fast.metrics.slowdown import SlowdownDetector, Window
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
 
 PHASES = ("data", "forward", "backward", "optimizer")
 _GB = 1e9
