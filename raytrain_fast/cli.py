@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from raytrain_fast.errors import RaytrainFastError
@@ -52,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="local output directory")
     export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
 
+    report = commands.add_parser("report", help="plots, an HTML page and a plain-language diagnosis of a run's metrics")
+    _add_storage_args(report)
+    report.add_argument("--name", required=True, help="run name")
+    report.add_argument("--out", default=None, help="local output directory (default: ./<name>-report)")
+
     prepare = commands.add_parser("prepare-data", help="tokenize and pack text files into Parquet shards plus a manifest")
     prepare.add_argument("--input", nargs="+", required=True, metavar="PATH_OR_GLOB", help="text/JSONL files, directories, globs or s3:// URIs")
     prepare.add_argument("--output", required=True, help="output directory or s3:// URI")
@@ -65,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     from raytrain_fast.bench.run import add_parser as add_bench_parser
 
     add_bench_parser(commands)
+    sweep = commands.add_parser(
+        "sweep", help="Ray Tune sweep of micro-batch x grad accumulation at the config's global batch; writes the best config",
+    )
+    _add_config_args(sweep)
+    sweep.add_argument("--micro-batch", required=True, metavar="M1,M2,...", help="micro-batches per worker to try, e.g. 1,2,4,8,16")
+    sweep.add_argument("--steps", type=int, default=30, help="optimizer steps per trial (default 30)")
+    sweep.add_argument("--objective", choices=("tokens_per_sec", "loss"), default="tokens_per_sec", help="what the best trial maximises / minimises")
+    sweep.add_argument("--sweep-name", default=None, help="directory of the results under storage.uri (default: <run name>-sweep)")
+    sweep.add_argument("--best-out", default=None, help="local file for the best config (default: in the results when storage is local, else ./<sweep>-best.yaml)")
+    sweep.add_argument("--create-bucket", action="store_true", help="create the S3 bucket of storage.uri if it is missing")
     show = commands.add_parser("show-config", help="print the resolved config as YAML, without running")
     _add_config_args(show)
     show.add_argument("--reference", action="store_true", help="print the reference of every config key (Markdown) instead")
@@ -78,9 +94,39 @@ def pretrain(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     config = load_config(args.config, overrides, name=args.name)
     result = run(config, create_bucket=args.create_bucket)
+    if result.stopped_by:
+        print(f"\nStopped by {result.stopped_by}. Run directory: {result.run_dir}")
+        print(f"Latest checkpoint: {result.checkpoint or 'none'}")
+        print(f"Continue this run: the same command with --name {result.name}")
+        return 128 + int(getattr(signal, result.stopped_by))  # the shell's convention for "ended by a signal"
     print(f"\nDone. Run directory: {result.run_dir}")
     print(f"Latest checkpoint: {result.checkpoint or 'none'}")
     print(f"Continue this run: same command with --name {result.name} (raise train.steps to train further)")
+    return 0
+
+
+def sweep(args: argparse.Namespace) -> int:
+    from raytrain_fast.config import load_config
+    from raytrain_fast.errors import ConfigError
+    from raytrain_fast.sweep import SweepSpec, run_sweep
+
+    try:
+        micro_batches = [int(v) for v in args.micro_batch.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise ConfigError(f"--micro-batch '{args.micro_batch}': expected comma-separated integers, e.g. 1,2,4,8") from None
+    config = load_config(args.config, args.overrides, name=args.name)
+    spec = SweepSpec(
+        micro_batches=micro_batches, steps=args.steps, objective=args.objective, name=args.sweep_name,
+        best_config_out=args.best_out,
+    )
+    result = run_sweep(config, spec, create_bucket=args.create_bucket)
+    print(f"\nSweep '{result.name}' ({result.max_concurrent_trials} trial(s) at a time):\n{result.table}")
+    print(f"Results: {', '.join(result.files.values())}")
+    if result.best is None:
+        print("No trial ran to the end: see the reasons above.")
+        return 1
+    print(f"Best: micro_batch={result.best.micro_batch}, grad_accum={result.best.grad_accum}. "
+          f"Train with: raytrain-fast pretrain --config {result.best_config_path}")
     return 0
 
 
@@ -115,6 +161,15 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
+def report(args: argparse.Namespace) -> int:
+    from raytrain_fast.report import make_report
+
+    result = make_report(args.storage, args.name, out_dir=args.out or f"{args.name}-report", storage=_storage_config(args))
+    print(result.text)
+    print(f"\nReport: {result.html_path} ({len(result.pngs)} plots in {result.out_dir})")
+    return 0
+
+
 def prepare_data(args: argparse.Namespace) -> int:
     from raytrain_fast.data import prepare_data as prepare
     from raytrain_fast.storage import StorageConfig
@@ -139,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {
         "pretrain": pretrain, "show-config": show_config, "runs": runs, "export": export,
-        "prepare-data": prepare_data, "bench": bench,
+        "prepare-data": prepare_data, "bench": bench, "sweep": sweep,
+        "report": report,
     }
     try:
         return handlers[args.command](args)

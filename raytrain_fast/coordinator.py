@@ -56,6 +56,7 @@ class _CoordinatorActor:
         self._events: dict[str, asyncio.Event] = {}
         self._measured: dict[str, int] = {}
         self._next_token = 0
+        self._stop_reason: str | None = None
 
     def _event(self, key: str) -> asyncio.Event:
         if key not in self._events:
@@ -128,6 +129,14 @@ class _CoordinatorActor:
         """How many times each value was measured and posted during this actor's life."""
         return dict(self._measured)
 
+    async def request_stop(self, reason: str) -> None:
+        """The driver got a stop notice (SIGTERM, Ctrl-C): the workers save and stop."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+
+    async def stop_reason(self) -> str | None:
+        return self._stop_reason
+
 
 def _remote_class():
     import ray
@@ -173,6 +182,9 @@ class Coordinator:
         self.timeout_s = timeout_s
         self.lease_s = lease_s
         """A claim not renewed for this long expires (its rank died); renewals come every lease_s / 4."""
+        self._stop_ref: Any = None
+        self._stop_reason: str | None = None
+        self._stop_polling = True
 
     @classmethod
     def connect(cls, run_name: str, *, timeout_s: float = 600.0, create_if_missing: bool = True) -> Coordinator:
@@ -287,6 +299,26 @@ class Coordinator:
                 meta={"seconds": seconds},
             )
         )
+
+    def stop_requested(self) -> str | None:
+        """The driver's stop reason, or None. Never waits: each call collects the answer to the
+        previous call's query (if it has arrived) and sends the next one, so the answer lags by
+        one call. Called on log steps only."""
+        import ray
+
+        if self._stop_ref is not None:
+            ready, _ = ray.wait([self._stop_ref], timeout=0)
+            if not ready:
+                return self._stop_reason
+            try:
+                self._stop_reason = ray.get(self._stop_ref)
+            except ray.exceptions.RayError as error:  # the driver (and its actor) is gone: Ray stops us anyway
+                logger.warning("coordinator unreachable, no longer polling for stop requests: %s", error)
+                self._stop_polling = False
+            self._stop_ref = None
+        if self._stop_reason is None and self._stop_polling:
+            self._stop_ref = self.actor.stop_reason.remote()
+        return self._stop_reason
 
     def export_state(self) -> dict[str, Any]:
         """JSON-able values to store in a checkpoint."""

@@ -211,8 +211,9 @@ def _rank_main(rank: int, world_size: int, port: int, out_path: str) -> None:
         dist.all_reduce(grad)  # the gradient all-reduce that couples the ranks every step
         metrics.end_step(step)
         if metrics.is_log_step(step):
-            results[step] = metrics.log(step, flag=rank == 1 and step == 10)  # e.g. "my timer is due"
-            results[step]["flag_any_rank"] = float(metrics.flag_any_rank)
+            flags = (1 << rank) if step == 10 else 0  # e.g. rank 0: "my timer is due", rank 1: "stop requested"
+            results[step] = metrics.log(step, flags=flags)
+            results[step]["flags_any_rank"] = float(metrics.flags_any_rank)
     metrics.close()
     if rank == 0:
         with open(out_path, "w") as out:
@@ -231,7 +232,7 @@ def test_two_ranks_drain_with_one_collective(tmp_path):
         process.join(60)
         assert process.exitcode == 0
     results = json.loads(open(out_path).read())
-    assert [results[step].pop("flag_any_rank") for step in ("5", "10")] == [0.0, 1.0]  # rank 1's flag, seen by rank 0
+    assert [results[step].pop("flags_any_rank") for step in ("5", "10")] == [0.0, 3.0]  # both ranks' bits, ORed
     for record in results.values():
         assert record["train/loss"] == pytest.approx(1.5)
         assert record["train/grad_norm"] == pytest.approx(3.0)

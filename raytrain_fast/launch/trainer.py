@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,8 @@ class RunResult:
     """(path, metrics) of every checkpoint kept, oldest first."""
     measurements: dict
     """How many times the coordinator measured each value during this fit (FLOPs, peaks)."""
+    stopped_by: str | None = None
+    """The signal (SIGTERM, SIGINT) that stopped the run early after a checkpoint; None if it ran to the end."""
 
 
 def storage_path(uri: str) -> str:
@@ -144,8 +148,9 @@ def prepare_training_data(config: Config) -> str:
     return uri
 
 
-def build_trainer(config: Config, *, data_uri: str):
-    """A TorchTrainer for an already resolved config (see `resolve_resources`)."""
+def build_trainer(config: Config, *, data_uri: str, sweep_trial: bool = False):
+    """A TorchTrainer for an already resolved config (see `resolve_resources`). sweep_trial: a Tune
+    trial's short measurement run (every log window reported to Tune, no checkpoints)."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -169,6 +174,7 @@ def build_trainer(config: Config, *, data_uri: str):
         train_loop_per_worker,
         train_loop_config={
             "config": config.to_dict(), "data_uri": data_uri, "max_sequences": max_sequences(config),
+            "sweep_trial": sweep_trial,
             # The driver's S3 filesystem (credentials inside, as in storage_filesystem): workers
             # use it for data and metrics too, whatever their own environment holds.
             "s3_filesystem": filesystem if config.storage.uri.startswith("s3://") else None,
@@ -187,8 +193,15 @@ def build_trainer(config: Config, *, data_uri: str):
             # Retention (keep_last + keep_best) is ours: Ray's can do one or the other.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
             worker_runtime_env={"env_vars": env_vars},
+            callbacks=_tune_callbacks() if sweep_trial else None,
         ),
     )
+
+
+def _tune_callbacks() -> list:
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    return [TuneReportCallback()]
 
 
 def _exists(result, path: str) -> bool:
@@ -201,6 +214,10 @@ def _exists(result, path: str) -> bool:
 def run(config: Config, *, create_bucket: bool = False) -> RunResult:
     """Validate, build and fit. Same name + same storage = the run continues from its latest checkpoint."""
     config = resolve_resources(config, create_bucket=create_bucket)
+    if config.train.micro_batch == "auto":
+        from raytrain_fast.autobatch import resolve_micro_batch
+
+        config = resolve_micro_batch(config)  # measured in fresh processes (or cached), before any worker starts
     run_dir = f"{config.storage.uri.rstrip('/')}/{config.name}"
     print(f"Run '{config.name}': {config.resources.num_workers} worker(s), storage {run_dir}", flush=True)
     import ray
@@ -211,7 +228,8 @@ def run(config: Config, *, create_bucket: bool = False) -> RunResult:
     # One named actor per run, owned by this driver: it outlives worker-group restarts, so FLOPs
     # and the matmul peak are measured once per run. Kept referenced until fit() returns.
     coordinator = start_coordinator(config.name or "run")
-    result = build_trainer(config, data_uri=data_uri).fit()
+    with _StopOnSignal(coordinator) as stop:
+        result = build_trainer(config, data_uri=data_uri).fit()
     measurements = ray.get(coordinator.measurements.remote())
     ray.kill(coordinator)  # the next run of this name starts a fresh one (values come from checkpoints)
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
@@ -219,5 +237,62 @@ def run(config: Config, *, create_bucket: bool = False) -> RunResult:
     kept = [(path, metrics) for path, metrics in kept if _exists(result, path)]  # pruned ones are gone
     return RunResult(
         name=config.name or "", run_dir=run_dir, checkpoint=checkpoint, metrics=dict(result.metrics or {}),
-        checkpoints=kept, measurements=measurements,
+        checkpoints=kept, measurements=measurements, stopped_by=stop.signal_name,
     )
+
+
+class _StopOnSignal:
+    """While fit() runs: the first SIGTERM or SIGINT (Ctrl-C) asks the workers, through the
+    coordinator, to save a checkpoint at their next log step and stop; a second one stops at once.
+
+    The handler only records the signal (it may run inside a blocking Ray call); a small thread
+    sends the request. Outside the main thread (where Python allows no handlers) it does nothing.
+    """
+
+    SIGNALS = ("SIGTERM", "SIGINT")
+
+    def __init__(self, coordinator) -> None:
+        self.coordinator = coordinator
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+        self._event = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _StopOnSignal:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for name in self.SIGNALS:
+            number = getattr(signal, name)
+            self._previous[number] = signal.signal(number, self._handle)
+        self._thread = threading.Thread(target=self._send, name="raytrain-fast-stop", daemon=True)
+        self._thread.start()
+        return self
+
+    def _handle(self, number: int, frame) -> None:
+        name = signal.Signals(number).name
+        if self.signal_name is not None:  # the second notice: stop now
+            self._restore()
+            print(f"{name} again: stopping now without a checkpoint.", flush=True)
+            raise KeyboardInterrupt
+        self.signal_name = name
+        print(
+            f"{name}: saving a checkpoint at the next log step, then stopping (send it again to stop at once).",
+            flush=True,
+        )
+        self._event.set()
+
+    def _send(self) -> None:
+        self._event.wait()
+        if self.signal_name is not None:
+            self.coordinator.request_stop.remote(self.signal_name)
+
+    def _restore(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+        self._event.set()  # lets the thread end
+        if self._thread is not None:
+            self._thread.join(timeout=5)

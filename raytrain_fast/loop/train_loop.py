@@ -22,9 +22,15 @@ from raytrain_fast.config import Config
 from raytrain_fast.engine import build_engine, select_accelerator
 from raytrain_fast.coordinator import Coordinator
 from raytrain_fast.metrics import TrainMetrics, build_sinks, mfu_inputs
+from raytrain_fast.loop.drills import slow_data, slow_sinks, slow_step
 from raytrain_fast.model import GPT
 from raytrain_fast.storage import redact
 from raytrain_fast.storage.filesystem import use_shipped_s3_filesystem
+
+
+# Bit flags agreed across ranks on log steps (see TrainMetrics.log).
+_TIME_DUE = 1  # this rank's checkpoint.every_minutes timer is due
+_STOP = 2  # the driver got a stop notice (SIGTERM / Ctrl-C): save now and stop
 
 
 def train_step(engine: Any, data: Iterator[tuple[torch.Tensor, torch.Tensor]], metrics: TrainMetrics, *, grad_accum: int, on_batch=None) -> None:
@@ -170,40 +176,65 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             config.metrics, run_uri=run_uri, run_name=config.name or "run", start_step=state.step,
             local_dir=local_dir, storage=config.storage, run_config=redact(config.to_dict()),
         )
+        sinks = slow_sinks(sinks)  # drill hook (loop/drills.py): unchanged unless RAYTRAIN_FAST_DRILL_SLOW_SINK is set
     metrics = TrainMetrics(  # built last: it freezes the heap for GC control
         config.metrics, log_every=train.log_every, total_steps=train.steps, start_step=state.step,
         tokens_per_step=tokens_per_step, device=engine.device, rank=rank, world_size=world_size,
         flops_per_token=mfu.flops_per_token, datasheet_peak_flops=mfu.datasheet_peak_flops,
-        measured_peak_flops=mfu.measured_peak_flops, sinks=sinks,
+        measured_peak_flops=mfu.measured_peak_flops, memory_budget_gb=config.resources.memory_budget_gb, sinks=sinks,
     )
     recorder = _SequenceRecorder(rank)
+    # Drill hooks (loop/drills.py): `data` itself and a no-op unless RAYTRAIN_FAST_DRILL_SLOW_* is set.
+    batches, after_step = slow_data(data, rank=rank, current_step=lambda: state.step), slow_step(rank)
     last: dict[str, float] = {}
     start_step = state.step
+    # A sweep trial (raytrain_fast.sweep) is a short measurement run: each log window goes to Tune
+    # (ASHA needs intermediate results), no checkpoints. Normal runs report on checkpoints only.
+    trial_report = None
+    if loop_config.get("sweep_trial"):
+        from raytrain_fast.sweep.trial import report_window as trial_report
 
     try:
         while state.step < train.steps:
-            train_step(engine, data, metrics, grad_accum=grad_accum, on_batch=recorder.add if recorder.path else None)
+            train_step(engine, batches, metrics, grad_accum=grad_accum, on_batch=recorder.add if recorder.path else None)
             state.step += 1
             state.tokens += tokens_per_step
             metrics.end_step(state.step)
             if recorder.path:
                 recorder.end_step(state.step)
             _maybe_inject_failure(state.step, rank)
+            after_step(state.step)
 
-            time_due = False
+            agreed = 0
             if metrics.is_log_step(state.step):
                 # Every rank: one collective and the one host sync of the window. A rank that thinks
-                # a timed checkpoint is due says so here, so all ranks save at the same step.
-                last = metrics.log(state.step, lr=engine.get_lr()[0], flag=checkpointer.due_by_time())
-                time_due = metrics.flag_any_rank
+                # a timed checkpoint is due, or has heard of a stop request, says so here, so all
+                # ranks act at the same step.
+                flags = (_TIME_DUE if checkpointer.due_by_time() else 0) | (
+                    _STOP if rank == 0 and coordinator.stop_requested() else 0
+                )
+                last = metrics.log(state.step, lr=engine.get_lr()[0], flags=flags)
+                agreed = metrics.flags_any_rank
 
-            if checkpointer.due_by_steps(state.step, train.steps) or time_due:
+            if trial_report is not None:
+                if metrics.is_log_step(state.step):
+                    trial_report(step=state.step, metrics=last, memory_budget_gb=config.resources.memory_budget_gb)
+                continue
+            if checkpointer.due_by_steps(state.step, train.steps) or agreed:
                 state.data_position = data.position.to_dict()
                 blocked_s = checkpointer.save(
                     engine, state, metrics={"step": state.step, "tokens": state.tokens, "start_step": start_step, **last}
                 )
                 metrics.record_checkpoint(blocked_s=blocked_s, upload_s=checkpointer.take_upload_s())
                 metrics.flush_sinks()
+            if agreed & _STOP:
+                checkpointer.wait_for_upload()
+                if rank == 0:
+                    print(
+                        f"Stop requested ({coordinator.stop_requested() or 'notice'}): saved a checkpoint at step "
+                        f"{state.step} and stopped. The same command continues from there.", flush=True,
+                    )
+                break
         checkpointer.wait_for_upload()
     finally:
         metrics.close()

@@ -96,6 +96,7 @@ class TrainMetrics:
         flops_per_token: float | None = None,
         datasheet_peak_flops: float | None = None,
         measured_peak_flops: float | None = None,
+        memory_budget_gb: float | None = None,
         sinks: Sequence[MetricSink] = (),
         print_progress: bool = True,
         process_group: Any = None,
@@ -116,6 +117,10 @@ class TrainMetrics:
         """Per device, measured with large matmuls in the training dtype."""
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
+        # The denominator of memory/peak_frac: the device's memory on GPU, the configured budget on CPU.
+        self._memory_capacity_gb = (
+            torch.cuda.get_device_properties(self.device).total_memory / _GB if self._cuda else memory_budget_gb
+        )
         self._group = process_group
         import torch.distributed as dist
 
@@ -153,8 +158,8 @@ class TrainMetrics:
             warmup_steps=start_step + config.slowdown_warmup_steps,
         )
         self._last_upload_s: float | None = None
-        self.flag_any_rank = False
-        """After log(): whether any rank passed flag=True to it."""
+        self.flags_any_rank = 0
+        """After log(): the bitwise OR of the `flags` every rank passed to it."""
         self._window_start = time.perf_counter()
 
     # --- hot path ------------------------------------------------------------------------------
@@ -250,19 +255,20 @@ class TrainMetrics:
 
     # --- log steps -----------------------------------------------------------------------------
 
-    def log(self, step: int, *, lr: float | None = None, flag: bool = False) -> dict[str, float]:
+    def log(self, step: int, *, lr: float | None = None, flags: int = 0) -> dict[str, float]:
         """Drain the window. Every rank must call it at the same step (it is a collective).
 
-        `flag` rides along for free: afterwards `flag_any_rank` is True on every rank if any rank
-        passed True (e.g. "my checkpoint timer is due"), with no extra collective or sync.
+        `flags` (small non-negative int bit flags) ride along for free: afterwards `flags_any_rank`
+        is the OR of every rank's flags on every rank (e.g. "my checkpoint timer is due", "stop was
+        requested"), with no extra collective or sync.
         """
         arrival_s = time.perf_counter() - self._window_start
         gc_s = self._gc.collect_s - self._gc_s_at_window_start
-        self.flag_any_rank = flag
+        self.flags_any_rank = flags
         if self._distributed:
             import torch.distributed as dist
 
-            host_stats = [arrival_s, self._data_wait_s, gc_s, 1.0 if flag else 0.0]
+            host_stats = [arrival_s, self._data_wait_s, gc_s, float(flags)]  # exact in fp32 below 2**24
             self._stats_host.copy_(torch.tensor(host_stats, dtype=torch.float32))
             self._stats_dev.copy_(self._stats_host, non_blocking=True)
             dist.all_reduce(self._acc, group=self._group)
@@ -305,7 +311,9 @@ class TrainMetrics:
 
         if self._distributed:
             per_rank = [values[3 + i * _STATS: 3 + (i + 1) * _STATS] for i in range(self.world_size)]
-            self.flag_any_rank = any(r[3] > 0 for r in per_rank)
+            self.flags_any_rank = 0
+            for r in per_rank:
+                self.flags_any_rank |= int(round(r[3]))
             arrivals = [r[0] for r in per_rank]
             data_wait = max(r[1] for r in per_rank)
             gc_window = max(r[2] for r in per_rank)
@@ -332,6 +340,8 @@ class TrainMetrics:
         else:
             metrics["memory/peak_gb"], memory_now = _host_memory_gb()
         metrics["memory/current_gb"] = memory_now
+        if self._memory_capacity_gb:
+            metrics["memory/peak_frac"] = metrics["memory/peak_gb"] / self._memory_capacity_gb
 
         metrics["gc/collect_s"] = gc_window
         metrics["gc/collections"] = float(self._gc.num_collections - self._gc_n_at_window_start)
