@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from raytrain_fast.engine import EngineConfig, OptimConfig, build_deepspeed_config, lr_lambda, resolve_precision
 
@@ -66,3 +67,23 @@ def test_explicit_precision_is_kept_and_gpu_auto_is_bf16():
     assert resolve_precision("auto", use_gpu=True)[0] == "bf16"
     precision, reason = resolve_precision("auto", use_gpu=False)
     assert precision in ("bf16", "fp32") and "fp32" in reason  # the measured ratio is in the reason
+
+
+@pytest.mark.parametrize("norm", [2.5, 0.3, float("nan"), float("inf"), -1.0])
+@pytest.mark.parametrize("loss_scale", [1.0, 4.0])
+def test_clipping_without_a_host_sync_matches_deepspeed(norm, loss_scale):
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from raytrain_fast.engine.deepspeed_engine import _clip_without_host_sync
+
+    _clip_without_host_sync()
+    patched = DeepSpeedZeroOptimizer.unscale_and_clip_grads
+    optimizer = SimpleNamespace(clip_grad=1.0, loss_scale=loss_scale, device="cpu")
+    ours, theirs = [torch.arange(6.0) - 2.0], [[torch.arange(3.0), torch.ones(3)]]
+    expected_ours, expected_theirs = [g.clone() for g in ours], [[g.clone() for g in theirs[0]]]
+    patched(optimizer, ours + theirs, torch.tensor(norm))
+    patched._original(optimizer, expected_ours + expected_theirs, torch.tensor(norm))
+    torch.testing.assert_close(ours, expected_ours, equal_nan=True)
+    torch.testing.assert_close(theirs, expected_theirs, equal_nan=True)

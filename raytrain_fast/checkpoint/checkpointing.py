@@ -85,18 +85,34 @@ def checkpoint_dir_name(step: int) -> str:
 class Checkpointer:
     """One per worker: saves (every rank, same steps), restores, uploads and prunes old checkpoints."""
 
-    def __init__(self, config: CheckpointConfig, *, rank: int, world_size: int, run_config: dict[str, Any]) -> None:
+    def __init__(
+        self, config: CheckpointConfig, *, rank: int, world_size: int, run_config: dict[str, Any],
+        local_mode_run: tuple[Any, str] | None = None,
+    ) -> None:
+        """`local_mode_run`: (filesystem, run path) to use under Ray Train's local mode
+        (`ScalingConfig(num_workers=0)`: the loop runs in the calling process, Ray has no storage
+        context and its report uploads nothing, so saves upload synchronously here)."""
         import ray.train
 
         self.config = config
         self.rank, self.world_size = rank, world_size
         self._run_config = run_config  # already redacted by the caller
-        storage = ray.train.get_context().get_storage()
-        self.filesystem, self.run_path = storage.storage_filesystem, storage.experiment_fs_path
+        try:
+            storage = ray.train.get_context().get_storage()
+            self.filesystem, self.run_path = storage.storage_filesystem, storage.experiment_fs_path
+            self.local_mode = False
+        except NotImplementedError:
+            if local_mode_run is None:
+                raise
+            self.filesystem, self.run_path = local_mode_run
+            self.local_mode = True
         self._scheme = "s3://" if self.filesystem.type_name == "s3" else ""
         self._upload_idle = threading.Event()
         self._upload_idle.set()
         self.last_upload_s: float | None = None
+        self.last_save_breakdown: dict[str, float] = {}
+        """Of the last save's blocked time: waiting for the previous upload, writing the files
+        locally, and Ray's report (with a sync upload inside it)."""
         self._last_save = time.monotonic()
         self._best_cache: dict[str, float | None] = {}
 
@@ -121,6 +137,7 @@ class Checkpointer:
 
         start = time.perf_counter()
         self._upload_idle.wait()  # bounded local disk: at most one checkpoint in flight per worker
+        waited = time.perf_counter()
         local_dir = tempfile.mkdtemp(prefix="raytrain-fast-ckpt-")
         try:
             engine.save_checkpoint(local_dir, tag=DEEPSPEED_TAG)
@@ -133,6 +150,7 @@ class Checkpointer:
         except BaseException:
             shutil.rmtree(local_dir, ignore_errors=True)
             raise
+        written = time.perf_counter()
         mode = ray.train.CheckpointUploadMode.ASYNC if self.config.upload == "async" else ray.train.CheckpointUploadMode.SYNC
         self._upload_idle.clear()
         try:
@@ -147,8 +165,17 @@ class Checkpointer:
         except BaseException:
             self._upload_idle.set()
             raise
+        if self.local_mode:  # Ray's local-mode report stores nothing
+            try:
+                self._upload(ray.train.Checkpoint.from_directory(local_dir), checkpoint_dir_name(state.step))
+            finally:
+                shutil.rmtree(local_dir, ignore_errors=True)
         self._last_save = time.monotonic()
-        return time.perf_counter() - start
+        end = time.perf_counter()
+        self.last_save_breakdown = {
+            "wait_previous_s": waited - start, "write_s": written - waited, "report_s": end - written,
+        }
+        return end - start
 
     def _upload(self, checkpoint: Any, dir_name: str) -> Any:
         """Runs in Ray's upload thread (async) or inline (sync). Retries, times, prunes."""

@@ -128,6 +128,36 @@ def _skip_shm_comm_build() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def _clip_without_host_sync() -> None:
+    """DeepSpeed 0.19's ZeRO-1/2 `unscale_and_clip_grads` calls `is_invalid_grad_norm(norm)`, a
+    `bool()` of a device tensor, on every optimizer step with gradient clipping on: a host sync
+    that stops the CPU from queueing the next step while the GPU works. It only picks an infinite
+    clipping norm when the norm is inf/NaN or DeepSpeed's -1 sentinel (which zeroes the update);
+    this does the same arithmetic on the device with `torch.where`. Applied once, only where the
+    method is the one we read (tests/test_host_reads.py catches a DeepSpeed that changed it)."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    optimizer_cls = stage_1_and_2.DeepSpeedZeroOptimizer
+    original = optimizer_cls.unscale_and_clip_grads
+    if getattr(original, "_raytrain_fast", False) or not hasattr(stage_1_and_2, "is_invalid_grad_norm"):
+        return
+
+    def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
+        if self.clip_grad <= 0.0 or not isinstance(total_norm, torch.Tensor):
+            return original(self, grad_groups_flat, total_norm)
+        invalid = ~torch.isfinite(total_norm) | (total_norm < 0)
+        clip_norm = torch.where(invalid, torch.full_like(total_norm, math.inf), total_norm)
+        clip = torch.clamp(((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad, min=1.0)
+        combined_scale = clip * self.loss_scale
+        for grad in grad_groups_flat:
+            for part in grad if isinstance(grad, list) else [grad]:
+                part.data.mul_(1.0 / combined_scale)
+
+    unscale_and_clip_grads._raytrain_fast = True  # type: ignore[attr-defined]
+    unscale_and_clip_grads._original = original  # type: ignore[attr-defined]
+    optimizer_cls.unscale_and_clip_grads = unscale_and_clip_grads
+
+
 def build_engine(
     model: torch.nn.Module,
     *,
@@ -143,6 +173,7 @@ def build_engine(
         _skip_shm_comm_build()
     import deepspeed
 
+    _clip_without_host_sync()
     ds_config = build_deepspeed_config(
         engine=engine, optim=optim, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size
     )

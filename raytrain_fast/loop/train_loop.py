@@ -25,7 +25,7 @@ from raytrain_fast.metrics import TrainMetrics, build_sinks, mfu_inputs
 from raytrain_fast.loop.drills import slow_data, slow_sinks, slow_step
 from raytrain_fast.model import GPT
 from raytrain_fast.storage import redact
-from raytrain_fast.storage.filesystem import use_shipped_s3_filesystem
+from raytrain_fast.storage.filesystem import resolve_filesystem, use_shipped_s3_filesystem
 
 
 # Bit flags agreed across ranks on log steps (see TrainMetrics.log).
@@ -121,7 +121,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     # Restore first (state only), so the data reader starts at the saved position while the
     # engine is being built.
-    checkpointer = Checkpointer(config.checkpoint, rank=rank, world_size=world_size, run_config=redact(config.to_dict()))
+    filesystem, storage_root = resolve_filesystem(config.storage.uri, config.storage)
+    checkpointer = Checkpointer(
+        config.checkpoint, rank=rank, world_size=world_size, run_config=redact(config.to_dict()),
+        local_mode_run=(filesystem, f"{storage_root.rstrip('/')}/{config.name}"),
+    )
     restored = checkpointer.restore_state()
     state = restored or TrainState(world_size=world_size, zero_stage=config.engine.zero_stage, precision=config.engine.precision)
     if rank == 0 and restored:
