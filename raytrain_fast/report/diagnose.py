@@ -1,0 +1,500 @@
+"""A plain-language diagnosis of a run from its metrics: each finding says what is wrong, the numbers
+it rests on, and what to change.
+
+Every rule judges the steady part of the run (warm-up and the first window after a resume left out,
+see load.py) with medians, so one noisy log window on a busy machine never makes a finding. A rule
+whose metrics the run does not have is skipped and the diagnosis says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from raytrain_fast.report.load import RunMetrics, median
+
+# --- thresholds ----------------------------------------------------------------------------------
+# Data-bound: the median window spends more than 10% of its time waiting for the next batch. The
+# design target is <= 2%; 10% is far beyond noise (a clean CPU run measures well under 1%) and is
+# a tenth of the run's speed, enough to be worth fixing.
+DATA_WAIT_FRAC = 0.10
+# One rank waiting for data this much more than the least-waiting rank (median) points at that rank.
+DATA_WAIT_RANK_GAP = 0.05
+# Sink backlog: a healthy sink thread has written each record before the next log step, so the
+# backlog at a log step is 0. Three or more records waiting in at least two steady windows means it
+# is persistently several windows behind; any dropped record or sink error is a finding too.
+SINK_BACKLOG_RECORDS = 3
+SINK_BACKLOG_WINDOWS = 2
+# Memory under-used: the peak stays below half of the device memory (or the configured budget):
+# a micro-batch about twice as large would fit, and larger micro-batches run closer to peak FLOP/s.
+MEMORY_UNDERUSED_FRAC = 0.5
+# Progressive slowdown: the run's own detector (metrics.slowdown_threshold, default 10%) raised
+# alert/slowdown in at least three log windows (its rolling median already needs two slow windows
+# out of three), and the step time in those windows is at least 15% above the baseline: a burst of
+# other work on a shared machine slows a window or two, not that many.
+SLOWDOWN_MIN_WINDOWS = 3
+SLOWDOWN_MIN_RATIO = 1.15
+# Runs without the detector's metrics (shorter than its warm-up): the report compares the rolling
+# median of SLOWDOWN_ROLLING windows with the first ones itself, with a higher bar.
+SLOWDOWN_FALLBACK_RATIO = 1.25
+SLOWDOWN_ROLLING = 3
+# Checkpoint stalls: training blocked by checkpoints for more than 5% of the wall time (the cost of
+# checkpointing should be a small tax), or any single checkpoint blocking longer than 60 s.
+CHECKPOINT_BLOCKED_SHARE = 0.05
+CHECKPOINT_MAX_BLOCK_S = 60.0
+# Stragglers: the slowest rank reaches the log step more than 10% of a step after the fastest, in
+# at least two thirds of the steady windows. Ranks meet in a collective every step, so a healthy gap
+# is a few percent; on a busy machine single windows reach 15%, but not most of them.
+STRAGGLER_SHARE = 0.10
+STRAGGLER_MIN_WINDOWS = 2 / 3
+
+
+@dataclass(kw_only=True)
+class Finding:
+    key: str
+    """data_bound, sink_backlog, memory_underused, slowdown, checkpoint_stall or straggler."""
+    title: str
+    evidence: list[str]
+    """The numbers the finding rests on, in words."""
+    advice: list[str]
+    """What to change."""
+    numbers: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Diagnosis:
+    findings: list[Finding]
+    skipped: list[str]
+    """Checks that could not run, and why (missing metrics, a single rank...)."""
+    summary: dict[str, str]
+    """Headline numbers of the run (label -> formatted value), for the terminal and the HTML table."""
+
+    def keys(self) -> list[str]:
+        return [f.key for f in self.findings]
+
+    def to_text(self, run: RunMetrics) -> str:
+        lines = [f"Run '{run.name}' ({run.uri}):"]
+        width = max(len(k) for k in self.summary) if self.summary else 0
+        lines += [f"  {label:<{width}}  {value}" for label, value in self.summary.items()]
+        lines.append("")
+        if not self.findings:
+            lines.append("Diagnosis: no problems found in the steady part of the run.")
+        else:
+            lines.append(f"Diagnosis: {len(self.findings)} finding{'s' if len(self.findings) > 1 else ''}.")
+        for number, finding in enumerate(self.findings, 1):
+            lines.append("")
+            lines.append(f"{number}. {finding.title}")
+            lines += [f"   - {item}" for item in finding.evidence]
+            lines += [f"   Change: {item}" for item in finding.advice]
+        if self.skipped:
+            lines.append("")
+            lines.append("Not checked:")
+            lines += [f"  - {item}" for item in self.skipped]
+        return "\n".join(lines)
+
+
+def diagnose(run: RunMetrics) -> Diagnosis:
+    findings: list[Finding] = []
+    skipped: list[str] = []
+    if not run.steady:
+        skipped.append(
+            f"everything: the run logged {len(run.records)} record(s), all within warm-up (up to step "
+            f"{run.warmup_steps}); train longer or log more often (train.log_every)"
+        )
+        return Diagnosis(findings=[], skipped=skipped, summary=summarize(run))
+    for rule in (_data_bound, _sink_backlog, _memory_underused, _slowdown, _checkpoint_stall, _straggler):
+        result = rule(run)
+        if isinstance(result, Finding):
+            findings.append(result)
+        elif isinstance(result, str):
+            skipped.append(result)
+    return Diagnosis(findings=findings, skipped=skipped, summary=summarize(run))
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def _pct(value: float) -> str:
+    return f"{value:.1%}" if value < 0.1 else f"{value:.0%}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _steady_note(run: RunMetrics, count: int) -> str:
+    return f"{count} log windows after warm-up (steps {run.warmup_steps + 1}-{run.last_step})"
+
+
+def _setting_note(run: RunMetrics, section: str, key: str) -> str:
+    value = run.setting(section, key)
+    return f" (now {value})" if value is not None else ""
+
+
+# --- rules ---------------------------------------------------------------------------------------
+
+
+def _data_bound(run: RunMetrics) -> Finding | str | None:
+    steps, fracs = run.series("time/data_wait_frac", steady=True)
+    if not fracs:
+        return "data wait: time/data_wait_frac was not recorded"
+    share = median(fracs)
+    if share <= DATA_WAIT_FRAC:
+        return None
+    _, step_s = run.series("time/step_s", steady=True)
+    wait_s = share * median(step_s) if step_s else math.nan
+    above = sum(f > DATA_WAIT_FRAC for f in fracs)
+    evidence = [
+        f"median time/data_wait_frac {_pct(share)} (threshold {_pct(DATA_WAIT_FRAC)}, target 2%) over "
+        f"{_steady_note(run, len(fracs))}; {above} of {len(fracs)} windows above the threshold, worst {_pct(max(fracs))}",
+        f"about {_ms(wait_s)} of each {_ms(median(step_s))} step is spent waiting for the next batch",
+        f"removing the wait would make training about {1 / (1 - min(share, 0.99)):.2f}x faster",
+    ]
+    numbers = {"data_wait_frac": share, "step_s": median(step_s) if step_s else math.nan}
+    _, rank_min = run.series("time/data_wait_frac_rank_min", steady=True)
+    gap = share - median(rank_min) if rank_min else 0.0
+    if rank_min:
+        evidence.append(
+            f"the rank that waits least waits {_pct(median(rank_min))}"
+            + (": one rank's data is slow (its node, its storage path or its shards)" if gap > DATA_WAIT_RANK_GAP else ": every rank waits alike")
+        )
+    advice = [
+        f"prefetch more batches: data.prefetch_batches{_setting_note(run, 'data', 'prefetch_batches')}, e.g. double it",
+        f"give each worker more CPU cores for reading and collating: resources.cpus_per_worker{_setting_note(run, 'resources', 'cpus_per_worker')}",
+        "feed prepared Parquet shards (`raytrain-fast prepare-data`) rather than raw text, and keep them near the workers (same region / endpoint)",
+    ]
+    return Finding(
+        key="data_bound", title=f"Data-bound: training waits for data {_pct(share)} of the time",
+        evidence=evidence, advice=advice, numbers=numbers,
+    )
+
+
+def _sink_backlog(run: RunMetrics) -> Finding | str | None:
+    if not (run.has("sink/backlog") or run.has("sink/dropped")):
+        return "metric sinks: sink/backlog and sink/dropped were not recorded"
+    _, backlog = run.series("sink/backlog", steady=True)
+    _, dropped = run.series("sink/dropped")
+    _, errors = run.series("sink/errors")
+    num_dropped, num_errors = int(max(dropped, default=0)), int(max(errors, default=0))
+    behind = sum(b >= SINK_BACKLOG_RECORDS for b in backlog)
+    if num_dropped == 0 and num_errors == 0 and behind < SINK_BACKLOG_WINDOWS:
+        return None
+    evidence = []
+    if num_dropped:
+        evidence.append(f"{num_dropped} metric records were dropped because the sink queue was full (sink/dropped)")
+    if behind:
+        evidence.append(
+            f"the sink thread was {SINK_BACKLOG_RECORDS} or more records behind in {behind} of {len(backlog)} "
+            f"steady windows, at most {int(max(backlog))} (sink/backlog; a healthy sink is at 0)"
+        )
+    if num_errors:
+        evidence.append(f"{num_errors} sink calls raised (sink/errors; the first of each kind is in rank 0's log)")
+    _, step_s = run.series("time/step_s", steady=True)
+    log_every = run.setting("train", "log_every")
+    if step_s and isinstance(log_every, int):
+        evidence.append(f"a record is made every {_duration(median(step_s) * log_every)} (train.log_every={log_every})")
+    advice = [
+        f"log less often: raise train.log_every{_setting_note(run, 'train', 'log_every')}",
+        f"make room for bursts: raise metrics.queue_size{_setting_note(run, 'metrics', 'queue_size')}",
+        "if W&B is on, use metrics.wandb_mode=offline and `wandb sync` later; with S3 storage, raise metrics.jsonl_flush_every_s",
+    ]
+    title = "Logging can't keep up: the metric sink " + ("dropped records" if num_dropped else "has a growing backlog" if behind else "raised errors")
+    return Finding(
+        key="sink_backlog", title=title, evidence=evidence, advice=advice,
+        numbers={"dropped": num_dropped, "errors": num_errors, "max_backlog": max(backlog, default=0.0), "windows_behind": behind},
+    )
+
+
+def _memory_underused(run: RunMetrics) -> Finding | str | None:
+    _, fracs = run.series("memory/peak_frac")
+    if not fracs:
+        return (
+            "memory use: memory/peak_frac was not recorded (it needs a GPU or a CPU memory budget), "
+            "so how much memory is left cannot be judged"
+        )
+    peak_frac = max(fracs)
+    if peak_frac >= MEMORY_UNDERUSED_FRAC:
+        return None
+    _, peak_gb = run.series("memory/peak_gb")
+    evidence = [f"peak memory is {_pct(peak_frac)} of what is available (memory/peak_frac, threshold {_pct(MEMORY_UNDERUSED_FRAC)})"]
+    if peak_gb and peak_frac > 0:
+        total = max(peak_gb) / peak_frac
+        evidence[0] += f": {max(peak_gb):.2f} GB of {total:.1f} GB"
+    micro = run.setting("train", "micro_batch")
+    if micro is not None:
+        evidence.append(f"train.micro_batch is {micro}")
+    advice = [
+        "use a larger micro-batch with less gradient accumulation at the same global batch: set "
+        "`train.micro_batch: auto` to pick the largest that fits, or run a micro-batch sweep before a long run",
+    ]
+    return Finding(
+        key="memory_underused", title=f"Memory under-used: the peak is only {_pct(peak_frac)} of device memory",
+        evidence=evidence, advice=advice, numbers={"peak_frac": peak_frac},
+    )
+
+
+def _slowdown(run: RunMetrics) -> Finding | str | None:
+    steps, step_s = run.series("time/step_s", steady=True)
+    if len(step_s) < 2 * SLOWDOWN_ROLLING:
+        return f"progressive slowdown: needs at least {2 * SLOWDOWN_ROLLING} log windows after warm-up, the run has {len(step_s)}"
+    by_step = {r["step"]: r for r in run.records}
+    if run.has("alert/slowdown"):
+        alert_steps = [s for s, v in zip(*run.series("alert/slowdown")) if v >= 1]
+        ratios = [by_step[s].get("alert/slowdown_ratio", math.nan) for s in alert_steps]
+        ratio = median([r for r in ratios if not math.isnan(r)])
+        if len(alert_steps) < SLOWDOWN_MIN_WINDOWS or not ratio >= SLOWDOWN_MIN_RATIO:
+            return None
+        since = alert_steps[0]
+        source = (
+            f"the run's slowdown detector (alert/slowdown) was on in {len(alert_steps)} log windows from step {since}; "
+            f"step time there is a median {ratio:.2f}x the baseline taken after warm-up (alert/slowdown_ratio)"
+        )
+        causes = [
+            name.removeprefix("alert/slowdown_cause/")
+            for s in alert_steps for name in by_step[s] if name.startswith("alert/slowdown_cause/")
+        ]
+        cause = causes[0] if causes else None
+    else:
+        baseline = median(step_s[:SLOWDOWN_ROLLING])
+        since, ratio = None, 0.0
+        for i in range(SLOWDOWN_ROLLING, len(step_s) - SLOWDOWN_ROLLING + 1):
+            rolling = median(step_s[i:i + SLOWDOWN_ROLLING])
+            if rolling > SLOWDOWN_FALLBACK_RATIO * baseline:
+                limit = SLOWDOWN_FALLBACK_RATIO * baseline
+                since = next(steps[j] for j in range(i, i + SLOWDOWN_ROLLING) if step_s[j] > limit)
+                ratio = rolling / baseline
+                break
+        if since is None:
+            return None
+        tail_ratio = median(step_s[-SLOWDOWN_ROLLING:]) / baseline
+        if tail_ratio <= SLOWDOWN_FALLBACK_RATIO:
+            return None  # it recovered: not progressive
+        source = (
+            f"median step time of {SLOWDOWN_ROLLING} windows rose to {ratio:.2f}x the first steady windows at step {since} "
+            f"and ends at {tail_ratio:.2f}x (the run had no slowdown-detector metrics; threshold {SLOWDOWN_FALLBACK_RATIO:.2f}x)"
+        )
+        alert_steps = [s for s in steps if s >= since]
+        cause = None
+
+    before = [by_step[s] for s in steps if s < since][:max(SLOWDOWN_ROLLING, 1)] or [by_step[steps[0]]]
+    after = [by_step[s] for s in alert_steps if s in by_step]
+    step_before, step_after = median([r["time/step_s"] for r in before]), median([r["time/step_s"] for r in after])
+    extra = step_after - step_before
+    growth = _growth(run, before, after)
+    # The report's own reading: the measured signal that grew most, if it explains a quarter of the
+    # extra step time (the detector's rule too); else nothing the loop measures.
+    measured = max(growth, key=lambda k: growth[k][2]) if growth else None
+    own_cause = measured if measured and growth[measured][2] >= 0.25 * extra else "unexplained"
+    detector_cause = cause
+    if cause is None or (cause == "sink" and own_cause == "unexplained"):
+        # A sink runs off the training thread: its drops and backlog cost no step time. The
+        # detector names it when nothing else explains the slowdown; the seconds are the better guide.
+        cause = own_cause
+    evidence = [source, f"step time {_ms(step_before)} before step {since}, {_ms(step_after)} since"]
+    labels = {"data_wait": "data wait", "checkpoint": "checkpoint blocked", "gc": "GC"}
+    for key, (old, new, _) in growth.items():
+        evidence.append(f"{labels[key]} {_ms(old)} -> {_ms(new)} per step")
+    _, mem = run.series("memory/current_gb")
+    if mem:
+        evidence.append(f"memory in use {mem[0]:.2f} GB at the start, {mem[-1]:.2f} GB at the end (memory/current_gb)")
+    if extra > 0:
+        explained = sum(max(0.0, grew) for _, _, grew in growth.values())
+        evidence.append(f"of the {_ms(extra)} extra per step, data wait, checkpoints and GC together explain {_ms(min(explained, extra))}")
+    explanation = {
+        "data_wait": ("the data pipeline: waiting for the next batch grew", "see the data advice: prefetch more, more CPUs per worker, prepared shards near the workers"),
+        "gc": ("Python garbage collection pauses grew", "keep metrics.gc_every on (not 0); look for objects kept across steps (lists of tensors, growing caches)"),
+        "checkpoint": ("checkpoint stalls grew", "use checkpoint.upload=async, save less often, or check the storage's write speed"),
+        "sink": ("the metric sinks fell behind", "log less often (train.log_every) or use W&B offline"),
+        "memory": ("memory kept growing", "look for tensors kept across steps (e.g. `loss_sum += loss` without .detach())"),
+        "unexplained": (
+            "nothing the loop measures: the compute itself got slower",
+            "check for other processes on the nodes, thermal or power throttling, a straggler rank or a slower interconnect",
+        ),
+    }
+    what, fix = explanation.get(cause, explanation["unexplained"])
+    line = f"likely cause: {what}"
+    if detector_cause == cause:
+        line += f" (the run's detector agrees: alert/slowdown_cause/{cause})"
+    elif detector_cause:
+        line += (
+            f" (the run's detector named '{detector_cause}' because records were dropped, but a sink works off the "
+            "training thread and costs no step time)"
+        )
+    evidence.append(line)
+    return Finding(
+        key="slowdown", title=f"Progressive slowdown: steps are {ratio:.2f}x slower since step {since}",
+        evidence=evidence, advice=[fix], numbers={"since_step": float(since), "ratio": ratio},
+    )
+
+
+def _growth(run: RunMetrics, before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, tuple[float, float, float]]:
+    """Per-step seconds of each measured signal before and after: key -> (before, after, growth)."""
+    windows = run.window_steps()
+
+    def per_step(records: list[dict[str, Any]], signal: str) -> float | None:
+        values = []
+        for r in records:
+            if signal == "data_wait" and "time/data_wait_frac" in r:
+                values.append(r["time/data_wait_frac"] * r["time/step_s"])
+            elif signal == "checkpoint":
+                values.append(r.get("checkpoint/blocked_s", 0.0) / windows[r["step"]])
+            elif signal == "gc" and "gc/collect_s" in r:
+                values.append(r["gc/collect_s"] / windows[r["step"]])
+        return median(values) if values else None
+
+    result = {}
+    for signal in ("data_wait", "checkpoint", "gc"):
+        old, new = per_step(before, signal), per_step(after, signal)
+        if old is not None and new is not None and (old > 0 or new > 0):
+            result[signal] = (old, new, new - old)
+    return result
+
+
+def _checkpoint_stall(run: RunMetrics) -> Finding | str | None:
+    steps, blocked = run.series("checkpoint/blocked_s")
+    if not blocked:
+        return "checkpoint stalls: no checkpoint was saved between two log steps (checkpoint/blocked_s absent)"
+    windows = run.window_steps()
+    every = run.setting("checkpoint", "every_steps")
+    total_blocked = 0.0
+    num_checkpoints = 0
+    for step, seconds in zip(steps, blocked):
+        # A save right after log step s lands in the window that ends at the next log step.
+        count = 1
+        if isinstance(every, int) and every > 0:
+            start = step - windows[step]
+            count = max(1, sum(1 for s in range(start, step) if s > 0 and s % every == 0))
+        total_blocked += seconds * count
+        num_checkpoints += count
+    wall = sum(r.get("time/step_s", 0.0) * windows[r["step"]] for r in run.records)
+    share = total_blocked / wall if wall > 0 else 0.0
+    worst = max(blocked)
+    if share <= CHECKPOINT_BLOCKED_SHARE and worst <= CHECKPOINT_MAX_BLOCK_S:
+        return None
+    upload = run.setting("checkpoint", "upload")
+    evidence = [
+        f"training was blocked {_duration(total_blocked)} by {num_checkpoints} checkpoints: {_pct(share)} of "
+        f"{_duration(wall)} of logged training time (threshold {_pct(CHECKPOINT_BLOCKED_SHARE)})",
+        f"per checkpoint: median {_duration(median(blocked))}, worst {_duration(worst)} (checkpoint/blocked_s; "
+        f"a single block above {CHECKPOINT_MAX_BLOCK_S:.0f} s is a finding on its own)",
+    ]
+    _, uploads = run.series("checkpoint/upload_s")
+    if uploads:
+        evidence.append(f"uploads took a median {_duration(median(uploads))} (checkpoint/upload_s)")
+    if upload:
+        evidence.append(f"checkpoint.upload is {upload}" + (f", checkpoint.every_steps {every}" if every is not None else ""))
+    advice = []
+    if upload == "sync" or upload is None:
+        advice.append("upload in the background: checkpoint.upload=async (training then waits only for the local save)")
+    _, step_s = run.series("time/step_s", steady=True)
+    if isinstance(every, int) and every > 0 and step_s:
+        advice.append(
+            f"save less often: checkpoint.every_steps={every} is a save every {_duration(every * median(step_s))} "
+            f"of training; e.g. every_steps={every * 5} or checkpoint.every_minutes"
+        )
+    else:
+        advice.append("save less often (checkpoint.every_steps or checkpoint.every_minutes)")
+    if uploads and upload == "async":
+        advice.append("with async upload, a save still waits for the previous upload: a faster bucket or fewer saves removes that wait")
+    return Finding(
+        key="checkpoint_stall", title=f"Checkpoint stalls: training blocked {_pct(share)} of the time by checkpoints",
+        evidence=evidence, advice=advice,
+        numbers={"blocked_share": share, "worst_block_s": worst, "num_checkpoints": float(num_checkpoints)},
+    )
+
+
+def _straggler(run: RunMetrics) -> Finding | str | None:
+    if not run.has("time/step_s_rank_spread"):
+        ranks = run.world_size
+        if ranks == 1 or ranks is None:
+            return "stragglers: a single-rank run (time/step_s_rank_spread is recorded only with several ranks)"
+        return "stragglers: time/step_s_rank_spread was not recorded"
+    windows = run.window_steps()
+    gaps, shares = [], []
+    for r in run.steady:
+        if "time/step_s_rank_spread" in r and r.get("time/step_s", 0) > 0:
+            # The metric is the arrival gap at the log step divided by the window's steps: undo that,
+            # because ranks meet in a collective every step and the gap is the last step's lag.
+            gap = r["time/step_s_rank_spread"] * windows[r["step"]]
+            gaps.append(gap)
+            shares.append(gap / r["time/step_s"])
+    if not shares:
+        return "stragglers: no steady window has time/step_s_rank_spread"
+    share = median(shares)
+    above = sum(s > STRAGGLER_SHARE for s in shares)
+    if above < STRAGGLER_MIN_WINDOWS * len(shares):
+        return None
+    evidence = [
+        f"in the median window the slowest rank reached the log step {_ms(median(gaps))} after the fastest: "
+        f"{_pct(share)} of a step (threshold {_pct(STRAGGLER_SHARE)}; time/step_s_rank_spread x steps per window)",
+        f"{above} of {len(shares)} windows after warm-up are above the threshold (a finding needs {STRAGGLER_MIN_WINDOWS:.0%})",
+        "every rank waits for the slowest one at each step's gradient all-reduce, so the whole run goes at its pace",
+    ]
+    _, high = run.series("time/data_wait_frac", steady=True)
+    _, low = run.series("time/data_wait_frac_rank_min", steady=True)
+    if high and low and median(high) - median(low) > DATA_WAIT_RANK_GAP:
+        evidence.append(f"data wait differs across ranks ({_pct(median(low))} to {_pct(median(high))}): the late rank waits for its data")
+        advice = ["look at that rank's data path (its node's disk or network, its shards) and prefetch more (data.prefetch_batches)"]
+    else:
+        evidence.append("data wait is alike on every rank, so the late rank computes or communicates more slowly")
+        advice = [
+            "look for other processes on the late rank's node (CPU or GPU shared), thermal or power throttling, or a slower link",
+            "keep metrics.gc_every on: it makes every rank collect garbage at the same step",
+        ]
+    return Finding(
+        key="straggler", title=f"Straggler: one rank arrives {_pct(share)} of a step late",
+        evidence=evidence, advice=advice, numbers={"share": share, "gap_s": median(gaps)},
+    )
+
+
+# --- summary -------------------------------------------------------------------------------------
+
+
+def summarize(run: RunMetrics) -> dict[str, str]:
+    """Headline numbers: medians over the steady windows (all windows when none is steady)."""
+    steady = bool(run.steady)
+    summary: dict[str, str] = {}
+    first, last = run.records[0]["step"], run.last_step
+    summary["steps logged"] = f"{first}-{last} ({len(run.records)} records, every {run.log_every} steps)"
+    ranks = run.world_size
+    summary["ranks"] = str(ranks) if ranks else ("several" if run.has("time/step_s_rank_spread") else "1 (or unknown)")
+    summary["warm-up left out"] = f"steps up to {run.warmup_steps}" + (f"; resumes at steps {run.restart_steps}" if run.restart_steps else "")
+    _, loss = run.series("train/loss")
+    if loss:
+        summary["loss"] = f"{loss[0]:.4f} -> {loss[-1]:.4f} (min {min(loss):.4f})"
+
+    def add(label: str, metric: str, fmt) -> None:
+        _, values = run.series(metric, steady=steady)
+        if values:
+            summary[label] = fmt(median(values))
+
+    add("tokens/s (median)", "throughput/tokens_per_sec", lambda v: f"{v:,.0f}")
+    add("step time (median)", "time/step_s", _ms)
+    add("MFU (median)", "throughput/mfu", _pct)
+    add("MFU vs measured peak (median)", "throughput/mfu_measured_peak", _pct)
+    add("data wait (median)", "time/data_wait_frac", _pct)
+    _, blocked = run.series("checkpoint/blocked_s")
+    if blocked:
+        summary["checkpoint blocked"] = f"median {_duration(median(blocked))}, worst {_duration(max(blocked))} ({len(blocked)} windows with a save)"
+    _, peak = run.series("memory/peak_gb")
+    if peak:
+        summary["peak memory"] = f"{max(peak):.2f} GB"
+        _, fracs = run.series("memory/peak_frac")
+        if fracs:
+            summary["peak memory"] += f" ({_pct(max(fracs))} of available)"
+    _, alerts = run.series("alert/slowdown")
+    if alerts:
+        summary["slowdown alerts"] = f"{int(sum(a >= 1 for a in alerts))} of {len(alerts)} windows"
+    _, dropped = run.series("sink/dropped")
+    if dropped:
+        summary["sink records dropped"] = str(int(max(dropped)))
+    return summary

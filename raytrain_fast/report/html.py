@@ -1,0 +1,57 @@
+"""One self-contained HTML page: summary table, diagnosis, and the plots (PNG files beside it)."""
+
+from __future__ import annotations
+
+from html import escape
+
+from raytrain_fast.report.diagnose import Diagnosis
+from raytrain_fast.report.load import RunMetrics
+from raytrain_fast.report.plots import PlotResult
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; max-width: 960px; margin: 2em auto; color: #222; }
+table { border-collapse: collapse; margin-bottom: 1.5em; }
+td, th { border: 1px solid #ccc; padding: 4px 10px; text-align: left; vertical-align: top; }
+.finding { border-left: 4px solid #c0392b; padding: 0.2em 1em; margin: 1em 0; background: #fdf3f2; }
+.clean { border-left: 4px solid #27ae60; padding: 0.5em 1em; background: #f1faf4; }
+.note { color: #666; }
+figure { margin: 1.5em 0; }
+figcaption { color: #555; font-size: 0.9em; }
+img { max-width: 100%; }
+"""
+
+
+def render_html(run: RunMetrics, diagnosis: Diagnosis, plots: PlotResult) -> str:
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>Run report: {escape(run.name)}</title>",
+        f"<style>{_STYLE}</style></head><body>",
+        f"<h1>Run report: {escape(run.name)}</h1>",
+        f'<p class="note">{escape(run.uri)}</p>',
+        "<h2>Summary</h2>",
+        "<table>",
+    ]
+    parts += [f"<tr><th>{escape(label)}</th><td>{escape(value)}</td></tr>" for label, value in diagnosis.summary.items()]
+    parts.append("</table>")
+
+    parts.append("<h2>Diagnosis</h2>")
+    if not diagnosis.findings:
+        parts.append('<p class="clean">No problems found in the steady part of the run.</p>')
+    for finding in diagnosis.findings:
+        parts.append(f'<div class="finding" id="{escape(finding.key)}"><h3>{escape(finding.title)}</h3>')
+        parts.append("<p>Based on:</p><ul>" + "".join(f"<li>{escape(e)}</li>" for e in finding.evidence) + "</ul>")
+        parts.append("<p>What to change:</p><ul>" + "".join(f"<li>{escape(a)}</li>" for a in finding.advice) + "</ul></div>")
+    if diagnosis.skipped:
+        parts.append("<h3>Not checked</h3><ul>" + "".join(f'<li class="note">{escape(s)}</li>' for s in diagnosis.skipped) + "</ul>")
+
+    parts.append("<h2>Plots</h2>")
+    for plot in plots.plots:
+        parts.append(
+            f'<figure><img src="{escape(plot.file)}" alt="{escape(plot.title)}">'
+            f"<figcaption>{escape(plot.caption)}</figcaption></figure>"
+        )
+    if plots.skipped:
+        parts.append("<h3>Plots not drawn</h3><ul>" + "".join(f'<li class="note">{escape(s)}</li>' for s in plots.skipped) + "</ul>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"

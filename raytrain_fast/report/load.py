@@ -1,0 +1,165 @@
+"""A run's metrics as the report sees them: every JSONL record, the run's config when a checkpoint
+holds one, and which log windows are past warm-up."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from raytrain_fast.errors import RaytrainFastError
+
+if TYPE_CHECKING:
+    from raytrain_fast.storage import StorageConfig
+
+# Steps the report leaves out as warm-up when the run's config does not say (the loop's default
+# metrics.slowdown_warmup_steps): allocator, data pipeline and first-call compilation settle here.
+DEFAULT_WARMUP_STEPS = 50
+# ... but never more than this share of the run's windows, so a short run still has some to judge.
+MAX_WARMUP_SHARE = 0.3
+# A gap between two records this much longer than their steps could take means the run stopped and
+# was resumed: the first window after it is a warm-up again (restore, new workers, cold data).
+RESTART_GAP_FACTOR = 5.0
+RESTART_GAP_MIN_S = 30.0
+
+
+@dataclass(kw_only=True)
+class RunMetrics:
+    name: str
+    uri: str
+    """The run's directory (local path or s3:// URI)."""
+    records: list[dict[str, Any]]
+    """Every metrics record, ordered by step: {"step": ..., "time": ..., "<metric>": value}."""
+    config: dict[str, Any] | None = None
+    """The run's (redacted) config from its newest checkpoint; None when no checkpoint has one."""
+    warmup_steps: int = 0
+    """Records at or below this step are warm-up and left out of the judgements."""
+    restart_steps: list[int] = field(default_factory=list)
+    """Log steps whose window began with a resume (also left out)."""
+
+    @property
+    def steady(self) -> list[dict[str, Any]]:
+        """The records the diagnosis judges: past warm-up and not the first window after a resume."""
+        skip = set(self.restart_steps)
+        return [r for r in self.records if r["step"] > self.warmup_steps and r["step"] not in skip]
+
+    @property
+    def world_size(self) -> int | None:
+        """Ranks, from the config (None when unknown; multi-rank runs also show time/step_s_rank_spread)."""
+        value = self.setting("resources", "num_workers")
+        return int(value) if isinstance(value, int) else None
+
+    @property
+    def last_step(self) -> int:
+        return self.records[-1]["step"] if self.records else 0
+
+    def setting(self, section: str, key: str, default: Any = None) -> Any:
+        """A value of the run's config, or `default` when the config or the key is missing."""
+        if not self.config:
+            return default
+        return (self.config.get(section) or {}).get(key, default)
+
+    def has(self, metric: str) -> bool:
+        return any(metric in r for r in self.records)
+
+    def series(self, metric: str, *, steady: bool = False) -> tuple[list[int], list[float]]:
+        """(steps, values) of the records that hold `metric`."""
+        records = self.steady if steady else self.records
+        points = [(r["step"], float(r[metric])) for r in records if isinstance(r.get(metric), (int, float))]
+        return [s for s, _ in points], [v for _, v in points]
+
+    @property
+    def log_every(self) -> int:
+        """The log cadence: train.log_every from the config, else the smallest gap between records
+        (records can be missing: a sink that dropped some, a run that stopped between log steps)."""
+        configured = self.setting("train", "log_every")
+        if isinstance(configured, int) and configured > 0:
+            return configured
+        gaps = [b["step"] - a["step"] for a, b in zip(self.records, self.records[1:]) if b["step"] > a["step"]]
+        return min(gaps) if gaps else max(1, self.records[0]["step"] if self.records else 1)
+
+    def window_steps(self) -> dict[int, int]:
+        """Optimizer steps in each record's log window (step -> steps since the log step before it).
+
+        Log steps are the multiples of log_every plus the run's last step, so this does not depend
+        on the previous record being there.
+        """
+        every = self.log_every
+        return {r["step"]: max(1, r["step"] - ((r["step"] - 1) // every) * every) for r in self.records}
+
+
+def load_run(storage_uri: str, name: str, *, storage: StorageConfig | None = None) -> RunMetrics:
+    """Read run `name` under `storage_uri` (local or s3://). Raises ReportError when it has no metrics."""
+    from raytrain_fast.metrics.sinks import read_metrics
+    from raytrain_fast.storage import StorageConfig
+
+    storage = storage or StorageConfig(uri=storage_uri)
+    uri = f"{storage_uri.rstrip('/')}/{name}"
+    records = read_metrics(uri, storage=storage)
+    if not records:
+        raise ReportError(
+            f"run '{name}' has no metrics under {uri}/metrics/. Check --storage and --name "
+            f"(`raytrain-fast runs --storage {storage_uri}` lists the runs there)."
+        )
+    return from_records(records, name=name, uri=uri, config=_newest_config(uri, storage))
+
+
+def from_records(records: list[dict[str, Any]], *, name: str = "run", uri: str = "", config: dict[str, Any] | None = None) -> RunMetrics:
+    """A RunMetrics from records already in memory (tests, notebooks); warm-up and resumes are found here."""
+    records = sorted(records, key=lambda r: r["step"])
+    run = RunMetrics(name=name, uri=uri, records=records, config=config)
+    configured = run.setting("metrics", "slowdown_warmup_steps", DEFAULT_WARMUP_STEPS)
+    run.warmup_steps = _warmup_step(records, configured)
+    run.restart_steps = _restart_steps(records)
+    return run
+
+
+def _warmup_step(records: list[dict[str, Any]], configured: int) -> int:
+    """The last warm-up step: the configured warm-up, at least the first window, at most MAX_WARMUP_SHARE."""
+    if not records:
+        return 0
+    steps = [r["step"] for r in records]
+    cap_index = max(0, int(len(steps) * MAX_WARMUP_SHARE) - 1)
+    within = [s for s in steps if s <= configured]
+    last_warm = within[-1] if within else steps[0]
+    return max(steps[0], min(last_warm, steps[cap_index]))
+
+
+def _restart_steps(records: list[dict[str, Any]]) -> list[int]:
+    restarts = []
+    for previous, record in zip(records, records[1:]):
+        elapsed = record.get("time", 0.0) - previous.get("time", 0.0)
+        expected = float(record.get("time/step_s", 0.0)) * (record["step"] - previous["step"])
+        if elapsed > max(RESTART_GAP_MIN_S, RESTART_GAP_FACTOR * expected):
+            restarts.append(record["step"])
+    return restarts
+
+
+def _newest_config(run_uri: str, storage: StorageConfig) -> dict[str, Any] | None:
+    """The config.yaml of the newest checkpoint that has one (the loop writes it with every save)."""
+    import yaml
+
+    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs
+    from raytrain_fast.storage import resolve_filesystem
+
+    try:
+        filesystem, path = resolve_filesystem(run_uri, storage)
+        for _, directory in list_checkpoint_dirs(filesystem, path):
+            try:
+                with filesystem.open_input_stream(f"{directory}/config.yaml") as stream:
+                    loaded = yaml.safe_load(stream.read())
+            except (FileNotFoundError, OSError):
+                continue
+            if isinstance(loaded, dict):
+                return loaded
+    except (FileNotFoundError, OSError):
+        pass
+    return None
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+class ReportError(RaytrainFastError):
+    """The report cannot be made (no such run, no metrics)."""

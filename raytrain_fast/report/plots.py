@@ -1,0 +1,212 @@
+"""PNG plots of a run's metrics, drawn with matplotlib's Agg backend (no display, never a window).
+
+Each plot is skipped, with the reason, when the run lacks its metrics.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from raytrain_fast.report.diagnose import CHECKPOINT_MAX_BLOCK_S, DATA_WAIT_FRAC, MEMORY_UNDERUSED_FRAC
+from raytrain_fast.report.load import RunMetrics
+
+
+@dataclass(kw_only=True)
+class Plot:
+    file: str
+    """File name inside the output directory."""
+    title: str
+    caption: str
+
+
+@dataclass(kw_only=True)
+class PlotResult:
+    plots: list[Plot]
+    skipped: list[str]
+    """'<title>: <why>' for each plot that was not drawn."""
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)  # files only: no display, no window, works on headless nodes
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
+    os.makedirs(out_dir, exist_ok=True)
+    plt = _pyplot()
+    plots, skipped = [], []
+    for spec in _SPECS:
+        figure, axis = plt.subplots(figsize=(8, 3.6), dpi=100)
+        try:
+            why_not = spec.draw(run, axis)
+            if why_not:
+                skipped.append(f"{spec.title}: {why_not}")
+                continue
+            axis.set_title(spec.title)
+            axis.set_xlabel("step")
+            axis.grid(True, alpha=0.3)
+            if run.warmup_steps > run.records[0]["step"]:
+                axis.axvspan(run.records[0]["step"], run.warmup_steps, color="0.85", alpha=0.5, zorder=0, label="warm-up (left out)")
+            handles, labels = [], []
+            for ax in figure.axes:
+                h, l = ax.get_legend_handles_labels()
+                handles += h
+                labels += l
+            if labels:
+                axis.legend(handles, labels, loc="best", fontsize="small")
+            figure.tight_layout()
+            figure.savefig(os.path.join(out_dir, spec.file))
+            plots.append(Plot(file=spec.file, title=spec.title, caption=spec.caption))
+        finally:
+            plt.close(figure)
+    return PlotResult(plots=plots, skipped=skipped)
+
+
+@dataclass(kw_only=True)
+class _Spec:
+    file: str
+    title: str
+    caption: str
+    draw: Callable[[RunMetrics, object], str | None]
+    """Draws on the axis; returns why it could not (missing metrics), or None."""
+
+
+def _loss(run: RunMetrics, axis) -> str | None:
+    steps, loss = run.series("train/loss")
+    if not loss:
+        return "train/loss was not recorded"
+    axis.plot(steps, loss, marker=".", label="train/loss")
+    axis.set_ylabel("loss")
+    return None
+
+
+def _throughput(run: RunMetrics, axis) -> str | None:
+    steps, tps = run.series("throughput/tokens_per_sec")
+    if not tps:
+        return "throughput/tokens_per_sec was not recorded"
+    axis.plot(steps, tps, marker=".", color="tab:blue", label="tokens/s")
+    axis.set_ylabel("tokens/s")
+    axis.set_ylim(bottom=0)
+    mfu_axis = None
+    for metric, label, color in (("throughput/mfu", "MFU (datasheet peak)", "tab:red"), ("throughput/mfu_measured_peak", "MFU (measured peak)", "tab:orange")):
+        mfu_steps, mfu = run.series(metric)
+        if mfu:
+            mfu_axis = mfu_axis or axis.twinx()
+            mfu_axis.plot(mfu_steps, [100 * v for v in mfu], marker="x", linestyle="--", color=color, label=label)  # dashed: it often tracks tokens/s exactly
+    if mfu_axis is not None:
+        mfu_axis.set_ylabel("MFU %")
+        mfu_axis.set_ylim(bottom=0)
+    return None
+
+
+def _data_wait(run: RunMetrics, axis) -> str | None:
+    steps, frac = run.series("time/data_wait_frac")
+    if not frac:
+        return "time/data_wait_frac was not recorded"
+    axis.plot(steps, [100 * v for v in frac], marker=".", label="data wait (rank that waited most)")
+    low_steps, low = run.series("time/data_wait_frac_rank_min")
+    if low:
+        axis.plot(low_steps, [100 * v for v in low], marker=".", label="data wait (rank that waited least)")
+    axis.axhline(100 * DATA_WAIT_FRAC, color="tab:red", linestyle="--", label=f"data-bound above {DATA_WAIT_FRAC:.0%}")
+    axis.set_ylabel("% of step time")
+    axis.set_ylim(bottom=0)
+    return None
+
+
+def _step_time(run: RunMetrics, axis) -> str | None:
+    steps, step_s = run.series("time/step_s")
+    if not step_s:
+        return "time/step_s was not recorded"
+    axis.plot(steps, [1e3 * v for v in step_s], marker=".", label="step time")
+    by_step = dict(zip(steps, step_s))
+    alert_steps = [s for s, v in zip(*run.series("alert/slowdown")) if v >= 1 and s in by_step]
+    if alert_steps:
+        axis.scatter(alert_steps, [1e3 * by_step[s] for s in alert_steps], color="tab:red", zorder=3, s=40, label="slowdown alert")
+    for record in run.records:
+        causes = [k.removeprefix("alert/slowdown_cause/") for k in record if k.startswith("alert/slowdown_cause/")]
+        if causes and record["step"] in by_step:
+            axis.annotate(
+                ", ".join(causes), (record["step"], 1e3 * by_step[record["step"]]), textcoords="offset points",
+                xytext=(0, 8), ha="center", fontsize="small", color="tab:red",
+            )
+    spread_steps, spread = run.series("time/step_s_rank_spread")
+    gaps = []
+    if spread:
+        windows = run.window_steps()
+        gaps = [1e3 * v * windows[s] for s, v in zip(spread_steps, spread)]
+        axis.plot(spread_steps, gaps, marker=".", color="tab:gray", label="rank arrival gap")
+    axis.set_ylabel("ms")
+    # Scale to the steady windows: the first window (startup, compilation) can be 100x longer.
+    steady = [1e3 * v for s, v in zip(steps, step_s) if s > run.warmup_steps]
+    steady += [g for s, g in zip(spread_steps, gaps) if s > run.warmup_steps]
+    top = 1.25 * max(steady, default=0.0)
+    if top > 0 and max([1e3 * v for v in step_s] + gaps) > top:
+        axis.set_ylim(0, top)
+        axis.annotate("first window above the scale", (0.5, 0.97), xycoords="axes fraction", fontsize="small", color="0.4", ha="center", va="top")
+    else:
+        axis.set_ylim(bottom=0)
+    return None
+
+
+def _checkpoint(run: RunMetrics, axis) -> str | None:
+    steps, blocked = run.series("checkpoint/blocked_s")
+    up_steps, upload = run.series("checkpoint/upload_s")
+    if not blocked and not upload:
+        return "no checkpoint was saved between two log steps (checkpoint/blocked_s and checkpoint/upload_s absent)"
+    if blocked:
+        axis.bar(steps, blocked, width=max(1.0, 0.4 * min(run.window_steps().values())), label="training blocked per checkpoint")
+    if upload:
+        axis.plot(up_steps, upload, marker="o", linestyle="", color="tab:orange", label="upload time")
+    if blocked and max(blocked) > 0.5 * CHECKPOINT_MAX_BLOCK_S:
+        axis.axhline(CHECKPOINT_MAX_BLOCK_S, color="tab:red", linestyle="--", label=f"stall above {CHECKPOINT_MAX_BLOCK_S:.0f} s")
+    axis.set_ylabel("seconds")
+    return None
+
+
+def _memory(run: RunMetrics, axis) -> str | None:
+    steps, peak = run.series("memory/peak_gb")
+    if not peak:
+        return "memory/peak_gb was not recorded"
+    axis.plot(steps, peak, marker=".", label="peak")
+    cur_steps, current = run.series("memory/current_gb")
+    if current:
+        axis.plot(cur_steps, current, marker=".", label="in use at the log step")
+    axis.set_ylabel("GB")
+    axis.set_ylim(bottom=0)
+    frac_steps, frac = run.series("memory/peak_frac")
+    if frac:
+        frac_axis = axis.twinx()
+        frac_axis.plot(frac_steps, [100 * v for v in frac], color="tab:green", linestyle=":", label="peak, % of available")
+        frac_axis.axhline(100 * MEMORY_UNDERUSED_FRAC, color="tab:red", linestyle="--", label=f"under-used below {MEMORY_UNDERUSED_FRAC:.0%}")
+        frac_axis.set_ylim(0, 105)
+        frac_axis.set_ylabel("% of available")
+    return None
+
+
+_SPECS = [
+    _Spec(file="loss.png", title="Training loss", caption="train/loss: mean over each log window.", draw=_loss),
+    _Spec(
+        file="throughput.png", title="Throughput and MFU",
+        caption="Tokens per second across all ranks (checkpoint stalls included) and model FLOPs utilisation.", draw=_throughput,
+    ),
+    _Spec(
+        file="data_wait.png", title="Data-wait share",
+        caption="Share of each window spent waiting for the next batch; the dashed line is the data-bound threshold.", draw=_data_wait,
+    ),
+    _Spec(
+        file="step_time.png", title="Step time and slowdown alerts",
+        caption="Wall time per optimizer step; red dots are windows where the slowdown detector was on, labelled with its cause; "
+        "grey is how much later the slowest rank reached the log step.", draw=_step_time,
+    ),
+    _Spec(
+        file="checkpoint.png", title="Checkpoint blocked time",
+        caption="Seconds training was blocked per checkpoint (bars) and upload durations.", draw=_checkpoint,
+    ),
+    _Spec(file="memory.png", title="Memory", caption="Peak and current memory (GPU allocator or process RSS on CPU).", draw=_memory),
+]

@@ -1,0 +1,346 @@
+"""`raytrain-fast report`: each diagnosis rule on records built here (fast), the report of real tiny
+runs (a clean one names nothing, one with planted problems names each of them), S3 storage and
+runs with missing metrics."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from raytrain_fast.cli import main
+from raytrain_fast.report import diagnose, from_records, make_report, report_for
+from raytrain_fast.report.diagnose import (
+    CHECKPOINT_BLOCKED_SHARE,
+    DATA_WAIT_FRAC,
+    MEMORY_UNDERUSED_FRAC,
+    STRAGGLER_SHARE,
+)
+
+PNGS = {"loss.png", "throughput.png", "data_wait.png", "step_time.png", "checkpoint.png", "memory.png"}
+
+
+# --- records built in the test -------------------------------------------------------------------
+
+
+def records(num_windows: int = 16, *, log_every: int = 5, step_s: float = 0.1, ranks: int = 2, tweak=None) -> list[dict]:
+    """A healthy run's records; `tweak(index, record)` changes window `index` (0-based) in place."""
+    out, now = [], 1_700_000_000.0
+    for i in range(num_windows):
+        step = (i + 1) * log_every
+        now += step_s * log_every
+        record = {
+            "step": step, "time": now, "train/loss": 5.0 / (1 + 0.1 * i), "train/lr": 1e-3,
+            "throughput/tokens_per_sec": 1000.0 / step_s, "throughput/mfu_measured_peak": 0.3, "time/step_s": step_s,
+            "time/data_wait_frac": 0.005, "memory/peak_gb": 2.0, "memory/current_gb": 1.9, "gc/collect_s": 0.0,
+            "sink/dropped": 0.0, "sink/backlog": 0.0, "sink/errors": 0.0,
+        }
+        if ranks > 1:
+            record["time/step_s_rank_spread"] = 0.01 * step_s / log_every  # the gap is 1% of a step
+            record["time/data_wait_frac_rank_min"] = 0.004
+        if step > 20:  # the detector's baseline exists after its warm-up
+            record["alert/slowdown"], record["alert/slowdown_ratio"] = 0.0, 1.0
+        if tweak:
+            tweak(i, record)
+        out.append(record)
+    return out
+
+
+CONFIG = {
+    "train": {"log_every": 5, "micro_batch": 4},
+    "metrics": {"slowdown_warmup_steps": 10, "queue_size": 1000},
+    "checkpoint": {"every_steps": 5, "upload": "sync"},
+    "resources": {"num_workers": 2},
+    "data": {"prefetch_batches": 2},
+}
+
+
+def keys_of(recs: list[dict], config: dict | None = CONFIG) -> list[str]:
+    return diagnose(from_records(recs, name="t", config=config)).keys()
+
+
+def test_a_healthy_run_has_no_finding_and_says_what_it_could_not_check():
+    diagnosis = diagnose(from_records(records(), config=CONFIG))
+    assert diagnosis.findings == []
+    assert any("memory/peak_frac" in s for s in diagnosis.skipped)
+    assert any("checkpoint" in s for s in diagnosis.skipped)
+
+
+def test_data_bound_names_the_share_and_the_fix():
+    def slow_data(i, r):
+        r["time/data_wait_frac"] = 0.30
+
+    finding = diagnose(from_records(records(tweak=slow_data), config=CONFIG)).findings[0]
+    assert finding.key == "data_bound"
+    assert "30%" in finding.title and "median time/data_wait_frac 30%" in finding.evidence[0]
+    assert any("data.prefetch_batches (now 2)" in a for a in finding.advice)
+    # Just below the threshold, and a slow warm-up, are not findings.
+    def mild(i, r):
+        r["time/data_wait_frac"] = DATA_WAIT_FRAC * 0.9 if i else 0.9
+
+    assert keys_of(records(tweak=mild)) == []
+
+
+def test_sink_drops_or_a_persistent_backlog_are_findings_a_blip_is_not():
+    def dropping(i, r):
+        r["sink/dropped"] = float(max(0, i - 10))
+
+    finding = diagnose(from_records(records(tweak=dropping), config=CONFIG)).findings[0]
+    assert finding.key == "sink_backlog" and "5 metric records were dropped" in finding.evidence[0]
+
+    def behind(i, r):
+        r["sink/backlog"] = 4.0 if i in (8, 9, 12) else 0.0
+
+    assert keys_of(records(tweak=behind)) == ["sink_backlog"]
+
+    def blip(i, r):
+        r["sink/backlog"] = 6.0 if i == 8 else 1.0
+
+    assert keys_of(records(tweak=blip)) == []
+
+
+def test_memory_under_used_when_peak_frac_is_low():
+    def low(i, r):
+        r["memory/peak_frac"] = 0.2
+
+    finding = diagnose(from_records(records(tweak=low), config=CONFIG)).findings[0]
+    assert finding.key == "memory_underused"
+    assert "20%" in finding.evidence[0] and "2.00 GB of 10.0 GB" in finding.evidence[0]
+    assert "micro_batch: auto" in finding.advice[0]
+
+    def high(i, r):
+        r["memory/peak_frac"] = MEMORY_UNDERUSED_FRAC + 0.1
+
+    assert keys_of(records(tweak=high)) == []
+
+
+def test_progressive_slowdown_from_the_detector_says_since_when_and_why():
+    def slower(i, r):
+        if i >= 9:  # steps 50.. are 60% slower, mostly waiting for data
+            r["time/step_s"] = 0.16
+            r["time/data_wait_frac"] = 0.06 / 0.16
+            r["alert/slowdown_ratio"] = 1.6
+            r["alert/slowdown"] = 1.0 if i >= 10 else 0.0
+            if i == 10:
+                r["alert/slowdown_cause/data_wait"] = 1.0
+
+    diagnosis = diagnose(from_records(records(tweak=slower), config=CONFIG))
+    finding = next(f for f in diagnosis.findings if f.key == "slowdown")
+    assert "since step 55" in finding.title and "1.60x" in finding.title
+    text = " ".join(finding.evidence)
+    assert "data wait 0.5 ms -> 60.0 ms per step" in text
+    assert "likely cause: the data pipeline" in text
+
+    # Two alert windows at the end of a run (a burst on a shared machine) are not a finding.
+    def burst(i, r):
+        if i >= 14:
+            r["time/step_s"], r["alert/slowdown_ratio"], r["alert/slowdown"] = 0.2, 2.0, float(i == 15 or i == 14)
+
+    assert keys_of(records(tweak=burst)) == []
+
+
+def test_slowdown_blamed_on_sink_drops_by_the_detector_is_read_from_the_seconds():
+    def slower(i, r):
+        if i >= 9:
+            r["time/step_s"], r["alert/slowdown_ratio"], r["alert/slowdown"] = 0.2, 2.0, float(i >= 10)
+            r["sink/dropped"] = 3.0
+            if i == 10:
+                r["alert/slowdown_cause/sink"] = 1.0
+
+    diagnosis = diagnose(from_records(records(tweak=slower), config=CONFIG))
+    text = " ".join(next(f for f in diagnosis.findings if f.key == "slowdown").evidence)
+    assert "likely cause: nothing the loop measures" in text and "detector named 'sink'" in text
+    assert "sink_backlog" in diagnosis.keys()
+
+
+def test_slowdown_without_detector_metrics_uses_the_report_own_check():
+    def slower(i, r):
+        r.pop("alert/slowdown", None)
+        r.pop("alert/slowdown_ratio", None)
+        if i >= 8:
+            r["time/step_s"] = 0.2
+
+    finding = diagnose(from_records(records(tweak=slower), config=CONFIG)).findings[0]
+    assert finding.key == "slowdown" and "since step 45" in finding.title
+    assert "nothing the loop measures" in " ".join(finding.evidence)
+
+
+def test_checkpoint_stalls_by_share_of_wall_time_and_by_a_single_long_block():
+    def stalls(i, r):
+        if i % 2:
+            r["checkpoint/blocked_s"] = 0.1  # one save per window: 0.1 s of each 0.5 s window
+            r["time/step_s"] = 0.12
+
+    finding = diagnose(from_records(records(tweak=stalls), config=CONFIG)).findings[0]
+    assert finding.key == "checkpoint_stall"
+    assert finding.numbers["blocked_share"] > CHECKPOINT_BLOCKED_SHARE
+    assert "checkpoint.upload=async" in finding.advice[0]
+
+    def one_long(i, r):
+        if i == 10:
+            r["checkpoint/blocked_s"] = 120.0
+
+    long_run = records(num_windows=16, step_s=100.0, tweak=one_long)  # 120 s is 1.5% of this run's time
+    finding = diagnose(from_records(long_run, config=CONFIG)).findings[0]
+    assert finding.key == "checkpoint_stall" and finding.numbers["worst_block_s"] == 120.0
+
+    def cheap(i, r):
+        r["checkpoint/blocked_s"] = 0.001
+
+    assert keys_of(records(tweak=cheap)) == []
+
+
+def test_straggler_needs_most_windows_late_and_reads_the_data_gap():
+    def late(i, r):
+        r["time/step_s_rank_spread"] = 0.3 * r["time/step_s"] / 5  # arrives 30% of a step late
+
+    finding = diagnose(from_records(records(tweak=late), config=CONFIG)).findings[0]
+    assert finding.key == "straggler" and "30%" in finding.title
+    assert "data wait is alike on every rank" in " ".join(finding.evidence)
+
+    def sometimes(i, r):
+        r["time/step_s_rank_spread"] = (2 * STRAGGLER_SHARE if i % 3 == 0 else 0.01) * r["time/step_s"] / 5
+
+    assert keys_of(records(tweak=sometimes)) == []
+    single = diagnose(from_records(records(ranks=1), config={**CONFIG, "resources": {"num_workers": 1}}))
+    assert single.findings == [] and any("single-rank" in s for s in single.skipped)
+
+
+def test_missing_metrics_and_missing_records_still_make_a_report(tmp_path):
+    # Only loss and step time, no config, and every other record missing (a sink that dropped them).
+    bare = [{"step": r["step"], "time": r["time"], "train/loss": r["train/loss"], "time/step_s": r["time/step_s"]}
+            for r in records()[::2]]
+    report = report_for(from_records(bare, name="bare"), out_dir=str(tmp_path))
+    assert report.diagnosis.findings == []
+    assert {Path(p).name for p in report.pngs} == {"loss.png", "step_time.png"}
+    html = Path(report.html_path).read_text()
+    assert "throughput/tokens_per_sec was not recorded" in html
+    assert "time/data_wait_frac was not recorded" in report.text
+    assert from_records(bare).log_every == 10  # from the records when the config is unknown
+
+
+# --- real runs -----------------------------------------------------------------------------------
+
+
+def _config(tmp_path: Path, name: str, *extra: str):
+    from raytrain_fast.config import load_config
+
+    return load_config(
+        "tiny",
+        [
+            "model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.max_seq_len=32",
+            "data.seq_len=32", "data.max_tokens=60000", "train.micro_batch=4", "train.global_batch=8",
+            "train.steps=30", "train.log_every=3", "optim.warmup_steps=3", "optim.lr=0.01",
+            "resources.num_workers=2", "resources.max_failures=0", "engine.precision=fp32",
+            "metrics.slowdown_warmup_steps=6", "metrics.peak_measure_s=0.2", f"storage.uri={tmp_path / 'runs'}", *extra,
+        ],
+        name=name,
+    )
+
+
+def _has_memory_budget() -> bool:
+    """memory/peak_frac on CPU needs resources.memory_budget_gb (added alongside the report)."""
+    import dataclasses
+
+    from raytrain_fast.launch.config import ResourcesConfig
+    from raytrain_fast.metrics.names import METRICS
+
+    return "memory/peak_frac" in METRICS and any(f.name == "memory_budget_gb" for f in dataclasses.fields(ResourcesConfig))
+
+
+# Planted problems. Per step: ~50 ms of compute, 200 ms of data wait, rank 1 200 ms late, a sync
+# checkpoint after every step (~0.15 s); from step 13 every rank 300 ms slower (a progressive slowdown
+# the detector sees against its baseline of windows 9 and 12). Sizes keep each share about twice its
+# threshold even after the slowdown dilutes it, on a busy 2-core machine.
+DRILLS = {
+    "RAYTRAIN_FAST_DRILL_SLOW_DATA": "0.2",
+    "RAYTRAIN_FAST_DRILL_SLOW_STEP": "0.2:0:1,0.3:13",
+    "RAYTRAIN_FAST_DRILL_SLOW_SINK": "2",  # a record every ~2 s, a queue of 1: records are dropped
+}
+
+
+@pytest.fixture(scope="module")
+def real_runs(ray_session, tmp_path_factory):
+    """One clean run and one with planted problems, both 2 workers x 30 steps of a tiny model."""
+    from raytrain_fast.launch.trainer import run
+
+    tmp_path = tmp_path_factory.mktemp("report-runs")
+    run(_config(tmp_path, "clean"))  # no checkpoint but the last: at this size any save is a stall
+    planted = ["checkpoint.every_steps=1", "checkpoint.upload=sync", "metrics.queue_size=1", "metrics.slowdown_windows=2"]
+    if _has_memory_budget():
+        planted.append("resources.memory_budget_gb=64")  # a ~0.6 GB process: memory under-used
+    os.environ.update(DRILLS)
+    try:
+        run(_config(tmp_path, "planted", *planted))
+    finally:
+        for key in DRILLS:
+            del os.environ[key]
+    return tmp_path / "runs"
+
+
+@pytest.mark.slow
+def test_clean_run_report_has_the_plots_and_no_finding(real_runs, tmp_path, capsys):
+    out = tmp_path / "clean-report"
+    assert main(["report", "--storage", str(real_runs), "--name", "clean", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "no problems found" in printed, printed
+    # Every plot but the checkpoint one (no save between two log steps), which the page explains.
+    assert {p.name for p in out.glob("*.png")} == PNGS - {"checkpoint.png"}
+    html = (out / "report.html").read_text()
+    assert all(f'src="{name}"' in html for name in PNGS - {"checkpoint.png"})
+    assert "Checkpoint blocked time: no checkpoint was saved between two log steps" in html
+    assert "No problems found" in html and "tokens/s (median)" in html
+
+
+@pytest.mark.slow
+def test_planted_problems_are_each_named_with_their_numbers(real_runs, tmp_path):
+    report = make_report(str(real_runs), "planted", out_dir=str(tmp_path / "planted-report"))
+    found = {f.key: f for f in report.diagnosis.findings}
+    expected = {"data_bound", "sink_backlog", "checkpoint_stall", "straggler", "slowdown"}
+    if _has_memory_budget():
+        expected.add("memory_underused")
+    assert set(found) == expected, report.text
+    assert found["data_bound"].numbers["data_wait_frac"] > DATA_WAIT_FRAC
+    assert found["sink_backlog"].numbers["dropped"] > 0
+    assert found["checkpoint_stall"].numbers["blocked_share"] > CHECKPOINT_BLOCKED_SHARE
+    assert "checkpoint.upload=async" in " ".join(found["checkpoint_stall"].advice)
+    assert found["straggler"].numbers["share"] > STRAGGLER_SHARE
+    assert 13 <= found["slowdown"].numbers["since_step"] <= 24, report.text
+    assert found["slowdown"].numbers["ratio"] > 1.3
+    html = Path(report.html_path).read_text()
+    assert all(f'id="{key}"' in html for key in found)
+    assert {Path(p).name for p in report.pngs} == PNGS
+
+
+# --- storage -------------------------------------------------------------------------------------
+
+
+def test_report_reads_metrics_from_s3(s3_server, monkeypatch, tmp_path, capsys):
+    from raytrain_fast.metrics.sinks import JsonlSink
+    from raytrain_fast.storage import StorageConfig
+
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    bucket = s3_server.make_bucket(f"report-{uuid.uuid4().hex[:8]}")
+    storage = StorageConfig(uri=f"s3://{bucket}/runs", endpoint_url=s3_server.endpoint_url)
+
+    def slow_data(i, r):
+        r["time/data_wait_frac"] = 0.4
+
+    sink = JsonlSink(f"s3://{bucket}/runs/remote", start_step=0, storage=storage)
+    for record in records(tweak=slow_data):
+        sink.log({k: v for k, v in record.items() if k not in ("step", "time")}, record["step"])
+    sink.close()
+
+    out = tmp_path / "remote-report"
+    argv = ["report", "--storage", f"s3://{bucket}/runs", "--endpoint-url", s3_server.endpoint_url, "--name", "remote", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Data-bound: training waits for data 40% of the time" in printed
+    assert (out / "report.html").exists() and (out / "data_wait.png").exists()
+    assert s3_server.env.get("AWS_SECRET_ACCESS_KEY", "no-secret") not in printed
+
+    assert main(["report", "--storage", f"s3://{bucket}/runs", "--endpoint-url", s3_server.endpoint_url, "--name", "nope"]) == 2
+    assert "has no metrics" in capsys.readouterr().err
