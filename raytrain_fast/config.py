@@ -62,6 +62,8 @@ class Config:
         """Micro-batches per optimizer step (explicit, or derived from the global batch)."""
         if self.train.grad_accum is not None:
             return self.train.grad_accum
+        if self.train.micro_batch == "auto":
+            raise ValueError("train.micro_batch=auto must be resolved first (raytrain_fast.autobatch.resolve_micro_batch)")
         per_step = self.train.micro_batch * self.resources.num_workers
         return max(1, self.train.global_batch // per_step)
 
@@ -175,7 +177,7 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
     def positive(section: str, obj: Any, *names: str) -> None:
         for n in names:
             value = getattr(obj, n)
-            if value is not None and value <= 0:
+            if value is not None and not isinstance(value, str) and value <= 0:
                 problems.append(f"{section}.{n} must be > 0, got {value}")
 
     positive("model", m, "vocab_size", "max_seq_len", "num_layers", "num_heads", "d_model", "mlp_ratio", "init_std")
@@ -218,7 +220,15 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
         problems.append(f"engine.zero_stage must be 0, 1 or 2, got {e.zero_stage}")
     positive("engine", e, "reduce_bucket_size", "allgather_bucket_size")
 
-    if t.micro_batch > 0 and t.global_batch > 0 and r.num_workers > 0:
+    if t.micro_batch == "auto":
+        if t.grad_accum is not None:
+            problems.append("train.micro_batch=auto derives train.grad_accum from the global batch: set train.grad_accum=null")
+        if t.global_batch > 0 and r.num_workers > 0 and t.global_batch % r.num_workers:
+            problems.append(
+                f"train.global_batch ({t.global_batch}) must be a multiple of resources.num_workers ({r.num_workers}) "
+                "for train.micro_batch=auto"
+            )
+    elif t.micro_batch > 0 and t.global_batch > 0 and r.num_workers > 0:
         per_step = t.micro_batch * r.num_workers
         if t.grad_accum is None:
             if t.global_batch % per_step:
@@ -236,6 +246,16 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
 
     if r.cpus_per_worker < 0:
         problems.append(f"resources.cpus_per_worker must be >= 0 (0 = automatic), got {r.cpus_per_worker}")
+    if r.memory_budget_gb is not None and r.memory_budget_gb <= 0:
+        problems.append(f"resources.memory_budget_gb must be > 0 (or null), got {r.memory_budget_gb}")
+    if (
+        t.micro_batch == "auto" and r.memory_budget_gb is None and cluster_gpus is not None
+        and not (r.use_gpu is True or (r.use_gpu == "auto" and cluster_gpus >= r.num_workers))
+    ):
+        problems.append(
+            "train.micro_batch=auto on CPU workers needs resources.memory_budget_gb (the memory one worker may use, "
+            "e.g. --set resources.memory_budget_gb=8), or set train.micro_batch to a number"
+        )
     if r.max_failures < -1:
         problems.append(f"resources.max_failures must be -1 (unlimited) or >= 0, got {r.max_failures}")
     if r.use_gpu is True and cluster_gpus is not None and cluster_gpus < r.num_workers:

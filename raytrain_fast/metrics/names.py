@@ -19,6 +19,7 @@ METRICS: dict[str, str] = {
     "checkpoint/blocked_s": "Seconds training was blocked per checkpoint saved in the window.",
     "checkpoint/upload_s": "Seconds the last checkpoint upload took (async uploads report it when done).",
     "memory/peak_gb": "Peak memory in GB: CUDA max_memory_allocated on GPU, peak RSS of the process on CPU.",
+    "memory/peak_frac": "memory/peak_gb as a share of the device's total memory (GPU) or of resources.memory_budget_gb (CPU); absent when neither is known. Far below 1: a larger micro-batch (train.micro_batch=auto, `raytrain-fast sweep`) may train faster.",
     "memory/current_gb": "Memory in use at the log step (CUDA allocated, or RSS on CPU).",
     "gc/collect_s": "Seconds in Python garbage collection during the window (the rank with most).",
     "gc/collections": "Garbage collections (all generations) on rank 0 during the window.",

@@ -1,0 +1,357 @@
+"""`train.micro_batch: auto`: before training, the fastest micro-batch that fits the memory budget.
+
+For each micro-batch that divides the per-worker batch (global_batch / num_workers), smallest
+first, one probe in a FRESH process with a worker's resources (a Ray task with max_calls=1, so peak
+memory is that candidate's alone: ru_maxrss never goes down within a process) builds the model and
+the DeepSpeed engine, runs one optimizer step of warm-up (allocates the optimizer state) and
+`timed_steps` timed ones at the accumulation that keeps the global batch, and reports:
+
+- peak memory: on GPU `torch.cuda.max_memory_reserved` (what the allocator holds: what runs out),
+  on CPU the peak RSS of the whole probe process;
+- tokens/s per worker over the timed steps.
+
+A candidate fits when its peak is within the budget (resources.memory_budget_gb; on GPU, when
+that is null, the device memory minus `GPU_MEMORY_MARGIN`); an out-of-memory error is a candidate
+that does not fit (caught, memory freed, the process then exits). The search stops at the first
+candidate that does not fit (a larger one needs more), and the FASTEST fitting one wins: the
+largest is not always the fastest (cache and allocator effects, fewer but slower micro-steps).
+
+The probe runs one worker (world size 1): with ZeRO-2 across N workers the optimizer state and
+gradients are sharded, so a real worker needs less than the probe measured: the choice errs on
+the safe side. The choice is cached in storage under `_autobatch/<key>.json`, the key made of
+everything that changes the answer (model config, seq_len, device type, world size, ZeRO stage,
+precision, global batch, budget), so a resumed run or a rerun skips the search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import json
+import logging
+import resource
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from raytrain_fast.config import Config
+from raytrain_fast.errors import ConfigError, RaytrainFastError
+
+logger = logging.getLogger("raytrain_fast")
+
+GPU_MEMORY_MARGIN = 0.10
+"""Share of the device memory left free on GPU when no budget is set (fragmentation, NCCL buffers,
+the data pipeline's prefetched batches)."""
+CACHE_DIR = "_autobatch"
+_GB = 1e9
+
+
+@dataclass(kw_only=True)
+class Probe:
+    """One candidate micro-batch, measured in its own process."""
+
+    micro_batch: int
+    grad_accum: int
+    status: str
+    """ok (fits), over_budget (ran, but its peak exceeds the budget), oom (ran out of memory) or error."""
+    peak_gb: float | None = None
+    tokens_per_sec: float | None = None
+    """Per worker, over the timed optimizer steps."""
+    device_total_gb: float | None = None
+    reason: str = ""
+
+
+@dataclass(kw_only=True)
+class AutoBatchChoice:
+    micro_batch: int
+    grad_accum: int
+    budget_gb: float | None
+    """None on GPU without a configured budget until a probe reported the device's memory."""
+    budget_source: str
+    probes: list[Probe] = field(default_factory=list)
+    reason: str = ""
+    cache_uri: str = ""
+    cached: bool = False
+
+
+def candidate_micro_batches(global_batch: int, num_workers: int) -> list[int]:
+    """Micro-batches that keep global_batch exactly: powers of two dividing the per-worker batch, and
+    the per-worker batch itself. Ascending."""
+    if global_batch <= 0 or num_workers <= 0 or global_batch % num_workers:
+        return []
+    per_worker = global_batch // num_workers
+    values = {m for m in (2**i for i in range(per_worker.bit_length())) if per_worker % m == 0}
+    values.add(per_worker)
+    return sorted(values)
+
+
+def _budget(config: Config) -> tuple[float | None, str]:
+    if config.resources.memory_budget_gb is not None:
+        return config.resources.memory_budget_gb, "resources.memory_budget_gb"
+    if config.resources.use_gpu:
+        return None, f"device memory minus {GPU_MEMORY_MARGIN:.0%}"
+    raise ConfigError(
+        "train.micro_batch=auto on CPU workers needs resources.memory_budget_gb (the memory one worker may use, "
+        "e.g. --set resources.memory_budget_gb=8)"
+    )
+
+
+# --------------------------------------------------------------------------- one probe (worker side)
+
+
+def _single_process_group(backend: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:  # a free port for this process's own one-rank group
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # What a launcher would set; DeepSpeed reads LOCAL_RANK itself.
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def _peak_rss_gb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return (peak if sys.platform == "darwin" else peak * 1024) / _GB  # Linux reports KiB
+
+
+def probe_micro_batch(
+    config_dict: dict[str, Any], *, micro_batch: int, grad_accum: int, budget_gb: float | None,
+    warmup_steps: int = 1, timed_steps: int = 2,
+) -> Probe:
+    """Measure one candidate in THIS process (call it in a fresh one: see `probe_in_fresh_process`)."""
+    import torch
+    import torch.distributed as dist
+
+    from raytrain_fast.engine import build_engine, select_accelerator
+    from raytrain_fast.model import GPT
+
+    config = Config.from_dict(config_dict)
+    cuda = bool(config.resources.use_gpu) and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not cuda and config.resources.cpus_per_worker > 0:
+        torch.set_num_threads(config.resources.cpus_per_worker)  # as the training worker does
+    select_accelerator()
+    total_gb = torch.cuda.get_device_properties(device).total_memory / _GB if cuda else None
+    if budget_gb is None and total_gb is not None:
+        budget_gb = total_gb * (1 - GPU_MEMORY_MARGIN)
+    probe = Probe(micro_batch=micro_batch, grad_accum=grad_accum, status="error", device_total_gb=total_gb)
+    _single_process_group("nccl" if cuda else "gloo")
+    engine = tokens = None
+    try:
+        torch.manual_seed(config.train.seed)
+        model = GPT(config.model).to(device)
+        engine = build_engine(
+            model, engine=config.engine, optim=config.optim, micro_batch=micro_batch, grad_accum=grad_accum,
+            world_size=1, total_steps=warmup_steps + timed_steps,
+        )
+        tokens = torch.randint(0, config.model.vocab_size, (micro_batch, config.data.seq_len + 1), device=device)
+
+        def optimizer_step() -> torch.Tensor:
+            for _ in range(grad_accum):
+                loss = engine(tokens[:, :-1], tokens[:, 1:])
+                engine.backward(loss)
+                engine.step()
+            return loss
+
+        for _ in range(warmup_steps):
+            optimizer_step()
+        loss = None
+        start = time.perf_counter()
+        for _ in range(timed_steps):
+            loss = optimizer_step()
+        float(loss.detach())  # host sync: the clock stops when the device is done
+        elapsed = time.perf_counter() - start
+        probe.tokens_per_sec = timed_steps * grad_accum * micro_batch * config.data.seq_len / elapsed
+        probe.peak_gb = torch.cuda.max_memory_reserved(device) / _GB if cuda else _peak_rss_gb()
+        if budget_gb is not None and probe.peak_gb > budget_gb:
+            probe.status = "over_budget"
+            probe.reason = f"peak {probe.peak_gb:.2f} GB > budget {budget_gb:.2f} GB"
+        else:
+            probe.status = "ok"
+    except torch.OutOfMemoryError as error:
+        probe.status = "oom"
+        probe.reason = f"out of memory: {str(error).splitlines()[0][:160]}"
+    except Exception as error:  # noqa: BLE001 - reported with the candidate, the search decides
+        probe.reason = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+    finally:
+        # Free the device memory before the next candidate (this process exits too: max_calls=1).
+        engine = tokens = None
+        gc.collect()
+        if cuda:
+            probe.peak_gb = probe.peak_gb or torch.cuda.max_memory_reserved(device) / _GB
+            torch.cuda.empty_cache()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return probe
+
+
+def probe_in_fresh_process(config: Config, *, micro_batch: int, grad_accum: int, budget_gb: float | None) -> Probe:
+    """`probe_micro_batch` in a new Ray worker process with one training worker's resources."""
+    import ray
+
+    resources = config.resources
+    env_vars = {"DS_ACCELERATOR": "cuda" if resources.use_gpu else "cpu", "OMP_NUM_THREADS": str(max(1, resources.cpus_per_worker))}
+    task = ray.remote(max_calls=1)(probe_micro_batch).options(
+        num_cpus=resources.cpus_per_worker, num_gpus=1 if resources.use_gpu else 0,
+        runtime_env={"env_vars": env_vars}, max_retries=0,
+    )
+    try:
+        return ray.get(task.remote(config.to_dict(), micro_batch=micro_batch, grad_accum=grad_accum, budget_gb=budget_gb))
+    except (ray.exceptions.OutOfMemoryError, ray.exceptions.WorkerCrashedError) as error:
+        # Ray's memory monitor or the kernel's OOM killer ended the process: it did not fit.
+        return Probe(micro_batch=micro_batch, grad_accum=grad_accum, status="oom", reason=f"process killed: {type(error).__name__}")
+    except ray.exceptions.RayTaskError as error:
+        return Probe(micro_batch=micro_batch, grad_accum=grad_accum, status="error", reason=str(error.cause or error).splitlines()[0][:200])
+
+
+# --------------------------------------------------------------------------- choice, cache, resolve
+
+
+def choose(probes: list[Probe]) -> Probe | None:
+    """The fastest probe that fits."""
+    fitting = [p for p in probes if p.status == "ok" and p.tokens_per_sec is not None]
+    return max(fitting, key=lambda p: p.tokens_per_sec) if fitting else None
+
+
+def _device_key(config: Config) -> str:
+    if not config.resources.use_gpu:
+        return "cpu"
+    import ray
+
+    types = sorted(k.split(":", 1)[1] for k in ray.cluster_resources() if k.startswith("accelerator_type:"))
+    return "cuda:" + ",".join(types) if types else "cuda"
+
+
+def cache_key(config: Config) -> tuple[str, dict[str, Any]]:
+    """(hash, what it hashes): everything that changes which micro-batch fits and is fastest."""
+    inputs = {
+        "model": dataclasses.asdict(config.model), "seq_len": config.data.seq_len, "device": _device_key(config),
+        "world_size": config.resources.num_workers, "zero_stage": config.engine.zero_stage,
+        "precision": config.engine.precision, "global_batch": config.train.global_batch,
+        "memory_budget_gb": config.resources.memory_budget_gb, "cpus_per_worker": config.resources.cpus_per_worker,
+    }
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    return digest, inputs
+
+
+def _cache_path(config: Config, key: str) -> tuple[Any, str, str]:
+    from raytrain_fast.storage import resolve_filesystem
+
+    filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
+    path = f"{root.rstrip('/')}/{CACHE_DIR}/{key}.json"
+    scheme = "s3://" if config.storage.uri.startswith("s3://") else ""
+    return filesystem, path, f"{scheme}{path}"
+
+
+def _read_cache(config: Config, key: str) -> AutoBatchChoice | None:
+    import pyarrow.fs as pafs
+
+    filesystem, path, uri = _cache_path(config, key)
+    if filesystem.get_file_info(path).type != pafs.FileType.File:
+        return None
+    with filesystem.open_input_stream(path) as stream:
+        data = json.loads(stream.read())
+    probes = [Probe(**p) for p in data.pop("probes", [])]
+    data.pop("key_inputs", None)
+    data.pop("measured_at", None)
+    return AutoBatchChoice(**{**data, "probes": probes, "cache_uri": uri, "cached": True})
+
+
+def _write_cache(config: Config, key: str, inputs: dict[str, Any], choice: AutoBatchChoice) -> None:
+    filesystem, path, _ = _cache_path(config, key)
+    filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    record = dataclasses.asdict(choice)
+    record.pop("cached")
+    record.pop("cache_uri")
+    record.update(key_inputs=inputs, measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    with filesystem.open_output_stream(path) as stream:
+        stream.write(json.dumps(record, indent=2).encode())
+
+
+def format_probes(probes: list[Probe], *, chosen: int | None = None) -> str:
+    lines = [f"  {'micro':>5} {'accum':>5} {'tok/s/worker':>12} {'peak GB':>8}  status"]
+    for p in probes:
+        speed = f"{p.tokens_per_sec:,.0f}" if p.tokens_per_sec is not None else "-"
+        peak = f"{p.peak_gb:.2f}" if p.peak_gb is not None else "-"
+        status = p.status + (f" ({p.reason})" if p.reason else "") + ("  <- chosen" if p.micro_batch == chosen else "")
+        lines.append(f"  {p.micro_batch:>5} {p.grad_accum:>5} {speed:>12} {peak:>8}  {status}")
+    return "\n".join(lines)
+
+
+def search(config: Config, *, probe=probe_in_fresh_process) -> AutoBatchChoice:
+    """Probe the candidates smallest first, stop at the first that does not fit, take the fastest."""
+    train, workers = config.train, config.resources.num_workers
+    budget_gb, source = _budget(config)
+    candidates = candidate_micro_batches(train.global_batch, workers)
+    if not candidates:
+        raise ConfigError(
+            f"train.micro_batch=auto: train.global_batch ({train.global_batch}) must be a multiple of "
+            f"resources.num_workers ({workers})"
+        )
+    probes: list[Probe] = []
+    for micro_batch in candidates:
+        grad_accum = train.global_batch // (micro_batch * workers)
+        result = probe(config, micro_batch=micro_batch, grad_accum=grad_accum, budget_gb=budget_gb)
+        probes.append(result)
+        if budget_gb is None and result.device_total_gb:
+            budget_gb = result.device_total_gb * (1 - GPU_MEMORY_MARGIN)
+        if result.status != "ok":
+            break  # a larger micro-batch needs more memory still
+    best = choose(probes)
+    errors = [p for p in probes if p.status == "error"]
+    if best is None and errors:
+        raise RaytrainFastError(f"train.micro_batch=auto: the probe of micro_batch={errors[0].micro_batch} failed: {errors[0].reason}")
+    if best is None:
+        first = probes[0]
+        raise ConfigError(
+            f"train.micro_batch=auto: not even micro_batch={first.micro_batch} fits ({first.status}: {first.reason}). "
+            "Raise resources.memory_budget_gb, use a smaller model or data.seq_len, or add workers (ZeRO-2 shards the optimizer)"
+        )
+    others = [p for p in probes if p.status == "ok" and p is not best]
+    why = f"fastest of {len(others) + 1} that fit ({best.tokens_per_sec:,.0f} tokens/s per worker, peak {best.peak_gb:.2f} GB"
+    why += f" of {budget_gb:.2f} GB, {source})" if budget_gb else ")"
+    stopped = [p for p in probes if p.status != "ok"]
+    if stopped:
+        why += f"; micro_batch={stopped[0].micro_batch} did not fit ({stopped[0].reason})"
+    larger = [p for p in others if p.micro_batch > best.micro_batch]
+    if larger:
+        why += f"; the larger {', '.join(str(p.micro_batch) for p in larger)} fit but ran slower"
+    return AutoBatchChoice(
+        micro_batch=best.micro_batch, grad_accum=best.grad_accum, budget_gb=budget_gb, budget_source=source,
+        probes=probes, reason=why,
+    )
+
+
+def resolve_micro_batch(config: Config, *, probe=probe_in_fresh_process) -> Config:
+    """Replace micro_batch=auto with the cached or measured choice (after `resolve_resources`:
+    use_gpu, cpus_per_worker and precision must be resolved). Other configs pass through."""
+    if config.train.micro_batch != "auto":
+        return config
+    key, inputs = cache_key(config)
+    choice = _read_cache(config, key)
+    if choice is None:
+        print(f"micro_batch=auto: measuring candidates for global_batch={config.train.global_batch} "
+              f"on {config.resources.num_workers} worker(s), one fresh process each...", flush=True)
+        choice = search(config, probe=probe)
+        _write_cache(config, key, inputs, choice)
+        choice.cache_uri = _cache_path(config, key)[2]
+        print(format_probes(choice.probes, chosen=choice.micro_batch), flush=True)
+    where = f"cached in {choice.cache_uri}" if choice.cached else f"saved to {choice.cache_uri}"
+    message = (
+        f"micro_batch=auto -> micro_batch={choice.micro_batch}, grad_accum={choice.grad_accum} "
+        f"(x {config.resources.num_workers} workers = global batch {config.train.global_batch}): {choice.reason} [{where}]"
+    )
+    logger.info(message)
+    print(message, flush=True)
+    return dataclasses.replace(
+        config, train=dataclasses.replace(config.train, micro_batch=choice.micro_batch, grad_accum=choice.grad_accum)
+    )
+
+
+__all__ = ["AutoBatchChoice", "Probe", "candidate_micro_batches", "probe_micro_batch", "resolve_micro_batch", "search"]

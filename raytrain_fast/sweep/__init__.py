@@ -1,0 +1,8 @@
+"""Ray Tune sweeps over micro-batch x gradient accumulation at a fixed global batch: ASHA early
+stopping, concurrency derived from the resources a trial needs, a failed trial (out of memory,
+over budget, invalid) recorded with its reason while the sweep goes on."""
+
+from raytrain_fast.sweep.results import SweepRow, format_table
+from raytrain_fast.sweep.runner import SweepResult, SweepSpec, max_concurrent_trials, plan, run_sweep
+
+__all__ = ["SweepResult", "SweepRow", "SweepSpec", "format_table", "max_concurrent_trials", "plan", "run_sweep"]

@@ -1,0 +1,144 @@
+"""A sweep's results: one row per micro-batch, the terminal table, CSV and JSON in storage, and the
+best setting as a config file for `raytrain-fast pretrain --config`."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from raytrain_fast.config import Config
+from raytrain_fast.storage import redact
+
+
+@dataclass(kw_only=True)
+class SweepRow:
+    micro_batch: int
+    grad_accum: int | None
+    status: str
+    """ok, stopped (ASHA stopped it early: slower than the others at a rung), failed, or skipped."""
+    reason: str = ""
+    tokens_per_sec: float | None = None
+    """Median over the trial's log windows after the first (warm-up), all workers together."""
+    mfu: float | None = None
+    """Against the datasheet peak (absent on CPUs and unlisted devices)."""
+    mfu_measured_peak: float | None = None
+    """Against the matmul peak measured on this device in the training dtype."""
+    peak_gb: float | None = None
+    peak_frac: float | None = None
+    """peak_gb / (device memory or resources.memory_budget_gb)."""
+    final_loss: float | None = None
+    steps_done: int = 0
+    best: bool = False
+    run_name: str = ""
+
+
+CSV_FIELDS = [f.name for f in dataclasses.fields(SweepRow)]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def row_from_reports(*, micro_batch: int, grad_accum: int, reports: list[dict[str, Any]], steps: int,
+                     error: str | None, run_name: str = "") -> SweepRow:
+    """Summarise a trial's reported log windows (first window = warm-up, left out of the speed)."""
+    steady = reports[1:] if len(reports) > 1 else reports
+
+    def series(name: str, windows: list[dict[str, Any]]) -> list[float]:
+        return [float(r[name]) for r in windows if r.get(name) is not None and r[name] == r[name]]  # not NaN
+
+    peaks = series("memory/peak_gb", reports)
+    fracs = series("memory/peak_frac", reports)
+    losses = series("train/loss", reports)
+    steps_done = max((int(r.get("step", 0)) for r in reports), default=0)
+    if error:
+        status = "failed"
+    elif steps_done < steps:
+        status = "stopped"
+    else:
+        status = "ok"
+    return SweepRow(
+        micro_batch=micro_batch, grad_accum=grad_accum, status=status,
+        reason=error or ("stopped early by ASHA: slower than the other trials at a rung" if status == "stopped" else ""),
+        tokens_per_sec=_median(series("throughput/tokens_per_sec", steady)),
+        mfu=_median(series("throughput/mfu", steady)),
+        mfu_measured_peak=_median(series("throughput/mfu_measured_peak", steady)),
+        peak_gb=max(peaks) if peaks else None, peak_frac=max(fracs) if fracs else None,
+        final_loss=losses[-1] if losses else None, steps_done=steps_done, run_name=run_name,
+    )
+
+
+def pick_best(rows: list[SweepRow], *, objective: str) -> SweepRow | None:
+    """Among trials that ran to the end: the most tokens/s, or the lowest final loss."""
+    done = [r for r in rows if r.status == "ok"]
+    if objective == "loss":
+        done = [r for r in done if r.final_loss is not None]
+        best = min(done, key=lambda r: r.final_loss) if done else None  # type: ignore[arg-type, return-value]
+    else:
+        done = [r for r in done if r.tokens_per_sec is not None]
+        best = max(done, key=lambda r: r.tokens_per_sec) if done else None  # type: ignore[arg-type, return-value]
+    if best is not None:
+        best.best = True
+    return best
+
+
+def format_table(rows: list[SweepRow]) -> str:
+    """The terminal table, one line per micro-batch, in micro-batch order."""
+    measured_only = any(r.mfu is None and r.mfu_measured_peak is not None for r in rows)
+    header = ["micro-batch", "accum", "tokens/s", "MFU", "peak memory", "status"]
+    lines = []
+    for r in sorted(rows, key=lambda r: r.micro_batch):
+        if r.mfu is not None:
+            mfu = f"{r.mfu:.1%}"
+        elif r.mfu_measured_peak is not None:
+            mfu = f"{r.mfu_measured_peak:.1%}*"
+        else:
+            mfu = "-"
+        peak = "-" if r.peak_gb is None else f"{r.peak_gb:.2f} GB" + (f" ({r.peak_frac:.0%})" if r.peak_frac is not None else "")
+        status = ("BEST" if r.best else r.status) + (f": {r.reason}" if r.reason else "")
+        lines.append([
+            str(r.micro_batch), "-" if r.grad_accum is None else str(r.grad_accum),
+            "-" if r.tokens_per_sec is None else f"{r.tokens_per_sec:,.0f}", mfu, peak, status,
+        ])
+    widths = [max(len(header[i]), *(len(line[i]) for line in lines)) if lines else len(header[i]) for i in range(5)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(header[:5], widths)) + "  " + header[5]]
+    out += ["  ".join(c.rjust(w) for c, w in zip(line[:5], widths)) + "  " + line[5] for line in lines]
+    if measured_only:
+        out.append("* against the matmul peak measured on this device (it has no datasheet peak)")
+    if any(r.peak_frac is not None for r in rows):
+        out.append("peak memory (%): share of the device's memory, or of resources.memory_budget_gb on CPUs")
+    return "\n".join(out)
+
+
+def to_csv(rows: list[SweepRow]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=CSV_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    for r in sorted(rows, key=lambda r: r.micro_batch):
+        writer.writerow(dataclasses.asdict(r))
+    return buffer.getvalue()
+
+
+def to_json(rows: list[SweepRow], *, summary: dict[str, Any]) -> str:
+    return json.dumps({**summary, "trials": [dataclasses.asdict(r) for r in sorted(rows, key=lambda r: r.micro_batch)]}, indent=2)
+
+
+def best_config_yaml(config: Config, best: SweepRow, *, sweep_name: str, objective: str) -> str:
+    """The user's config with the winning micro-batch and accumulation (global batch unchanged)."""
+    chosen = dataclasses.replace(
+        config, train=dataclasses.replace(config.train, micro_batch=best.micro_batch, grad_accum=best.grad_accum)
+    )
+    what = f"{best.tokens_per_sec:,.0f} tokens/s" if objective == "tokens_per_sec" and best.tokens_per_sec else f"final loss {best.final_loss:.4f}"
+    header = (
+        f"# Written by `raytrain-fast sweep` ({sweep_name}): micro_batch={best.micro_batch} x grad_accum={best.grad_accum}"
+        f" x {config.resources.num_workers} worker(s) = global batch {config.train.global_batch} ({what}).\n"
+        "# Train with: raytrain-fast pretrain --config <this file>\n"
+    )
+    return header + yaml.safe_dump(redact(chosen.to_dict()), sort_keys=False)

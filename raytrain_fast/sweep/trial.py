@@ -1,0 +1,119 @@
+"""One sweep trial: a Tune driver function that runs the package's normal TorchTrainer path for a
+short run at one micro-batch (the Train V2 + Tune pattern), and the worker-side report it needs."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from raytrain_fast.errors import RaytrainFastError
+
+FAILED_MARK = "[sweep trial failed] "
+"""Prefix of a failed trial's reason in Tune's error text (the reason follows it on the same line)."""
+
+
+class MemoryBudgetExceeded(RaytrainFastError):
+    """A sweep trial's worker went over resources.memory_budget_gb (on CPUs, where nothing else stops it)."""
+
+
+class TrialFailed(RaytrainFastError):
+    """A trial ended without a result. `str()` carries FAILED_MARK + one line of reason."""
+
+
+def report_window(*, step: int, metrics: dict[str, float], memory_budget_gb: float | None) -> None:
+    """Worker side, on log steps of a sweep trial only: hand the window's metrics to Tune (through
+    Ray Train's report and TuneReportCallback), after checking the memory budget.
+
+    Every rank calls it at the same step (report is a barrier). With the controller polling every
+    RAY_TRAIN_HEALTH_CHECK_INTERVAL_S and the result queue holding one report, a report costs
+    little as long as log windows are longer than that interval.
+    """
+    import logging
+
+    import ray.train
+
+    # Ray Train logs every report's whole metrics dict at INFO: one line per window is printed already.
+    logging.getLogger("ray.train.v2._internal.execution.context").setLevel(logging.WARNING)
+    peak = metrics.get("memory/peak_gb")
+    if memory_budget_gb is not None and peak is not None and peak > memory_budget_gb:
+        raise MemoryBudgetExceeded(
+            f"peak memory {peak:.2f} GB > resources.memory_budget_gb {memory_budget_gb:.2f} GB at step {step}"
+        )
+    ray.train.report({"step": step, **metrics})
+
+
+def failure_reason(error: BaseException) -> str:
+    """One line saying why a trial's training run failed: out of memory, over budget, or the error."""
+    seen: list[BaseException] = []
+    stack = [error]
+    while stack:  # the error, its causes, and the workers' errors of a TrainingFailedError
+        current = stack.pop()
+        if current is None or any(current is s for s in seen):
+            continue
+        seen.append(current)
+        stack.extend([current.__cause__, getattr(current, "cause", None)])
+        stack.extend((getattr(current, "worker_failures", None) or {}).values())
+    for candidate in seen:
+        if isinstance(candidate, MemoryBudgetExceeded):
+            return f"over memory budget: {candidate}"
+    for candidate in seen:
+        text = str(candidate)
+        if type(candidate).__name__ == "OutOfMemoryError" or "out of memory" in text.lower():
+            line = next((l for l in text.splitlines() if "out of memory" in l.lower()), text.splitlines()[0] if text else "")
+            return f"out of memory: {line.strip()[:200]}"
+    for candidate in reversed(seen):  # the deepest cause says most
+        lines = [l.strip() for l in str(candidate).splitlines() if l.strip()]
+        if lines:
+            return f"{type(candidate).__name__}: {lines[-1][:200]}"
+    return type(error).__name__
+
+
+def run_trial(params: dict[str, Any], *, base_config: dict[str, Any], data_uri: str, trials_uri: str, prefix: str) -> None:
+    """The Tune driver function (in the trial's actor, which holds no CPU: the training workers
+    get theirs through Ray Train's own placement group). Any failure becomes TrialFailed with its
+    reason, so Tune records a failed trial and the sweep goes on."""
+    import ray
+    import ray.tune
+
+    from raytrain_fast.config import Config, validate
+    from raytrain_fast.coordinator import start_coordinator
+    from raytrain_fast.launch.trainer import build_trainer, max_sequences
+
+    # The controller picks up reports when it polls the workers (every 2 s by default) and each
+    # worker's result queue holds one: a log window shorter than that would wait in report() and
+    # its wait would count in the next window's tokens/s. Propagated by Ray Train to the controller.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    micro_batch = int(params["micro_batch"])
+    trial_id = ray.tune.get_context().get_trial_id()
+    config = Config.from_dict(base_config)
+    config = dataclasses.replace(
+        config,
+        name=f"{prefix}-mb{micro_batch}-{trial_id}",
+        train=dataclasses.replace(config.train, micro_batch=micro_batch, grad_accum=None),
+        storage=dataclasses.replace(config.storage, uri=trials_uri),
+    )
+    try:
+        validate(config)
+        _check_data(config, data_uri=data_uri, max_sequences=max_sequences(config))
+    except RaytrainFastError as error:
+        raise TrialFailed(f"{FAILED_MARK}invalid: {' '.join(str(error).split())[:300]}") from None
+    coordinator = start_coordinator(config.name or "trial")
+    try:
+        build_trainer(config, data_uri=data_uri, sweep_trial=True).fit()
+    except Exception as error:  # noqa: BLE001 - every failure is a failed trial with its reason
+        raise TrialFailed(f"{FAILED_MARK}{failure_reason(error)}") from None
+    finally:
+        ray.kill(coordinator)
+
+
+def _check_data(config, *, data_uri: str, max_sequences: int | None) -> None:
+    from raytrain_fast.data import check_manifest_matches, load_manifest
+    from raytrain_fast.errors import ConfigError
+
+    problems = check_manifest_matches(
+        load_manifest(data_uri, config.storage), seq_len=config.data.seq_len, vocab_size=config.model.vocab_size,
+        micro_batch=config.train.micro_batch, world_size=config.resources.num_workers, max_sequences=max_sequences,
+    )
+    if problems:
+        raise ConfigError(problems)
