@@ -208,6 +208,19 @@ def test_straggler_needs_most_windows_late_and_reads_the_data_gap():
     assert single.findings == [] and any("single-rank" in s for s in single.skipped)
 
 
+def test_the_first_window_after_a_resume_is_warm_up_again():
+    def resumed(i, r):
+        if i >= 8:
+            r["time"] += 600.0  # the job was down for 10 minutes before step 45
+        if i == 8:
+            r["time/data_wait_frac"], r["time/step_s_rank_spread"] = 0.9, 0.5  # cold data, workers starting
+
+    run = from_records(records(num_windows=10, tweak=resumed), config=CONFIG)
+    assert run.restart_steps == [45]
+    assert diagnose(run).findings == []
+    assert "resumes at steps [45]" in diagnose(run).summary["warm-up left out"]
+
+
 def test_missing_metrics_and_missing_records_still_make_a_report(tmp_path):
     # Only loss and step time, no config, and every other record missing (a sink that dropped them).
     bare = [{"step": r["step"], "time": r["time"], "train/loss": r["train/loss"], "time/step_s": r["time/step_s"]}
