@@ -1,9 +1,10 @@
-"""How long a checkpoint blocks training: Ray Train's ASYNC upload against SYNC upload.
+"""How long a checkpoint blocks training: `checkpoint.upload: async` against `sync`.
 
 A small self-contained TorchTrainer run per mode: every worker builds a DeepSpeed engine for a GPT
 sized so that its checkpoint reaches a target size, trains a few steps between checkpoints, and
-times, on the training thread, `engine.save_checkpoint` + manifest + `ray.train.report` (the
-time training cannot proceed). The design target: blocked time with ASYNC <= 25% of SYNC.
+times `Checkpointer.save` on the training thread (the package's own save: DeepSpeed files, RNG,
+state, manifest, `ray.train.report` with our retried upload function), including the wait for the
+previous async upload. The design target: blocked time with async <= 25% of sync.
 
 What Ray 2.60 does with ASYNC (read in ray/train/v2/_internal/execution/context.py):
 - `report` still runs the cross-rank barrier that agrees on the checkpoint directory name
@@ -26,6 +27,7 @@ a busy machine it can eat the gain, on GPU workers the step runs on the device a
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import statistics
 import tempfile
@@ -55,11 +57,13 @@ def model_for_checkpoint_mb(target_mb: float, *, num_layers: int = 4, vocab_size
 
 
 def _bench_loop(config: dict[str, Any]) -> None:
-    """Per worker: train, and time every checkpoint's save + report on the training thread."""
+    """Per worker: train, and time every checkpoint's `Checkpointer.save` on the training thread
+    (the package's own save path: DeepSpeed files, RNG, state, manifest, report, our upload)."""
     import ray.train
     import torch
 
-    from raytrain_fast.checkpoint.manifest import write_rank_manifest
+    from raytrain_fast.checkpoint import Checkpointer, TrainState
+    from raytrain_fast.checkpoint.config import CheckpointConfig
     from raytrain_fast.engine import EngineConfig, OptimConfig, build_engine, select_accelerator
     from raytrain_fast.model import GPT
 
@@ -73,39 +77,43 @@ def _bench_loop(config: dict[str, Any]) -> None:
         GPT(model_config), engine=EngineConfig(precision="fp32", zero_stage=2), optim=OptimConfig(warmup_steps=1),
         micro_batch=1, grad_accum=1, world_size=world_size, total_steps=10_000,
     )
-    mode = ray.train.CheckpointUploadMode[config["mode"]]
+    checkpointer = Checkpointer(
+        CheckpointConfig(upload=config["mode"], keep_last=1), rank=rank, world_size=world_size, run_config={},
+    )
+    state = TrainState(world_size=world_size, zero_stage=2, precision="fp32")
     tokens = torch.randint(0, model_config.vocab_size, (1, model_config.max_seq_len + 1))
-    records, step = [], 0
+    records: list[dict[str, Any]] = []
+    steps_between = 2
     for _ in range(config["num_checkpoints"]):
         step_times = []
-        for _ in range(config["steps_between"]):
+        for _ in range(steps_between):
             start = time.perf_counter()
             loss = engine(tokens[:, :-1], tokens[:, 1:])
             engine.backward(loss)
             engine.step()
             step_times.append(time.perf_counter() - start)
-            step += 1
-        start = time.perf_counter()
-        local_dir = tempfile.mkdtemp(prefix="raytrain-fast-bench-")  # Ray deletes it after the upload
-        engine.save_checkpoint(local_dir, tag="deepspeed")
-        manifest = write_rank_manifest(local_dir, rank=rank, world_size=world_size, step=step)
-        saved = time.perf_counter()
-        ray.train.report(
-            {"step": step}, checkpoint=ray.train.Checkpoint.from_directory(local_dir),
-            checkpoint_dir_name=f"checkpoint_{step:08d}", checkpoint_upload_mode=mode,
-            delete_local_checkpoint_after_upload=True,
-        )
-        done = time.perf_counter()
+            state.step += 1
+        blocked_s = checkpointer.save(engine, state, metrics={"step": state.step})
         records.append({
-            "step": step, "save_s": saved - start, "report_s": done - saved, "blocked_s": done - start,
-            "bytes": manifest.num_bytes, "step_s_before": statistics.median(step_times),
+            "step": state.step, "blocked_s": blocked_s, "step_s_before": statistics.median(step_times),
+            "upload_s": checkpointer.take_upload_s(), **checkpointer.last_save_breakdown,
         })
+        if len(records) == 1:
+            # A cadence the upload can keep up with, as in real runs (checkpoints minutes apart):
+            # train for seconds_between between saves. Rank 0 decides, so all ranks step alike.
+            choice = [max(2, math.ceil(config["seconds_between"] / statistics.median(step_times)))]
+            torch.distributed.broadcast_object_list(choice, src=0)
+            steps_between = choice[0]
+    start = time.perf_counter()
+    checkpointer.wait_for_upload()
+    records[-1]["final_wait_s"] = time.perf_counter() - start
     Path(config["results_dir"], f"rank{rank}.json").write_text(json.dumps(records))
 
 
 def _run_mode(mode: str, *, storage: StorageConfig, model: ModelConfig, num_workers: int, cpus_per_worker: int,
-              num_checkpoints: int, steps_between: int, results_dir: str) -> tuple[list[list[dict[str, Any]]], bool, str]:
-    """(per-rank records, whether the last checkpoint in storage verifies against its manifests, why not)."""
+              num_checkpoints: int, seconds_between: float, results_dir: str) -> tuple[list[list[dict[str, Any]]], bool, str, int]:
+    """(per-rank records, whether the last checkpoint in storage verifies against its manifests, why not,
+    its size in bytes as listed in storage)."""
     import dataclasses
 
     import ray.train
@@ -119,7 +127,7 @@ def _run_mode(mode: str, *, storage: StorageConfig, model: ModelConfig, num_work
         _bench_loop,
         train_loop_config={
             "mode": mode, "model": dataclasses.asdict(model), "cpus_per_worker": cpus_per_worker,
-            "num_checkpoints": num_checkpoints, "steps_between": steps_between, "results_dir": results_dir,
+            "num_checkpoints": num_checkpoints, "seconds_between": seconds_between, "results_dir": results_dir,
         },
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, resources_per_worker={"CPU": cpus_per_worker}),
@@ -127,7 +135,7 @@ def _run_mode(mode: str, *, storage: StorageConfig, model: ModelConfig, num_work
             name=trainer_name,
             storage_path=storage_path,
             storage_filesystem=filesystem,
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),  # retention is the Checkpointer's
             worker_runtime_env={"env_vars": {
                 "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(cpus_per_worker), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
             }},
@@ -136,8 +144,12 @@ def _run_mode(mode: str, *, storage: StorageConfig, model: ModelConfig, num_work
     result = trainer.fit()
     records = [json.loads(Path(results_dir, f"rank{r}.json").read_text()) for r in range(num_workers)]
     complete, reason = verify_checkpoint(result.checkpoint.filesystem, result.checkpoint.path)
+    import pyarrow.fs as pafs
+
+    listed = result.checkpoint.filesystem.get_file_info(pafs.FileSelector(result.checkpoint.path, recursive=True))
+    checkpoint_bytes = sum(info.size or 0 for info in listed if info.type == pafs.FileType.File)
     filesystem.delete_dir(f"{storage_path}/{trainer_name}")  # the bench's run is of no further use
-    return records, complete, reason
+    return records, complete, reason, checkpoint_bytes
 
 
 def measure_checkpoint_blocking(
@@ -147,7 +159,7 @@ def measure_checkpoint_blocking(
     num_workers: int = 2,
     cpus_per_worker: int = 1,
     num_checkpoints: int = 3,
-    steps_between: int = 3,
+    seconds_between: float = 20.0,
 ) -> dict[str, Any]:
     """Blocked seconds per checkpoint with ASYNC and SYNC upload to `storage` (a fresh run each).
 
@@ -167,9 +179,9 @@ def measure_checkpoint_blocking(
         for mode in ("ASYNC", "SYNC"):
             results_dir = tempfile.mkdtemp(prefix="raytrain-fast-bench-results-")
             try:
-                per_rank, complete, reason = _run_mode(
+                per_rank, complete, reason, checkpoint_bytes = _run_mode(
                     mode, storage=storage, model=model, num_workers=num_workers, cpus_per_worker=cpus_per_worker,
-                    num_checkpoints=num_checkpoints, steps_between=steps_between, results_dir=results_dir,
+                    num_checkpoints=num_checkpoints, seconds_between=seconds_between, results_dir=results_dir,
                 )
             finally:
                 shutil.rmtree(results_dir, ignore_errors=True)
@@ -179,11 +191,14 @@ def measure_checkpoint_blocking(
             result[f"last_checkpoint_complete_{key}"] = complete if complete else f"NO: {reason}"
             result[f"blocked_s_{key}"] = statistics.median(per_checkpoint)
             result[f"blocked_s_{key}_all"] = per_checkpoint
-            result[f"save_s_{key}"] = statistics.median(max(r[i]["save_s"] for r in per_rank) for i in range(num_checkpoints))
+            for part in ("wait_previous_s", "write_s", "report_s"):  # where the blocked time went
+                result[f"{part}_{key}"] = statistics.median(max(r[i][part] for r in per_rank) for i in range(num_checkpoints))
+            uploads = [u for r in per_rank for u in (c["upload_s"] for c in r) if u is not None]
+            result[f"upload_s_{key}"] = statistics.median(uploads) if uploads else None
             # Step time before each checkpoint after the first: the async upload runs during these steps.
             later = [max(r[i]["step_s_before"] for r in per_rank) for i in range(1, num_checkpoints)]
             result[f"step_s_{key}"] = statistics.median(later) if later else None
-            result["checkpoint_mb"] = sum(r[0]["bytes"] for r in per_rank) / 1e6
+            result["checkpoint_mb"] = checkpoint_bytes / 1e6
     finally:
         if started_ray:
             ray.shutdown()

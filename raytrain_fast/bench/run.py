@@ -27,6 +27,11 @@ def add_parser(commands: Any) -> None:
     checkpoint.add_argument("--endpoint-url", default=None)
     checkpoint.add_argument("--checkpoint-mb", type=float, default=200.0)
     checkpoint.add_argument("--num-workers", type=int, default=2)
+    checkpoint.add_argument("--checkpoints", type=int, default=3, help="checkpoints per mode (the median is reported)")
+    checkpoint.add_argument(
+        "--seconds-between", type=float, default=20.0,
+        help="training time between checkpoints; async only helps when the upload fits into it",
+    )
     for parser in (data, overhead, checkpoint):
         parser.add_argument("--json", action="store_true", help="print only the JSON object")
 
@@ -108,7 +113,10 @@ def bench_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
             storage = StorageConfig(uri=f"s3://{bucket}/bench", endpoint_url=server.endpoint_url)
         else:
             storage = StorageConfig(uri=args.storage, endpoint_url=args.endpoint_url)
-        return measure_checkpoint_blocking(storage=storage, checkpoint_mb=args.checkpoint_mb, num_workers=args.num_workers)
+        return measure_checkpoint_blocking(
+            storage=storage, checkpoint_mb=args.checkpoint_mb, num_workers=args.num_workers,
+            num_checkpoints=args.checkpoints, seconds_between=args.seconds_between,
+        )
     finally:
         if server is not None:
             server.stop()

@@ -27,7 +27,7 @@ METRICS: dict[str, str] = {
     "sink/backlog": "Records waiting for the sink thread at the log step.",
     "sink/errors": "Sink calls that raised so far (the first one of each kind is logged).",
     "alert/slowdown": "1 while the rolling median step time is above the run's baseline by more than metrics.slowdown_threshold, else 0.",
-    "alert/slowdown_ratio": "Step time of the window / baseline step time.",
+    "alert/slowdown_ratio": "Rolling median step time (the last metrics.slowdown_windows windows) / baseline step time: what alert/slowdown compares with the threshold.",
     "alert/slowdown_cause/<cause>": "1 at the step a slowdown alert starts; <cause> is data_wait, gc, checkpoint, sink, memory or unexplained.",
 }
 

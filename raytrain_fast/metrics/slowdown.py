@@ -70,6 +70,8 @@ class SlowdownDetector:
         self.baseline: Window | None = None
         self.alerting = False
         self.last_alert: Alert | None = None
+        self.last_ratio: float | None = None
+        """Rolling median step time / baseline at the last update: the number the alert compares."""
         self._baseline_windows: list[Window] = []
         self._recent: deque[Window] = deque(maxlen=num_windows)
 
@@ -91,6 +93,7 @@ class SlowdownDetector:
             return 0.0, None
         current = _median_window(list(self._recent))
         ratio = current.step_s / self.baseline.step_s if self.baseline.step_s > 0 else 1.0
+        self.last_ratio = ratio
         slow = ratio > 1.0 + self.threshold
         alert = None
         if slow and not self.alerting:

@@ -372,7 +372,10 @@ class TrainMetrics:
             slowdown, alert = self._detector.update(window)
             if self._detector.baseline is not None:
                 metrics["alert/slowdown"] = slowdown
-                metrics["alert/slowdown_ratio"] = step_s / self._detector.baseline.step_s
+                # The ratio the alert is decided on (rolling median), so a label never reads
+                # "SLOWDOWN x0.95" because one window happened to be fast.
+                ratio = self._detector.last_ratio
+                metrics["alert/slowdown_ratio"] = ratio if ratio is not None else step_s / self._detector.baseline.step_s
             if alert is not None:
                 metrics[f"alert/slowdown_cause/{alert.cause}"] = 1.0
         return metrics
