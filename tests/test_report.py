@@ -253,16 +253,6 @@ def _config(tmp_path: Path, name: str, *extra: str):
     )
 
 
-def _has_memory_budget() -> bool:
-    """memory/peak_frac on CPU needs resources.memory_budget_gb (added alongside the report)."""
-    import dataclasses
-
-    from raytrain_fast.launch.config import ResourcesConfig
-    from raytrain_fast.metrics.names import METRICS
-
-    return "memory/peak_frac" in METRICS and any(f.name == "memory_budget_gb" for f in dataclasses.fields(ResourcesConfig))
-
-
 # Planted problems. Per step: ~50 ms of compute, 200 ms of data wait, rank 1 200 ms late, a sync
 # checkpoint after every step (~0.15 s); from step 13 every rank 300 ms slower (a progressive slowdown
 # the detector sees against its baseline of windows 9 and 12). Sizes keep each share about twice its
@@ -281,9 +271,10 @@ def real_runs(ray_session, tmp_path_factory):
 
     tmp_path = tmp_path_factory.mktemp("report-runs")
     run(_config(tmp_path, "clean"))  # no checkpoint but the last: at this size any save is a stall
-    planted = ["checkpoint.every_steps=1", "checkpoint.upload=sync", "metrics.queue_size=1", "metrics.slowdown_windows=2"]
-    if _has_memory_budget():
-        planted.append("resources.memory_budget_gb=64")  # a ~0.6 GB process: memory under-used
+    planted = [
+        "checkpoint.every_steps=1", "checkpoint.upload=sync", "metrics.queue_size=1", "metrics.slowdown_windows=2",
+        "resources.memory_budget_gb=64",  # a ~0.6 GB process: memory under-used (memory/peak_frac ~1%)
+    ]
     os.environ.update(DRILLS)
     try:
         run(_config(tmp_path, "planted", *planted))
@@ -311,9 +302,7 @@ def test_clean_run_report_has_the_plots_and_no_finding(real_runs, tmp_path, caps
 def test_planted_problems_are_each_named_with_their_numbers(real_runs, tmp_path):
     report = make_report(str(real_runs), "planted", out_dir=str(tmp_path / "planted-report"))
     found = {f.key: f for f in report.diagnosis.findings}
-    expected = {"data_bound", "sink_backlog", "checkpoint_stall", "straggler", "slowdown"}
-    if _has_memory_budget():
-        expected.add("memory_underused")
+    expected = {"data_bound", "sink_backlog", "checkpoint_stall", "straggler", "slowdown", "memory_underused"}
     assert set(found) == expected, report.text
     assert found["data_bound"].numbers["data_wait_frac"] > DATA_WAIT_FRAC
     assert found["sink_backlog"].numbers["dropped"] > 0
@@ -322,6 +311,7 @@ def test_planted_problems_are_each_named_with_their_numbers(real_runs, tmp_path)
     assert found["straggler"].numbers["share"] > STRAGGLER_SHARE
     assert 13 <= found["slowdown"].numbers["since_step"] <= 24, report.text
     assert found["slowdown"].numbers["ratio"] > 1.3
+    assert found["memory_underused"].numbers["peak_frac"] < 0.05
     html = Path(report.html_path).read_text()
     assert all(f'id="{key}"' in html for key in found)
     assert {Path(p).name for p in report.pngs} == PNGS

@@ -229,15 +229,21 @@ def _memory_underused(run: RunMetrics) -> Finding | str | None:
     if peak_gb and peak_frac > 0:
         total = max(peak_gb) / peak_frac
         evidence[0] += f": {max(peak_gb):.2f} GB of {total:.1f} GB"
+    budget = run.setting("resources", "memory_budget_gb")
+    evidence.append(
+        "available = the device's memory on GPU, resources.memory_budget_gb on CPU"
+        + (f" (set to {budget} GB)" if budget is not None else "")
+    )
     micro = run.setting("train", "micro_batch")
     if micro is not None:
         evidence.append(f"train.micro_batch is {micro}")
     advice = [
         "use a larger micro-batch with less gradient accumulation at the same global batch: set "
-        "`train.micro_batch: auto` to pick the largest that fits, or run a micro-batch sweep before a long run",
+        "`train.micro_batch: auto` to pick the fastest that fits, or compare settings with "
+        "`raytrain-fast sweep --micro-batch 4,8,16` before a long run",
     ]
     return Finding(
-        key="memory_underused", title=f"Memory under-used: the peak is only {_pct(peak_frac)} of device memory",
+        key="memory_underused", title=f"Memory under-used: the peak is only {_pct(peak_frac)} of the memory available",
         evidence=evidence, advice=advice, numbers={"peak_frac": peak_frac},
     )
 
@@ -286,7 +292,9 @@ def _slowdown(run: RunMetrics) -> Finding | str | None:
         cause = None
 
     before = [by_step[s] for s in steps if s < since][:max(SLOWDOWN_ROLLING, 1)] or [by_step[steps[0]]]
-    after = [by_step[s] for s in alert_steps if s in by_step]
+    after = [by_step[s] for s in alert_steps if "time/step_s" in by_step.get(s, {})]
+    if not after:
+        return None
     step_before, step_after = median([r["time/step_s"] for r in before]), median([r["time/step_s"] for r in after])
     extra = step_after - step_before
     growth = _growth(run, before, after)
