@@ -66,7 +66,7 @@ def row_from_reports(*, micro_batch: int, grad_accum: int, reports: list[dict[st
         status = "ok"
     return SweepRow(
         micro_batch=micro_batch, grad_accum=grad_accum, status=status,
-        reason=error or ("stopped early by ASHA: slower than the other trials at a rung" if status == "stopped" else ""),
+        reason=error or ("by ASHA at a rung: behind the other trials there" if status == "stopped" else ""),
         tokens_per_sec=_median(series("throughput/tokens_per_sec", steady)),
         mfu=_median(series("throughput/mfu", steady)),
         mfu_measured_peak=_median(series("throughput/mfu_measured_peak", steady)),

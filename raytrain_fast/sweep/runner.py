@@ -142,7 +142,9 @@ def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False) -
     sweep_uri = f"{scheme}{sweep_path}"
     filesystem.create_dir(sweep_path, recursive=True)
     metric, mode = OBJECTIVES[spec.objective]
-    max_t = max(1, math.ceil(resolved.train.steps / resolved.train.log_every))
+    # One more than the reports a trial makes: a trial that runs to the end returns from fit() by
+    # itself (its Train run then frees its workers), instead of being stopped by ASHA at max_t.
+    max_t = math.ceil(resolved.train.steps / resolved.train.log_every) + 1
     print(
         f"Sweep '{sweep_name}': global batch {config.train.global_batch} sequences "
         f"({config.train.global_batch * config.data.seq_len:,} tokens) on {resolved.resources.num_workers} worker(s); "
@@ -166,11 +168,11 @@ def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False) -
         param_space={"micro_batch": tune.grid_search([m for m, _ in runnable])},
         tune_config=tune.TuneConfig(
             metric=metric, mode=mode, max_concurrent_trials=concurrency,
-            scheduler=ASHAScheduler(time_attr="training_iteration", max_t=max_t, grace_period=min(2, max_t), reduction_factor=2),
+            scheduler=ASHAScheduler(time_attr="training_iteration", max_t=max_t, grace_period=min(2, max_t - 1), reduction_factor=2),
         ),
         run_config=tune.RunConfig(
             name="tune", storage_path=sweep_path,
-            storage_filesystem=filesystem if scheme else None, verbose=0,
+            storage_filesystem=filesystem if scheme else None, verbose=0, callbacks=[_release_stopped_trial()],
         ),
     )
     grid = tuner.fit()
@@ -218,6 +220,36 @@ def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False) -
         name=sweep_name, uri=sweep_uri, rows=rows, best=best, best_config_path=best_path,
         max_concurrent_trials=concurrency, table=table, files=files,
     )
+
+
+def _release_stopped_trial():
+    """A Tune callback that frees the placement group of a trial's training workers when the trial
+    ends. When ASHA stops a trial, Tune ends the trial's actor and with it the Train controller;
+    Ray Train's own cleaner then frees the workers' placement group only where it can reach Ray's
+    state API (the dashboard). Without this, the next trial could wait forever for those CPUs/GPUs.
+    Trials that ran to the end have freed it already (removing it again does nothing)."""
+    from ray import tune
+
+    class _ReleaseStoppedTrial(tune.Callback):
+        def _release(self, trial) -> None:
+            from ray._raylet import PlacementGroupID
+            from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+            group_id = (trial.last_result or {}).get("placement_group_id")
+            if not group_id:
+                return
+            try:
+                remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(group_id)))
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            self._release(trial)
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self._release(trial)
+
+    return _ReleaseStoppedTrial()
 
 
 def _error_reason(error: BaseException) -> str:

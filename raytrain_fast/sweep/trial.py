@@ -32,6 +32,7 @@ def report_window(*, step: int, metrics: dict[str, float], memory_budget_gb: flo
     import logging
 
     import ray.train
+    import ray.util
 
     # Ray Train logs every report's whole metrics dict at INFO: one line per window is printed already.
     logging.getLogger("ray.train.v2._internal.execution.context").setLevel(logging.WARNING)
@@ -40,7 +41,11 @@ def report_window(*, step: int, metrics: dict[str, float], memory_budget_gb: flo
         raise MemoryBudgetExceeded(
             f"peak memory {peak:.2f} GB > resources.memory_budget_gb {memory_budget_gb:.2f} GB at step {step}"
         )
-    ray.train.report({"step": step, **metrics})
+    report: dict[str, Any] = {"step": step, **metrics}
+    group = ray.util.get_current_placement_group()
+    if group is not None:  # lets the sweep free it if Tune stops this trial (see runner._ReleaseStoppedTrial)
+        report["placement_group_id"] = group.id.hex()
+    ray.train.report(report)
 
 
 def failure_reason(error: BaseException) -> str:
@@ -52,7 +57,7 @@ def failure_reason(error: BaseException) -> str:
         if current is None or any(current is s for s in seen):
             continue
         seen.append(current)
-        stack.extend([current.__cause__, getattr(current, "cause", None)])
+        stack.extend([current.__cause__, getattr(current, "cause", None), getattr(current, "controller_failure", None)])
         stack.extend((getattr(current, "worker_failures", None) or {}).values())
     for candidate in seen:
         if isinstance(candidate, MemoryBudgetExceeded):
