@@ -108,3 +108,13 @@ def test_cpu_sweep_table_statuses_files_and_best_config_trains(ray_session, tmp_
     assert (best.train.micro_batch, best.train.grad_accum, best.train.global_batch) == (result.best.micro_batch, 8 // result.best.micro_batch, 8)
     trained = run(best)
     assert trained.metrics["step"] == 3 and trained.metrics["tokens"] == 3 * 8 * 1024
+
+
+def test_cli_rejects_a_sweep_with_nothing_to_run_before_ray_starts(tmp_path, capsys):
+    from raytrain_fast.cli import main
+
+    assert main(["sweep", "--micro-batch", "1,x", f"--set=storage.uri={tmp_path}"]) == 2
+    assert "expected comma-separated integers" in capsys.readouterr().err
+    assert main(["sweep", "--micro-batch", "3,5", "--set", "train.global_batch=16", "--set", f"storage.uri={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "no --micro-batch value fits train.global_batch=16" in err and "3: global batch 16 is not a multiple of 3" in err

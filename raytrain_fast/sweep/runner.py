@@ -111,14 +111,6 @@ def _write(filesystem, path: str, text: str) -> None:
 
 def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False) -> SweepResult:
     """Plan, validate, prepare the data once, run the Tune trials, write and return the results."""
-    import ray
-    from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
-
-    from raytrain_fast.launch.trainer import prepare_training_data, resolve_resources
-    from raytrain_fast.storage import resolve_filesystem
-    from raytrain_fast.sweep.trial import run_trial
-
     if spec.objective not in OBJECTIVES:
         raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {spec.objective!r}")
     if spec.steps < 2:
@@ -128,6 +120,14 @@ def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False) -
         reasons = "; ".join(f"{r.micro_batch}: {r.reason}" for r in skipped)
         raise ConfigError(f"no --micro-batch value fits train.global_batch={config.train.global_batch}: {reasons}")
     sweep_name = spec.name or f"{config.name}-sweep"
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from raytrain_fast.launch.trainer import prepare_training_data, resolve_resources
+    from raytrain_fast.storage import resolve_filesystem
+    from raytrain_fast.sweep.trial import run_trial
+
     # Validated (and use_gpu / CPUs / precision resolved) once, with the first runnable micro-batch.
     first_m, first_a = runnable[0]
     base = dataclasses.replace(config, train=dataclasses.replace(config.train, micro_batch=first_m, grad_accum=None))
