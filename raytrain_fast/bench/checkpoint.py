@@ -78,7 +78,7 @@ def _bench_loop(config: dict[str, Any]) -> None:
         micro_batch=1, grad_accum=1, world_size=world_size, total_steps=10_000,
     )
     checkpointer = Checkpointer(
-        CheckpointConfig(upload=config["mode"], keep_last=1), rank=rank, world_size=world_size, run_config={},
+        CheckpointConfig(upload=config["mode"].lower(), keep_last=1), rank=rank, world_size=world_size, run_config={},
     )
     state = TrainState(world_size=world_size, zero_stage=2, precision="fp32")
     tokens = torch.randint(0, model_config.vocab_size, (1, model_config.max_seq_len + 1))
