@@ -171,7 +171,7 @@ def probe_micro_batch(
         probe.peak_gb = torch.cuda.max_memory_reserved(device) / _GB if cuda else _peak_rss_gb()
         if budget_gb is not None and probe.peak_gb > budget_gb:
             probe.status = "over_budget"
-            probe.reason = f"peak {probe.peak_gb:.2f} GB > budget {budget_gb:.2f} GB"
+            probe.reason = f"peak {probe.peak_gb:.3f} GB > budget {budget_gb:.3f} GB"
         else:
             probe.status = "ok"
     except torch.OutOfMemoryError as error:

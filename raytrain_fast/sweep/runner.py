@@ -129,8 +129,12 @@ def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False) -
     from raytrain_fast.sweep.trial import run_trial
 
     # Validated (and use_gpu / CPUs / precision resolved) once, with the first runnable micro-batch.
-    first_m, first_a = runnable[0]
-    base = dataclasses.replace(config, train=dataclasses.replace(config.train, micro_batch=first_m, grad_accum=None))
+    first_m = runnable[0][0]
+    # Named after the sweep, whose directory holds no checkpoints: the resume checks look there, not
+    # at the run the sweep is for (which may have checkpoints from another worker count).
+    base = dataclasses.replace(
+        config, name=sweep_name, train=dataclasses.replace(config.train, micro_batch=first_m, grad_accum=None)
+    )
     resolved = resolve_resources(_trial_config(base, spec), create_bucket=create_bucket)
     data_uri = prepare_training_data(resolved)
     cluster = ray.cluster_resources()

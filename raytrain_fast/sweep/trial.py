@@ -39,7 +39,7 @@ def report_window(*, step: int, metrics: dict[str, float], memory_budget_gb: flo
     peak = metrics.get("memory/peak_gb")
     if memory_budget_gb is not None and peak is not None and peak > memory_budget_gb:
         raise MemoryBudgetExceeded(
-            f"peak memory {peak:.2f} GB > resources.memory_budget_gb {memory_budget_gb:.2f} GB at step {step}"
+            f"peak memory {peak:.3f} GB > resources.memory_budget_gb {memory_budget_gb:.3f} GB at step {step}"
         )
     report: dict[str, Any] = {"step": step, **metrics}
     group = ray.util.get_current_placement_group()
