@@ -133,8 +133,14 @@ class _CoordinatorActor:
         """The driver got a stop notice (SIGTERM, Ctrl-C): the workers save and stop."""
         if self._stop_reason is None:
             self._stop_reason = reason
+        self._event("__stop__").set()
 
-    async def stop_reason(self) -> str | None:
+    async def wait_for_stop(self, timeout_s: float) -> str | None:
+        """The stop reason as soon as there is one, or None after timeout_s."""
+        try:
+            await asyncio.wait_for(self._event("__stop__").wait(), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            pass
         return self._stop_reason
 
 
@@ -182,9 +188,8 @@ class Coordinator:
         self.timeout_s = timeout_s
         self.lease_s = lease_s
         """A claim not renewed for this long expires (its rank died); renewals come every lease_s / 4."""
-        self._stop_ref: Any = None
         self._stop_reason: str | None = None
-        self._stop_polling = True
+        self._closed = threading.Event()
 
     @classmethod
     def connect(cls, run_name: str, *, timeout_s: float = 600.0, create_if_missing: bool = True) -> Coordinator:
@@ -300,25 +305,32 @@ class Coordinator:
             )
         )
 
-    def stop_requested(self) -> str | None:
-        """The driver's stop reason, or None. Never waits: each call collects the answer to the
-        previous call's query (if it has arrived) and sends the next one, so the answer lags by
-        one call. Called on log steps only."""
+    def watch_for_stop(self, *, poll_s: float = 5.0) -> None:
+        """Start a daemon thread that waits on the actor for the driver's stop request, so that
+        `stop_requested()` answers on the next log step without a call on the training thread."""
         import ray
 
-        if self._stop_ref is not None:
-            ready, _ = ray.wait([self._stop_ref], timeout=0)
-            if not ready:
-                return self._stop_reason
-            try:
-                self._stop_reason = ray.get(self._stop_ref)
-            except ray.exceptions.RayError as error:  # the driver (and its actor) is gone: Ray stops us anyway
-                logger.warning("coordinator unreachable, no longer polling for stop requests: %s", error)
-                self._stop_polling = False
-            self._stop_ref = None
-        if self._stop_reason is None and self._stop_polling:
-            self._stop_ref = self.actor.stop_reason.remote()
+        def watch() -> None:
+            while not self._closed.is_set():
+                try:
+                    reason = ray.get(self.actor.wait_for_stop.remote(poll_s))
+                except ray.exceptions.RayError as error:  # the driver (and its actor) is gone: Ray stops us anyway
+                    if not self._closed.is_set():
+                        logger.warning("coordinator unreachable, no longer watching for stop requests: %s", error)
+                    return
+                if reason is not None:
+                    self._stop_reason = reason
+                    return
+
+        threading.Thread(target=watch, name="raytrain-fast-stop-watch", daemon=True).start()
+
+    def stop_requested(self) -> str | None:
+        """The driver's stop reason once `watch_for_stop` has seen it, else None. Never waits."""
         return self._stop_reason
+
+    def close(self) -> None:
+        """Let the stop watcher end (within poll_s)."""
+        self._closed.set()
 
     def export_state(self) -> dict[str, Any]:
         """JSON-able values to store in a checkpoint."""

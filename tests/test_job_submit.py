@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).parent / "ray")
 BUCKET = "job-submit"
-STEPS, EVERY = 60, 10
+STEPS, EVERY = 80, 10
 # Detached singletons Ray itself keeps per cluster (Train's placement-group cleaner, Ray Data's stats
 # and autoscaling coordinators): not state of the run.
 RAY_DETACHED_HELPERS = {"PlacementGroupCleaner", "_AutoscalingCoordinatorActor", "_StatsActor"}
@@ -134,7 +134,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def corpus(cluster) -> str:
-    """~1.5 MB of text (stdlib sources): quick to prepare, plenty for 60 steps of the tiny preset."""
+    """~1.5 MB of text (stdlib sources): quick to prepare, plenty for 80 steps of the tiny preset."""
     path = Path(cluster.temp_dir, "corpus.txt")
     with path.open("w") as out:
         for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
@@ -165,7 +165,10 @@ def complete_checkpoints(s3_server, run: str) -> list[int]:
 
 def submit(cluster: LocalCluster, s3_server, corpus: str, *, name: str, submission_id: str, wait: bool):
     """The README's command, with the tiny preset shrunk to a test run and the loopback endpoint."""
-    runtime_env = {"env_vars": s3_server.env}  # credentials: from this shell to the job, never into a file
+    runtime_env = {"env_vars": {
+        **s3_server.env,  # credentials: from this shell to the job, never into a file
+        "RAY_JOB_STOP_WAIT_TIME_S": "120",  # `ray job stop` waits for the stop-notice checkpoint (README)
+    }}
     return cluster.job(
         "submit", "--submission-id", submission_id, *([] if wait else ["--no-wait"]),
         "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env), "--",
@@ -220,6 +223,11 @@ def test_stopped_job_resumes_from_its_last_complete_checkpoint_when_submitted_ag
     assert "Done. Run directory" not in first_log, "the job finished before it was stopped: nothing was tested"
     kept = complete_checkpoints(s3_server, "e2e")
     assert kept and max(kept) < STEPS, kept
+    # The stop notice: the driver got SIGTERM, the workers saved at their next log step, then it exited.
+    assert "SIGTERM: saving a checkpoint at the next log step" in first_log, first_log[-5000:]
+    assert "Stopped by SIGTERM" in first_log, first_log[-5000:]
+    latest = re.search(r"Latest checkpoint: \S*/runs/e2e/checkpoint_(\d+)", first_log)
+    assert latest and int(latest.group(1)) == max(kept), (kept, first_log[-5000:])
 
     # The driver's actors (Train controller, workers, the run's coordinator) die with it: nothing of
     # the stopped run is left to collide with the next submission of the same name.

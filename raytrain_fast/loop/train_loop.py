@@ -163,6 +163,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         sample_tokens=torch.randint(0, config.model.vocab_size, (1, config.data.seq_len), device=_device()),
     )
     state.coordinator = coordinator.export_state()
+    if rank == 0:
+        coordinator.watch_for_stop()  # the driver's SIGTERM / Ctrl-C reaches the loop through it
 
     engine = build_engine(
         model, engine=config.engine, optim=config.optim, micro_batch=train.micro_batch,
@@ -241,5 +243,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 break
         checkpointer.wait_for_upload()
     finally:
+        coordinator.close()
         metrics.close()
         data.close()
