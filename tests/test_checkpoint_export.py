@@ -5,7 +5,6 @@ engine's logits."""
 from __future__ import annotations
 
 import shutil
-import socket
 import uuid
 
 import pyarrow.fs as pafs
@@ -19,17 +18,13 @@ from raytrain_fast.config import Config
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.model import GPT, ModelConfig
 from raytrain_fast.storage import StorageConfig, redact, resolve_filesystem
+from tests.s3_server import free_port
 
 # fp32 end to end and the same weights: the only difference allowed is float reassociation.
 ATOL, RTOL = 1e-6, 1e-5
 MODEL = ModelConfig(vocab_size=64, max_seq_len=16, num_layers=2, num_heads=2, d_model=32, tie_embeddings=True)
 STEPS = 3
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +40,7 @@ def trained_checkpoint(tmp_path_factory):
 
     from raytrain_fast.engine import EngineConfig, OptimConfig, build_engine
 
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)

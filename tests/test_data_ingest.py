@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from raytrain_fast.data import BatchIterator, DataPosition, check_manifest_matches, load_manifest, prepare_data

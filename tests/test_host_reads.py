@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import socket
 from collections import Counter
 from pathlib import Path
 
@@ -18,14 +17,10 @@ from raytrain_fast.checkpoint import list_runs
 from raytrain_fast.config import load_config
 from raytrain_fast.launch.trainer import prepare_training_data, resolve_resources
 from raytrain_fast.storage import StorageConfig
+from tests.s3_server import free_port
 
 READS = ("item", "tolist", "cpu", "__float__", "__int__", "__bool__")
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _train_counting_reads(address: str, loop_config: dict, port: int, out_path: str) -> None:
@@ -103,7 +98,7 @@ def test_the_step_loop_reads_from_the_device_once_per_log_window(ray_session, tm
 
     process = multiprocessing.get_context("spawn").Process(
         target=_train_counting_reads,
-        args=(ray_session.get_runtime_context().gcs_address, loop_config, _free_port(), str(out_path)),
+        args=(ray_session.get_runtime_context().gcs_address, loop_config, free_port(), str(out_path)),
     )
     process.start()
     process.join(300)

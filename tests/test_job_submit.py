@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tests.s3_server import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -40,11 +40,6 @@ STEPS, EVERY = 80, 10
 # and autoscaling coordinators): not state of the run.
 RAY_DETACHED_HELPERS = {"PlacementGroupCleaner", "_AutoscalingCoordinatorActor", "_StatsActor"}
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -101,7 +96,7 @@ def cluster():
     temp_dir = tempfile.mkdtemp(prefix="rtf-job-", dir="/tmp")
     env = _cluster_env()
     ports = {
-        name: _free_port()
+        name: free_port()
         for name in ("port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
                      "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port")
     }

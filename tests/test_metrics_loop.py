@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import json
 import multiprocessing
-import socket
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -17,6 +16,7 @@ import torch
 from raytrain_fast.metrics import MetricsConfig, TrainMetrics
 from raytrain_fast.metrics.gc_control import GcControl
 from raytrain_fast.metrics.names import is_documented
+from tests.s3_server import free_port
 
 @pytest.fixture(autouse=True)
 def one_torch_thread():
@@ -184,11 +184,6 @@ def test_gc_control_freezes_times_and_restores():
     assert gc.get_freeze_count() == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _rank_main(rank: int, world_size: int, port: int, out_path: str) -> None:
     import torch.distributed as dist
@@ -223,7 +218,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_path: str) -> None:
 
 def test_two_ranks_drain_with_one_collective(tmp_path):
     out_path = str(tmp_path / "rank0.json")
-    port = _free_port()
+    port = free_port()
     context = multiprocessing.get_context("spawn")
     processes = [context.Process(target=_rank_main, args=(rank, 2, port, out_path)) for rank in range(2)]
     for process in processes:

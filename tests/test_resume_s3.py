@@ -6,7 +6,6 @@ same losses as an uninterrupted run with the same seed."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 

@@ -4,14 +4,13 @@ the secret never shown."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 import uuid
 
 import pytest
 
 from raytrain_fast.storage import StorageConfig, StorageError, check_storage, redact
-from tests.s3_server import ACCESS_KEY, SECRET_KEY, S3Server
+from tests.s3_server import ACCESS_KEY, S3Server, SECRET_KEY, free_port
 
 FAST_S = 5.0  # "fails in seconds"
 
@@ -32,11 +31,6 @@ def aws_env(s3_server, monkeypatch, tmp_path):
 def _bucket_name(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _objects(server, bucket: str) -> dict[str, bytes]:
@@ -64,7 +58,7 @@ def test_good_bucket_passes_and_leaves_nothing_behind(aws_env):
 
 def test_wrong_endpoint_port_fails_fast_naming_endpoint_and_bucket(aws_env):
     bucket = aws_env.make_bucket(_bucket_name("port"))
-    wrong = f"http://127.0.0.1:{_free_port()}"
+    wrong = f"http://127.0.0.1:{free_port()}"
     message = _check_fails(StorageConfig(uri=f"s3://{bucket}/runs", endpoint_url=wrong))
     assert "Cannot reach" in message and wrong in message and bucket in message
     assert "storage.endpoint_url" in message

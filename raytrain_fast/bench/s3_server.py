@@ -18,7 +18,8 @@ SECRET_KEY = "testing-secret-key-do-not-log-0123456789"
 REGION = "us-east-1"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -26,7 +27,7 @@ def _free_port() -> int:
 
 @dataclass
 class S3Server:
-    port: int = field(default_factory=_free_port)
+    port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
 
     @property
