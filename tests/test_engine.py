@@ -27,6 +27,12 @@ def test_default_is_zero2_bf16_without_per_step_host_syncs():
     assert "fp16" not in ds  # one mixed-precision path
 
 
+def test_one_worker_skips_the_reduction_machinery():
+    one, two = build(world_size=1)["zero_optimization"], build(world_size=2, overlap_comm=False)["zero_optimization"]
+    assert (one["overlap_comm"], one["contiguous_gradients"]) == (False, False)  # nothing to reduce
+    assert (two["overlap_comm"], two["contiguous_gradients"]) == (False, True)  # as configured
+
+
 def test_batch_sizes_are_consistent():
     ds = build()
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (24, 4, 3)

@@ -37,9 +37,9 @@ class EngineConfig:
     where a measured bf16 matmul is at least as fast as fp32 (CPUs without AVX-512 BF16 / AMX run
     bf16 matmuls far slower); the choice and its measurement are logged."""
     overlap_comm: bool = True
-    """Overlap gradient reduction with the backward pass."""
+    """Overlap gradient reduction with the backward pass (off with one worker: nothing to reduce)."""
     contiguous_gradients: bool = True
-    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+    """Copy gradients into one contiguous buffer as they are produced (less fragmentation; off with one worker)."""
     reduce_bucket_size: int = 50_000_000
     """Elements per gradient reduce bucket."""
     allgather_bucket_size: int = 50_000_000
