@@ -7,8 +7,7 @@ never pay for importing torch); everything else is internal.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from raytrain_fast._lazy import lazy_exports
 
 _EXPORTS = {
     "Config": "raytrain_fast.config",
@@ -23,11 +22,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'raytrain_fast' has no attribute '{name}'")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -5,8 +5,7 @@ Names are imported on first use, so `prepare-data` never pays for importing torc
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from raytrain_fast._lazy import lazy_exports
 
 _EXPORTS = {
     "DataConfig": "raytrain_fast.data.config",
@@ -24,15 +23,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'raytrain_fast.data' has no attribute '{name}'")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__ = lazy_exports(__name__, _EXPORTS)
