@@ -190,6 +190,7 @@ class Coordinator:
         """A claim not renewed for this long expires (its rank died); renewals come every lease_s / 4."""
         self._stop_reason: str | None = None
         self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     @classmethod
     def connect(cls, run_name: str, *, timeout_s: float = 600.0, create_if_missing: bool = True) -> Coordinator:
@@ -305,7 +306,7 @@ class Coordinator:
             )
         )
 
-    def watch_for_stop(self, *, poll_s: float = 5.0) -> None:
+    def watch_for_stop(self, *, poll_s: float = 1.0) -> None:
         """Start a daemon thread that waits on the actor for the driver's stop request, so that
         `stop_requested()` answers on the next log step without a call on the training thread."""
         import ray
@@ -322,15 +323,19 @@ class Coordinator:
                     self._stop_reason = reason
                     return
 
-        threading.Thread(target=watch, name="raytrain-fast-stop-watch", daemon=True).start()
+        self._watcher = threading.Thread(target=watch, name="raytrain-fast-stop-watch", daemon=True)
+        self._watcher.start()
 
     def stop_requested(self) -> str | None:
         """The driver's stop reason once `watch_for_stop` has seen it, else None. Never waits."""
         return self._stop_reason
 
     def close(self) -> None:
-        """Let the stop watcher end (within poll_s)."""
+        """End the stop watcher (within poll_s) and wait for it: a thread still inside ray.get
+        while the process exits can crash the interpreter's shutdown."""
         self._closed.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=10)
 
     def export_state(self) -> dict[str, Any]:
         """JSON-able values to store in a checkpoint."""
