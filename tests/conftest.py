@@ -10,6 +10,9 @@ from tests.s3_server import S3Server
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # faster reports in tests
+# Ray starts worker processes at niceness 15: on 2 cores, pytest itself, the S3 server or a test's
+# driver would win the CPU from the training workers and swing every timing a test reads.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 def _has_gpu() -> bool:

@@ -69,6 +69,7 @@ def _cluster_env() -> dict[str, str]:
         RAY_AUTH_MODE="disabled",
         RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # SIGTERM tears the node down at once
         RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.1",  # checkpoint reports return sooner (see conftest)
+        RAY_worker_niceness="0",  # training workers at normal priority (see conftest)
         DS_ACCELERATOR="cpu",
     )
     return env

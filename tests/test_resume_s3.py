@@ -83,6 +83,24 @@ def test_uninterrupted_run_keeps_exactly_the_expected_checkpoints(uninterrupted,
     assert sum(v for k, v in result.measurements.items() if k.startswith("flops_per_token/")) == 1
 
 
+@pytest.mark.parametrize("late_rank", [0, 1])
+def test_retention_waits_for_every_rank_upload(late_rank, ray_session, s3_server, bucket, s3_env, monkeypatch):
+    """One rank's uploads start 2 s late (async uploads). Rank 0 prunes after its own upload; if
+    rank 1 is the late one, the newest checkpoint is not complete then, so that prune must keep the
+    previous one. The run must still end with exactly keep_last + keep_best checkpoints: the final
+    prune waits for every rank's last upload."""
+    monkeypatch.setenv("RAYTRAIN_FAST_DRILL_SLOW_UPLOAD", f"2:{late_rank}")
+    config = s3_config(
+        s3_server, bucket, f"late-upload-{late_rank}", "train.steps=12", "checkpoint.every_steps=4",
+        "checkpoint.upload=async", "checkpoint.keep_last=1", "checkpoint.keep_best=1", "checkpoint.best_mode=max",
+    )
+    run(config)
+    records = read_metrics(f"{config.storage.uri}/{config.name}", storage=config.storage)
+    loss = {r["step"]: r["train/loss"] for r in records}
+    best = max((4, 8, 12), key=lambda step: loss[step])  # keep_best=1 by the highest loss, as configured
+    assert checkpoint_names(s3_server, bucket, config.name) == {f"checkpoint_{best:08d}", "checkpoint_00000012"}
+
+
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_worker_failure_resumes_from_the_last_complete_checkpoint_with_the_same_losses(
     how, uninterrupted, ray_session, s3_server, bucket, s3_env, tmp_path, monkeypatch

@@ -87,11 +87,12 @@ class Checkpointer:
 
     def __init__(
         self, config: CheckpointConfig, *, rank: int, world_size: int, run_config: dict[str, Any],
-        local_mode_run: tuple[Any, str] | None = None,
+        local_mode_run: tuple[Any, str] | None = None, upload_delay_s: float = 0.0,
     ) -> None:
         """`local_mode_run`: (filesystem, run path) to use under Ray Train's local mode
         (`ScalingConfig(num_workers=0)`: the loop runs in the calling process, Ray has no storage
-        context and its report uploads nothing, so saves upload synchronously here)."""
+        context and its report uploads nothing, so saves upload synchronously here).
+        `upload_delay_s`: a drill (loop/drills.py) that makes this rank's uploads start late."""
         import ray.train
 
         self.config = config
@@ -115,6 +116,8 @@ class Checkpointer:
         locally, and Ray's report (with a sync upload inside it)."""
         self._last_save = time.monotonic()
         self._best_cache: dict[str, float | None] = {}
+        self._upload_delay_s = upload_delay_s
+        self._saved = False
 
     # ------------------------------------------------------------------ cadence
     def due_by_steps(self, step: int, total_steps: int) -> bool:
@@ -137,6 +140,9 @@ class Checkpointer:
 
         start = time.perf_counter()
         self._upload_idle.wait()  # bounded local disk: at most one checkpoint in flight per worker
+        # Every rank's previous checkpoint is in storage past this point, so the prune that rank 0
+        # runs after this upload sees it complete (see `_prune`).
+        _barrier(self.world_size)
         waited = time.perf_counter()
         local_dir = tempfile.mkdtemp(prefix="raytrain-fast-ckpt-")
         try:
@@ -170,6 +176,7 @@ class Checkpointer:
                 self._upload(ray.train.Checkpoint.from_directory(local_dir), checkpoint_dir_name(state.step))
             finally:
                 shutil.rmtree(local_dir, ignore_errors=True)
+        self._saved = True
         self._last_save = time.monotonic()
         end = time.perf_counter()
         self.last_save_breakdown = {
@@ -185,6 +192,7 @@ class Checkpointer:
         destination = f"{self.run_path}/{dir_name}"
         start = time.perf_counter()
         try:
+            time.sleep(self._upload_delay_s)
             for attempt in range(1, self.config.upload_attempts + 1):
                 try:
                     pafs.copy_files(
@@ -214,13 +222,26 @@ class Checkpointer:
     def wait_for_upload(self) -> None:
         self._upload_idle.wait()
 
+    def finish(self) -> None:
+        """End of the run (or a stop notice): wait for this rank's last upload, then, once every
+        rank's upload is in, rank 0 applies retention one last time. Without this final prune a
+        run could end keeping one checkpoint more than keep_last + keep_best: the prune after rank
+        0's own last upload may still see another rank's files missing and keep the previous one."""
+        self.wait_for_upload()
+        _barrier(self.world_size)
+        if self.rank == 0 and self._saved:
+            self._prune()
+
     def uri(self, path: str) -> str:
         """A storage path as the user writes it (s3://bucket/... for S3)."""
         return f"{self._scheme}{path}"
 
     def _prune(self) -> None:
         """Keep the newest keep_last COMPLETE checkpoints, the best keep_best, and anything newer
-        than the oldest kept (still uploading from another rank); delete the rest."""
+        than the oldest kept (still uploading from another rank); delete the rest.
+
+        Runs on rank 0 after each of its uploads, when every rank's previous checkpoint is known to
+        be in (the barrier in `save`), and once more in `finish`, when every rank's last one is."""
         newest_first = [path for _, path in list_checkpoint_dirs(self.filesystem, self.run_path)]
         complete = [p for p in newest_first if verify_checkpoint(self.filesystem, p, checksums=False)[0]]
         kept_recent = complete[: max(1, self.config.keep_last)]
@@ -299,6 +320,14 @@ class Checkpointer:
 
     def _discard_restore_dir(self) -> None:
         shutil.rmtree(getattr(self, "_restore_dir", ""), ignore_errors=True)
+
+
+def _barrier(world_size: int) -> None:
+    """Every rank waits here for the others (the gloo/NCCL group Ray Train set up); a no-op alone."""
+    import torch.distributed as dist
+
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def load_initial_weights(model: torch.nn.Module, uri: str, *, storage: Any) -> str:

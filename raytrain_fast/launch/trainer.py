@@ -46,6 +46,10 @@ def _ensure_ray() -> None:
     import ray
 
     if not ray.is_initialized():
+        # Ray starts its worker processes (our training workers among them) at niceness 15, so any
+        # process at normal priority on the machine takes the CPU from training. A local instance
+        # started here runs them at 0 (no effect when joining a running cluster).
+        os.environ.setdefault("RAY_worker_niceness", "0")
         # Joins RAY_ADDRESS (a cluster, or the job's cluster under `ray job submit`), else starts a local instance.
         ray.init(log_to_driver=True, configure_logging=False)
 

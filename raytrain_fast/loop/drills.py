@@ -13,6 +13,8 @@ local workers; on a cluster set it in the job's runtime_env). Specs are read onc
 - RAYTRAIN_FAST_DRILL_SLOW_SINK="<seconds>": rank 0's metric sinks sleep this long before each
   record (a slow W&B or bucket): the sink backlog grows and, with a small metrics.queue_size,
   records are dropped.
+- RAYTRAIN_FAST_DRILL_SLOW_UPLOAD="<seconds>[:<rank>]": each checkpoint upload of <rank> (default
+  every rank) starts this much later: ranks whose files reach storage at different times.
 """
 
 from __future__ import annotations
@@ -95,3 +97,13 @@ def slow_sinks(sinks: Sequence[Any]) -> list[Any]:
     if not value:
         return list(sinks)
     return [_SlowSink(sink, float(value)) for sink in sinks]
+
+
+def slow_upload_s(rank: int) -> float:
+    """Seconds each checkpoint upload of `rank` is delayed by RAYTRAIN_FAST_DRILL_SLOW_UPLOAD (0 when unset)."""
+    total = 0.0
+    for item in filter(None, os.environ.get("RAYTRAIN_FAST_DRILL_SLOW_UPLOAD", "").split(",")):
+        seconds, _, only_rank = item.partition(":")
+        if not only_rank or int(only_rank) == rank:
+            total += float(seconds)
+    return total

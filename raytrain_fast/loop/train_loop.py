@@ -22,7 +22,7 @@ from raytrain_fast.config import Config
 from raytrain_fast.engine import build_engine, select_accelerator
 from raytrain_fast.coordinator import Coordinator
 from raytrain_fast.metrics import TrainMetrics, build_sinks, mfu_inputs
-from raytrain_fast.loop.drills import slow_data, slow_sinks, slow_step
+from raytrain_fast.loop.drills import slow_data, slow_sinks, slow_step, slow_upload_s
 from raytrain_fast.model import GPT
 from raytrain_fast.storage import redact
 from raytrain_fast.storage.filesystem import resolve_filesystem, use_shipped_s3_filesystem
@@ -125,6 +125,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     checkpointer = Checkpointer(
         config.checkpoint, rank=rank, world_size=world_size, run_config=redact(config.to_dict()),
         local_mode_run=(filesystem, f"{storage_root.rstrip('/')}/{config.name}"),
+        upload_delay_s=slow_upload_s(rank),  # drill hook: 0 unless RAYTRAIN_FAST_DRILL_SLOW_UPLOAD is set
     )
     restored = checkpointer.restore_state()
     state = restored or TrainState(world_size=world_size, zero_stage=config.engine.zero_stage, precision=config.engine.precision)
@@ -234,14 +235,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 metrics.record_checkpoint(blocked_s=blocked_s, upload_s=checkpointer.take_upload_s())
                 metrics.flush_sinks()
             if agreed & _STOP:
-                checkpointer.wait_for_upload()
+                checkpointer.finish()
                 if rank == 0:
                     print(
                         f"Stop requested ({coordinator.stop_requested() or 'notice'}): saved a checkpoint at step "
                         f"{state.step} and stopped. The same command continues from there.", flush=True,
                     )
                 break
-        checkpointer.wait_for_upload()
+        else:
+            checkpointer.finish()
     finally:
         coordinator.close()
         metrics.close()
