@@ -141,8 +141,10 @@ def test_phases_are_sampled_on_profile_steps_only():
         metrics.end_step(step)
     record = metrics.log(10)
     metrics.close()
-    assert 0.05 <= record["time/forward_s"] < 0.2  # 0.01 if every step had been sampled
-    assert record["time/backward_s"] < 0.01
+    # 0.05 s: only the two profiled (slow) steps are averaged; 0.01 s if every step had been sampled.
+    # The upper bounds leave room for a loaded machine to oversleep, and still tell the phases apart.
+    assert 0.05 <= record["time/forward_s"] < 1.0
+    assert record["time/backward_s"] < 0.04
     # Data wait is measured on every step: at least 10 x 2 ms, less than the whole window.
     data_wait_s = record["time/data_wait_frac"] * record["time/step_s"] * 10
     assert 0.02 <= data_wait_s and record["time/data_wait_frac"] < 0.9
@@ -162,7 +164,7 @@ def test_checkpoint_time_is_reported_and_counted():
             metrics.record_checkpoint(upload_s=1.5)
     record = metrics.log(5)
     metrics.close()
-    assert 0.03 <= record["checkpoint/blocked_s"] < 0.5
+    assert 0.03 <= record["checkpoint/blocked_s"] < 1.5  # a 0.03 s sleep, oversleeping under load
     assert record["checkpoint/upload_s"] == 1.5
     assert record["train/loss"] == 2.0
 

@@ -66,9 +66,11 @@ def test_memory_growth_and_unexplained():
 
 
 def _spin(seconds: float) -> None:
-    """Python work that holds the GIL (like the Python side of a training step)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    """A fixed amount of Python work that holds the GIL (like the Python side of a training step):
+    `seconds` of this thread's CPU time, so a thread that takes the GIL away makes it last longer
+    in wall time, while a machine that is slow for everyone slows the baseline as much."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         pass
 
 
@@ -118,17 +120,23 @@ def _first_alert(records, *, after: int) -> dict[str, float]:
     return records[alerts[0]]
 
 
+# Steps of about 20 ms (100 ms windows): scheduler hiccups of a few tens of ms on a loaded 2-core
+# machine stay well under the 50% threshold in a median of 3 windows, while each planted slowdown
+# is 2.5x or more.
+STEP_S = 0.020
+
+
 def _config(**overrides) -> MetricsConfig:
-    # A 50% threshold: the planted slowdowns are 2x or more, and this shared test machine is noisy.
+    # A 50% threshold: the planted slowdowns are 2.5x or more, and this shared test machine is noisy.
     base = {"slowdown_warmup_steps": 10, "slowdown_windows": 3, "slowdown_threshold": 0.5, "gc_every": 0, "profile_every": 0}
     return MetricsConfig(**{**base, **overrides})
 
 
 def test_planted_data_slowdown_is_named(caplog):
     def step_fn(step, metrics):
-        time.sleep(0.012 if step > 40 else 0.0)  # the data pipeline falls behind after step 40
+        time.sleep(2 * STEP_S if step > 40 else 0.0)  # the data pipeline falls behind after step 40
         metrics.lap("data")
-        time.sleep(0.006)
+        time.sleep(STEP_S)
         metrics.lap("forward")
 
     with caplog.at_level("WARNING", logger="raytrain_fast.metrics"):
@@ -142,10 +150,10 @@ def test_planted_data_slowdown_is_named(caplog):
 def test_planted_slow_sink_is_named():
     def step_fn(step, metrics):
         metrics.lap("data")
-        _spin(0.006)  # GIL-holding step work: a CPU-hungry sink thread takes turns with it
+        _spin(STEP_S)  # GIL-holding step work: a CPU-hungry sink thread takes turns with it
         metrics.lap("forward")
 
-    sink = _CpuHogSink(from_step=40, cpu_s=0.060)
+    sink = _CpuHogSink(from_step=40, cpu_s=10 * STEP_S)  # per record, i.e. per 5-step window
     metrics, records = _run(_config(queue_size=2), steps=80, step_fn=step_fn, sinks=[sink])
     first = _first_alert(records, after=40)
     assert first["alert/slowdown_cause/sink"] == 1.0
@@ -158,9 +166,10 @@ def test_planted_gc_pressure_is_named():
     def step_fn(step, metrics):
         metrics.lap("data")
         if step == 41:
-            # A heap that grew after setup (not frozen): every full collection now walks it.
+            # A heap that grew after setup (not frozen): every full collection now walks it
+            # (about 40 ms per collection here, 2 cores, AVX2: twice the step).
             heap.extend([i] for i in range(400_000))
-        time.sleep(0.006)
+        time.sleep(STEP_S)
         metrics.lap("forward")
 
     metrics, records = _run(_config(gc_every=1), steps=70, step_fn=step_fn)
