@@ -95,18 +95,14 @@ def _build(setup: OverheadSetup, device: Any):
     return model, optimizer, batches, autocast
 
 
-def _device():
-    import torch
-
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def bare(setup: OverheadSetup) -> float:
     """Tokens/s of the plain single-process loop, in this process."""
     import torch
 
+    from raytrain_fast.engine import training_device
+
     setup = setup.resolved()
-    device = _device()
+    device = training_device()
     if device.type == "cpu":
         torch.set_num_threads(setup.threads)
     model, optimizer, batches, autocast = _build(setup, device)
@@ -142,8 +138,10 @@ def _typical_loop(config: dict[str, Any]) -> None:
     from ray.train.torch import prepare_model
     from torch.utils.flop_counter import FlopCounterMode
 
+    from raytrain_fast.engine import training_device
+
     setup = OverheadSetup(**config["setup"])
-    device = _device()
+    device = training_device()
     if device.type == "cpu":
         # Set like in `bare`, so the comparison is about the loop, not about Ray's OMP_NUM_THREADS=1.
         torch.set_num_threads(setup.threads)

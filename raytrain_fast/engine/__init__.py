@@ -8,7 +8,8 @@ from raytrain_fast.engine.deepspeed_engine import (
     measure_cpu_bf16_speedup,
     resolve_precision,
     select_accelerator,
+    training_device,
 )
 
 __all__ = ["EngineConfig", "OptimConfig", "build_deepspeed_config", "build_engine", "lr_lambda",
-    "measure_cpu_bf16_speedup", "resolve_precision", "select_accelerator"]
+    "measure_cpu_bf16_speedup", "resolve_precision", "select_accelerator", "training_device"]

@@ -27,6 +27,19 @@ def select_accelerator() -> str:
     return os.environ["DS_ACCELERATOR"]
 
 
+def training_device() -> torch.device:
+    """The device this process trains on: its Ray Train GPU inside a worker, the current GPU
+    outside one (benches), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    try:
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+    except Exception:  # not inside a Ray Train worker
+        return torch.device("cuda", torch.cuda.current_device())
+
+
 def measure_cpu_bf16_speedup(*, size: int = 512, repeats: int = 5) -> float:
     """Time a square matmul in bf16 and fp32 on this CPU; returns fp32_time / bf16_time.
 

@@ -19,7 +19,7 @@ import torch
 from raytrain_fast.checkpoint import Checkpointer, TrainState
 from raytrain_fast.checkpoint.checkpointing import load_initial_weights
 from raytrain_fast.config import Config
-from raytrain_fast.engine import build_engine, select_accelerator
+from raytrain_fast.engine import build_engine, select_accelerator, training_device
 from raytrain_fast.coordinator import Coordinator
 from raytrain_fast.metrics import TrainMetrics, build_sinks, mfu_inputs
 from raytrain_fast.loop.drills import slow_data, slow_sinks, slow_step, slow_upload_s
@@ -95,14 +95,6 @@ def _setup_threads(cpus: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(cpus)
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        import ray.train.torch
-
-        return ray.train.torch.get_device()
-    return torch.device("cpu")
-
-
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import ray.train
 
@@ -144,11 +136,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     data = BatchIterator(
         load_manifest(loop_config["data_uri"], config.storage),
         rank=rank, world_size=world_size, micro_batch=train.micro_batch, seed=config.data.shuffle_seed,
-        prefetch_batches=config.data.prefetch_batches, device=_device(), storage=config.storage,
+        prefetch_batches=config.data.prefetch_batches, device=training_device(), storage=config.storage,
         position=DataPosition.from_dict(state.data_position) if state.data_position else None,
         max_sequences=loop_config.get("max_sequences"),
     )
-    model = GPT(config.model).to(_device())
+    model = GPT(config.model).to(training_device())
     if restored is None and config.checkpoint.init_from:
         source = load_initial_weights(model, config.checkpoint.init_from, storage=config.storage)
         if rank == 0:
@@ -160,8 +152,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if rank == 0 and state.coordinator:
         coordinator.import_state(state.coordinator)
     mfu = mfu_inputs(
-        coordinator, config.metrics, rank=rank, model=model, device=_device(), precision=config.engine.precision,
-        sample_tokens=torch.randint(0, config.model.vocab_size, (1, config.data.seq_len), device=_device()),
+        coordinator, config.metrics, rank=rank, model=model, device=training_device(), precision=config.engine.precision,
+        sample_tokens=torch.randint(0, config.model.vocab_size, (1, config.data.seq_len), device=training_device()),
     )
     state.coordinator = coordinator.export_state()
     if rank == 0:
