@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: continue the run if it has a complete checkpoint (default); must: fail if none; never: fail if one exists",
     )
     pretrain.add_argument("--create-bucket", action="store_true", help="create the S3 bucket of storage.uri if it is missing")
+    pretrain.add_argument(
+        "--drill", action="append", default=[], metavar="NAME=SPEC",
+        help="plant a problem to see how metrics and the report name it, e.g. slow_data=0.2 or fail_once_at=50:/tmp/m "
+        "(names: fail_once_at, record_sequences, slow_data, slow_step, slow_sink, slow_upload; see docs/development.md#drills)",
+    )
 
     runs = commands.add_parser("runs", help="list the runs under a storage URI, their checkpoints, steps and completeness")
     _add_storage_args(runs)
@@ -92,8 +97,17 @@ def pretrain(args: argparse.Namespace) -> int:
     from raytrain_fast.launch.trainer import run
 
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
+    from raytrain_fast.errors import ConfigError
+    from raytrain_fast.loop.hooks import LoopHooks
+
     config = load_config(args.config, overrides, name=args.name)
-    result = run(config, create_bucket=args.create_bucket)
+    try:
+        hooks = LoopHooks.from_cli(args.drill)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if hooks.active():
+        print(f"Drills on: {hooks.active()}", flush=True)
+    result = run(config, create_bucket=args.create_bucket, hooks=hooks)
     if result.stopped_by:
         print(f"\nStopped by {result.stopped_by}. Run directory: {result.run_dir}")
         print(f"Latest checkpoint: {result.checkpoint or 'none'}")

@@ -11,6 +11,7 @@ import pytest
 
 from raytrain_fast.config import load_config
 from raytrain_fast.launch.trainer import run
+from raytrain_fast.loop.hooks import LoopHooks
 from raytrain_fast.metrics.sinks import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -84,17 +85,16 @@ def test_uninterrupted_run_keeps_exactly_the_expected_checkpoints(uninterrupted,
 
 
 @pytest.mark.parametrize("late_rank", [0, 1])
-def test_retention_waits_for_every_rank_upload(late_rank, ray_session, s3_server, bucket, s3_env, monkeypatch):
+def test_retention_waits_for_every_rank_upload(late_rank, ray_session, s3_server, bucket, s3_env):
     """One rank's uploads start 2 s late (async uploads). Rank 0 prunes after its own upload; if
     rank 1 is the late one, the newest checkpoint is not complete then, so that prune must keep the
     previous one. The run must still end with exactly keep_last + keep_best checkpoints: the final
     prune waits for every rank's last upload."""
-    monkeypatch.setenv("RAYTRAIN_FAST_DRILL_SLOW_UPLOAD", f"2:{late_rank}")
     config = s3_config(
         s3_server, bucket, f"late-upload-{late_rank}", "train.steps=12", "checkpoint.every_steps=4",
         "checkpoint.upload=async", "checkpoint.keep_last=1", "checkpoint.keep_best=1", "checkpoint.best_mode=max",
     )
-    run(config)
+    run(config, hooks=LoopHooks(slow_upload=f"2:{late_rank}"))
     records = read_metrics(f"{config.storage.uri}/{config.name}", storage=config.storage)
     loss = {r["step"]: r["train/loss"] for r in records}
     best = max((4, 8, 12), key=lambda step: loss[step])  # keep_best=1 by the highest loss, as configured
@@ -103,17 +103,17 @@ def test_retention_waits_for_every_rank_upload(late_rank, ray_session, s3_server
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_worker_failure_resumes_from_the_last_complete_checkpoint_with_the_same_losses(
-    how, uninterrupted, ray_session, s3_server, bucket, s3_env, tmp_path, monkeypatch
+    how, uninterrupted, ray_session, s3_server, bucket, s3_env, tmp_path
 ):
     _, straight, expected = uninterrupted
     fail_step = random.Random().randint(EVERY + 1, STEPS - 1)  # after the first checkpoint
     marker = tmp_path / "failed"
-    monkeypatch.setenv("RAYTRAIN_FAST_FAIL_ONCE_AT", f"{fail_step}:{marker}:1" + (":kill" if how == "kill" else ""))
+    hooks = LoopHooks(fail_once_at=f"{fail_step}:{marker}:1" + (":kill" if how == "kill" else ""))
     # Sync upload: a checkpoint is complete when its report returns, so which one the restart finds
     # does not depend on upload timing (an async one still in flight at the crash is incomplete
     # and rightly skipped; the 2-worker local tests run with async upload).
     config = s3_config(s3_server, bucket, f"crash-{how}", "resources.max_failures=2", "checkpoint.upload=sync")
-    result = run(config)
+    result = run(config, hooks=hooks)
 
     assert marker.exists(), "the failure was not injected"
     # The failure fires right after step `fail_step` is trained, before that step's own checkpoint.

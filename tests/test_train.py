@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 
 from raytrain_fast.config import load_config
 from raytrain_fast.launch.trainer import run
+from raytrain_fast.loop.hooks import LoopHooks
 
 pytestmark = pytest.mark.slow
 
@@ -49,11 +49,7 @@ def recorded_sequences(directory: Path) -> dict[int, dict[int, list[int]]]:
 @pytest.fixture(scope="module")
 def uninterrupted(ray_session, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("uninterrupted")
-    os.environ["RAYTRAIN_FAST_RECORD_SEQUENCES"] = str(tmp_path)
-    try:
-        result = run(micro_config(tmp_path, "straight"))
-    finally:
-        del os.environ["RAYTRAIN_FAST_RECORD_SEQUENCES"]
+    result = run(micro_config(tmp_path, "straight"), hooks=LoopHooks(record_sequences=str(tmp_path)))
     result.sequences = recorded_sequences(tmp_path)
     return result
 
@@ -69,18 +65,17 @@ def test_two_worker_zero2_bf16_loss_falls_and_checkpoint_has_both_shards(uninter
     assert "mp_rank_00_model_states.pt" in names
 
 
-def test_rerun_with_same_name_resumes_at_the_right_step_and_lr(uninterrupted, ray_session, tmp_path, monkeypatch):
+def test_rerun_with_same_name_resumes_at_the_right_step_and_lr(uninterrupted, ray_session, tmp_path):
     marker = tmp_path / "failed-once"
-    monkeypatch.setenv("RAYTRAIN_FAST_FAIL_ONCE_AT", f"25:{marker}:1")
-    monkeypatch.setenv("RAYTRAIN_FAST_RECORD_SEQUENCES", str(tmp_path))
+    hooks = LoopHooks(fail_once_at=f"25:{marker}:1", record_sequences=str(tmp_path))
     config = micro_config(tmp_path, "crashy")
     with pytest.raises(Exception, match="injected failure at step 25 on rank 1"):
-        run(config)  # max_failures=0: the job dies, as a preempted job would
+        run(config, hooks=hooks)  # max_failures=0: the job dies, as a preempted job would
     assert marker.exists()
     kept = sorted(p.name for p in Path(tmp_path, "runs", "crashy").glob("checkpoint_0*"))
     assert kept == ["checkpoint_00000010", "checkpoint_00000020"]
 
-    resumed = run(config)  # the same command again
+    resumed = run(config, hooks=hooks)  # the same command again (the marker keeps the failure from repeating)
     steps = by_step(resumed)
     assert steps[30]["start_step"] == 20  # continued from the step-20 checkpoint, not from 0
     assert steps[30]["tokens"] == uninterrupted.metrics["tokens"] == 30 * 8 * 32

@@ -13,6 +13,7 @@ from pathlib import Path
 from raytrain_fast.config import Config, validate
 from raytrain_fast.engine import resolve_precision
 from raytrain_fast.errors import CheckpointError
+from raytrain_fast.loop.hooks import LoopHooks, WindowCallback
 from raytrain_fast.storage import check_storage, resolve_filesystem
 
 logger = logging.getLogger("raytrain_fast")
@@ -152,9 +153,16 @@ def prepare_training_data(config: Config) -> str:
     return uri
 
 
-def build_trainer(config: Config, *, data_uri: str, sweep_trial: bool = False):
-    """A TorchTrainer for an already resolved config (see `resolve_resources`). sweep_trial: a Tune
-    trial's short measurement run (every log window reported to Tune, no checkpoints)."""
+def build_trainer(
+    config: Config, *, data_uri: str, hooks: LoopHooks | None = None, on_window: WindowCallback | None = None,
+    save_checkpoints: bool = True, callbacks: list | None = None,
+):
+    """A TorchTrainer for an already resolved config (see `resolve_resources`).
+
+    `hooks`: fault injection, drills and the sequence recorder for the loop (tests and `--drill`);
+    the default injects nothing. `on_window`: called on every log step with the window's metrics
+    (a sweep trial's Tune report). `save_checkpoints=False`: a short measurement run.
+    `callbacks`: Ray Train run callbacks (a sweep trial's TuneReportCallback)."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -171,14 +179,12 @@ def build_trainer(config: Config, *, data_uri: str, sweep_trial: bool = False):
         "OMP_NUM_THREADS": str(resources.cpus_per_worker),
         # Ray Train routes print() through a logger AND the redirected stdout: every line twice.
         "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-        # Our own knobs (e.g. RAYTRAIN_FAST_FAIL_ONCE_AT for failure drills) reach the workers too.
-        **{key: value for key, value in os.environ.items() if key.startswith("RAYTRAIN_FAST_")},
     }
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "config": config.to_dict(), "data_uri": data_uri, "max_sequences": max_sequences(config),
-            "sweep_trial": sweep_trial,
+            "hooks": hooks or LoopHooks(), "on_window": on_window, "save_checkpoints": save_checkpoints,
             # The driver's S3 filesystem (credentials inside, as in storage_filesystem): workers
             # use it for data and metrics too, whatever their own environment holds.
             "s3_filesystem": filesystem if config.storage.uri.startswith("s3://") else None,
@@ -197,15 +203,9 @@ def build_trainer(config: Config, *, data_uri: str, sweep_trial: bool = False):
             # Retention (keep_last + keep_best) is ours: Ray's can do one or the other.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
             worker_runtime_env={"env_vars": env_vars},
-            callbacks=_tune_callbacks() if sweep_trial else None,
+            callbacks=callbacks,
         ),
     )
-
-
-def _tune_callbacks() -> list:
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    return [TuneReportCallback()]
 
 
 def _exists(result, path: str) -> bool:
@@ -215,8 +215,9 @@ def _exists(result, path: str) -> bool:
     return filesystem.get_file_info(path).type == pafs.FileType.Directory
 
 
-def run(config: Config, *, create_bucket: bool = False) -> RunResult:
-    """Validate, build and fit. Same name + same storage = the run continues from its latest checkpoint."""
+def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None = None) -> RunResult:
+    """Validate, build and fit. Same name + same storage = the run continues from its latest checkpoint.
+    `hooks`: drills and fault injection for the loop (tests, `pretrain --drill`); none by default."""
     config = resolve_resources(config, create_bucket=create_bucket)
     if config.train.micro_batch == "auto":
         from raytrain_fast.autobatch import resolve_micro_batch
@@ -233,7 +234,7 @@ def run(config: Config, *, create_bucket: bool = False) -> RunResult:
     # and the matmul peak are measured once per run. Kept referenced until fit() returns.
     coordinator = start_coordinator(config.name or "run")
     with _StopOnSignal(coordinator) as stop:
-        result = build_trainer(config, data_uri=data_uri).fit()
+        result = build_trainer(config, data_uri=data_uri, hooks=hooks).fit()
     measurements = ray.get(coordinator.measurements.remote())
     ray.kill(coordinator)  # the next run of this name starts a fresh one (values come from checkpoints)
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None

@@ -1,17 +1,22 @@
 """The per-worker step loop that Ray's TorchTrainer runs on every worker.
 
-Hot path: `train_step` only. Every side concern (metrics, checkpoint) asks whether this step is
-its step. The loss stays on the device; the host reads it only on log steps.
+`train_loop_per_worker` reads as a table of contents: restore, build the data, the model and the
+engine, the metrics, then the steps. Hot path: `train_step` only. Every side concern (metrics,
+checkpoint) asks whether this step is its step. The loss stays on the device; the host reads it
+only on log steps.
+
+What the loop takes from outside comes in the loop config as objects (loop/hooks.py): a
+`LoopHooks` (fault injection, drills, the sequence recorder; the default does nothing) and an
+optional window callback (a sweep trial's Tune report). The loop imports nothing above it.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 import random
-import signal
+import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,14 +24,13 @@ import torch
 from raytrain_fast.checkpoint import Checkpointer, TrainState
 from raytrain_fast.checkpoint.checkpointing import load_initial_weights
 from raytrain_fast.config import Config
-from raytrain_fast.engine import build_engine, select_accelerator, training_device
 from raytrain_fast.coordinator import Coordinator
+from raytrain_fast.engine import build_engine, select_accelerator, training_device
+from raytrain_fast.loop.hooks import LoopHooks, RankHooks, WindowCallback
 from raytrain_fast.metrics import TrainMetrics, build_sinks, mfu_inputs
-from raytrain_fast.loop.drills import slow_data, slow_sinks, slow_step, slow_upload_s
 from raytrain_fast.model import GPT
 from raytrain_fast.storage import redact
 from raytrain_fast.storage.filesystem import resolve_filesystem, use_shipped_s3_filesystem
-
 
 # Bit flags agreed across ranks on log steps (see TrainMetrics.log).
 _TIME_DUE = 1  # this rank's checkpoint.every_minutes timer is due
@@ -54,189 +58,207 @@ def train_step(engine: Any, data: Iterator[tuple[torch.Tensor, torch.Tensor]], m
     metrics.add_grad_norm(engine.get_global_grad_norm())
 
 
-def _maybe_inject_failure(step: int, rank: int) -> None:
-    """Fault injection for tests and drills: RAYTRAIN_FAST_FAIL_ONCE_AT="<step>:<marker file>[:<rank>[:kill]]"
-    makes one worker raise (or, with `kill`, die by SIGKILL as on a lost node) when it completes
-    <step>, once: the marker file records that it happened."""
-    spec = os.environ.get("RAYTRAIN_FAST_FAIL_ONCE_AT")
-    if not spec:
-        return
-    fail_step, marker, *rest = spec.split(":")
-    fail_rank = int(rest[0]) if rest else 0
-    if step == int(fail_step) and rank == fail_rank and not os.path.exists(marker):
-        open(marker, "w").close()
-        if rest[1:] == ["kill"]:
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"injected failure at step {step} on rank {rank} (RAYTRAIN_FAST_FAIL_ONCE_AT)")
+@dataclass(kw_only=True)
+class Worker:
+    """What every setup step of one worker needs: its config, place in the group and hooks."""
 
+    config: Config
+    rank: int
+    world_size: int
+    grad_accum: int
+    device: torch.device
+    hooks: RankHooks
 
-class _SequenceRecorder:
-    """RAYTRAIN_FAST_RECORD_SEQUENCES=<dir>: append the sequence ids of every step to
-    <dir>/rank<r>.jsonl (for tests that prove a resumed run sees exactly the same data)."""
+    @property
+    def tokens_per_step(self) -> int:
+        train = self.config.train
+        return train.micro_batch * self.grad_accum * self.world_size * self.config.data.seq_len
 
-    def __init__(self, rank: int) -> None:
-        directory = os.environ.get("RAYTRAIN_FAST_RECORD_SEQUENCES")
-        self.path = os.path.join(directory, f"rank{rank}.jsonl") if directory else None
-        self._ids: list[int] = []
-
-    def add(self, seq_ids: torch.Tensor) -> None:
-        self._ids.extend(seq_ids.tolist())  # host read: only when recording is on (tests)
-
-    def end_step(self, step: int) -> None:
-        with open(self.path, "a") as out:  # type: ignore[arg-type]
-            out.write(json.dumps({"step": step, "ids": self._ids}) + "\n")
-        self._ids = []
-
-
-def _setup_threads(cpus: int) -> None:
-    # Ray starts actors with OMP_NUM_THREADS=1; torch must be told how many cores it may use.
-    if cpus > 0:
-        torch.set_num_threads(cpus)
-        os.environ["OMP_NUM_THREADS"] = str(cpus)
+    @property
+    def run_uri(self) -> str:
+        return f"{self.config.storage.uri.rstrip('/')}/{self.config.name}"
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    import ray.train
+    worker = setup_worker(loop_config)
+    checkpointer, state, restored = restore(worker)
+    if state.step >= worker.config.train.steps:
+        checkpointer.discard()
+        _say_nothing_to_do(worker, state)
+        return
+    data = build_data(worker, loop_config, state)
+    coordinator = Coordinator.connect(worker.config.name or "run", timeout_s=worker.config.metrics.coordinator_timeout_s)
+    try:
+        engine, mfu = build_model_and_engine(worker, state, coordinator, checkpointer, restored=restored)
+        metrics = build_metrics(worker, state, engine, mfu)  # built last: it freezes the heap for GC control
+        try:
+            run_steps(
+                worker, engine=engine, data=data, metrics=metrics, checkpointer=checkpointer,
+                coordinator=coordinator, state=state, on_window=loop_config.get("on_window"),
+                save_checkpoints=loop_config.get("save_checkpoints", True),
+            )
+        finally:
+            metrics.close()
+    finally:
+        coordinator.close()
+        data.close()
 
-    from raytrain_fast.data import BatchIterator, DataPosition, load_manifest
+
+def setup_worker(loop_config: dict[str, Any]) -> Worker:
+    import ray.train
 
     config = Config.from_dict(loop_config["config"])
     if loop_config.get("s3_filesystem") is not None:
         use_shipped_s3_filesystem(config.storage, loop_config["s3_filesystem"])
     context = ray.train.get_context()
-    rank, world_size = context.get_world_rank(), context.get_world_size()
-    _setup_threads(config.resources.cpus_per_worker)
+    rank = context.get_world_rank()
+    cpus = config.resources.cpus_per_worker
+    if cpus > 0:  # Ray starts workers with OMP_NUM_THREADS=1: torch must be told how many cores it has
+        torch.set_num_threads(cpus)
+        os.environ["OMP_NUM_THREADS"] = str(cpus)
     select_accelerator()
     torch.manual_seed(config.train.seed)
     random.seed(config.train.seed)
-    train, grad_accum = config.train, config.grad_accum()
+    hooks: LoopHooks = loop_config.get("hooks") or LoopHooks()
+    return Worker(
+        config=config, rank=rank, world_size=context.get_world_size(), grad_accum=config.grad_accum(),
+        device=training_device(), hooks=hooks.for_rank(rank),
+    )
 
-    # Restore first (state only), so the data reader starts at the saved position while the
-    # engine is being built.
+
+def restore(worker: Worker) -> tuple[Checkpointer, TrainState, TrainState | None]:
+    """The newest complete checkpoint's state (not yet the engine's: that is loaded once the engine
+    exists), so the data reader can start at the saved position while the engine is built."""
+    config = worker.config
     filesystem, storage_root = resolve_filesystem(config.storage.uri, config.storage)
     checkpointer = Checkpointer(
-        config.checkpoint, rank=rank, world_size=world_size, run_config=redact(config.to_dict()),
+        config.checkpoint, rank=worker.rank, world_size=worker.world_size, run_config=redact(config.to_dict()),
         local_mode_run=(filesystem, f"{storage_root.rstrip('/')}/{config.name}"),
-        upload_delay_s=slow_upload_s(rank),  # drill hook: 0 unless RAYTRAIN_FAST_DRILL_SLOW_UPLOAD is set
+        upload_delay_s=worker.hooks.upload_delay_s,
     )
     restored = checkpointer.restore_state()
-    state = restored or TrainState(world_size=world_size, zero_stage=config.engine.zero_stage, precision=config.engine.precision)
-    if rank == 0 and restored:
-        print(f"Resumed from checkpoint at step {state.step} ({state.tokens:,} tokens seen).", flush=True)
-    if state.step >= train.steps:
-        checkpointer.discard()
-        if rank == 0:
-            print(
-                f"Run '{config.name}' already reached train.steps={train.steps} (checkpoint at step {state.step}); "
-                f"nothing to do. To train further: --set train.steps={train.steps * 2}",
-                flush=True,
-            )
-        return
-
-    data = BatchIterator(
-        load_manifest(loop_config["data_uri"], config.storage),
-        rank=rank, world_size=world_size, micro_batch=train.micro_batch, seed=config.data.shuffle_seed,
-        prefetch_batches=config.data.prefetch_batches, device=training_device(), storage=config.storage,
-        position=DataPosition.from_dict(state.data_position) if state.data_position else None,
-        max_sequences=loop_config.get("max_sequences"),
+    state = restored or TrainState(
+        world_size=worker.world_size, zero_stage=config.engine.zero_stage, precision=config.engine.precision
     )
-    model = GPT(config.model).to(training_device())
+    if worker.rank == 0 and restored:
+        print(f"Resumed from checkpoint at step {state.step} ({state.tokens:,} tokens seen).", flush=True)
+    return checkpointer, state, restored
+
+
+def _say_nothing_to_do(worker: Worker, state: TrainState) -> None:
+    if worker.rank == 0:
+        steps = worker.config.train.steps
+        print(
+            f"Run '{worker.config.name}' already reached train.steps={steps} (checkpoint at step {state.step}); "
+            f"nothing to do. To train further: --set train.steps={steps * 2}",
+            flush=True,
+        )
+
+
+def build_data(worker: Worker, loop_config: dict[str, Any], state: TrainState):
+    from raytrain_fast.data import BatchIterator, DataPosition, load_manifest
+
+    config = worker.config
+    return BatchIterator(
+        load_manifest(loop_config["data_uri"], config.storage),
+        rank=worker.rank, world_size=worker.world_size, micro_batch=config.train.micro_batch,
+        seed=config.data.shuffle_seed, prefetch_batches=config.data.prefetch_batches, device=worker.device,
+        storage=config.storage, max_sequences=loop_config.get("max_sequences"),
+        position=DataPosition.from_dict(state.data_position) if state.data_position else None,
+    )
+
+
+def build_model_and_engine(
+    worker: Worker, state: TrainState, coordinator: Coordinator, checkpointer: Checkpointer, *, restored: TrainState | None
+):
+    """The model (initial weights from checkpoint.init_from on a new run), the values measured once
+    per run (FLOPs per token, the achievable peak: counted before DeepSpeed wraps the model, shared
+    through the coordinator actor, kept in checkpoints), then the DeepSpeed engine with the restored state."""
+    config, rank = worker.config, worker.rank
+    model = GPT(config.model).to(worker.device)
     if restored is None and config.checkpoint.init_from:
         source = load_initial_weights(model, config.checkpoint.init_from, storage=config.storage)
         if rank == 0:
             print(f"New run initialised from {config.checkpoint.init_from} ({source}).", flush=True)
-
-    # FLOPs per token and the achievable peak: measured once per run (rank 0), shared through the
-    # coordinator actor, kept in checkpoints. Counted before DeepSpeed wraps the model.
-    coordinator = Coordinator.connect(config.name or "run", timeout_s=config.metrics.coordinator_timeout_s)
     if rank == 0 and state.coordinator:
         coordinator.import_state(state.coordinator)
     mfu = mfu_inputs(
-        coordinator, config.metrics, rank=rank, model=model, device=training_device(), precision=config.engine.precision,
-        sample_tokens=torch.randint(0, config.model.vocab_size, (1, config.data.seq_len), device=training_device()),
+        coordinator, config.metrics, rank=rank, model=model, device=worker.device, precision=config.engine.precision,
+        sample_tokens=torch.randint(0, config.model.vocab_size, (1, config.data.seq_len), device=worker.device),
     )
     state.coordinator = coordinator.export_state()
     if rank == 0:
         coordinator.watch_for_stop()  # the driver's SIGTERM / Ctrl-C reaches the loop through it
-
     engine = build_engine(
-        model, engine=config.engine, optim=config.optim, micro_batch=train.micro_batch,
-        grad_accum=grad_accum, world_size=world_size, total_steps=train.steps,
+        model, engine=config.engine, optim=config.optim, micro_batch=config.train.micro_batch,
+        grad_accum=worker.grad_accum, world_size=worker.world_size, total_steps=config.train.steps,
     )
     if restored is not None:
         checkpointer.load_into(engine)
+    return engine, mfu
 
-    tokens_per_step = train.micro_batch * grad_accum * world_size * config.data.seq_len
-    run_uri = f"{config.storage.uri.rstrip('/')}/{config.name}"
+
+def build_metrics(worker: Worker, state: TrainState, engine: Any, mfu: Any) -> TrainMetrics:
+    """Rank 0's sinks (JSONL, W&B, TensorBoard as configured) and every rank's metrics."""
+    config = worker.config
     sinks = []
-    if rank == 0:
-        local_dir = run_uri if "://" not in run_uri else tempfile.mkdtemp(prefix="raytrain-fast-sinks-")
+    if worker.rank == 0:
+        local_dir = worker.run_uri if "://" not in worker.run_uri else tempfile.mkdtemp(prefix="raytrain-fast-sinks-")
         sinks = build_sinks(
-            config.metrics, run_uri=run_uri, run_name=config.name or "run", start_step=state.step,
+            config.metrics, run_uri=worker.run_uri, run_name=config.name or "run", start_step=state.step,
             local_dir=local_dir, storage=config.storage, run_config=redact(config.to_dict()),
         )
-        sinks = slow_sinks(sinks)  # drill hook (loop/drills.py): unchanged unless RAYTRAIN_FAST_DRILL_SLOW_SINK is set
-    metrics = TrainMetrics(  # built last: it freezes the heap for GC control
-        config.metrics, log_every=train.log_every, total_steps=train.steps, start_step=state.step,
-        tokens_per_step=tokens_per_step, device=engine.device, rank=rank, world_size=world_size,
+        sinks = worker.hooks.sinks(sinks)
+    return TrainMetrics(
+        config.metrics, log_every=config.train.log_every, total_steps=config.train.steps, start_step=state.step,
+        tokens_per_step=worker.tokens_per_step, device=engine.device, rank=worker.rank, world_size=worker.world_size,
         flops_per_token=mfu.flops_per_token, datasheet_peak_flops=mfu.datasheet_peak_flops,
         measured_peak_flops=mfu.measured_peak_flops, memory_budget_gb=config.resources.memory_budget_gb, sinks=sinks,
     )
-    recorder = _SequenceRecorder(rank)
-    # Drill hooks (loop/drills.py): `data` itself and a no-op unless RAYTRAIN_FAST_DRILL_SLOW_* is set.
-    batches, after_step = slow_data(data, rank=rank, current_step=lambda: state.step), slow_step(rank)
-    last: dict[str, float] = {}
-    start_step = state.step
-    # A sweep trial (raytrain_fast.sweep) is a short measurement run: each log window goes to Tune
-    # (ASHA needs intermediate results), no checkpoints. Normal runs report on checkpoints only.
-    trial_report = None
-    if loop_config.get("sweep_trial"):
-        from raytrain_fast.sweep.trial import report_window as trial_report
 
-    try:
-        while state.step < train.steps:
-            train_step(engine, batches, metrics, grad_accum=grad_accum, on_batch=recorder.add if recorder.path else None)
-            state.step += 1
-            state.tokens += tokens_per_step
-            metrics.end_step(state.step)
-            if recorder.path:
-                recorder.end_step(state.step)
-            _maybe_inject_failure(state.step, rank)
-            after_step(state.step)
 
-            agreed = 0
-            if metrics.is_log_step(state.step):
-                # Every rank: one collective and the one host sync of the window. A rank that thinks
-                # a timed checkpoint is due, or has heard of a stop request, says so here, so all
-                # ranks act at the same step.
-                flags = (_TIME_DUE if checkpointer.due_by_time() else 0) | (
-                    _STOP if rank == 0 and coordinator.stop_requested() else 0
-                )
-                last = metrics.log(state.step, lr=engine.get_lr()[0], flags=flags)
-                agreed = metrics.flags_any_rank
+def run_steps(
+    worker: Worker, *, engine: Any, data: Any, metrics: TrainMetrics, checkpointer: Checkpointer,
+    coordinator: Coordinator, state: TrainState, on_window: WindowCallback | None, save_checkpoints: bool,
+) -> None:
+    """The steps, up to train.steps or a stop notice. On log steps every rank takes part in one
+    collective (the one host sync of the window), which also carries each rank's flags, so every
+    rank saves (a timed checkpoint is due on some rank) and stops (a stop notice reached rank 0) at
+    the same step."""
+    train, hooks = worker.config.train, worker.hooks
+    batches = hooks.batches(data, current_step=lambda: state.step)
+    start_step, last = state.step, {}
+    while state.step < train.steps:
+        train_step(engine, batches, metrics, grad_accum=worker.grad_accum, on_batch=hooks.on_batch)
+        state.step += 1
+        state.tokens += worker.tokens_per_step
+        metrics.end_step(state.step)
+        hooks.after_step(state.step)
 
-            if trial_report is not None:
-                if metrics.is_log_step(state.step):
-                    trial_report(step=state.step, metrics=last, memory_budget_gb=config.resources.memory_budget_gb)
-                continue
-            if checkpointer.due_by_steps(state.step, train.steps) or agreed:
-                state.data_position = data.position.to_dict()
-                blocked_s = checkpointer.save(
-                    engine, state, metrics={"step": state.step, "tokens": state.tokens, "start_step": start_step, **last}
-                )
-                metrics.record_checkpoint(blocked_s=blocked_s, upload_s=checkpointer.take_upload_s())
-                metrics.flush_sinks()
-            if agreed & _STOP:
-                checkpointer.finish()
-                if rank == 0:
-                    print(
-                        f"Stop requested ({coordinator.stop_requested() or 'notice'}): saved a checkpoint at step "
-                        f"{state.step} and stopped. The same command continues from there.", flush=True,
-                    )
-                break
-        else:
+        agreed = 0
+        if metrics.is_log_step(state.step):
+            flags = (_TIME_DUE if checkpointer.due_by_time() else 0) | (
+                _STOP if worker.rank == 0 and coordinator.stop_requested() else 0
+            )
+            last = metrics.log(state.step, lr=engine.get_lr()[0], flags=flags)
+            agreed = metrics.flags_any_rank
+            if on_window is not None:
+                on_window(step=state.step, metrics=last)
+
+        if save_checkpoints and (checkpointer.due_by_steps(state.step, train.steps) or agreed):
+            state.data_position = data.position.to_dict()
+            blocked_s = checkpointer.save(
+                engine, state, metrics={"step": state.step, "tokens": state.tokens, "start_step": start_step, **last}
+            )
+            metrics.record_checkpoint(blocked_s=blocked_s, upload_s=checkpointer.take_upload_s())
+            metrics.flush_sinks()
+        if agreed & _STOP:
             checkpointer.finish()
-    finally:
-        coordinator.close()
-        metrics.close()
-        data.close()
+            if worker.rank == 0:
+                saved = f"saved a checkpoint at step {state.step}" if save_checkpoints else "no checkpoint (a sweep trial)"
+                print(
+                    f"Stop requested ({coordinator.stop_requested() or 'notice'}): {saved} and stopped. "
+                    "The same command continues from there.", flush=True,
+                )
+            return
+    checkpointer.finish()

@@ -4,17 +4,15 @@ short run at one micro-batch (the Train V2 + Tune pattern), and the worker-side 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
 from raytrain_fast.errors import RaytrainFastError
+from raytrain_fast.microbatch import MemoryBudgetExceeded, classify_error
 
 FAILED_MARK = "[sweep trial failed] "
 """Prefix of a failed trial's reason in Tune's error text (the reason follows it on the same line)."""
-
-
-class MemoryBudgetExceeded(RaytrainFastError):
-    """A sweep trial's worker went over resources.memory_budget_gb (on CPUs, where nothing else stops it)."""
 
 
 class TrialFailed(RaytrainFastError):
@@ -49,29 +47,9 @@ def report_window(*, step: int, metrics: dict[str, float], memory_budget_gb: flo
 
 
 def failure_reason(error: BaseException) -> str:
-    """One line saying why a trial's training run failed: out of memory, over budget, or the error."""
-    seen: list[BaseException] = []
-    stack = [error]
-    while stack:  # the error, its causes, and the workers' errors of a TrainingFailedError
-        current = stack.pop()
-        if current is None or any(current is s for s in seen):
-            continue
-        seen.append(current)
-        stack.extend([current.__cause__, getattr(current, "cause", None), getattr(current, "controller_failure", None)])
-        stack.extend((getattr(current, "worker_failures", None) or {}).values())
-    for candidate in seen:
-        if isinstance(candidate, MemoryBudgetExceeded):
-            return f"over memory budget: {candidate}"
-    for candidate in seen:
-        text = str(candidate)
-        if type(candidate).__name__ == "OutOfMemoryError" or "out of memory" in text.lower():
-            line = next((l for l in text.splitlines() if "out of memory" in l.lower()), text.splitlines()[0] if text else "")
-            return f"out of memory: {line.strip()[:200]}"
-    for candidate in reversed(seen):  # the deepest cause says most
-        lines = [l.strip() for l in str(candidate).splitlines() if l.strip()]
-        if lines:
-            return f"{type(candidate).__name__}: {lines[-1][:200]}"
-    return type(error).__name__
+    """One line saying why a trial's training run failed: out of memory, over budget, or the error
+    (the classification autobatch uses too, see raytrain_fast/microbatch.py)."""
+    return classify_error(error).reason
 
 
 def run_trial(params: dict[str, Any], *, base_config: dict[str, Any], data_uri: str, trials_uri: str, prefix: str) -> None:
@@ -80,6 +58,7 @@ def run_trial(params: dict[str, Any], *, base_config: dict[str, Any], data_uri: 
     reason, so Tune records a failed trial and the sweep goes on."""
     import ray
     import ray.tune
+    from ray.tune.integration.ray_train import TuneReportCallback
 
     from raytrain_fast.config import Config, validate
     from raytrain_fast.coordinator import start_coordinator
@@ -105,7 +84,12 @@ def run_trial(params: dict[str, Any], *, base_config: dict[str, Any], data_uri: 
         raise TrialFailed(f"{FAILED_MARK}invalid: {' '.join(str(error).split())[:300]}") from None
     coordinator = start_coordinator(config.name or "trial")
     try:
-        build_trainer(config, data_uri=data_uri, sweep_trial=True).fit()
+        # A short measurement run: every log window goes to Tune (ASHA needs intermediate
+        # results), no checkpoints.
+        build_trainer(
+            config, data_uri=data_uri, save_checkpoints=False, callbacks=[TuneReportCallback()],
+            on_window=functools.partial(report_window, memory_budget_gb=config.resources.memory_budget_gb),
+        ).fit()
     except Exception as error:  # noqa: BLE001 - every failure is a failed trial with its reason
         raise TrialFailed(f"{FAILED_MARK}{failure_reason(error)}") from None
     finally:

@@ -1,0 +1,127 @@
+"""What the step loop takes from outside: a hooks object for fault injection, drills and the
+sequence recorder, and a window callback (a sweep trial's Tune report).
+
+Both are passed in by the caller, never read from the environment: a normal run builds the default
+`LoopHooks()`, whose every hook is a no-op that the loop skips, so no variable left in a shell can
+inject a failure into a real run. Only tests and `raytrain-fast pretrain --drill NAME=SPEC` build
+other hooks. `LoopHooks` is a small picklable dataclass (it travels to the workers in the loop
+config); each worker turns it into its rank's `RankHooks`.
+
+Drill specs (see loop/drills.py for what each one plants):
+- fail_once_at="<step>:<marker file>[:<rank>[:kill]]": one worker raises (or, with `kill`, dies by
+  SIGKILL as on a lost node) when it completes <step>, once: the marker file records that it happened.
+- record_sequences="<dir>": every rank appends the sequence ids of each step to <dir>/rank<r>.jsonl
+  (tests that prove a resumed run sees exactly the same data).
+- slow_data / slow_step="<seconds>[:<from_step>[:<rank>]]", comma-separated specs add up.
+- slow_sink="<seconds>": rank 0's metric sinks sleep this long before each record.
+- slow_upload="<seconds>[:<rank>]": each checkpoint upload of <rank> (default every rank) starts late.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from raytrain_fast.loop import drills
+
+T = TypeVar("T")
+
+WindowCallback = Callable[..., None]
+"""Called on rank every log step as `on_window(step=..., metrics=...)` with the window's metrics."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopHooks:
+    """Fault injection, drills and the sequence recorder; the default injects nothing."""
+
+    fail_once_at: str = ""
+    record_sequences: str = ""
+    slow_data: str = ""
+    slow_step: str = ""
+    slow_sink: float = 0.0
+    slow_upload: str = ""
+
+    @classmethod
+    def from_cli(cls, items: Sequence[str]) -> LoopHooks:
+        """`--drill NAME=SPEC` items (NAME a field above). Raises ValueError naming the bad item."""
+        names = {f.name: f.type for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for item in items:
+            name, sep, spec = item.partition("=")
+            name = name.strip().replace("-", "_")
+            if not sep or name not in names:
+                raise ValueError(f"--drill {item!r}: expected NAME=SPEC with NAME one of {', '.join(names)}")
+            try:
+                values[name] = float(spec) if name == "slow_sink" else spec
+                if name in ("slow_data", "slow_step"):
+                    drills.specs(spec, 0)
+                elif name == "slow_upload":
+                    drills.upload_delay_s(spec, 0)
+                elif name == "fail_once_at" and (len(spec.split(":")) < 2 or not spec.split(":")[0].isdigit()):
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"--drill {item!r}: malformed SPEC for {name} (see loop/hooks.py for each form)") from None
+        return cls(**values)
+
+    def active(self) -> dict[str, Any]:
+        """The hooks that are set (for a one-line notice on the driver)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name)}
+
+    def for_rank(self, rank: int) -> RankHooks:
+        return RankHooks(self, rank)
+
+
+class RankHooks:
+    """One worker's hooks, built once. Every method returns its input (or does nothing) when unset."""
+
+    def __init__(self, hooks: LoopHooks, rank: int) -> None:
+        self.rank = rank
+        self._hooks = hooks
+        self._slow_step = drills.specs(hooks.slow_step, rank)
+        self._recorder = _SequenceRecorder(hooks.record_sequences, rank) if hooks.record_sequences else None
+        self.on_batch: Callable[[Any], None] | None = self._recorder.add if self._recorder else None
+        """Called with each micro-batch's sequence ids, or None (the loop then skips the call)."""
+        self.upload_delay_s = drills.upload_delay_s(hooks.slow_upload, rank)
+
+    def batches(self, data: Iterator[T], *, current_step: Callable[[], int]) -> Iterator[T]:
+        return drills.slow_data(data, drills.specs(self._hooks.slow_data, self.rank), current_step=current_step)
+
+    def sinks(self, sinks: Sequence[Any]) -> list[Any]:
+        return drills.slow_sinks(sinks, self._hooks.slow_sink)
+
+    def after_step(self, step: int) -> None:
+        if self._recorder is not None:
+            self._recorder.end_step(step)
+        if self._hooks.fail_once_at:
+            _maybe_fail(self._hooks.fail_once_at, step=step, rank=self.rank)
+        if self._slow_step:
+            drills.sleep_for(self._slow_step, step)
+
+
+def _maybe_fail(spec: str, *, step: int, rank: int) -> None:
+    fail_step, marker, *rest = spec.split(":")
+    fail_rank = int(rest[0]) if rest else 0
+    if step == int(fail_step) and rank == fail_rank and not os.path.exists(marker):
+        open(marker, "w").close()
+        if rest[1:] == ["kill"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected failure at step {step} on rank {rank} (drill fail_once_at)")
+
+
+class _SequenceRecorder:
+    def __init__(self, directory: str, rank: int) -> None:
+        self.path = os.path.join(directory, f"rank{rank}.jsonl")
+        self._ids: list[int] = []
+
+    def add(self, seq_ids: Any) -> None:
+        self._ids.extend(seq_ids.tolist())  # a host read: only when recording is on (tests)
+
+    def end_step(self, step: int) -> None:
+        with open(self.path, "a") as out:
+            out.write(json.dumps({"step": step, "ids": self._ids}) + "\n")
+        self._ids = []
