@@ -290,16 +290,14 @@ class Coordinator:
         )
         return FlopsPerToken(counted=float(value["counted"]), formula=value["formula"])
 
-    def achievable_peak(self, *, device: Any, dtype: str, seconds: float) -> float:
-        """Measured matmul FLOP/s of this device type in `dtype`, once per run and device type
-        (the first rank of that type measures; any others wait)."""
-        from raytrain_fast.metrics.peak import device_key, measure_matmul_peak
-
-        key = f"peak/{device_key(device)}/{dtype}"
+    def achievable_peak(self, *, device_key: str, dtype: str, seconds: float, measure: Callable[[], float]) -> float:
+        """Measured matmul FLOP/s of this device type in `dtype` (`measure()`, e.g.
+        metrics.peak.measure_matmul_peak), once per run and device type (the first rank of that type
+        measures; any others wait)."""
         return float(
             self.get_or_measure(
-                key,
-                measure=lambda: measure_matmul_peak(device=device, dtype=dtype, seconds=seconds),
+                f"peak/{device_key}/{dtype}",
+                measure=measure,
                 may_measure=True,
                 who="the first rank on this device type",
                 meta={"seconds": seconds},

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from raytrain_fast.coordinator import Coordinator, CoordinatorError, model_fingerprint, start_coordinator
+from raytrain_fast.metrics.peak import device_key, measure_matmul_peak
 
 
 def _worker_round(ray, *, run_name: str, ranks: list[int], log_path: str, fingerprint: str = "tiny-128", fresh: bool = False):
@@ -31,7 +32,10 @@ def _worker_round(ray, *, run_name: str, ranks: list[int], log_path: str, finger
             return 1010.0
 
         flops = coordinator.flops_per_token(rank=rank, count=count, formula=1000.0, fingerprint=fingerprint)
-        peak = coordinator.achievable_peak(device="cpu", dtype="fp32", seconds=0.2)
+        peak = coordinator.achievable_peak(
+            device_key=device_key("cpu"), dtype="fp32", seconds=0.2,
+            measure=lambda: measure_matmul_peak(device="cpu", dtype="fp32", seconds=0.2),
+        )
         return flops.counted, peak
 
     return ray.get([worker.remote(rank) for rank in ranks])

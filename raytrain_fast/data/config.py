@@ -2,6 +2,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+EOD_TOKEN = 256
+BYTE_VOCAB_SIZE = 257
+"""The byte tokenizer's vocabulary: 256 byte values and the end-of-document token (here, with the
+data section, so that validating a config needs nothing else of the data package)."""
+
 
 @dataclass(kw_only=True)
 class DataConfig:

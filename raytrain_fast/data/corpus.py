@@ -11,8 +11,7 @@ import os
 import sysconfig
 from pathlib import Path
 
-EOD_TOKEN = 256
-BYTE_VOCAB_SIZE = 257
+from raytrain_fast.data.config import BYTE_VOCAB_SIZE, EOD_TOKEN  # noqa: F401 - re-exported
 
 
 def stdlib_files() -> list[Path]:

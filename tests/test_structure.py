@@ -1,0 +1,143 @@
+"""The package's structure: no import cycle between its subpackages and top-level modules, no
+function longer than a screenful, and no side concern wired into the step loop from above."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import raytrain_fast
+
+PACKAGE = Path(raytrain_fast.__file__).parent
+MAX_FUNCTION_LINES = 80
+MAX_LOOP_BODY_LINES = 60
+
+
+def _unit(module: str) -> str | None:
+    """'raytrain_fast.loop.hooks' -> 'loop'; 'raytrain_fast.cli' -> 'cli'; other packages -> None.
+
+    A subpackage's `config.py` holds only that subpackage's config section and belongs to the
+    configuration layer with `raytrain_fast/config.py` (unit 'config'): every part of the package
+    reads the config, so the sections sit below all of them (the test below keeps them leaves)."""
+    parts = module.split(".")
+    if parts[0] != "raytrain_fast" or len(parts) < 2:
+        return None
+    if len(parts) == 3 and parts[2] == "config":
+        return "config"
+    return parts[1]
+
+
+def _is_module(name: str) -> bool:
+    relative = Path(*name.split(".")[1:])
+    return (PACKAGE / relative).with_suffix(".py").exists() or (PACKAGE / relative / "__init__.py").exists()
+
+
+def _module_name(path: Path) -> str:
+    relative = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(relative.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module this file imports, at any depth (function-level imports count too)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.add(name)
+            found.update(  # `from pkg import module`
+                f"{name}.{alias.name}" for alias in node.names
+                if name.startswith("raytrain_fast") and _is_module(f"{name}.{alias.name}")
+            )
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """unit -> the other units it imports (a unit is a subpackage or a top-level module)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        unit = _unit(_module_name(path))
+        if unit is None:  # raytrain_fast/__init__.py: the lazy export table only
+            continue
+        targets = {_unit(name) for name in _imports(path)}
+        graph.setdefault(unit, set()).update(t for t in targets if t and t != unit)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycle_between_subpackages_and_top_level_modules():
+    graph = import_graph()
+    assert {"loop", "launch", "sweep", "checkpoint", "metrics"} <= set(graph)  # the graph was really built
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
+
+
+def test_the_step_loop_imports_nothing_above_it():
+    """Sweeps, the launcher, benches and the CLI reach the loop as objects passed in."""
+    assert not import_graph()["loop"] & {"sweep", "launch", "bench", "cli", "autobatch", "report"}
+
+
+def _functions(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+def test_no_function_is_longer_than_80_lines():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in _functions(ast.parse(path.read_text())):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "\n".join(long)
+
+
+def test_the_step_loop_body_is_short_and_reads_no_environment():
+    source = (PACKAGE / "loop" / "train_loop.py").read_text()
+    tree = ast.parse(source)
+    loops = [node for node in ast.walk(tree) if isinstance(node, ast.While)]
+    assert loops, "no step loop found"
+    for loop in loops:
+        assert loop.end_lineno - loop.lineno + 1 <= MAX_LOOP_BODY_LINES
+    for name in ("os.environ.get", "getenv", "RAYTRAIN_FAST_"):
+        assert name not in source.replace('os.environ["OMP_NUM_THREADS"]', ""), name
+    hooks_source = (PACKAGE / "loop" / "hooks.py").read_text() + (PACKAGE / "loop" / "drills.py").read_text()
+    for name in ("os.environ", "getenv"):  # hooks come from the caller, never from a shell variable
+        assert name not in hooks_source, name
