@@ -1,14 +1,17 @@
 """`train.micro_batch: auto`: before training, the fastest micro-batch that fits the memory budget.
 
-For each micro-batch that divides the per-worker batch (global_batch / num_workers), smallest
-first, one probe in a FRESH process with a worker's resources (a Ray task with max_calls=1, so peak
-memory is that candidate's alone: ru_maxrss never goes down within a process) builds the model and
-the DeepSpeed engine, runs one optimizer step of warm-up (allocates the optimizer state) and
-`timed_steps` timed ones at the accumulation that keeps the global batch, and reports:
+For each candidate micro-batch (`raytrain_fast.microbatch`, shared with `raytrain-fast sweep`:
+the powers of two that divide the per-worker batch global_batch / num_workers, and that batch
+itself), smallest first, one probe in a FRESH process with a worker's resources (a Ray task with
+max_calls=1, so peak memory is that candidate's alone: ru_maxrss never goes down within a
+process) builds the model and the DeepSpeed engine, runs one optimizer step of warm-up
+(allocates the optimizer state) and `timed_steps` timed ones at the accumulation that keeps the
+global batch, and reports:
 
-- peak memory: on GPU `torch.cuda.max_memory_reserved` (what the allocator holds: what runs out),
-  on CPU the peak RSS of the whole probe process;
-- tokens/s per worker over the timed steps.
+- peak memory (`microbatch.peak_memory_gb`): on GPU `torch.cuda.max_memory_reserved` (what the
+  allocator holds: what runs out), on CPU the peak RSS of the whole probe process;
+- tokens/s per worker over the timed steps;
+- its outcome (`microbatch.classify_peak` / `classify_error`): ok, over_budget, oom or failed.
 
 A candidate fits when its peak is within the budget (resources.memory_budget_gb; on GPU, when
 that is null, the device memory minus `GPU_MEMORY_MARGIN`); an out-of-memory error is a candidate
@@ -30,15 +33,23 @@ import gc
 import hashlib
 import json
 import logging
-import resource
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_fast.config import Config
 from raytrain_fast.errors import ConfigError, RaytrainFastError
+from raytrain_fast.microbatch import (
+    FAILED,
+    OK,
+    candidate_micro_batches,
+    classify_error,
+    classify_peak,
+    fastest,
+    peak_memory_gb,
+    plan_candidates,
+)
 
 logger = logging.getLogger("raytrain_fast")
 
@@ -56,7 +67,8 @@ class Probe:
     micro_batch: int
     grad_accum: int
     status: str
-    """ok (fits), over_budget (ran, but its peak exceeds the budget), oom (ran out of memory) or error."""
+    """ok (fits), over_budget (ran, but its peak exceeds the budget), oom (ran out of memory) or failed:
+    a `microbatch.Outcome` status (caches written before it say error for failed)."""
     peak_gb: float | None = None
     tokens_per_sec: float | None = None
     """Per worker, over the timed optimizer steps."""
@@ -75,17 +87,6 @@ class AutoBatchChoice:
     reason: str = ""
     cache_uri: str = ""
     cached: bool = False
-
-
-def candidate_micro_batches(global_batch: int, num_workers: int) -> list[int]:
-    """Micro-batches that keep global_batch exactly: powers of two dividing the per-worker batch, and
-    the per-worker batch itself. Ascending."""
-    if global_batch <= 0 or num_workers <= 0 or global_batch % num_workers:
-        return []
-    per_worker = global_batch // num_workers
-    values = {m for m in (2**i for i in range(per_worker.bit_length())) if per_worker % m == 0}
-    values.add(per_worker)
-    return sorted(values)
 
 
 def _budget(config: Config) -> tuple[float | None, str]:
@@ -115,11 +116,6 @@ def _single_process_group(backend: str) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-def _peak_rss_gb() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return (peak if sys.platform == "darwin" else peak * 1024) / _GB  # Linux reports KiB
-
-
 def probe_micro_batch(
     config_dict: dict[str, Any], *, micro_batch: int, grad_accum: int, budget_gb: float | None,
     warmup_steps: int = 1, timed_steps: int = 2,
@@ -147,7 +143,7 @@ def probe_micro_batch(
     total_gb = torch.cuda.get_device_properties(device).total_memory / _GB if cuda else None
     if budget_gb is None and total_gb is not None:
         budget_gb = total_gb * (1 - GPU_MEMORY_MARGIN)
-    probe = Probe(micro_batch=micro_batch, grad_accum=grad_accum, status="error", device_total_gb=total_gb)
+    probe = Probe(micro_batch=micro_batch, grad_accum=grad_accum, status=FAILED, device_total_gb=total_gb)
     _single_process_group("nccl" if cuda else "gloo")
     engine = tokens = None
     try:
@@ -175,26 +171,20 @@ def probe_micro_batch(
         float(loss.detach())  # host sync: the clock stops when the device is done
         elapsed = time.perf_counter() - start
         probe.tokens_per_sec = timed_steps * grad_accum * micro_batch * config.data.seq_len / elapsed
-        probe.peak_gb = torch.cuda.max_memory_reserved(device) / _GB if cuda else _peak_rss_gb()
-        if budget_gb is not None and probe.peak_gb > budget_gb:
-            probe.status = "over_budget"
-            probe.reason = f"peak {probe.peak_gb:.3f} GB > budget {budget_gb:.3f} GB"
-        else:
-            probe.status = "ok"
-    except torch.OutOfMemoryError as error:
-        probe.status = "oom"
-        probe.reason = f"out of memory: {str(error).splitlines()[0][:160]}"
-    except Exception as error:  # noqa: BLE001 - reported with the candidate, the search decides
-        probe.reason = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+        probe.peak_gb = peak_memory_gb(device)
+        outcome = classify_peak(probe.peak_gb, budget_gb)
+    except Exception as error:  # noqa: BLE001 - reported with the candidate (oom or failed), the search decides
+        outcome = classify_error(error)
+        probe.peak_gb = peak_memory_gb(device)  # how far it got
     finally:
         # Free the device memory before the next candidate (this process exits too: max_calls=1).
         engine = tokens = None
         gc.collect()
         if cuda:
-            probe.peak_gb = probe.peak_gb or torch.cuda.max_memory_reserved(device) / _GB
             torch.cuda.empty_cache()
         if dist.is_initialized():
             dist.destroy_process_group()
+    probe.status, probe.reason = outcome.status, outcome.reason
     return probe
 
 
@@ -210,20 +200,14 @@ def probe_in_fresh_process(config: Config, *, micro_batch: int, grad_accum: int,
     )
     try:
         return ray.get(task.remote(config.to_dict(), micro_batch=micro_batch, grad_accum=grad_accum, budget_gb=budget_gb))
-    except (ray.exceptions.OutOfMemoryError, ray.exceptions.WorkerCrashedError) as error:
-        # Ray's memory monitor or the kernel's OOM killer ended the process: it did not fit.
-        return Probe(micro_batch=micro_batch, grad_accum=grad_accum, status="oom", reason=f"process killed: {type(error).__name__}")
-    except ray.exceptions.RayTaskError as error:
-        return Probe(micro_batch=micro_batch, grad_accum=grad_accum, status="error", reason=str(error.cause or error).splitlines()[0][:200])
+    except ray.exceptions.RayError as error:
+        # Ray's memory monitor or the kernel's OOM killer ended the process (oom: it did not fit), or
+        # the probe failed outside its own try (failed).
+        outcome = classify_error(error)
+        return Probe(micro_batch=micro_batch, grad_accum=grad_accum, status=outcome.status, reason=outcome.reason)
 
 
 # --------------------------------------------------------------------------- choice, cache, resolve
-
-
-def choose(probes: list[Probe]) -> Probe | None:
-    """The fastest probe that fits."""
-    fitting = [p for p in probes if p.status == "ok" and p.tokens_per_sec is not None]
-    return max(fitting, key=lambda p: p.tokens_per_sec) if fitting else None
 
 
 def _device_key(config: Config) -> str:
@@ -295,44 +279,50 @@ def search(config: Config, *, probe=probe_in_fresh_process) -> AutoBatchChoice:
     """Probe the candidates smallest first, stop at the first that does not fit, take the fastest."""
     train, workers = config.train, config.resources.num_workers
     budget_gb, source = _budget(config)
-    candidates = candidate_micro_batches(train.global_batch, workers)
+    candidates, _ = plan_candidates(train.global_batch, workers)  # the default list: nothing to skip
     if not candidates:
         raise ConfigError(
             f"train.micro_batch=auto: train.global_batch ({train.global_batch}) must be a multiple of "
             f"resources.num_workers ({workers})"
         )
     probes: list[Probe] = []
-    for micro_batch in candidates:
-        grad_accum = train.global_batch // (micro_batch * workers)
+    for micro_batch, grad_accum in candidates:
         result = probe(config, micro_batch=micro_batch, grad_accum=grad_accum, budget_gb=budget_gb)
         probes.append(result)
         if budget_gb is None and result.device_total_gb:
             budget_gb = result.device_total_gb * (1 - GPU_MEMORY_MARGIN)
-        if result.status != "ok":
+        if result.status != OK:
             break  # a larger micro-batch needs more memory still
-    best = choose(probes)
-    errors = [p for p in probes if p.status == "error"]
-    if best is None and errors:
-        raise RaytrainFastError(f"train.micro_batch=auto: the probe of micro_batch={errors[0].micro_batch} failed: {errors[0].reason}")
+    best = fastest(probes)
     if best is None:
-        first = probes[0]
+        first = probes[0]  # the search stopped at it
+        if first.status == FAILED:
+            raise RaytrainFastError(
+                f"train.micro_batch=auto: the probe of micro_batch={first.micro_batch} failed: {first.reason}"
+            )
         raise ConfigError(
             f"train.micro_batch=auto: not even micro_batch={first.micro_batch} fits ({first.status}: {first.reason}). "
             "Raise resources.memory_budget_gb, use a smaller model or data.seq_len, or add workers (ZeRO-2 shards the optimizer)"
         )
-    others = [p for p in probes if p.status == "ok" and p is not best]
+    return AutoBatchChoice(
+        micro_batch=best.micro_batch, grad_accum=best.grad_accum, budget_gb=budget_gb, budget_source=source,
+        probes=probes, reason=_why(best, probes, budget_gb=budget_gb, source=source),
+    )
+
+
+def _why(best: Probe, probes: list[Probe], *, budget_gb: float | None, source: str) -> str:
+    """One line on the choice: what fit, what stopped the search, what was slower."""
+    others = [p for p in probes if p.status == OK and p is not best]
     why = f"fastest of {len(others) + 1} that fit ({best.tokens_per_sec:,.0f} tokens/s per worker, peak {best.peak_gb:.2f} GB"
     why += f" of {budget_gb:.2f} GB, {source})" if budget_gb else ")"
-    stopped = [p for p in probes if p.status != "ok"]
+    stopped = [p for p in probes if p.status != OK]
     if stopped:
-        why += f"; micro_batch={stopped[0].micro_batch} did not fit ({stopped[0].reason})"
+        verb = "failed" if stopped[0].status == FAILED else "did not fit"
+        why += f"; micro_batch={stopped[0].micro_batch} {verb} ({stopped[0].reason})"
     larger = [p for p in others if p.micro_batch > best.micro_batch]
     if larger:
         why += f"; the larger {', '.join(str(p.micro_batch) for p in larger)} fit but ran slower"
-    return AutoBatchChoice(
-        micro_batch=best.micro_batch, grad_accum=best.grad_accum, budget_gb=budget_gb, budget_source=source,
-        probes=probes, reason=why,
-    )
+    return why
 
 
 def resolve_micro_batch(config: Config, *, probe=probe_in_fresh_process) -> Config:

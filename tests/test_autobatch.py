@@ -1,5 +1,6 @@
-"""`train.micro_batch: auto`: candidates, validation, and a real search under a small CPU memory
-budget (each candidate measured in a fresh Ray worker process), then a training run with the choice."""
+"""`train.micro_batch: auto` and the search it shares with the sweep (raytrain_fast.microbatch):
+candidates, outcomes, peak memory, validation, and a real search under a small CPU memory budget
+(each candidate measured in a fresh Ray worker process), then a training run with the choice."""
 
 from __future__ import annotations
 
@@ -8,9 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_fast.autobatch import candidate_micro_batches
+from raytrain_fast.autobatch import Probe, candidate_micro_batches, search
 from raytrain_fast.config import load_config, validate
-from raytrain_fast.errors import ConfigError
+from raytrain_fast.errors import ConfigError, RaytrainFastError
+from raytrain_fast.microbatch import (
+    FAILED,
+    OK,
+    OOM,
+    OVER_BUDGET,
+    MemoryBudgetExceeded,
+    Outcome,
+    classify_error,
+    classify_peak,
+    fastest,
+    peak_memory_gb,
+    plan_candidates,
+)
 
 
 def _config(tmp_path: Path, *extra: str, name: str = "auto"):
@@ -33,6 +47,144 @@ def test_candidates_keep_the_global_batch():
     assert candidate_micro_batches(4, 1) == [1, 2, 4]
     assert candidate_micro_batches(24, 2) == [1, 2, 4, 12]  # 12 per worker: powers of two that divide it, and 12
     assert candidate_micro_batches(15, 2) == []
+    assert candidate_micro_batches(96, 1) == [1, 2, 4, 8, 16, 32, 96]  # not the 12 divisors of 96
+    assert candidate_micro_batches(7, 1) == [1, 7]
+    assert candidate_micro_batches(0, 1) == [] and candidate_micro_batches(8, 0) == []
+    for global_batch in range(1, 65):
+        for workers in range(1, 5):
+            candidates = candidate_micro_batches(global_batch, workers)
+            runnable, skipped = plan_candidates(global_batch, workers)
+            assert [m for m, _ in runnable] == candidates and skipped == []  # the default list needs no skipping
+            assert all(m * accum * workers == global_batch for m, accum in runnable)
+            if global_batch % workers == 0:
+                per_worker = global_batch // workers
+                assert candidates[0] == 1 and candidates[-1] == per_worker and candidates == sorted(set(candidates))
+                assert all(m == per_worker or m & (m - 1) == 0 for m in candidates)
+            else:
+                assert candidates == []
+
+
+def test_one_plan_rule_for_a_given_list():
+    runnable, skipped = plan_candidates(8, 2, [8, 0, 3, 2, 2, 1, -4])
+    assert runnable == [(1, 4), (2, 2)]  # ascending, each once
+    assert skipped == [
+        (-4, "micro-batch must be > 0"), (0, "micro-batch must be > 0"),
+        (3, "global batch 8 is not a multiple of 3 x 2 worker(s) = 6"),
+        (8, "global batch 8 is not a multiple of 8 x 2 worker(s) = 16"),
+    ]
+    assert plan_candidates(8, 2, []) == ([], [])
+
+
+def test_a_measured_peak_is_ok_or_over_budget():
+    assert classify_peak(0.9, 1.0) == Outcome(OK) and classify_peak(0.9, 1.0).fits
+    assert classify_peak(1.0, 1.0).status == OK  # at the budget still fits
+    assert classify_peak(50.0, None).status == OK  # no budget: nothing to exceed
+    assert classify_peak(None, 1.0).status == OK
+    over = classify_peak(1.1, 1.0)
+    assert (over.status, over.reason, over.fits) == (OVER_BUDGET, "over memory budget: peak 1.100 GB > budget 1.000 GB", False)
+
+
+def test_an_error_is_oom_over_budget_or_failed_with_one_line():
+    import torch
+
+    try:
+        torch.empty(2**62, dtype=torch.uint8)  # PyTorch's CPU allocator gives up: a real out-of-memory error
+    except RuntimeError as error:
+        cpu_oom = classify_error(error)
+    assert cpu_oom.status == OOM and cpu_oom.reason.startswith("out of memory: ") and "can't allocate memory" in cpu_oom.reason
+    cuda_oom = classify_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore detail"))
+    assert cuda_oom == Outcome(OOM, "out of memory: CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    budget = MemoryBudgetExceeded("peak memory 1.20 GB > resources.memory_budget_gb 0.90 GB at step 2")
+    wrapped = RuntimeError("training failed: CUDA out of memory somewhere else")
+    wrapped.__cause__ = budget
+    assert classify_error(wrapped) == Outcome(OVER_BUDGET, f"over memory budget: {budget}")  # the budget says more
+
+    plain = ValueError("first line\n\n  the last line says most  \n")
+    assert classify_error(plain) == Outcome(FAILED, "ValueError: the last line says most")
+    outer = RuntimeError("outer")
+    outer.__cause__ = KeyError("deep")
+    assert classify_error(outer) == Outcome(FAILED, "KeyError: 'deep'")  # the deepest cause
+    assert classify_error(RuntimeError("x" * 500)).reason == "RuntimeError: " + "x" * 200  # one short line
+    assert classify_error(RuntimeError()) == Outcome(FAILED, "RuntimeError")
+    loop = RuntimeError("a")
+    loop.__cause__ = loop  # a cycle ends
+    assert classify_error(loop).status == FAILED
+
+
+def test_ray_train_worker_failures_are_looked_into():
+    from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
+
+    failures = {0: ValueError("fine"), 1: MemoryBudgetExceeded("peak 2 GB")}
+    group = WorkerGroupError("Training failed due to worker errors", failures)
+    assert classify_error(group) == Outcome(OVER_BUDGET, "over memory budget: peak 2 GB")
+    controller = ControllerError(RuntimeError("NCCL error: unhandled cuda error, NCCL version 2.21: out of memory"))
+    assert classify_error(controller).status == OOM
+
+
+def test_fastest_is_the_ok_one_with_most_tokens():
+    probes = [
+        Probe(micro_batch=1, grad_accum=4, status=OK, tokens_per_sec=100.0),
+        Probe(micro_batch=2, grad_accum=2, status=OK, tokens_per_sec=300.0),
+        Probe(micro_batch=4, grad_accum=1, status=OVER_BUDGET, tokens_per_sec=900.0),  # faster, but it does not fit
+        Probe(micro_batch=8, grad_accum=1, status=OK),  # no speed measured
+    ]
+    assert fastest(probes) is probes[1]
+    assert fastest(probes[2:]) is None and fastest([]) is None
+
+
+def test_peak_memory_on_cpu_holds_what_is_alive():
+    import resource
+
+    import torch
+
+    def current_gb() -> float:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize() / 1e9
+
+    before = current_gb()
+    block = torch.ones(50_000_000, dtype=torch.float32)  # 0.2 GB, touched
+    assert peak_memory_gb() >= before + 0.19
+    for device in (torch.device("cpu"), "cpu"):
+        now = current_gb()  # the block still alive: the peak holds it
+        assert peak_memory_gb(device) >= now
+    del block
+
+
+@pytest.mark.gpu
+def test_peak_memory_on_gpu_is_what_the_allocator_reserved():
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    block = torch.ones(50_000_000, dtype=torch.float32, device=device)
+    del block  # freed, but the caching allocator keeps it: the next allocation competes with it
+    assert peak_memory_gb(device) == torch.cuda.max_memory_reserved(device) / 1e9
+    assert peak_memory_gb(device) >= max(0.2, torch.cuda.max_memory_allocated(device) / 1e9)
+
+
+def test_search_stops_at_the_first_that_does_not_fit_and_takes_the_fastest(tmp_path):
+    measured = {1: (OK, 100.0, 0.5), 2: (OK, 300.0, 0.6), 4: (OK, 200.0, 0.7), 8: (OVER_BUDGET, 400.0, 1.2), 16: (OK, 999.0, 0.1)}
+    asked = []
+
+    def probe(config, *, micro_batch, grad_accum, budget_gb):
+        asked.append((micro_batch, grad_accum, budget_gb))
+        status, speed, peak = measured[micro_batch]
+        return Probe(micro_batch=micro_batch, grad_accum=grad_accum, status=status, tokens_per_sec=speed, peak_gb=peak,
+                     reason=classify_peak(peak, budget_gb).reason)
+
+    config = _config(tmp_path, "train.global_batch=32", "resources.num_workers=2", "resources.memory_budget_gb=1")
+    choice = search(config, probe=probe)
+    assert asked == [(1, 16, 1.0), (2, 8, 1.0), (4, 4, 1.0), (8, 2, 1.0)]  # 16 per worker, never probed past 8
+    assert (choice.micro_batch, choice.grad_accum) == (2, 8)
+    assert "fastest of 3 that fit" in choice.reason and "the larger 4 fit but ran slower" in choice.reason
+    assert "micro_batch=8 did not fit (over memory budget: peak 1.200 GB > budget 1.000 GB)" in choice.reason
+
+    measured[1] = (OOM, None, None)
+    with pytest.raises(ConfigError, match="not even micro_batch=1 fits"):
+        search(config, probe=probe)
+    measured[1] = (FAILED, None, None)
+    with pytest.raises(RaytrainFastError, match="the probe of micro_batch=1 failed"):
+        search(config, probe=probe)
 
 
 def test_auto_is_validated_before_anything_runs(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_fast.config import load_config
+from raytrain_fast.errors import ConfigError
 from raytrain_fast.sweep import SweepSpec, max_concurrent_trials, plan, run_sweep
 from raytrain_fast.sweep.results import SweepRow, format_table, pick_best, row_from_reports
 from raytrain_fast.sweep.trial import MemoryBudgetExceeded, failure_reason
@@ -36,6 +37,22 @@ def test_plan_derives_accumulation_and_skips_what_does_not_divide(tmp_path):
     assert runnable == [(1, 4), (2, 2), (4, 1)]  # 8 x 2 workers = 16 sequences: more than the global 8
     assert {r.micro_batch: r.status for r in skipped} == {3: "skipped", 8: "skipped"}
     assert "not a multiple of 3 x 2 worker(s) = 6" in next(r.reason for r in skipped if r.micro_batch == 3)
+
+
+def test_plan_is_the_shared_rule_and_defaults_to_the_autobatch_candidates(tmp_path):
+    from raytrain_fast.microbatch import candidate_micro_batches, plan_candidates
+
+    config = _config(tmp_path, "resources.num_workers=2", "train.global_batch=24")
+    runnable, skipped = plan(config, None)
+    assert runnable == [(1, 12), (2, 6), (4, 3), (12, 1)] and skipped == []
+    assert [m for m, _ in runnable] == candidate_micro_batches(24, 2)
+    asked = [0, 3, 5, 6, 24]
+    runnable, skipped = plan(config, asked)
+    expected_runnable, expected_skipped = plan_candidates(24, 2, asked)
+    assert runnable == expected_runnable == [(3, 4), (6, 2)]
+    assert [(r.micro_batch, r.reason) for r in skipped] == expected_skipped and {r.status for r in skipped} == {"skipped"}
+    with pytest.raises(ConfigError, match="not a multiple of resources.num_workers"):
+        run_sweep(_config(tmp_path, "resources.num_workers=2", "train.global_batch=7"), SweepSpec(steps=4))
 
 
 def test_concurrency_comes_from_what_one_trial_holds(tmp_path):
@@ -70,6 +87,48 @@ def test_rows_table_and_reasons():
     chained = RuntimeError("training failed")
     chained.__cause__ = MemoryBudgetExceeded("peak memory 1.20 GB > resources.memory_budget_gb 0.90 GB at step 2")
     assert failure_reason(chained).startswith("over memory budget: peak memory 1.20 GB")
+
+
+@pytest.mark.slow
+def test_a_trial_error_through_ray_gets_the_shared_reason(ray_session):
+    import os
+
+    import ray
+    import torch
+
+    from raytrain_fast.microbatch import classify_error
+    from raytrain_fast.sweep.runner import _error_reason
+    from raytrain_fast.sweep.trial import FAILED_MARK, TrialFailed
+
+    def raised(function) -> BaseException:
+        with pytest.raises(ray.exceptions.RayError) as caught:
+            ray.get(ray.remote(max_retries=0)(function).remote())
+        return caught.value
+
+    def cuda_oom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def over_budget():  # as a trial's worker raises it (report_window)
+        raise MemoryBudgetExceeded("peak memory 1.20 GB > resources.memory_budget_gb 0.90 GB at step 2")
+
+    def trial_failed():
+        raise TrialFailed(f"{FAILED_MARK}out of memory: as the trial said")
+
+    def killed():
+        os._exit(1)  # what the kernel's OOM killer leaves: a worker gone mid-task
+
+    def broken():
+        raise ValueError("no such tokenizer")
+
+    oom = raised(cuda_oom)
+    assert _error_reason(oom) == "out of memory: CUDA out of memory. Tried to allocate 2.00 GiB" == classify_error(oom).reason
+    assert _error_reason(raised(over_budget)) == "over memory budget: peak memory 1.20 GB > resources.memory_budget_gb 0.90 GB at step 2"
+    assert _error_reason(raised(trial_failed)) == "out of memory: as the trial said"  # the trial's own reason first
+    crashed = raised(killed)
+    assert isinstance(crashed, ray.exceptions.WorkerCrashedError)
+    assert classify_error(crashed).status == "oom"
+    assert _error_reason(crashed).startswith("out of memory: process killed (WorkerCrashedError")
+    assert _error_reason(raised(broken)) == "ValueError: no such tokenizer"
 
 
 @pytest.mark.slow

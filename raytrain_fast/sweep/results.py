@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from raytrain_fast.config import Config
+from raytrain_fast.microbatch import OK, fastest
 from raytrain_fast.storage import redact
 
 
@@ -24,6 +25,8 @@ class SweepRow:
     status: str
     """ok, stopped (ASHA stopped it early: slower than the others at a rung), failed, or skipped."""
     reason: str = ""
+    """Why it is not ok; for failed one line in the `microbatch.classify_error` forms ("out of memory: ...",
+    "over memory budget: ...", "<ErrorType>: ...")."""
     tokens_per_sec: float | None = None
     """Median over the trial's log windows after the first (warm-up), all workers together."""
     mfu: float | None = None
@@ -77,13 +80,11 @@ def row_from_reports(*, micro_batch: int, grad_accum: int, reports: list[dict[st
 
 def pick_best(rows: list[SweepRow], *, objective: str) -> SweepRow | None:
     """Among trials that ran to the end: the most tokens/s, or the lowest final loss."""
-    done = [r for r in rows if r.status == "ok"]
     if objective == "loss":
-        done = [r for r in done if r.final_loss is not None]
+        done = [r for r in rows if r.status == OK and r.final_loss is not None]
         best = min(done, key=lambda r: r.final_loss) if done else None  # type: ignore[arg-type, return-value]
     else:
-        done = [r for r in done if r.tokens_per_sec is not None]
-        best = max(done, key=lambda r: r.tokens_per_sec) if done else None  # type: ignore[arg-type, return-value]
+        best = fastest(rows)  # the rule autobatch picks by
     if best is not None:
         best.best = True
     return best

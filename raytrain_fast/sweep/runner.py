@@ -1,12 +1,13 @@
 """`raytrain-fast sweep`: Ray Tune over micro-batch x gradient accumulation at the config's global batch.
 
-For each micro-batch m asked for, accumulation = global_batch / (m x num_workers); combinations that
-don't divide are skipped with the reason. The others are Tune trials (grid search), each a short
-TorchTrainer run through the package's normal path (see sweep/trial.py) reporting every log window;
-ASHA stops trials that are slower (or, objective=loss, worse) than the others at a rung. At most
-`max_concurrent_trials` run at once, derived from what one trial's workers need, so trials never
-wait on each other's placement groups (on a CPU machine that is one trial at a time, which also
-keeps one trial's timing free of another's load).
+For each micro-batch m asked for (by default the candidates `train.micro_batch: auto` probes),
+accumulation = global_batch / (m x num_workers); combinations that don't divide are skipped with
+the reason (one rule for both: raytrain_fast.microbatch). The others are Tune trials (grid
+search), each a short TorchTrainer run through the package's normal path (see sweep/trial.py)
+reporting every log window; ASHA stops trials that are slower (or, objective=loss, worse) than
+the others at a rung. At most `max_concurrent_trials` run at once, derived from what one trial's
+workers need, so trials never wait on each other's placement groups (on a CPU machine that is one
+trial at a time, which also keeps one trial's timing free of another's load).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from raytrain_fast.config import Config
 from raytrain_fast.errors import ConfigError
+from raytrain_fast.microbatch import classify_error, plan_candidates
 from raytrain_fast.sweep.results import (
     SweepRow,
     best_config_yaml,
@@ -35,8 +37,9 @@ OBJECTIVES = {"tokens_per_sec": ("throughput/tokens_per_sec", "max"), "loss": ("
 
 @dataclass(kw_only=True)
 class SweepSpec:
-    micro_batches: list[int]
-    """Micro-batches to try (per worker)."""
+    micro_batches: list[int] | None = None
+    """Micro-batches to try (per worker); None: the candidates `train.micro_batch: auto` probes
+    (`microbatch.candidate_micro_batches`)."""
     steps: int = 30
     """Optimizer steps per trial."""
     objective: Literal["tokens_per_sec", "loss"] = "tokens_per_sec"
@@ -63,23 +66,11 @@ class SweepResult:
     files: dict[str, str] = field(default_factory=dict)
 
 
-def plan(config: Config, micro_batches: list[int]) -> tuple[list[tuple[int, int]], list[SweepRow]]:
-    """(runnable (micro_batch, grad_accum) pairs, skipped rows with their reason)."""
-    global_batch, workers = config.train.global_batch, config.resources.num_workers
-    runnable: list[tuple[int, int]] = []
-    skipped: list[SweepRow] = []
-    for m in sorted(set(micro_batches)):
-        per_step = m * workers
-        if m <= 0:
-            skipped.append(SweepRow(micro_batch=m, grad_accum=None, status="skipped", reason="micro-batch must be > 0"))
-        elif global_batch % per_step:
-            skipped.append(SweepRow(
-                micro_batch=m, grad_accum=None, status="skipped",
-                reason=f"global batch {global_batch} is not a multiple of {m} x {workers} worker(s) = {per_step}",
-            ))
-        else:
-            runnable.append((m, global_batch // per_step))
-    return runnable, skipped
+def plan(config: Config, micro_batches: list[int] | None) -> tuple[list[tuple[int, int]], list[SweepRow]]:
+    """(runnable (micro_batch, grad_accum) pairs, skipped rows with their reason): the shared
+    `microbatch.plan_candidates` rule; None tries the candidates `train.micro_batch: auto` would."""
+    runnable, skipped = plan_candidates(config.train.global_batch, config.resources.num_workers, micro_batches)
+    return runnable, [SweepRow(micro_batch=m, grad_accum=None, status="skipped", reason=why) for m, why in skipped]
 
 
 def max_concurrent_trials(config: Config, *, cluster_cpus: float, cluster_gpus: float) -> int:
@@ -109,59 +100,112 @@ def _write(filesystem, path: str, text: str) -> None:
         stream.write(text.encode())
 
 
+@dataclass(kw_only=True)
+class _Sweep:
+    """What run_sweep settles once, before the trials: the names, the resolved config, where it writes."""
+
+    name: str
+    config: Config
+    """As the user gave it (best.yaml is this with the winning split)."""
+    resolved: Config
+    """The trials' base: resources resolved, short run, named after the sweep."""
+    data_uri: str
+    concurrency: int
+    filesystem: Any
+    path: str
+    """The sweep's directory in `filesystem`."""
+    uri: str
+    """The same directory as the user names it (s3://... on S3)."""
+    remote: bool
+
+
 def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False) -> SweepResult:
     """Plan, validate, prepare the data once, run the Tune trials, write and return the results."""
+    runnable, skipped = _check(config, spec)
+    sweep = _prepare(config, spec, first_micro_batch=runnable[0][0], create_bucket=create_bucket)
+    _announce(sweep, spec, runnable, skipped)
+    grid = _run_trials(sweep, spec, [m for m, _ in runnable])
+    rows = skipped + _trial_rows(sweep, grid, dict(runnable))
+    best = pick_best(rows, objective=spec.objective)
+    files, best_path = _write_results(sweep, spec, rows, best)
+    return SweepResult(
+        name=sweep.name, uri=sweep.uri, rows=rows, best=best, best_config_path=best_path,
+        max_concurrent_trials=sweep.concurrency, table=format_table(rows), files=files,
+    )
+
+
+def _check(config: Config, spec: SweepSpec) -> tuple[list[tuple[int, int]], list[SweepRow]]:
+    """The spec's options and the plan, before Ray starts: (runnable pairs, skipped rows)."""
     if spec.objective not in OBJECTIVES:
         raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {spec.objective!r}")
     if spec.steps < 2:
         raise ConfigError(f"--steps must be >= 2 (the first log window is warm-up), got {spec.steps}")
     runnable, skipped = plan(config, spec.micro_batches)
     if not runnable:
-        reasons = "; ".join(f"{r.micro_batch}: {r.reason}" for r in skipped)
+        reasons = "; ".join(f"{r.micro_batch}: {r.reason}" for r in skipped) or (
+            f"it is not a multiple of resources.num_workers ({config.resources.num_workers})"
+        )
         raise ConfigError(f"no --micro-batch value fits train.global_batch={config.train.global_batch}: {reasons}")
-    sweep_name = spec.name or f"{config.name}-sweep"
+    return runnable, skipped
+
+
+def _prepare(config: Config, spec: SweepSpec, *, first_micro_batch: int, create_bucket: bool) -> _Sweep:
+    """Resolve resources and validate once (with the first runnable micro-batch), prepare the data
+    once, derive the concurrency, and create the sweep's directory."""
     import ray
-    from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
 
     from raytrain_fast.launch.trainer import prepare_training_data, resolve_resources
     from raytrain_fast.storage import resolve_filesystem
-    from raytrain_fast.sweep.trial import run_trial
 
-    # Validated (and use_gpu / CPUs / precision resolved) once, with the first runnable micro-batch.
-    first_m = runnable[0][0]
+    name = spec.name or f"{config.name}-sweep"
     # Named after the sweep, whose directory holds no checkpoints: the resume checks look there, not
     # at the run the sweep is for (which may have checkpoints from another worker count).
     base = dataclasses.replace(
-        config, name=sweep_name, train=dataclasses.replace(config.train, micro_batch=first_m, grad_accum=None)
+        config, name=name, train=dataclasses.replace(config.train, micro_batch=first_micro_batch, grad_accum=None)
     )
     resolved = resolve_resources(_trial_config(base, spec), create_bucket=create_bucket)
     data_uri = prepare_training_data(resolved)
     cluster = ray.cluster_resources()
     concurrency = max_concurrent_trials(resolved, cluster_cpus=cluster.get("CPU", 0.0), cluster_gpus=cluster.get("GPU", 0.0))
-
     filesystem, root = resolve_filesystem(resolved.storage.uri, resolved.storage)
-    sweep_path = f"{root.rstrip('/')}/{sweep_name}"
-    scheme = "s3://" if resolved.storage.uri.startswith("s3://") else ""
-    sweep_uri = f"{scheme}{sweep_path}"
-    filesystem.create_dir(sweep_path, recursive=True)
+    path = f"{root.rstrip('/')}/{name}"
+    remote = resolved.storage.uri.startswith("s3://")
+    filesystem.create_dir(path, recursive=True)
+    return _Sweep(
+        name=name, config=config, resolved=resolved, data_uri=data_uri, concurrency=concurrency,
+        filesystem=filesystem, path=path, uri=f"s3://{path}" if remote else path, remote=remote,
+    )
+
+
+def _announce(sweep: _Sweep, spec: SweepSpec, runnable: list[tuple[int, int]], skipped: list[SweepRow]) -> None:
+    config = sweep.config
+    metric, mode = OBJECTIVES[spec.objective]
+    print(
+        f"Sweep '{sweep.name}': global batch {config.train.global_batch} sequences "
+        f"({config.train.global_batch * config.data.seq_len:,} tokens) on {sweep.resolved.resources.num_workers} worker(s); "
+        f"micro-batches {', '.join(str(m) for m, _ in runnable)}"
+        + (f" (skipped: {', '.join(str(r.micro_batch) for r in skipped)})" if skipped else "")
+        + f"; {spec.steps} steps per trial, {sweep.concurrency} trial(s) at a time, objective {metric} ({mode})",
+        flush=True,
+    )
+
+
+def _run_trials(sweep: _Sweep, spec: SweepSpec, micro_batches: list[int]):
+    """One Tune trial per micro-batch (grid search), ASHA stopping the ones behind at a rung."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from raytrain_fast.sweep.trial import run_trial
+
+    resolved = sweep.resolved
     metric, mode = OBJECTIVES[spec.objective]
     # One more than the reports a trial makes: a trial that runs to the end returns from fit() by
     # itself (its Train run then frees its workers), instead of being stopped by ASHA at max_t.
     max_t = math.ceil(resolved.train.steps / resolved.train.log_every) + 1
-    print(
-        f"Sweep '{sweep_name}': global batch {config.train.global_batch} sequences "
-        f"({config.train.global_batch * config.data.seq_len:,} tokens) on {resolved.resources.num_workers} worker(s); "
-        f"micro-batches {', '.join(str(m) for m, _ in runnable)}"
-        + (f" (skipped: {', '.join(str(r.micro_batch) for r in skipped)})" if skipped else "")
-        + f"; {spec.steps} steps per trial, {concurrency} trial(s) at a time, objective {metric} ({mode})",
-        flush=True,
-    )
-
     trainable = tune.with_resources(
         tune.with_parameters(
-            run_trial, base_config=resolved.to_dict(), data_uri=data_uri,
-            trials_uri=f"{resolved.storage.uri.rstrip('/')}/{sweep_name}/trials", prefix=sweep_name,
+            run_trial, base_config=resolved.to_dict(), data_uri=sweep.data_uri,
+            trials_uri=f"{resolved.storage.uri.rstrip('/')}/{sweep.name}/trials", prefix=sweep.name,
         ),
         # The driver only waits on fit(): no CPU, or a CPU machine's trial could never get its workers'
         # CPUs (they come from Ray Train's own placement group). Tune needs a non-empty bundle: 1 byte.
@@ -169,20 +213,22 @@ def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False) -
     )
     tuner = tune.Tuner(
         trainable,
-        param_space={"micro_batch": tune.grid_search([m for m, _ in runnable])},
+        param_space={"micro_batch": tune.grid_search(micro_batches)},
         tune_config=tune.TuneConfig(
-            metric=metric, mode=mode, max_concurrent_trials=concurrency,
+            metric=metric, mode=mode, max_concurrent_trials=sweep.concurrency,
             scheduler=ASHAScheduler(time_attr="training_iteration", max_t=max_t, grace_period=min(2, max_t - 1), reduction_factor=2),
         ),
         run_config=tune.RunConfig(
-            name="tune", storage_path=sweep_path,
-            storage_filesystem=filesystem if scheme else None, verbose=0, callbacks=[_release_stopped_trial()],
+            name="tune", storage_path=sweep.path,
+            storage_filesystem=sweep.filesystem if sweep.remote else None, verbose=0, callbacks=[_release_stopped_trial()],
         ),
     )
-    grid = tuner.fit()
+    return tuner.fit()
 
-    accum = dict(runnable)
-    rows = list(skipped)
+
+def _trial_rows(sweep: _Sweep, grid, accum: dict[int, int]) -> list[SweepRow]:
+    """One row per Tune trial, from its reported log windows and its error."""
+    rows = []
     for result in grid:
         m = int(result.config["micro_batch"])
         frame = result.metrics_dataframe
@@ -190,40 +236,39 @@ def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False) -
         reports = [r for r in reports if "step" in r and r.get("step") == r.get("step")]
         trial_id = (result.metrics or {}).get("trial_id")
         rows.append(row_from_reports(
-            micro_batch=m, grad_accum=accum[m], reports=reports, steps=resolved.train.steps,
+            micro_batch=m, grad_accum=accum[m], reports=reports, steps=sweep.resolved.train.steps,
             error=_error_reason(result.error) if result.error is not None else None,
-            run_name=f"{sweep_name}-mb{m}-{trial_id}" if trial_id else "",
+            run_name=f"{sweep.name}-mb{m}-{trial_id}" if trial_id else "",
         ))
-    best = pick_best(rows, objective=spec.objective)
-    table = format_table(rows)
+    return rows
 
+
+def _write_results(
+    sweep: _Sweep, spec: SweepSpec, rows: list[SweepRow], best: SweepRow | None,
+) -> tuple[dict[str, str], str | None]:
+    """results.csv, results.json and best.yaml in the sweep's directory, and best.yaml locally:
+    (what was written where, the local best config or None)."""
+    config, resolved = sweep.config, sweep.resolved
     summary = {
-        "sweep": sweep_name, "objective": spec.objective, "global_batch": config.train.global_batch,
+        "sweep": sweep.name, "objective": spec.objective, "global_batch": config.train.global_batch,
         "seq_len": config.data.seq_len, "num_workers": resolved.resources.num_workers,
-        "steps_per_trial": spec.steps, "max_concurrent_trials": concurrency,
+        "steps_per_trial": spec.steps, "max_concurrent_trials": sweep.concurrency,
         "device": "gpu" if resolved.resources.use_gpu else "cpu", "precision": resolved.engine.precision,
         "best_micro_batch": best.micro_batch if best else None,
     }
-    files = {"csv": f"{sweep_uri}/results.csv", "json": f"{sweep_uri}/results.json"}
-    _write(filesystem, f"{sweep_path}/results.csv", to_csv(rows))
-    _write(filesystem, f"{sweep_path}/results.json", to_json(rows, summary=summary))
-    best_path = None
-    if best is not None:
-        text = best_config_yaml(config, best, sweep_name=sweep_name, objective=spec.objective)
-        _write(filesystem, f"{sweep_path}/best.yaml", text)
-        files["best"] = f"{sweep_uri}/best.yaml"
-        if spec.best_config_out:
-            best_path = spec.best_config_out
-        elif not scheme:
-            best_path = f"{sweep_path}/best.yaml"
-        else:
-            best_path = f"{sweep_name}-best.yaml"
-        if best_path != f"{sweep_path}/best.yaml":
-            Path(best_path).write_text(text)
-    return SweepResult(
-        name=sweep_name, uri=sweep_uri, rows=rows, best=best, best_config_path=best_path,
-        max_concurrent_trials=concurrency, table=table, files=files,
-    )
+    files = {"csv": f"{sweep.uri}/results.csv", "json": f"{sweep.uri}/results.json"}
+    _write(sweep.filesystem, f"{sweep.path}/results.csv", to_csv(rows))
+    _write(sweep.filesystem, f"{sweep.path}/results.json", to_json(rows, summary=summary))
+    if best is None:
+        return files, None
+    text = best_config_yaml(config, best, sweep_name=sweep.name, objective=spec.objective)
+    in_storage = f"{sweep.path}/best.yaml"
+    _write(sweep.filesystem, in_storage, text)
+    files["best"] = f"{sweep.uri}/best.yaml"
+    best_path = spec.best_config_out or (f"{sweep.name}-best.yaml" if sweep.remote else in_storage)
+    if best_path != in_storage:
+        Path(best_path).write_text(text)
+    return files, best_path
 
 
 def _release_stopped_trial():
@@ -257,10 +302,9 @@ def _release_stopped_trial():
 
 
 def _error_reason(error: BaseException) -> str:
-    """The trial's own reason (TrialFailed) out of Tune's wrapped error text."""
-    text = str(error)
-    for line in text.splitlines():
+    """The trial's own reason (TrialFailed, classified in the trial) out of Tune's wrapped error
+    text; else (the trial's actor itself died: killed for memory, ...) the shared classification."""
+    for line in str(error).splitlines():
         if FAILED_MARK in line:
             return line.split(FAILED_MARK, 1)[1].strip()
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[-1][:200] if lines else ''}"
+    return classify_error(error).reason
