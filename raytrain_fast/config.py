@@ -14,8 +14,7 @@ import yaml
 
 from raytrain_fast._dataclass_yaml import from_dict, to_dict
 from raytrain_fast.checkpoint.config import CheckpointConfig
-from raytrain_fast.data.config import DataConfig
-from raytrain_fast.data.corpus import BYTE_VOCAB_SIZE
+from raytrain_fast.data.config import BYTE_VOCAB_SIZE, DataConfig
 from raytrain_fast.engine.config import EngineConfig, OptimConfig
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.launch.config import ResourcesConfig
@@ -168,25 +167,43 @@ def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...
 def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus: float | None = None) -> None:
     """Every check that can run before a worker starts. Raises one ConfigError listing all problems."""
     problems: list[str] = []
-    m, d, t, o, e, c, r = (config.model, config.data, config.train, config.optim, config.engine,
-                           config.checkpoint, config.resources)
-
     if config.name is not None and not _NAME_PATTERN.match(config.name):
         problems.append(f"name '{config.name}': use letters, digits, '.', '_' or '-' (it becomes a directory name)")
+    for section, names in _POSITIVE.items():
+        problems += _not_positive(section, getattr(config, section), names)
+    problems += _model_problems(config.model, config.data)
+    problems += _data_problems(config.data)
+    problems += _optim_problems(config)
+    problems += _batch_problems(config.train, config.resources)
+    problems += _resources_problems(config, cluster_cpus=cluster_cpus, cluster_gpus=cluster_gpus)
+    problems += metrics_config_problems(config.metrics)
+    problems += _checkpoint_problems(config.checkpoint)
+    if problems:
+        raise ConfigError(problems)
 
-    def positive(section: str, obj: Any, *names: str) -> None:
-        for n in names:
-            value = getattr(obj, n)
-            if value is not None and not isinstance(value, str) and value <= 0:
-                problems.append(f"{section}.{n} must be > 0, got {value}")
 
-    positive("model", m, "vocab_size", "max_seq_len", "num_layers", "num_heads", "d_model", "mlp_ratio", "init_std")
-    positive("data", d, "seq_len", "prefetch_batches")
-    positive("train", t, "steps", "global_batch", "micro_batch", "grad_accum", "log_every")
-    positive("optim", o, "lr", "eps")
-    positive("checkpoint", c, "keep_last")
-    positive("resources", r, "num_workers")
+_POSITIVE = {
+    "model": ("vocab_size", "max_seq_len", "num_layers", "num_heads", "d_model", "mlp_ratio", "init_std"),
+    "data": ("seq_len", "prefetch_batches"),
+    "train": ("steps", "global_batch", "micro_batch", "grad_accum", "log_every"),
+    "optim": ("lr", "eps"),
+    "checkpoint": ("keep_last",),
+    "resources": ("num_workers",),
+}
+"""Fields that must be > 0 when set (None and strings such as `auto` are checked elsewhere)."""
 
+
+def _not_positive(section: str, obj: Any, names: tuple[str, ...]) -> list[str]:
+    problems = []
+    for n in names:
+        value = getattr(obj, n)
+        if value is not None and not isinstance(value, str) and value <= 0:
+            problems.append(f"{section}.{n} must be > 0, got {value}")
+    return problems
+
+
+def _model_problems(m: ModelConfig, d: DataConfig) -> list[str]:
+    problems = []
     if m.num_heads > 0 and m.d_model % m.num_heads:
         problems.append(f"model.d_model ({m.d_model}) must be divisible by model.num_heads ({m.num_heads})")
     elif m.positions == "rotary" and m.num_heads > 0 and (m.d_model // m.num_heads) % 2:
@@ -199,6 +216,11 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
         problems.append(
             f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); raise model.max_seq_len or lower data.seq_len"
         )
+    return problems
+
+
+def _data_problems(d: DataConfig) -> list[str]:
+    problems = []
     if d.max_tokens < 0:
         problems.append(f"data.max_tokens must be >= 0 (0 = whole corpus), got {d.max_tokens}")
     if d.source != "stdlib" and "://" not in d.source and not any(c in d.source for c in "*?[") and not Path(d.source).expanduser().exists():
@@ -207,7 +229,13 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
         )
     if d.tokenizer != "byte" and "://" not in d.tokenizer and not Path(d.tokenizer).expanduser().is_file():
         problems.append(f"data.tokenizer '{d.tokenizer}' is neither 'byte' nor an existing tokenizer.json file")
+    return problems
 
+
+def _optim_problems(config: Config) -> list[str]:
+    """The optimizer and the engine."""
+    o, e, t = config.optim, config.engine, config.train
+    problems = []
     if o.warmup_steps < 0:
         problems.append(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     elif t.steps > 0 and o.warmup_steps > t.steps:
@@ -218,8 +246,12 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
         problems.append(f"optim.grad_clip must be >= 0 (0 = off), got {o.grad_clip}")
     if e.zero_stage not in (0, 1, 2):
         problems.append(f"engine.zero_stage must be 0, 1 or 2, got {e.zero_stage}")
-    positive("engine", e, "reduce_bucket_size", "allgather_bucket_size")
+    return problems + _not_positive("engine", e, ("reduce_bucket_size", "allgather_bucket_size"))
 
+
+def _batch_problems(t: TrainConfig, r: ResourcesConfig) -> list[str]:
+    """global_batch = micro_batch x grad_accum x num_workers, or what lets it be derived."""
+    problems = []
     if t.micro_batch == "auto":
         if t.grad_accum is not None:
             problems.append("train.micro_batch=auto derives train.grad_accum from the global batch: set train.grad_accum=null")
@@ -243,7 +275,13 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
                 f"({t.micro_batch} x {t.grad_accum} x {r.num_workers} = {per_step * t.grad_accum}); "
                 "fix one of them, or set train.grad_accum=null to derive it"
             )
+    return problems
 
+
+def _resources_problems(config: Config, *, cluster_cpus: float | None, cluster_gpus: float | None) -> list[str]:
+    """The resources section, and whether the Ray cluster (when known) can give them."""
+    t, r = config.train, config.resources
+    problems = []
     if r.cpus_per_worker < 0:
         problems.append(f"resources.cpus_per_worker must be >= 0 (0 = automatic), got {r.cpus_per_worker}")
     if r.memory_budget_gb is not None and r.memory_budget_gb <= 0:
@@ -268,24 +306,25 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
             f"resources.cpus_per_worker x num_workers = {r.cpus_per_worker * r.num_workers} CPUs, but the Ray cluster "
             f"has {cluster_cpus:g}; the workers would wait forever. Lower one of them (0 = automatic)"
         )
+    return problems
 
-    problems.extend(metrics_config_problems(config.metrics))
+
+def _checkpoint_problems(c: CheckpointConfig) -> list[str]:
+    problems = []
     if c.every_steps < 0 or c.every_minutes < 0:
         problems.append("checkpoint.every_steps and checkpoint.every_minutes must be >= 0 (0 = off)")
     if c.keep_best < 0:
         problems.append(f"checkpoint.keep_best must be >= 0, got {c.keep_best}")
     if c.upload_attempts < 1:
         problems.append(f"checkpoint.upload_attempts must be >= 1, got {c.upload_attempts}")
-
-    if problems:
-        raise ConfigError(problems)
+    return problems
 
 
 __all__ = ["Config", "load_config", "presets", "reference_markdown", "validate"]
 
 
 def reference_markdown() -> str:
-    """The config reference table (README), generated from the dataclasses' field docstrings."""
+    """The config reference table (docs/configuration.md), generated from the dataclasses' field docstrings."""
     from raytrain_fast._dataclass_yaml import field_docs
 
     lines = ["| key | default | meaning |", "| --- | --- | --- |"]

@@ -111,6 +111,25 @@ def test_many_bad_values_in_one_message():
         assert expected in message
 
 
+def test_every_section_is_checked_and_problems_come_in_section_order():
+    config = load_config("tiny", [
+        "checkpoint.keep_last=0", "model.dropout=1.5", "data.max_tokens=-1", "optim.min_lr_ratio=2",
+        "engine.reduce_bucket_size=0", "train.global_batch=30", "resources.max_failures=-2",
+        "metrics.queue_size=0", "checkpoint.keep_best=-1",
+    ])
+    with pytest.raises(ConfigError) as error:
+        validate(config)
+    expected = [
+        "checkpoint.keep_last must be > 0", "model.dropout must be in [0, 1)", "data.max_tokens must be >= 0",
+        "optim.min_lr_ratio must be in [0, 1]", "engine.reduce_bucket_size must be > 0",
+        "train.global_batch (30) is not a multiple", "resources.max_failures must be -1",
+        "metrics.queue_size must be > 0", "checkpoint.keep_best must be >= 0",
+    ]
+    found = [next((i for i, problem in enumerate(error.value.problems) if problem.startswith(e)), None) for e in expected]
+    assert None not in found, (expected, error.value.problems)
+    assert found == sorted(found) and len(error.value.problems) == len(expected)
+
+
 def test_cluster_checks_gpu_and_cpu_requests():
     gpu = load_config("tiny", ["resources.use_gpu=true"])
     with pytest.raises(ConfigError, match="use_gpu=true with 1 workers, but the Ray cluster has 0 GPUs"):

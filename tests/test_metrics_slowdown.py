@@ -7,6 +7,7 @@ import time
 import pytest
 
 from raytrain_fast.metrics import MetricsConfig, SlowdownDetector, TrainMetrics, Window
+from raytrain_fast.metrics.slowdown import largest_cause
 
 
 def _feed(detector: SlowdownDetector, windows: list[Window]):
@@ -47,6 +48,24 @@ def test_cause_is_the_signal_that_grew_most(signal, cause):
     alert = [a for _, a in _feed(detector, windows) if a is not None][0]
     assert alert.cause == cause
     assert f"{alert.ratio - 1:.0%}" in alert.message
+
+
+def test_alert_says_since_which_window_and_leaves_logging_to_the_caller(caplog):
+    detector = SlowdownDetector(threshold=0.25, num_windows=3, warmup_steps=0)
+    windows = [Window(step=i, step_s=0.1) for i in range(1, 7)] + [Window(step=i, step_s=0.2) for i in range(7, 10)]
+    with caplog.at_level("DEBUG"):
+        alerts = [a for _, a in _feed(detector, windows) if a is not None]
+    assert len(alerts) == 1
+    assert alerts[0].step == 8 and alerts[0].since_step == 7  # the median of 3 turns slow at the second slow window
+    assert alerts[0].ratio == pytest.approx(2.0) and detector.alerting and detector.last_ratio == pytest.approx(2.0)
+    assert caplog.records == []
+
+
+def test_largest_cause_needs_a_quarter_of_the_extra_time():
+    grew = {"data_wait": 0.03, "gc": 0.01, "checkpoint": -0.02}
+    assert largest_cause(grew, 0.1) == "data_wait"
+    assert largest_cause(grew, 0.13) is None  # 0.03 < 25% of 0.13
+    assert largest_cause(grew, 0.0) is None and largest_cause({}, 0.1) is None
 
 
 def test_memory_growth_and_unexplained():

@@ -91,6 +91,21 @@ class _Trainer:
         }
 
 
+def _run_rounds(trainers: dict[str, _Trainer], *, steps: int, warmup_steps: int, rounds: int, verbose: bool) -> int:
+    """Warm every trainer up, then run them in turns (order reversed every other round) so that a
+    busy machine slows each alike. Returns the steps measured per trainer and round."""
+    for trainer in trainers.values():
+        trainer.run(warmup_steps, record=False)  # first batches (worker start-up), allocator warm-up
+    per_round = max(1, steps // rounds)
+    for index in range(rounds):
+        order = list(trainers) if index % 2 == 0 else list(reversed(trainers))
+        for name in order:
+            trainers[name].run(per_round, record=True)
+        if verbose:
+            print(f"bench data: round {index + 1}/{rounds} done", file=sys.stderr, flush=True)
+    return per_round
+
+
 def bench_data(
     *,
     steps: int = 300,
@@ -133,15 +148,7 @@ def bench_data(
             "ingest": _Trainer(ingest, model_config=model_config, seed=seed),
             "baseline": _Trainer(_parquet_loader(manifest, micro_batch=micro_batch, seed=seed), model_config=model_config, seed=seed),
         }
-        for trainer in trainers.values():
-            trainer.run(warmup_steps, record=False)  # first batches (worker start-up), allocator warm-up
-        per_round = max(1, steps // rounds)
-        for index in range(rounds):
-            order = list(trainers) if index % 2 == 0 else list(reversed(trainers))
-            for name in order:
-                trainers[name].run(per_round, record=True)
-            if verbose:
-                print(f"bench data: round {index + 1}/{rounds} done", file=sys.stderr, flush=True)
+        per_round = _run_rounds(trainers, steps=steps, warmup_steps=warmup_steps, rounds=rounds, verbose=verbose)
     finally:
         ingest.close()
         if own_ray:

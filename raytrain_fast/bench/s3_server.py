@@ -1,5 +1,6 @@
 """A real S3-compatible HTTP server on loopback (moto's server mode) for tests and benchmarks.
 
+In the package, not only in tests/, because `raytrain-fast bench checkpoint` without --storage uploads to it.
 Started as a subprocess on a free 127.0.0.1 port; stopped (and its state discarded) on close.
 """
 
@@ -11,23 +12,17 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ACCESS_KEY = "testing-access-key"
 SECRET_KEY = "testing-secret-key-do-not-log-0123456789"
 REGION = "us-east-1"
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class S3Server:
-    port: int = field(default_factory=free_port)
+    port: int = 0
+    """0 = a port that is free on 127.0.0.1 when the server starts."""
     process: subprocess.Popen | None = None
 
     @property
@@ -40,6 +35,10 @@ class S3Server:
         return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": REGION}
 
     def start(self, timeout_s: float = 30.0) -> S3Server:
+        if not self.port:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                self.port = sock.getsockname()[1]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL,

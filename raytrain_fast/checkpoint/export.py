@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import yaml
 
+from raytrain_fast.checkpoint.checkpointing import CONFIG_FILE, DEEPSPEED_TAG
 from raytrain_fast.checkpoint.manifest import download_checkpoint, find_resumable_checkpoint, list_checkpoint_dirs
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.model import GPT, ModelConfig
@@ -30,9 +31,8 @@ from raytrain_fast.storage.config import StorageConfig
 from raytrain_fast.storage.filesystem import resolve_filesystem
 
 WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.yaml"
-CHECKPOINT_CONFIG_FILE = "config.yaml"  # the run config rank 0 writes into each checkpoint
-DEEPSPEED_TAG = "deepspeed"
+# An export writes its config.yaml under the same name as the run config in a checkpoint
+# (CONFIG_FILE): both hold a `model` section, read by _model_config_from_dict.
 _STRIP_PREFIXES = ("module.", "_orig_mod.")  # DDP / torch.compile wrappers
 
 
@@ -50,10 +50,10 @@ def _model_config_from_dict(data: Any, *, source: str) -> ModelConfig:
 
 def read_checkpoint_model_config(local_dir: str) -> ModelConfig | None:
     """The ModelConfig in a downloaded checkpoint's config.yaml, or None if it has none."""
-    path = Path(local_dir, CHECKPOINT_CONFIG_FILE)
+    path = Path(local_dir, CONFIG_FILE)
     if not path.exists():
         return None
-    return _model_config_from_dict(yaml.safe_load(path.read_text()), source=f"the checkpoint's {CHECKPOINT_CONFIG_FILE}")
+    return _model_config_from_dict(yaml.safe_load(path.read_text()), source=f"the checkpoint's {CONFIG_FILE}")
 
 
 def _deepspeed_dir(local_dir: str) -> tuple[str, str]:
@@ -112,7 +112,7 @@ def export_local_checkpoint(
     config = read_checkpoint_model_config(local_dir) or model_config
     if config is None:
         raise CheckpointError(
-            f"the checkpoint has no {CHECKPOINT_CONFIG_FILE} with the model config (saved by an older version?): "
+            f"the checkpoint has no {CONFIG_FILE} with the model config (saved by an older version?): "
             "pass model_config= with the run's model settings"
         )
     state, source = consolidated_state_dict(local_dir)

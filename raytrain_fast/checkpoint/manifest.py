@@ -210,91 +210,115 @@ def inspect_checkpoint(filesystem: pafs.FileSystem, path: str, *, checksums: boo
         path=path, step=_step_from_name(path), world_size=None, ranks_found=[], num_bytes=0,
         complete=False, reason="", checksums_verified=False,
     )
+    status.reason = _inspect(filesystem, path, status, checksums=checksums)
+    status.complete = not status.reason
+    return status
+
+
+def _inspect(filesystem: pafs.FileSystem, path: str, status: CheckpointStatus, *, checksums: bool) -> str:
+    """Fills in `status` as far as the checks get. Returns why the checkpoint is not complete ("" when it is)."""
     try:
         files = _listing(filesystem, path)
     except OSError as error:
-        status.reason = f"cannot list it: {error}"
-        return status
+        return f"cannot list it: {error}"
     status.num_bytes = sum(files.values())
     if not files:
-        status.reason = "it is empty or does not exist"
-        return status
+        return "it is empty or does not exist"
+    manifests, reason = _read_rank_manifests(filesystem, path, files)
+    if reason:
+        return reason
+    status.manifests, status.ranks_found = manifests, [m.rank for m in manifests]
+    reason = _check_ranks(status, manifests)
+    if reason:
+        return reason
+    listed, reason = _check_listed_files(manifests, files)
+    if reason:
+        return reason
+    if checksums:
+        reason = _check_checksums(filesystem, path, manifests, listed)
+        if reason:
+            return reason
+        status.checksums_verified = True
+    return ""
+
+
+def _read_rank_manifests(filesystem: pafs.FileSystem, path: str, files: dict[str, int]) -> tuple[list[RankManifest], str]:
+    """Every rank's manifest in the directory (`files`: its listing), or why they cannot be used."""
     manifest_names = sorted((int(m.group(1)), name) for name in files if (m := _MANIFEST_RE.match(name)))
     if not manifest_names:
-        status.reason = "it has no manifest: its save or upload never finished (or it was not written by raytrain_fast)"
-        return status
-
+        return [], "it has no manifest: its save or upload never finished (or it was not written by raytrain_fast)"
     manifests: list[RankManifest] = []
     for rank, name in manifest_names:
         try:
             manifest = RankManifest.from_json(_read_small(filesystem, f"{path}/{name}"))
         except (OSError, ValueError) as error:
-            status.reason = f"{name} is unreadable: {error}"
-            return status
+            return [], f"{name} is unreadable: {error}"
         if manifest.algorithm not in _available_algorithms():
-            status.reason = f"{name} uses checksum '{manifest.algorithm}', not available here (pip install xxhash)"
-            return status
+            return [], f"{name} uses checksum '{manifest.algorithm}', not available here (pip install xxhash)"
         if manifest.rank != rank:
-            status.reason = f"{name} says it belongs to rank {manifest.rank}"
-            return status
+            return [], f"{name} says it belongs to rank {manifest.rank}"
         manifests.append(manifest)
-    status.manifests, status.ranks_found = manifests, [m.rank for m in manifests]
+    return manifests, ""
+
+
+def _check_ranks(status: CheckpointStatus, manifests: list[RankManifest]) -> str:
+    """The manifests come from one save (same world size and step) and every rank wrote one; sets
+    the status' world size and step."""
     world_sizes, steps = {m.world_size for m in manifests}, {m.step for m in manifests}
     if len(world_sizes) > 1 or len(steps) > 1:
-        status.reason = f"its manifests disagree (world sizes {sorted(world_sizes)}, steps {sorted(steps)}): ranks from different saves"
-        return status
+        return f"its manifests disagree (world sizes {sorted(world_sizes)}, steps {sorted(steps)}): ranks from different saves"
     status.world_size, manifest_step = world_sizes.pop(), steps.pop()
     if status.step is not None and manifest_step != status.step:
-        status.reason = f"its manifests are for step {manifest_step}, not {status.step}"
-        return status
+        return f"its manifests are for step {manifest_step}, not {status.step}"
     status.step = manifest_step
     missing_ranks = sorted(set(range(status.world_size)) - set(status.ranks_found))
     if missing_ranks:
-        status.reason = (
+        return (
             f"manifest missing for rank(s) {', '.join(map(str, missing_ranks))} of {status.world_size}: "
             "those ranks' save or upload never finished"
         )
-        return status
+    return ""
 
+
+def _check_listed_files(
+    manifests: list[RankManifest], files: dict[str, int]
+) -> tuple[dict[str, tuple[int, FileEntry]], str]:
+    """Every file a manifest lists is there with its size. Returns (relative path -> (rank, entry), why not)."""
     listed: dict[str, tuple[int, FileEntry]] = {}
     for manifest in manifests:
         for entry in manifest.files:
             if entry.path in listed and listed[entry.path][1].checksum != entry.checksum:
-                status.reason = (
+                return listed, (
                     f"{entry.path} was written by ranks {listed[entry.path][0]} and {manifest.rank} with different "
                     "contents; Ray's merge of the ranks' directories kept only one"
                 )
-                return status
             listed[entry.path] = (manifest.rank, entry)
     for relative, (rank, entry) in listed.items():
         if relative not in files:
-            status.reason = f"{relative} (written by rank {rank}) is missing"
-            return status
+            return listed, f"{relative} (written by rank {rank}) is missing"
         if files[relative] != entry.size:
-            status.reason = f"{relative} has {files[relative]:,} bytes, its manifest says {entry.size:,} (truncated or altered)"
-            return status
+            return listed, f"{relative} has {files[relative]:,} bytes, its manifest says {entry.size:,} (truncated or altered)"
+    return listed, ""
 
-    if checksums:
-        algorithms = {m.rank: m.algorithm for m in manifests}
 
-        def check(item: tuple[str, tuple[int, FileEntry]]) -> str:
-            relative, (rank, entry) = item
-            with filesystem.open_input_stream(f"{path}/{relative}") as stream:
-                _, checksum = _hash_stream(stream.read, algorithm=algorithms[rank], chunk_bytes=REMOTE_CHUNK_BYTES)
-            return "" if checksum == entry.checksum else f"{relative} does not match its checksum (altered or corrupted after save)"
+def _check_checksums(
+    filesystem: pafs.FileSystem, path: str, manifests: list[RankManifest], listed: dict[str, tuple[int, FileEntry]]
+) -> str:
+    """Every listed file's contents match its checksum (read in parallel)."""
+    algorithms = {m.rank: m.algorithm for m in manifests}
 
-        try:
-            with ThreadPoolExecutor(NUM_IO_THREADS) as pool:
-                problems = [p for p in pool.map(check, listed.items()) if p]
-        except OSError as error:
-            status.reason = f"a file could not be read: {error}"
-            return status
-        if problems:
-            status.reason = problems[0]
-            return status
-        status.checksums_verified = True
-    status.complete = True
-    return status
+    def check(item: tuple[str, tuple[int, FileEntry]]) -> str:
+        relative, (rank, entry) = item
+        with filesystem.open_input_stream(f"{path}/{relative}") as stream:
+            _, checksum = _hash_stream(stream.read, algorithm=algorithms[rank], chunk_bytes=REMOTE_CHUNK_BYTES)
+        return "" if checksum == entry.checksum else f"{relative} does not match its checksum (altered or corrupted after save)"
+
+    try:
+        with ThreadPoolExecutor(NUM_IO_THREADS) as pool:
+            problems = [p for p in pool.map(check, listed.items()) if p]
+    except OSError as error:
+        return f"a file could not be read: {error}"
+    return problems[0] if problems else ""
 
 
 def verify_checkpoint(filesystem: pafs.FileSystem, path: str, *, checksums: bool = True) -> tuple[bool, str]:

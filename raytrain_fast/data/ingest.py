@@ -12,8 +12,8 @@ step: one position, saved by rank 0, restores all of them.
 Reading goes through Ray Data: one small read task per shard segment (num_cpus=0, one at a time, on
 this node) feeds `iter_torch_batches(prefetch_batches=...)`, whose threads collate the next batches while
 the step runs; a producer thread starts the pipeline as soon as the iterator is built and hands batches
-over through a small queue, so the step loop only ever blocks on `queue.get()`. That blocked time is
-`wait_s`.
+over through a small queue, so the step loop only ever blocks on `queue.get()` (the loop times that
+wait itself: TrainMetrics' data wait).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import json
 import logging
 import queue
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -301,9 +300,6 @@ class BatchIterator(Iterator):
                 f"{self.sequences_per_epoch} per rank with {world_size} ranks, fewer than one micro-batch of {micro_batch}"
             )
         self._position = self._normalize(position or DataPosition())
-        self.wait_s = 0.0
-        """Seconds the caller spent blocked in next(), in total (host time; no device sync)."""
-        self.num_batches = 0
         self._filesystem, root_path = resolve_filesystem(manifest.root, storage or StorageConfig())
         self._paths = [f"{root_path.rstrip('/')}/{shard.path}" for shard in manifest.shards]
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch_batches)
@@ -317,14 +313,11 @@ class BatchIterator(Iterator):
         return DataPosition(epoch=self._position.epoch, consumed=self._position.consumed, world_size=self.world_size)
 
     def __next__(self) -> tuple[Any, Any]:
-        started = time.perf_counter()
         item = self._queue.get()
-        self.wait_s += time.perf_counter() - started
         if isinstance(item, _Failure):
             self._queue.put(item)  # every later next() raises too
             raise item.error
         self._position = item.position
-        self.num_batches += 1
         tokens = item.tokens
         if self.device.type != "cpu":
             tokens = tokens.to(self.device, non_blocking=True)  # from pinned memory: an async copy

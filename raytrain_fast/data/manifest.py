@@ -101,9 +101,6 @@ class Manifest:
         """Tokens stored: num_sequences x (seq_len + 1)."""
         return self.num_sequences * (self.seq_len + 1)
 
-    def shard_uri(self, index: int) -> str:
-        return join_uri(self.root, self.shards[index].path)
-
     def identity(self) -> dict[str, Any]:
         return {"recipe": self.recipe, "sources_hash": self.sources_hash}
 

@@ -518,6 +518,71 @@ def prepare_data(
     """
     started = time.perf_counter()
     storage = storage or StorageConfig()
+    _check_arguments(inputs, seq_len=seq_len, rows_per_shard=rows_per_shard, num_shards_hint=num_shards_hint)
+    spec = load_tokenizer(tokenizer, storage)
+    canonical = [_canonical_input(item) for item in inputs]
+    filesystems: dict[str, pafs.FileSystem] = {"local": pafs.LocalFileSystem()}
+    if any(item.startswith("s3://") for item in canonical):
+        filesystems["s3"] = resolve_filesystem("s3://", storage)[0]
+    out = _Output.resolve(output, storage)
+    listing = _list_inputs(canonical, s3=filesystems.get("s3"), exclude=out.exclude)
+    recipe = {
+        "inputs": canonical, "seq_len": seq_len, "tokenizer": spec.info.identity(),
+        "rows_per_shard": rows_per_shard, "num_shards_hint": num_shards_hint,
+    }
+    existing = _read_manifest(out.filesystem, out.root, out.display_root)
+    if existing is not None and _holds_this_data(existing, recipe, listing, filesystems, output=output, overwrite=overwrite):
+        if verbose:
+            print(f"prepare-data: {out.display_root} already holds this data (same inputs, seq_len and tokenizer); nothing to do.", file=sys.stderr, flush=True)
+        return existing
+    if not listing.sources:
+        raise DataError(f"no input files to prepare.\n{_summarize_skipped(listing.skipped, limit=20)}")
+    total_bytes = sum(s.size for s in listing.sources)
+    if parallel is None:
+        parallel = spec.json_text is not None or "s3" in filesystems or total_bytes > _RAY_BYTES_THRESHOLD
+    rows_per_shard = rows_per_shard or _rows_per_shard(total_bytes, spec, seq_len=seq_len, num_shards_hint=num_shards_hint)
+
+    _clear_output(out.filesystem, out.root, existing)
+    writer = _ShardWriter(filesystem=out.filesystem, root=out.root, seq_len=seq_len, rows_per_shard=rows_per_shard, dtype=spec.dtype)
+    progress = _Progress(len(listing.sources), enabled=verbose)
+    hashed, used, skipped, num_tokens, dropped = _tokenize_and_pack(listing, spec, filesystems, writer, progress, parallel=parallel)
+    manifest = Manifest(
+        format_version=FORMAT_VERSION, seq_len=seq_len, num_sequences=writer.num_rows,
+        num_documents=sum(s.num_documents for s in used), num_dropped_tokens=dropped,
+        max_token_id=writer.max_token_id, token_dtype=spec.dtype.name, tokenizer=spec.info, recipe=recipe,
+        sources=used, sources_hash=_hash_sources(hashed), skipped=skipped, shards=writer.shards, root=out.display_root,
+    )
+    with out.filesystem.open_output_stream(join_uri(out.root, MANIFEST_NAME)) as stream:  # written last: marks completion
+        stream.write(manifest.to_json().encode())
+    if verbose:
+        progress.update(len(listing.sources), num_tokens, len(skipped), force=True)
+        _print_summary(manifest, seconds=time.perf_counter() - started, parallel=parallel)
+    return manifest
+
+
+def _tokenize_and_pack(
+    listing: _Listing, spec: TokenizerSpec, filesystems: dict[str, pafs.FileSystem], writer: _ShardWriter,
+    progress: _Progress, *, parallel: bool,
+):
+    """Tokenize every input (Ray Data tasks or this process) and pack the results, see `_pack`.
+    Raises DataError when they do not fill a single sequence."""
+    with contextlib.ExitStack() as stack:
+        if parallel:
+            stack.enter_context(_ray_running())
+            results = _results_ray(listing.sources, spec, filesystems)
+        else:
+            results = _results_local(listing.sources, spec, filesystems)
+        packed = _pack(results, listing, writer, progress)
+    if not writer.num_rows:
+        _, _, skipped, num_tokens, _ = packed
+        raise DataError(
+            f"the inputs hold {num_tokens:,} tokens, fewer than one sequence of seq_len + 1 = {writer.row}; "
+            f"add text or lower seq_len.\n{_summarize_skipped(skipped)}".rstrip()
+        )
+    return packed
+
+
+def _check_arguments(inputs: list[str], *, seq_len: int, rows_per_shard: int | None, num_shards_hint: int | None) -> None:
     if seq_len < 1:
         raise DataError(f"seq_len must be >= 1, got {seq_len}")
     if not inputs:
@@ -526,94 +591,67 @@ def prepare_data(
         if value is not None and value < 1:
             raise DataError(f"{name} must be >= 1, got {value}")
 
-    spec = load_tokenizer(tokenizer, storage)
-    canonical = [_canonical_input(item) for item in inputs]
-    filesystems: dict[str, pafs.FileSystem] = {"local": pafs.LocalFileSystem()}
-    if any(item.startswith("s3://") for item in canonical):
-        filesystems["s3"] = resolve_filesystem("s3://", storage)[0]
-    out_fs, out_root = resolve_filesystem(output, storage)
-    display_root = output.rstrip("/") if "://" in output else out_root
-    if isinstance(out_fs, pafs.LocalFileSystem):
-        exclude = out_root
-    else:
-        exclude = None
-        bucket = out_root.split("/", 1)[0]
-        if out_fs.get_file_info(bucket).type == pafs.FileType.NotFound:
+
+@dataclass(kw_only=True)
+class _Output:
+    """Where prepared data goes."""
+
+    filesystem: pafs.FileSystem
+    root: str
+    """Path inside `filesystem`."""
+    display_root: str
+    """As users name it: the URI for S3, the path for local directories."""
+    exclude: str | None
+    """A local output directory, left out of the inputs' listing."""
+
+    @classmethod
+    def resolve(cls, output: str, storage: StorageConfig) -> _Output:
+        filesystem, root = resolve_filesystem(output, storage)
+        display_root = output.rstrip("/") if "://" in output else root
+        if isinstance(filesystem, pafs.LocalFileSystem):
+            return cls(filesystem=filesystem, root=root, display_root=display_root, exclude=root)
+        bucket = root.split("/", 1)[0]
+        if filesystem.get_file_info(bucket).type == pafs.FileType.NotFound:
             raise DataError(f"output '{output}': bucket '{bucket}' does not exist (create it first)")
+        return cls(filesystem=filesystem, root=root, display_root=display_root, exclude=None)
 
-    listing = _list_inputs(canonical, s3=filesystems.get("s3"), exclude=exclude)
-    recipe = {
-        "inputs": canonical,
-        "seq_len": seq_len,
-        "tokenizer": spec.info.identity(),
-        "rows_per_shard": rows_per_shard,
-        "num_shards_hint": num_shards_hint,
-    }
 
-    existing = _read_manifest(out_fs, out_root, display_root)
-    if existing is not None:
-        differences = _recipe_differences(existing.recipe, recipe)
-        if not differences:
-            now = _hash_inputs(listing, filesystems)
-            if _hash_sources(now) == existing.sources_hash:
-                if verbose:
-                    print(f"prepare-data: {display_root} already holds this data (same inputs, seq_len and tokenizer); nothing to do.", file=sys.stderr, flush=True)
-                return existing
-            differences = ["the input files changed since they were prepared"]
-        if not overwrite:
-            raise DataError(
-                f"output '{output}' already holds prepared data made differently ({'; '.join(differences)}). "
-                "Choose another output, or pass overwrite=True (--overwrite) to replace it."
-            )
-
-    if not listing.sources:
-        raise DataError(f"no input files to prepare.\n{_summarize_skipped(listing.skipped, limit=20)}")
-    total_bytes = sum(s.size for s in listing.sources)
-    if parallel is None:
-        parallel = spec.json_text is not None or "s3" in filesystems or total_bytes > _RAY_BYTES_THRESHOLD
-    if rows_per_shard is None:
-        estimated_tokens = total_bytes if spec.json_text is None else total_bytes // 4  # BPE: ~4 bytes a token
-        if num_shards_hint is not None:
-            rows_per_shard = max(1, math.ceil(estimated_tokens / (seq_len + 1) / num_shards_hint))
-        else:
-            rows_per_shard = max(1, SHARD_TOKENS // (seq_len + 1))
-
-    _clear_output(out_fs, out_root, existing)
-    writer = _ShardWriter(filesystem=out_fs, root=out_root, seq_len=seq_len, rows_per_shard=rows_per_shard, dtype=spec.dtype)
-    progress = _Progress(len(listing.sources), enabled=verbose)
-    with contextlib.ExitStack() as stack:
-        if parallel:
-            stack.enter_context(_ray_running())
-            results = _results_ray(listing.sources, spec, filesystems)
-        else:
-            results = _results_local(listing.sources, spec, filesystems)
-        hashed, used, skipped, num_tokens, dropped = _pack(results, listing, writer, progress)
-
-    if not writer.num_rows:
+def _holds_this_data(
+    existing: Manifest, recipe: dict, listing: _Listing, filesystems: dict[str, pafs.FileSystem], *, output: str, overwrite: bool
+) -> bool:
+    """True when `existing` was prepared from these very inputs and settings (preparing again is a
+    no-op); False when it is to be replaced (overwrite); else a DataError says what differs."""
+    differences = _recipe_differences(existing.recipe, recipe)
+    if not differences:
+        if _hash_sources(_hash_inputs(listing, filesystems)) == existing.sources_hash:
+            return True
+        differences = ["the input files changed since they were prepared"]
+    if not overwrite:
         raise DataError(
-            f"the inputs hold {num_tokens:,} tokens, fewer than one sequence of seq_len + 1 = {seq_len + 1}; "
-            f"add text or lower seq_len.\n{_summarize_skipped(skipped)}".rstrip()
+            f"output '{output}' already holds prepared data made differently ({'; '.join(differences)}). "
+            "Choose another output, or pass overwrite=True (--overwrite) to replace it."
         )
-    manifest = Manifest(
-        format_version=FORMAT_VERSION, seq_len=seq_len, num_sequences=writer.num_rows,
-        num_documents=sum(s.num_documents for s in used), num_dropped_tokens=dropped,
-        max_token_id=writer.max_token_id, token_dtype=spec.dtype.name, tokenizer=spec.info, recipe=recipe,
-        sources=used, sources_hash=_hash_sources(hashed), skipped=skipped, shards=writer.shards, root=display_root,
+    return False
+
+
+def _rows_per_shard(total_bytes: int, spec: TokenizerSpec, *, seq_len: int, num_shards_hint: int | None) -> int:
+    """The default shard size: ~SHARD_TOKENS per shard, or about `num_shards_hint` shards."""
+    estimated_tokens = total_bytes if spec.json_text is None else total_bytes // 4  # BPE: ~4 bytes a token
+    if num_shards_hint is not None:
+        return max(1, math.ceil(estimated_tokens / (seq_len + 1) / num_shards_hint))
+    return max(1, SHARD_TOKENS // (seq_len + 1))
+
+
+def _print_summary(manifest: Manifest, *, seconds: float, parallel: bool) -> None:
+    print(
+        f"prepare-data: {manifest.num_sequences:,} sequences of {manifest.seq_len + 1} tokens from {len(manifest.sources)} files "
+        f"({manifest.num_documents:,} documents) in {len(manifest.shards)} shards at {manifest.root} "
+        f"({seconds:.1f}s, {'Ray Data' if parallel else 'in-process'} tokenizing); "
+        f"{manifest.num_dropped_tokens} tail tokens did not fill a sequence",
+        file=sys.stderr, flush=True,
     )
-    with out_fs.open_output_stream(join_uri(out_root, MANIFEST_NAME)) as stream:  # written last: marks completion
-        stream.write(manifest.to_json().encode())
-    if verbose:
-        progress.update(len(listing.sources), num_tokens, len(skipped), force=True)
-        print(
-            f"prepare-data: {manifest.num_sequences:,} sequences of {seq_len + 1} tokens from {len(used)} files "
-            f"({manifest.num_documents:,} documents) in {len(manifest.shards)} shards at {display_root} "
-            f"({time.perf_counter() - started:.1f}s, {'Ray Data' if parallel else 'in-process'} tokenizing); "
-            f"{dropped} tail tokens did not fill a sequence",
-            file=sys.stderr, flush=True,
-        )
-        if skipped:
-            print(f"prepare-data: {_summarize_skipped(skipped)}", file=sys.stderr, flush=True)
-    return manifest
+    if manifest.skipped:
+        print(f"prepare-data: {_summarize_skipped(manifest.skipped)}", file=sys.stderr, flush=True)
 
 
 def _pack(results, listing: _Listing, writer: _ShardWriter, progress: _Progress):

@@ -1,42 +1,38 @@
 """Metrics of the step loop: on-device accumulators drained every `log_every` steps, throughput and
-MFU, phase times, a slowdown detector, GC control, and sinks written from rank 0 off the training thread."""
+MFU, phase times, a slowdown detector, GC control, and sinks written from rank 0 off the training thread.
 
-from raytrain_fast.metrics.config import MetricsConfig, metrics_config_problems
-from raytrain_fast.metrics.names import METRICS
-from raytrain_fast.metrics.peak import datasheet_peak_flops, device_key, device_name, matmul_dtype, measure_matmul_peak, mfu
-from raytrain_fast.metrics.sinks import (
-    JsonlSink,
-    MetricSink,
-    SinkWriter,
-    TensorBoardSink,
-    WandbSink,
-    build_sinks,
-    read_metrics,
-)
-from raytrain_fast.metrics.setup import MfuInputs, mfu_inputs
-from raytrain_fast.metrics.slowdown import SlowdownDetector, Window
-from raytrain_fast.metrics.train_metrics import TrainMetrics
+Names are imported on first use, so the report (which replays the slowdown detector) and the config
+never pay for importing torch.
+"""
 
-__all__ = [
-    "JsonlSink",
-    "METRICS",
-    "MetricSink",
-    "MetricsConfig",
-    "MfuInputs",
-    "SinkWriter",
-    "SlowdownDetector",
-    "TensorBoardSink",
-    "TrainMetrics",
-    "WandbSink",
-    "Window",
-    "build_sinks",
-    "datasheet_peak_flops",
-    "device_key",
-    "device_name",
-    "matmul_dtype",
-    "measure_matmul_peak",
-    "metrics_config_problems",
-    "mfu",
-    "mfu_inputs",
-    "read_metrics",
-]
+from __future__ import annotations
+
+from raytrain_fast._lazy import lazy_exports
+
+_EXPORTS = {
+    "MetricsConfig": "raytrain_fast.metrics.config",
+    "metrics_config_problems": "raytrain_fast.metrics.config",
+    "METRICS": "raytrain_fast.metrics.names",
+    "datasheet_peak_flops": "raytrain_fast.metrics.peak",
+    "device_key": "raytrain_fast.metrics.peak",
+    "device_name": "raytrain_fast.metrics.peak",
+    "matmul_dtype": "raytrain_fast.metrics.peak",
+    "measure_matmul_peak": "raytrain_fast.metrics.peak",
+    "mfu": "raytrain_fast.metrics.peak",
+    "JsonlSink": "raytrain_fast.metrics.sinks",
+    "MetricSink": "raytrain_fast.metrics.sinks",
+    "SinkWriter": "raytrain_fast.metrics.sinks",
+    "TensorBoardSink": "raytrain_fast.metrics.sinks",
+    "WandbSink": "raytrain_fast.metrics.sinks",
+    "build_sinks": "raytrain_fast.metrics.sinks",
+    "read_metrics": "raytrain_fast.metrics.sinks",
+    "MfuInputs": "raytrain_fast.metrics.setup",
+    "mfu_inputs": "raytrain_fast.metrics.setup",
+    "SlowdownDetector": "raytrain_fast.metrics.slowdown",
+    "Window": "raytrain_fast.metrics.slowdown",
+    "TrainMetrics": "raytrain_fast.metrics.train_metrics",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,4 +1,4 @@
-"""Every metric the step loop emits, with what it means (the README's metric table comes from here)."""
+"""Every metric the step loop emits, with what it means (docs/metrics.md has a row for each; tests/test_docs.py checks it)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ METRICS: dict[str, str] = {
     "time/optimizer_s": "Optimizer-step time of one optimizer step, sampled.",
     "checkpoint/blocked_s": "Seconds training was blocked per checkpoint saved in the window.",
     "checkpoint/upload_s": "Seconds the last checkpoint upload took (async uploads report it when done).",
-    "memory/peak_gb": "Peak memory in GB: CUDA max_memory_allocated on GPU, peak RSS of the process on CPU.",
+    "memory/peak_gb": "Peak memory in GB: CUDA max_memory_reserved on GPU (what the allocator holds), peak RSS of the process on CPU.",
     "memory/peak_frac": "memory/peak_gb as a share of the device's total memory (GPU) or of resources.memory_budget_gb (CPU); absent when neither is known. Far below 1: a larger micro-batch (train.micro_batch=auto, `raytrain-fast sweep`) may train faster.",
-    "memory/current_gb": "Memory in use at the log step (CUDA allocated, or RSS on CPU).",
+    "memory/current_gb": "Memory in use at the log step (CUDA reserved, or RSS on CPU).",
     "gc/collect_s": "Seconds in Python garbage collection during the window (the rank with most).",
     "gc/collections": "Garbage collections (all generations) on rank 0 during the window.",
     "sink/dropped": "Records dropped so far because the sink queue was full (the oldest go first).",
@@ -30,7 +30,3 @@ METRICS: dict[str, str] = {
     "alert/slowdown_ratio": "Rolling median step time (the last metrics.slowdown_windows windows) / baseline step time: what alert/slowdown compares with the threshold.",
     "alert/slowdown_cause/<cause>": "1 at the step a slowdown alert starts; <cause> is data_wait, gc, checkpoint, sink, memory or unexplained.",
 }
-
-
-def is_documented(name: str) -> bool:
-    return name in METRICS or name.startswith("alert/slowdown_cause/")

@@ -70,7 +70,12 @@ def mfu_inputs(
         measure_peak = rank == 0
     measured = None
     if measure_peak and config.peak_measure_s > 0:
-        measured = coordinator.achievable_peak(device=device, dtype=dtype, seconds=config.peak_measure_s)
+        from raytrain_fast.metrics.peak import device_key, measure_matmul_peak
+
+        measured = coordinator.achievable_peak(
+            device_key=device_key(device), dtype=dtype, seconds=config.peak_measure_s,
+            measure=lambda: measure_matmul_peak(device=device, dtype=dtype, seconds=config.peak_measure_s),
+        )
     return MfuInputs(
         flops_per_token=flops.for_mfu,
         counted_flops_per_token=flops.counted,

@@ -6,16 +6,18 @@ baseline by more than `threshold`, the detector raises an alert naming the most 
 what the loop measures, by how many seconds per step each signal grew against its own baseline:
 data wait, GC pauses, checkpoint stalls, CPU the sink thread took; then sink drops and memory
 growth, which cost no measurable seconds of their own.
+
+The same detector serves the live alert (TrainMetrics, thresholds from MetricsConfig) and the
+report, which replays it over a run's records with its own thresholds when the run has no
+alert/slowdown metrics (report/diagnose.py). The detector does not log: its caller does.
 """
 
 from __future__ import annotations
 
-import logging
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-logger = logging.getLogger("raytrain_fast.metrics")
 
 CAUSES = ("data_wait", "gc", "checkpoint", "sink", "memory", "unexplained")
 
@@ -59,6 +61,8 @@ class Alert:
     """Rolling median step time / baseline."""
     cause: str
     message: str
+    since_step: int
+    """The step of the first window above the threshold among the rolling ones that raised the alert."""
     excess_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -78,8 +82,8 @@ class SlowdownDetector:
     def update(self, window: Window) -> tuple[float, Alert | None]:
         """Feed one log window. Returns (alert/slowdown value: 1.0 or 0.0, the alert when one starts).
 
-        Only the transition into a slowdown returns an Alert (and logs a warning); the value stays
-        1.0 while the slowdown lasts.
+        Only the transition into a slowdown returns an Alert (the caller logs its message); the
+        value stays 1.0 while the slowdown lasts.
         """
         if window.step <= self.warmup_steps:
             return 0.0, None
@@ -101,13 +105,14 @@ class SlowdownDetector:
             limit = self.baseline.step_s * (1.0 + self.threshold)
             slow_windows = [w for w in self._recent if w.step_s > limit]
             dropped = sum(w.sink_dropped for w in self._recent)
-            alert = self._diagnose(_mean_window(slow_windows), ratio=ratio, step=window.step, dropped=dropped)
+            alert = self._diagnose(
+                _mean_window(slow_windows), ratio=ratio, step=window.step, since_step=slow_windows[0].step, dropped=dropped
+            )
             self.last_alert = alert
-            logger.warning(alert.message)
         self.alerting = slow
         return (1.0 if slow else 0.0), alert
 
-    def _diagnose(self, current: Window, *, ratio: float, step: int, dropped: int) -> Alert:
+    def _diagnose(self, current: Window, *, ratio: float, step: int, since_step: int, dropped: int) -> Alert:
         base = self.baseline
         assert base is not None
         excess = current.step_s - base.step_s
@@ -117,16 +122,7 @@ class SlowdownDetector:
             "checkpoint": current.checkpoint_s - base.checkpoint_s,
             "sink": current.sink_cpu_s - base.sink_cpu_s,
         }
-        top = max(grew, key=lambda k: grew[k])
-        memory_growth = (current.memory_gb - base.memory_gb) / base.memory_gb if base.memory_gb > 0 else 0.0
-        if excess > 0 and grew[top] >= _MIN_EXPLAINED * excess:
-            cause = top
-        elif dropped > 0 or current.sink_backlog > base.sink_backlog + 1:
-            cause = "sink"
-        elif memory_growth > _MEMORY_GROWTH:
-            cause = "memory"
-        else:
-            cause = "unexplained"
+        cause = largest_cause(grew, excess) or _unmeasured_cause(current, base, dropped=dropped)
         details = {
             "data_wait": f"data wait {base.data_wait_s * 1e3:.1f} -> {current.data_wait_s * 1e3:.1f} ms/step",
             "gc": f"GC {base.gc_s * 1e3:.1f} -> {current.gc_s * 1e3:.1f} ms/step",
@@ -144,38 +140,52 @@ class SlowdownDetector:
             + (f" ({details[cause]})" if cause in details else "")
             + ". Measured: " + "; ".join(v for k, v in details.items() if k != cause) + "."
         )
-        return Alert(step=step, ratio=ratio, cause=cause, message=message, excess_s=grew)
+        return Alert(step=step, ratio=ratio, cause=cause, message=message, since_step=since_step, excess_s=grew)
+
+
+def _unmeasured_cause(current: Window, base: Window, *, dropped: int) -> str:
+    """The cause when no measured seconds explain the slowdown: a sink falling behind, memory
+    growth, or nothing the loop measures."""
+    if dropped > 0 or current.sink_backlog > base.sink_backlog + 1:
+        return "sink"
+    memory_growth = (current.memory_gb - base.memory_gb) / base.memory_gb if base.memory_gb > 0 else 0.0
+    return "memory" if memory_growth > _MEMORY_GROWTH else "unexplained"
+
+
+def largest_cause(grew: dict[str, float], excess_s: float) -> str | None:
+    """The signal whose seconds per step grew most, when it explains at least _MIN_EXPLAINED of the
+    `excess_s` extra seconds per step; None when nothing measured explains the slowdown."""
+    if not grew or excess_s <= 0:
+        return None
+    top = max(grew, key=lambda k: grew[k])
+    return top if grew[top] >= _MIN_EXPLAINED * excess_s else None
+
+
+_SECONDS = ("step_s", "data_wait_s", "gc_s", "checkpoint_s", "sink_cpu_s")
 
 
 def _median_window(windows: list[Window]) -> Window:
-    def med(name: str) -> float:
-        return statistics.median(getattr(w, name) for w in windows)
-
-    return Window(
-        step=windows[-1].step,
-        step_s=med("step_s"),
-        data_wait_s=med("data_wait_s"),
-        gc_s=med("gc_s"),
-        checkpoint_s=med("checkpoint_s"),
-        sink_cpu_s=med("sink_cpu_s"),
-        sink_dropped=sum(w.sink_dropped for w in windows),
-        sink_backlog=int(med("sink_backlog")),
-        memory_gb=med("memory_gb"),
+    """The baseline and the rolling window the alert compares: medians."""
+    return _combine(
+        windows, statistics.median,
+        sink_backlog=int(statistics.median(w.sink_backlog for w in windows)),
+        memory_gb=statistics.median(w.memory_gb for w in windows),
     )
 
 
 def _mean_window(windows: list[Window]) -> Window:
-    def mean(name: str) -> float:
-        return statistics.fmean(getattr(w, name) for w in windows)
+    """The slow windows a diagnosis reads: means, the largest backlog and the latest memory."""
+    return _combine(
+        windows, statistics.fmean,
+        sink_backlog=max(w.sink_backlog for w in windows), memory_gb=windows[-1].memory_gb,
+    )
 
+
+def _combine(windows: list[Window], average: Callable[[list[float]], float], *, sink_backlog: int, memory_gb: float) -> Window:
     return Window(
         step=windows[-1].step,
-        step_s=mean("step_s"),
-        data_wait_s=mean("data_wait_s"),
-        gc_s=mean("gc_s"),
-        checkpoint_s=mean("checkpoint_s"),
-        sink_cpu_s=mean("sink_cpu_s"),
+        **{name: average([getattr(w, name) for w in windows]) for name in _SECONDS},
         sink_dropped=sum(w.sink_dropped for w in windows),
-        sink_backlog=max(w.sink_backlog for w in windows),
-        memory_gb=windows[-1].memory_gb,
+        sink_backlog=sink_backlog,
+        memory_gb=memory_gb,
     )

@@ -1,7 +1,7 @@
 """What the step loop measures, and the one place it reads the device back (every `log_every` steps).
 
-Per step, `TrainMetrics` only adds detached tensors into an on-device accumulator (loss, grad norm,
-optionally token counts) and reads the host clock around each phase: no host syncs. On log steps,
+Per step, `TrainMetrics` only adds detached tensors into an on-device accumulator (loss, grad norm)
+and reads the host clock around each phase: no host syncs. On log steps,
 `log()` does, on every rank:
 
 1. one all-reduce of the accumulator and one all-gather of four host floats per rank (time to
@@ -19,6 +19,7 @@ time spent in `next(data)`, every step.
 
 from __future__ import annotations
 
+import logging
 import math
 import resource
 import sys
@@ -35,6 +36,8 @@ from raytrain_fast.metrics.peak import mfu
 from raytrain_fast.metrics.sinks import MetricSink, SinkWriter
 from raytrain_fast.metrics.slowdown import SlowdownDetector, Window
 
+logger = logging.getLogger("raytrain_fast.metrics")
+
 
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
@@ -45,6 +48,7 @@ def _duration(seconds: float) -> str:
 
 PHASES = ("data", "forward", "backward", "optimizer")
 _GB = 1e9
+_ACC = 2  # on-device sums: loss, grad norm
 _STATS = 4  # per-rank host floats gathered on log steps: seconds to reach the drain, data wait, GC, flag
 
 
@@ -58,6 +62,16 @@ def _host_memory_gb() -> tuple[float, float]:
     except (OSError, IndexError, ValueError):
         current_bytes = peak_bytes
     return max(peak_bytes, current_bytes) / _GB, current_bytes / _GB
+
+
+def peak_memory_gb(device: Any = "cpu") -> float:
+    """This process's peak memory in GB, the one statistic that memory/peak_gb, the sweep's budget
+    check and `micro_batch: auto` all use: on CUDA `max_memory_reserved` (what the caching allocator
+    holds, so what the next allocation competes with; allocator stats, no device sync), elsewhere the
+    peak RSS of the process."""
+    if getattr(device, "type", str(device).split(":", 1)[0]) == "cuda":
+        return torch.cuda.max_memory_reserved(device) / _GB
+    return _host_memory_gb()[0]
 
 
 class TrainMetrics:
@@ -122,17 +136,7 @@ class TrainMetrics:
             torch.cuda.get_device_properties(self.device).total_memory / _GB if self._cuda else memory_budget_gb
         )
         self._group = process_group
-        import torch.distributed as dist
-
-        self._distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
-
-        # On-device accumulators: [loss sum, grad-norm sum, token sum]. Views avoid re-indexing per step.
-        self._acc = torch.zeros(3, dtype=torch.float32, device=self.device)
-        self._loss_acc, self._grad_norm_acc, self._token_acc = self._acc[0], self._acc[1], self._acc[2]
-        if self._distributed:
-            self._stats_host = torch.zeros(_STATS, dtype=torch.float32, pin_memory=self._cuda)
-            self._stats_dev = torch.zeros(_STATS, dtype=torch.float32, device=self.device)
-            self._gathered = [torch.zeros(_STATS, dtype=torch.float32, device=self.device) for _ in range(world_size)]
+        self._allocate_buffers()
 
         self._step = start_step
         self._window_start_step = start_step
@@ -161,6 +165,19 @@ class TrainMetrics:
         self.flags_any_rank = 0
         """After log(): the bitwise OR of the `flags` every rank passed to it."""
         self._window_start = time.perf_counter()
+
+    def _allocate_buffers(self) -> None:
+        """The on-device accumulators and, with several ranks, the buffers of the log step's gather."""
+        import torch.distributed as dist
+
+        self._distributed = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        # On-device accumulators: [loss sum, grad-norm sum]. Views avoid re-indexing per step.
+        self._acc = torch.zeros(_ACC, dtype=torch.float32, device=self.device)
+        self._loss_acc, self._grad_norm_acc = self._acc[0], self._acc[1]
+        if self._distributed:
+            self._stats_host = torch.zeros(_STATS, dtype=torch.float32, pin_memory=self._cuda)
+            self._stats_dev = torch.zeros(_STATS, dtype=torch.float32, device=self.device)
+            self._gathered = [torch.zeros(_STATS, dtype=torch.float32, device=self.device) for _ in range(self.world_size)]
 
     # --- hot path ------------------------------------------------------------------------------
 
@@ -205,11 +222,6 @@ class TrainMetrics:
         else:
             self._grad_norm_host += float(grad_norm)
             self._num_grad_norms_host += 1
-
-    def add_tokens(self, num_tokens: torch.Tensor) -> None:
-        """Count tokens on the device (e.g. targets that are not padding) instead of `tokens_per_step`."""
-        self._token_acc.add_(num_tokens.detach())
-        self._tokens_on_device = True
 
     def end_step(self, step: int) -> None:
         """Step `step` is done (optimizer applied). GC runs its timed collection here on its cadence."""
@@ -285,14 +297,35 @@ class TrainMetrics:
         return metrics
 
     def _compute(self, step: int, values: list[float], *, now: float, gc_s: float, lr: float | None) -> dict[str, float]:
-        world = self.world_size if self._distributed else 1
         num_steps = max(1, step - self._window_start_step)
         wall = max(now - self._window_start, 1e-9)
-        step_s = wall / num_steps
-        loss_sum, grad_norm_sum, token_sum = values[0], values[1], values[2]
-        tokens = token_sum if self._tokens_on_device else self.tokens_per_step * num_steps
-        tokens_per_sec = tokens / wall
+        metrics = self._train_metrics(values, lr=lr, num_steps=num_steps, wall=wall)
+        data_wait, gc_window = self._time_metrics(metrics, values, num_steps=num_steps, wall=wall, gc_s=gc_s)
+        self._checkpoint_metrics(metrics)
+        memory_now = self._memory_metrics(metrics)
+        metrics["gc/collect_s"] = gc_window
+        metrics["gc/collections"] = float(self._gc.num_collections - self._gc_n_at_window_start)
+        sink_cpu, dropped = self._sink_metrics(metrics)
+        if self._is_logger:
+            window = Window(
+                step=step,
+                step_s=metrics["time/step_s"],
+                data_wait_s=data_wait / num_steps,
+                gc_s=gc_window / num_steps,
+                checkpoint_s=self._checkpoint_blocked_s / num_steps,
+                sink_cpu_s=sink_cpu / num_steps,
+                sink_dropped=dropped,
+                sink_backlog=self._writer.backlog if self._writer is not None else 0,
+                memory_gb=memory_now,
+            )
+            self._slowdown_metrics(metrics, window)
+        return metrics
 
+    def _train_metrics(self, values: list[float], *, lr: float | None, num_steps: int, wall: float) -> dict[str, float]:
+        """Loss, learning rate, grad norm, throughput, MFU and step time: the window's train/ and throughput/."""
+        world = self.world_size if self._distributed else 1
+        loss_sum, grad_norm_sum = values[0], values[1]
+        tokens_per_sec = self.tokens_per_step * num_steps / wall
         metrics: dict[str, float] = {}
         if self._num_losses:
             metrics["train/loss"] = loss_sum / (self._num_losses * world)
@@ -307,10 +340,16 @@ class TrainMetrics:
             value = mfu(tokens_per_sec=tokens_per_sec, flops_per_token=self.flops_per_token, peak_flops=peak, num_devices=self.world_size)
             if value is not None:
                 metrics[name] = value
-        metrics["time/step_s"] = step_s
+        metrics["time/step_s"] = wall / num_steps
+        return metrics
 
+    def _time_metrics(
+        self, metrics: dict[str, float], values: list[float], *, num_steps: int, wall: float, gc_s: float
+    ) -> tuple[float, float]:
+        """Data wait, rank spread and phase times into `metrics`; also sets `flags_any_rank`.
+        Returns the window's (data wait, GC seconds) of the rank that had the most of each."""
         if self._distributed:
-            per_rank = [values[3 + i * _STATS: 3 + (i + 1) * _STATS] for i in range(self.world_size)]
+            per_rank = [values[_ACC + i * _STATS: _ACC + (i + 1) * _STATS] for i in range(self.world_size)]
             self.flags_any_rank = 0
             for r in per_rank:
                 self.flags_any_rank |= int(round(r[3]))
@@ -322,63 +361,57 @@ class TrainMetrics:
         else:
             data_wait, gc_window = self._data_wait_s, gc_s
         metrics["time/data_wait_frac"] = data_wait / wall  # the rank that waited most: it sets the pace
-
         phases = self._phase_means()
         for phase in ("forward", "backward", "optimizer"):
             if phase in phases:
                 metrics[f"time/{phase}_s"] = phases[phase]
+        return data_wait, gc_window
 
+    def _checkpoint_metrics(self, metrics: dict[str, float]) -> None:
         if self._num_checkpoints:
             metrics["checkpoint/blocked_s"] = self._checkpoint_blocked_s / self._num_checkpoints
         if self._last_upload_s is not None:
             metrics["checkpoint/upload_s"] = self._last_upload_s
             self._last_upload_s = None
 
+    def _memory_metrics(self, metrics: dict[str, float]) -> float:
+        """memory/* into `metrics`; returns the memory in use now in GB."""
         if self._cuda:
-            metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.device) / _GB  # allocator stats: no sync
-            memory_now = torch.cuda.memory_allocated(self.device) / _GB
+            metrics["memory/peak_gb"] = peak_memory_gb(self.device)
+            memory_now = torch.cuda.memory_reserved(self.device) / _GB
         else:
             metrics["memory/peak_gb"], memory_now = _host_memory_gb()
         metrics["memory/current_gb"] = memory_now
         if self._memory_capacity_gb:
             metrics["memory/peak_frac"] = metrics["memory/peak_gb"] / self._memory_capacity_gb
+        return memory_now
 
-        metrics["gc/collect_s"] = gc_window
-        metrics["gc/collections"] = float(self._gc.num_collections - self._gc_n_at_window_start)
+    def _sink_metrics(self, metrics: dict[str, float]) -> tuple[float, int]:
+        """sink/* into `metrics` (rank 0 only); returns the sink thread's CPU seconds and the records
+        dropped during the window."""
+        if self._writer is None:
+            return 0.0, 0
+        sink_cpu = self._writer.cpu_s - self._sink_cpu_at_window_start
+        dropped = self._writer.dropped - self._dropped_at_window_start
+        metrics["sink/dropped"] = float(self._writer.dropped)
+        metrics["sink/backlog"] = float(self._writer.backlog)
+        metrics["sink/errors"] = float(self._writer.errors)
+        self._sink_cpu_at_window_start = self._writer.cpu_s
+        self._dropped_at_window_start = self._writer.dropped
+        return sink_cpu, dropped
 
-        if self._writer is not None:
-            sink_cpu = self._writer.cpu_s - self._sink_cpu_at_window_start
-            dropped = self._writer.dropped - self._dropped_at_window_start
-            metrics["sink/dropped"] = float(self._writer.dropped)
-            metrics["sink/backlog"] = float(self._writer.backlog)
-            metrics["sink/errors"] = float(self._writer.errors)
-            self._sink_cpu_at_window_start = self._writer.cpu_s
-            self._dropped_at_window_start = self._writer.dropped
-        else:
-            sink_cpu, dropped = 0.0, 0
-
-        if self._is_logger:
-            window = Window(
-                step=step,
-                step_s=step_s,
-                data_wait_s=data_wait / num_steps,
-                gc_s=gc_window / num_steps,
-                checkpoint_s=self._checkpoint_blocked_s / num_steps,
-                sink_cpu_s=sink_cpu / num_steps,
-                sink_dropped=dropped,
-                sink_backlog=self._writer.backlog if self._writer is not None else 0,
-                memory_gb=memory_now,
-            )
-            slowdown, alert = self._detector.update(window)
-            if self._detector.baseline is not None:
-                metrics["alert/slowdown"] = slowdown
-                # The ratio the alert is decided on (rolling median), so a label never reads
-                # "SLOWDOWN x0.95" because one window happened to be fast.
-                ratio = self._detector.last_ratio
-                metrics["alert/slowdown_ratio"] = ratio if ratio is not None else step_s / self._detector.baseline.step_s
-            if alert is not None:
-                metrics[f"alert/slowdown_cause/{alert.cause}"] = 1.0
-        return metrics
+    def _slowdown_metrics(self, metrics: dict[str, float], window: Window) -> None:
+        """Feed the window to the slowdown detector; alert/* into `metrics`, a warning when an alert starts."""
+        slowdown, alert = self._detector.update(window)
+        if self._detector.baseline is not None:
+            metrics["alert/slowdown"] = slowdown
+            # The ratio the alert is decided on (rolling median), so a label never reads
+            # "SLOWDOWN x0.95" because one window happened to be fast.
+            ratio = self._detector.last_ratio
+            metrics["alert/slowdown_ratio"] = ratio if ratio is not None else window.step_s / self._detector.baseline.step_s
+        if alert is not None:
+            metrics[f"alert/slowdown_cause/{alert.cause}"] = 1.0
+            logger.warning(alert.message)
 
     def _phase_means(self) -> dict[str, float]:
         if self._cuda:
@@ -398,7 +431,6 @@ class TrainMetrics:
         self._num_grad_norms = 0
         self._grad_norm_host = 0.0
         self._num_grad_norms_host = 0
-        self._tokens_on_device = False
         self._data_wait_s = 0.0
         self._checkpoint_blocked_s = 0.0
         self._num_checkpoints = 0
@@ -441,10 +473,6 @@ class TrainMetrics:
         return "  ".join(parts)
 
     # --- end -----------------------------------------------------------------------------------
-
-    @property
-    def sink_writer(self) -> SinkWriter | None:
-        return self._writer
 
     @property
     def slowdown(self) -> SlowdownDetector:

@@ -139,6 +139,7 @@ def _newest_config(run_uri: str, storage: StorageConfig) -> dict[str, Any] | Non
     """The config.yaml of the newest checkpoint that has one (the loop writes it with every save)."""
     import yaml
 
+    from raytrain_fast.checkpoint.checkpointing import CONFIG_FILE
     from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs
     from raytrain_fast.storage import resolve_filesystem
 
@@ -146,7 +147,7 @@ def _newest_config(run_uri: str, storage: StorageConfig) -> dict[str, Any] | Non
         filesystem, path = resolve_filesystem(run_uri, storage)
         for _, directory in list_checkpoint_dirs(filesystem, path):
             try:
-                with filesystem.open_input_stream(f"{directory}/config.yaml") as stream:
+                with filesystem.open_input_stream(f"{directory}/{CONFIG_FILE}") as stream:
                     loaded = yaml.safe_load(stream.read())
             except (FileNotFoundError, OSError):
                 continue
