@@ -1,5 +1,5 @@
-"""cluster.yaml is a valid Ray cluster launcher config, and the README's cluster and single-GPU
-commands use files, presets and config keys that exist. No cloud calls: `ray up` runs the same
+"""cluster.yaml is a valid Ray cluster launcher config, and the cluster and single-GPU commands of
+docs/cluster.md (and the README's short version) use files, presets and config keys that exist. No cloud calls: `ray up` runs the same
 schema and default-filling checks before it talks to AWS."""
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_YAML = ROOT / "cluster.yaml"
-README = (ROOT / "README.md").read_text()
 
 
 def cluster_config() -> dict:
@@ -32,9 +31,9 @@ def ray_schema() -> dict:
     return json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
 
 
-def readme_section(title: str) -> str:
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## )", README, flags=re.S | re.M)
-    assert match, f"README has no '## {title}' section"
+def doc_section(page: str, title: str) -> str:
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", (ROOT / page).read_text(), flags=re.S | re.M)
+    assert match, f"{page} has no '## {title}' section"
     return match.group(1)
 
 
@@ -110,18 +109,20 @@ def pretrain_args(command: str) -> list[str] | None:
     return words[words.index("jobs/pretrain.py") + 1:]
 
 
-@pytest.mark.parametrize("title", ["Run on a cluster", "Single GPU node"])
-def test_readme_job_commands_use_real_files_presets_and_config_keys(title):
+@pytest.mark.parametrize("page, title", [
+    ("docs/cluster.md", "Run on a cluster"), ("docs/cluster.md", "Single GPU node"), ("README.md", "Next steps"),
+])
+def test_cluster_doc_job_commands_use_real_files_presets_and_config_keys(page, title):
     from raytrain_fast.cli import build_parser
     from raytrain_fast.config import load_config, validate
 
-    section = readme_section(title)
+    section = doc_section(page, title)
     lines = commands(section)
     jobs = [args for line in lines if (args := pretrain_args(line)) is not None]
-    assert jobs, f"no `python jobs/pretrain.py` command in '{title}'"
+    assert jobs, f"no `python jobs/pretrain.py` command in {page} '{title}'"
     for line in lines:
         for path in re.findall(r"\b((?:jobs|tests)/\w+\.py|cluster\.yaml)\b", line):
-            assert (ROOT / path).exists(), f"README '{title}' uses {path}, which does not exist"
+            assert (ROOT / path).exists(), f"{page} '{title}' uses {path}, which does not exist"
         if line.startswith("ray job submit"):
             assert "--working-dir ." in line and "python jobs/pretrain.py" in line
     for args in jobs:
@@ -134,8 +135,8 @@ def test_readme_job_commands_use_real_files_presets_and_config_keys(title):
         load_config(name)
 
 
-def test_readme_runtime_env_line_carries_only_the_credentials_that_are_set():
-    (line,) = [line for line in commands(readme_section("Run on a cluster")) if line.startswith("RUNTIME_ENV=")]
+def test_cluster_doc_runtime_env_line_carries_only_the_credentials_that_are_set():
+    (line,) = [line for line in commands(doc_section("docs/cluster.md", "Run on a cluster")) if line.startswith("RUNTIME_ENV=")]
     env = {
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE", "AWS_SECRET_ACCESS_KEY": "secret/with+chars'\"", "WANDB_API_KEY": "wandb-key",

@@ -1,4 +1,4 @@
-"""End to end, the README's cluster path: a real local Ray cluster (`ray start --head`), the job
+"""End to end, the cluster path of docs/cluster.md: a real local Ray cluster (`ray start --head`), the job
 submitted with `ray job submit --working-dir . -- python jobs/pretrain.py ...`, checkpoints on the
 loopback S3 server, credentials only in the runtime env. The first job is stopped with `ray job stop`
 once a complete checkpoint is in the bucket; submitting the same command again resumes from the
@@ -60,7 +60,7 @@ class LocalCluster:
 
 def _cluster_env() -> dict[str, str]:
     # No RAY_ADDRESS / RAY_* from this process (the session's in-process Ray must stay out of it) and
-    # no AWS credentials: the job gets those from the runtime env, as the README says.
+    # no AWS credentials: the job gets those from the runtime env, as docs/cluster.md says.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
     env.update(
         # `python` in the entrypoint is this virtualenv's, as on a node set up by cluster.yaml.
@@ -160,10 +160,10 @@ def complete_checkpoints(s3_server, run: str) -> list[int]:
 
 
 def submit(cluster: LocalCluster, s3_server, corpus: str, *, name: str, submission_id: str, wait: bool):
-    """The README's command, with the tiny preset shrunk to a test run and the loopback endpoint."""
+    """The documented command, with the tiny preset shrunk to a test run and the loopback endpoint."""
     runtime_env = {"env_vars": {
         **s3_server.env,  # credentials: from this shell to the job, never into a file
-        "RAY_JOB_STOP_WAIT_TIME_S": "120",  # `ray job stop` waits for the stop-notice checkpoint (README)
+        "RAY_JOB_STOP_WAIT_TIME_S": "120",  # `ray job stop` waits for the stop-notice checkpoint (docs/cluster.md)
     }}
     return cluster.job(
         "submit", "--submission-id", submission_id, *([] if wait else ["--no-wait"]),
