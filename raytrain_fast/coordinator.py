@@ -13,6 +13,10 @@ expected to post). The claimant renews its claim from a background thread while 
 claim not renewed for `lease_s` expires, so when a rank dies mid-measurement (and Ray restarts the
 worker group) the new rank takes over within seconds instead of waiting for the timeout.
 The actor uses no CPU reservation and imports neither torch nor deepspeed.
+
+It also relays the driver's stop notice to rank 0 (`request_stop` / `watch_for_stop`). The two jobs
+share one actor because both need exactly its lifetime: one per run, owned by the driver, reachable by
+name from every restarted worker group; a second actor would be a second thing to start, find and kill.
 """
 
 from __future__ import annotations

@@ -33,3 +33,16 @@ def test_job_entry_point_parses_the_same_arguments():
     )
     assert done.returncode == 2
     assert "unknown key 'train.stepz'" in done.stderr
+
+
+def test_drills_are_asked_for_by_name_and_a_bad_one_is_refused_before_ray(capsys):
+    from raytrain_fast.loop.hooks import LoopHooks
+
+    hooks = LoopHooks.from_cli(["slow_data=0.1:40:0", "slow-sink=2", "fail_once_at=150:/tmp/m:1:kill"])
+    assert hooks == LoopHooks(slow_data="0.1:40:0", slow_sink=2.0, fail_once_at="150:/tmp/m:1:kill")
+    assert LoopHooks().active() == {} and hooks.for_rank(1).on_batch is None
+    for bad, says in [("slow_dat=1", "NAME one of"), ("slow_step=x", "malformed SPEC for slow_step"),
+                      ("fail_once_at=/tmp/m", "malformed SPEC for fail_once_at"), ("slow_sink", "expected NAME=SPEC")]:
+        assert main(["pretrain", "--drill", bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, (bad, err)
