@@ -5,6 +5,7 @@ same losses as an uninterrupted run with the same seed."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -99,6 +100,12 @@ def test_retention_waits_for_every_rank_upload(late_rank, ray_session, s3_server
     loss = {r["step"]: r["train/loss"] for r in records}
     best = max((4, 8, 12), key=lambda step: loss[step])  # keep_best=1 by the highest loss, as configured
     assert checkpoint_names(s3_server, bucket, config.name) == {f"checkpoint_{best:08d}", "checkpoint_00000012"}
+    if late_rank == 1:
+        # Retention deleted checkpoints that Ray Train's own run snapshot still lists; a new driver
+        # on the same run (the same command again, further) must still start and resume.
+        longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=14))
+        result = run(longer)
+        assert result.checkpoint.endswith("checkpoint_00000014") and result.metrics["start_step"] == 12
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])

@@ -208,11 +208,43 @@ def build_trainer(
     )
 
 
-def _exists(result, path: str) -> bool:
+def _ray_snapshot_name() -> str:
+    try:
+        from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+
+        return CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+    except ImportError:  # the name Ray 2.60 uses
+        return "checkpoint_manager_snapshot.json"
+
+
+def drop_ray_run_snapshot(config: Config) -> None:
+    """Remove Ray Train's snapshot of reported checkpoints from the run directory before fit().
+
+    Ray keeps every checkpoint ever reported in that snapshot and refuses to start a new driver on
+    the run ("a reference to a checkpoint that does not exist anymore") once one of them is gone;
+    our retention (keep_last + keep_best) deletes checkpoints Ray still lists. A run resumes from
+    our own manifests (Checkpointer.restore_state), never from Ray's snapshot, so nothing is lost.
+    """
     import pyarrow.fs as pafs
 
-    filesystem = result.checkpoint.filesystem if result.checkpoint is not None else pafs.LocalFileSystem()
-    return filesystem.get_file_info(path).type == pafs.FileType.Directory
+    filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
+    path = f"{root.rstrip('/')}/{config.name}/{_ray_snapshot_name()}"
+    if filesystem.get_file_info(path).type == pafs.FileType.File:
+        filesystem.delete_file(path)
+
+
+def kept_checkpoints(config: Config) -> list[tuple[str, dict]]:
+    """(path, metrics at save time) of every complete checkpoint of the run in storage, oldest first."""
+    from raytrain_fast.checkpoint.checkpointing import STATE_FILE, TrainState
+    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs, verify_checkpoint
+
+    filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
+    kept = []
+    for _, path in reversed(list_checkpoint_dirs(filesystem, f"{root.rstrip('/')}/{config.name}")):
+        if verify_checkpoint(filesystem, path, checksums=False)[0]:
+            with filesystem.open_input_stream(f"{path}/{STATE_FILE}") as stream:
+                kept.append((path, TrainState.from_json(stream.read().decode()).metrics))
+    return kept
 
 
 def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None = None) -> RunResult:
@@ -233,15 +265,15 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
     # One named actor per run, owned by this driver: it outlives worker-group restarts, so FLOPs
     # and the matmul peak are measured once per run. Kept referenced until fit() returns.
     coordinator = start_coordinator(config.name or "run")
+    drop_ray_run_snapshot(config)
     with _StopOnSignal(coordinator) as stop:
         result = build_trainer(config, data_uri=data_uri, hooks=hooks).fit()
     measurements = ray.get(coordinator.measurements.remote())
     ray.kill(coordinator)  # the next run of this name starts a fresh one (values come from checkpoints)
-    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
-    kept = sorted(((c.path, dict(m)) for c, m in (result.best_checkpoints or [])), key=lambda item: item[0])
-    kept = [(path, metrics) for path, metrics in kept if _exists(result, path)]  # pruned ones are gone
+    kept = kept_checkpoints(config)  # what storage holds after retention: what a rerun resumes from
     return RunResult(
-        name=config.name or "", run_dir=run_dir, checkpoint=checkpoint, metrics=dict(result.metrics or {}),
+        name=config.name or "", run_dir=run_dir, checkpoint=kept[-1][0] if kept else None,
+        metrics=dict(kept[-1][1]) if kept else dict(result.metrics or {}),
         checkpoints=kept, measurements=measurements, stopped_by=stop.signal_name,
     )
 
