@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence (rows hold seq_len + 1)")
     prepare.add_argument("--tokenizer", default="byte", help="'byte' or a path to a HuggingFace tokenizer.json")
     prepare.add_argument("--overwrite", action="store_true", help="replace an output that was prepared from other inputs")
+    prepare.add_argument(
+        "--val-fraction", type=float, default=None, metavar="F",
+        help="share of documents held out for validation, chosen by content hash, in (0, 0.5] (default 0.005; capped at ~8M tokens)",
+    )
+    prepare.add_argument("--val-input", nargs="+", default=None, metavar="PATH_OR_GLOB", help="a separate validation corpus instead of --val-fraction")
     prepare.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// inputs/outputs")
     prepare.add_argument("--region", default=None)
     prepare.add_argument("--profile", default=None)
@@ -191,9 +196,10 @@ def prepare_data(args: argparse.Namespace) -> int:
     storage = StorageConfig(uri=args.output, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile)
     manifest = prepare(
         inputs=args.input, output=args.output, seq_len=args.seq_len, tokenizer=args.tokenizer,
-        storage=storage, overwrite=args.overwrite,
+        storage=storage, overwrite=args.overwrite, val_fraction=args.val_fraction, val_inputs=args.val_input,
     )
-    print(f"Prepared {manifest.num_sequences:,} sequences of {args.seq_len + 1} tokens in {args.output}")
+    held_out = f" (+ {manifest.validation.num_sequences:,} held out for validation)" if manifest.validation else " (no validation split)"
+    print(f"Prepared {manifest.num_sequences:,} sequences of {args.seq_len + 1} tokens in {args.output}{held_out}")
     print(f"Train on it: raytrain-fast pretrain --set data.source={args.output} --set data.seq_len={args.seq_len}")
     return 0
 
