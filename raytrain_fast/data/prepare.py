@@ -592,12 +592,7 @@ def prepare_data(
     rows_per_shard = rows_per_shard or _rows_per_shard(total_bytes, spec, seq_len=seq_len, num_shards_hint=num_shards_hint)
 
     _clear_output(out.filesystem, out.root, existing)
-    out.filesystem.create_dir(join_uri(out.root, VAL_DIR), recursive=True)
-    writer = _ShardWriter(filesystem=out.filesystem, root=out.root, seq_len=seq_len, rows_per_shard=rows_per_shard, dtype=spec.dtype)
-    val = _ValPacker(
-        _ShardWriter(filesystem=out.filesystem, root=out.root, seq_len=seq_len, rows_per_shard=rows_per_shard, dtype=spec.dtype, prefix=f"{VAL_DIR}/"),
-        writer, max_tokens=0 if split.inputs else VAL_MAX_TOKENS,
-    )
+    writer, val = split.writers(out.filesystem, out.root, seq_len=seq_len, rows_per_shard=rows_per_shard, dtype=spec.dtype)
     progress = _Progress(len(listing.sources), enabled=verbose)
     hashed, used, skipped, num_tokens, dropped = _tokenize_and_pack(listing, spec, filesystems, writer, progress, val, parallel=parallel)
     manifest = Manifest(
@@ -678,6 +673,15 @@ class _SplitRequest:
             source.val_fraction = 1.0
         held.skipped = [Skipped(path=s.path, reason=f"--val-input: {s.reason}") for s in held.skipped]
         return _Listing(sources=train.sources + held.sources, skipped=train.skipped + held.skipped)
+
+    def writers(
+        self, filesystem: pafs.FileSystem, root: str, *, seq_len: int, rows_per_shard: int, dtype: np.dtype
+    ) -> tuple[_ShardWriter, _ValPacker]:
+        """The training shards' writer and the validation split's packer (its shards under val/)."""
+        filesystem.create_dir(join_uri(root, VAL_DIR), recursive=True)
+        writer = _ShardWriter(filesystem=filesystem, root=root, seq_len=seq_len, rows_per_shard=rows_per_shard, dtype=dtype)
+        held = _ShardWriter(filesystem=filesystem, root=root, seq_len=seq_len, rows_per_shard=rows_per_shard, dtype=dtype, prefix=f"{VAL_DIR}/")
+        return writer, _ValPacker(held, writer, max_tokens=0 if self.inputs else VAL_MAX_TOKENS)
 
     def result(self, val: _ValPacker, *, verbose: bool) -> ValidationSplit | None:
         """The split for the manifest; None (with a warning) when the default share chose nothing."""
