@@ -32,6 +32,7 @@ import yaml
 
 from raytrain_fast.checkpoint.config import CheckpointConfig
 from raytrain_fast.checkpoint.manifest import (
+    STATE_FILE,
     download_checkpoint,
     find_resumable_checkpoint,
     list_checkpoint_dirs,
@@ -41,7 +42,6 @@ from raytrain_fast.checkpoint.manifest import (
 from raytrain_fast.errors import CheckpointError
 
 DEEPSPEED_TAG = "deepspeed"
-STATE_FILE = "train_state.json"
 CONFIG_FILE = "config.yaml"
 
 

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import yaml
 
-from raytrain_fast.checkpoint.checkpointing import CONFIG_FILE, DEEPSPEED_TAG
+from raytrain_fast.checkpoint.checkpointing import CONFIG_FILE, DEEPSPEED_TAG, STATE_FILE
 from raytrain_fast.checkpoint.manifest import download_checkpoint, find_resumable_checkpoint, list_checkpoint_dirs
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.model import GPT, ModelConfig
@@ -124,12 +124,24 @@ def export_local_checkpoint(
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     os.makedirs(out_dir, exist_ok=True)
-    info = {"weights": source, "dtype": dtype, **(metadata or {})}
+    info = {"weights": source, "dtype": dtype, **(metadata or {}), **_losses_at_save(local_dir)}
     save_model(model, str(Path(out_dir, WEIGHTS_FILE)), metadata={k: str(v) for k, v in info.items()})
     Path(out_dir, CONFIG_FILE).write_text(
         yaml.safe_dump({"model": dataclasses.asdict(config), "export": info}, sort_keys=False)
     )
     return out_dir
+
+
+def _losses_at_save(local_dir: str) -> dict[str, str]:
+    """The exported step's val/loss and train/loss as saved with the checkpoint (those it has)."""
+    import json
+
+    path = Path(local_dir, STATE_FILE)
+    try:
+        metrics = json.loads(path.read_text()).get("metrics") or {}
+    except (OSError, ValueError):
+        return {}
+    return {name.replace("/", "_"): repr(float(metrics[name])) for name in ("val/loss", "train/loss") if name in metrics}
 
 
 def export_checkpoint(
