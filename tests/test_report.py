@@ -69,6 +69,31 @@ def test_a_healthy_run_has_no_finding_and_says_what_it_could_not_check():
     assert any("checkpoint" in s for s in diagnosis.skipped)
 
 
+def _evaluated(val: list[float]):
+    """A tweak: val/loss at every window (an evaluation per log step), train/loss still falling."""
+    def tweak(index: int, record: dict) -> None:
+        record["val/loss"] = val[index]
+    return tweak
+
+
+def test_overfitting_needs_val_loss_rising_over_evaluations_while_train_loss_falls():
+    falling = [4.0 - 0.1 * i for i in range(16)]
+    assert "overfitting" not in keys_of(records(tweak=_evaluated(falling)))
+    # Lowest at window 9 (step 50), then up for the last 6 evaluations while train/loss keeps falling.
+    planted = falling[:10] + [3.2, 3.3, 3.4, 3.5, 3.6, 3.7]
+    diagnosis = diagnose(from_records(records(tweak=_evaluated(planted)), name="t", config=CONFIG))
+    [finding] = [f for f in diagnosis.findings if f.key == "overfitting"]
+    assert finding.numbers["best_step"] == 50 and finding.numbers["best_val_loss"] == pytest.approx(3.1)
+    assert finding.numbers["rise"] == pytest.approx(3.7 / 3.1 - 1)
+    assert "3.1000 at step 50" in finding.evidence[0] and "train/loss fell" in finding.evidence[1]
+    advice = " ".join(finding.advice)
+    assert "more data" in advice and "checkpoint.keep_best" in advice and "model.dropout" in advice
+    # One evaluation up is noise, not a trend; without evaluation the check says why it did not run.
+    assert "overfitting" not in keys_of(records(tweak=_evaluated(falling[:15] + [3.0])))
+    healthy = diagnose(from_records(records(), name="t", config=CONFIG))
+    assert any(s.startswith("overfitting: no val/loss") for s in healthy.skipped)
+
+
 def test_data_bound_names_the_share_and_the_fix():
     def slow_data(i, r):
         r["time/data_wait_frac"] = 0.30
