@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(sweep)
     sweep.add_argument("--micro-batch", required=True, metavar="M1,M2,...", help="micro-batches per worker to try, e.g. 1,2,4,8,16")
     sweep.add_argument("--steps", type=int, default=30, help="optimizer steps per trial (default 30)")
-    sweep.add_argument("--objective", choices=("tokens_per_sec", "loss"), default="tokens_per_sec", help="what the best trial maximises / minimises")
+    sweep.add_argument("--objective", choices=("tokens_per_sec", "loss", "val_loss"), default="tokens_per_sec", help="what the best trial maximises / minimises (val_loss: evaluates every window)")
     sweep.add_argument("--sweep-name", default=None, help="directory of the results under storage.uri (default: <run name>-sweep)")
     sweep.add_argument("--best-out", default=None, help="local file for the best config (default: in the results when storage is local, else ./<sweep>-best.yaml)")
     sweep.add_argument("--create-bucket", action="store_true", help="create the S3 bucket of storage.uri if it is missing")
