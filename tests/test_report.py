@@ -315,7 +315,9 @@ def real_runs(ray_session, tmp_path_factory):
     from raytrain_fast.launch.trainer import run
 
     tmp_path = tmp_path_factory.mktemp("report-runs")
-    run(_config(tmp_path, "clean"))  # no checkpoint but the last: at this size any save is a stall
+    # No checkpoint but the last (at this size any save is a stall); evaluated every 6 steps, so
+    # the overfitting check runs and must stay quiet on a run that sees each sequence once.
+    run(_config(tmp_path, "clean", "eval.every_steps=6"))
     planted = [
         "checkpoint.every_steps=1", "checkpoint.upload=sync", "metrics.queue_size=1", "metrics.slowdown_windows=2",
         "resources.memory_budget_gb=64",  # a ~0.6 GB process: memory under-used (memory/peak_frac ~1%)
@@ -388,6 +390,27 @@ def test_planted_problems_are_each_named_with_their_numbers(real_runs, tmp_path)
     html = Path(report.html_path).read_text()
     assert all(f'id="{key}"' in html for key in found)
     assert {Path(p).name for p in report.pngs} == PNGS
+
+
+@pytest.mark.slow
+def test_overfitting_is_named_on_a_planted_run(ray_session, tmp_path):
+    """Planted: ~30 sequences repeated for ~25 epochs. The tiny model memorises them: train/loss
+    falls while val/loss, lowest early, climbs; the report says so with the numbers and the fixes."""
+    from raytrain_fast.config import load_config
+    from raytrain_fast.launch.trainer import run
+
+    config = load_config("tiny", [
+        "train.steps=50", "train.log_every=5", "eval.every_steps=5", "data.max_tokens=4000", "optim.lr=0.003",
+        "optim.warmup_steps=10", "checkpoint.every_steps=0", "engine.precision=fp32", "resources.num_workers=1",
+        "metrics.peak_measure_s=0.2", f"storage.uri={tmp_path / 'runs'}",
+    ], name="memorise")
+    run(config)
+    report = make_report(str(tmp_path / "runs"), "memorise", out_dir=str(tmp_path / "report"))
+    found = {f.key: f for f in report.diagnosis.findings}
+    assert "overfitting" in found, report.text
+    numbers = found["overfitting"].numbers
+    assert numbers["best_step"] < 50 and numbers["val_loss"] > numbers["best_val_loss"] * 1.01
+    assert "Overfitting" in report.text and "more data" in report.text
 
 
 # --- storage -------------------------------------------------------------------------------------
