@@ -101,13 +101,18 @@ class Evaluator:
         start = time.perf_counter()
         self._sum.zero_()
         self._forward_all(engine)
+        own_s = time.perf_counter() - start
         if self.world_size > 1:
             import torch.distributed as dist
 
             dist.all_reduce(self._sum)
         loss = self._sum.item() / self.total  # HOST SYNC: the one read of an evaluation
         seconds = time.perf_counter() - start
-        metrics.exclude_from_window(seconds)
+        # What leaves the training window: on a CPU, where ops run synchronously, only this rank's
+        # own forward passes, so that waiting in the all-reduce for a slower rank still counts as
+        # training time (a straggler stays visible); on a GPU the host only queued the passes, so
+        # the whole evaluation (it follows the log step's drain, where the ranks met).
+        metrics.exclude_from_window(own_s if self._sum.device.type == "cpu" else seconds)
         values = {"val/loss": loss, "val/ppl": math.exp(min(loss, 80.0)), "time/eval_s": seconds}
         metrics.emit(step, values)
         if self.rank == 0:
