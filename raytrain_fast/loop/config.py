@@ -33,8 +33,9 @@ class EvalConfig:
     """auto: evaluate when the prepared data has a validation split (else one line says it is off);
     true: require a split (an error before any worker starts without one); false: never evaluate."""
     every_steps: int | None = None
-    """Evaluate every this many optimizer steps, and always at the last step and before every checkpoint;
-    null = checkpoint.every_steps (so each saved checkpoint carries a fresh val/loss), or 100 when that is 0."""
+    """Evaluate every this many optimizer steps (on the first log step at or after each multiple), at the
+    last step and before every checkpoint saved on a log step; null = checkpoint.every_steps (so each
+    saved checkpoint carries a fresh val/loss), or 100 when that is 0."""
     sequences: int = 64
     """Validation sequences per evaluation, across all workers: the same, evenly spread set every time,
     so values compare over the run. With enabled=auto and a smaller split, the whole split is used."""

@@ -64,7 +64,7 @@ def resolve_eval(config: Config, manifest: Manifest) -> tuple[Config, list[str]]
         )
     every = e.every_steps or config.checkpoint.every_steps or DEFAULT_EVERY_STEPS
     if enabled:
-        notes.append(f"Eval: {sequences} validation sequences every {every} steps (and before each checkpoint); keep_best ranks by {best}.")
+        notes.append(f"Eval: {sequences} validation sequences every {every} steps (and before each checkpoint saved on a log step); keep_best ranks by {best}.")
     resolved = dataclasses.replace(
         config, eval=dataclasses.replace(e, enabled=enabled, every_steps=every, sequences=sequences),
         checkpoint=dataclasses.replace(config.checkpoint, best_metric=best),
@@ -85,15 +85,22 @@ class Evaluator:
     ) -> None:
         self.tokens, self.total, self.every_steps, self.total_steps = tokens, total, every_steps, total_steps
         self.micro_batch, self.rank, self.world_size = micro_batch, rank, world_size
+        self._next_step = every_steps
         self._sum = torch.zeros((), dtype=torch.float32, device=tokens.device) if tokens is not None else None
 
     @property
     def enabled(self) -> bool:
         return self.tokens is not None
 
-    def due(self, step: int, *, saving: bool) -> bool:
-        """Its cadence, the last step, and any step that saves a checkpoint (which then carries a fresh val/loss)."""
-        return self.enabled and (saving or step == self.total_steps or step % self.every_steps == 0)
+    def due(self, step: int, *, logged: bool, saving: bool) -> bool:
+        """On log steps only (right after the drain, where the ranks met, so the evaluation's time is
+        its own, and its values join that step's record): the first one at or after each multiple
+        of every_steps, the last step, and any log step that saves a checkpoint (which then carries
+        a fresh val/loss)."""
+        if not (self.enabled and logged and (saving or step == self.total_steps or step >= self._next_step)):
+            return False
+        self._next_step = (step // self.every_steps + 1) * self.every_steps
+        return True
 
     def run(self, engine: Any, metrics: TrainMetrics, *, step: int) -> dict[str, float]:
         """Evaluate (every rank, same step: a collective); the values also go to rank 0's sinks."""

@@ -249,8 +249,8 @@ def run_steps(
     """The steps, up to train.steps or a stop notice. On log steps every rank takes part in one
     collective (the one host sync of the window), which also carries each rank's flags, so every
     rank saves (a timed checkpoint is due on some rank) and stops (a stop notice reached rank 0) at
-    the same step. An evaluation (its own collective and read) runs on its cadence and before every
-    save, so a checkpoint's metrics carry a fresh val/loss."""
+    the same step. An evaluation (its own collective and read) follows the drain on its cadence and
+    before every save on a log step, so such a checkpoint's metrics carry a fresh val/loss."""
     train, hooks = worker.config.train, worker.hooks
     batches = hooks.batches(data, current_step=lambda: state.step)
     start_step, last = state.step, {}
@@ -269,7 +269,7 @@ def run_steps(
             last = metrics.log(state.step, lr=engine.get_lr()[0], flags=flags)
             agreed = metrics.flags_any_rank
         saving = save_checkpoints and (checkpointer.due_by_steps(state.step, train.steps) or bool(agreed))
-        if evaluator.due(state.step, saving=saving):
+        if evaluator.due(state.step, logged=logged, saving=saving):
             last = {**last, **evaluator.run(engine, metrics, step=state.step)}
         if logged and on_window is not None:
             on_window(step=state.step, metrics=last)

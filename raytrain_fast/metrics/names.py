@@ -16,7 +16,7 @@ METRICS: dict[str, str] = {
     "time/forward_s": "Forward time of one optimizer step (all micro-batches), sampled every metrics.profile_every steps.",
     "time/backward_s": "Backward time of one optimizer step (gradient reduction overlapped with it included), sampled.",
     "time/optimizer_s": "Optimizer-step time of one optimizer step, sampled.",
-    "val/loss": "Mean loss on the fixed validation set (eval.sequences held-out sequences, all ranks), at each evaluation: the eval cadence, the last step and every checkpoint.",
+    "val/loss": "Mean loss on the fixed validation set (eval.sequences held-out sequences, all ranks), at each evaluation (log steps only): the eval cadence, the last step and every checkpoint saved on a log step.",
     "val/ppl": "exp(val/loss): validation perplexity.",
     "time/eval_s": "Wall time of the evaluation (one collective and one host read included); its own compute (on a GPU all of it) is left out of the window's tokens/s, step time, MFU and the slowdown baseline.",
     "checkpoint/blocked_s": "Seconds training was blocked per checkpoint saved in the window.",
