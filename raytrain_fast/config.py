@@ -22,6 +22,7 @@ from raytrain_fast.loop.config import TrainConfig
 from raytrain_fast.metrics.config import MetricsConfig, metrics_config_problems
 from raytrain_fast.model.config import ModelConfig
 from raytrain_fast.storage.config import StorageConfig
+from raytrain_fast.storage.filesystem import uri_problem
 
 DEFAULT_PRESET = "tiny"
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -178,8 +179,20 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
     problems += _resources_problems(config, cluster_cpus=cluster_cpus, cluster_gpus=cluster_gpus)
     problems += metrics_config_problems(config.metrics)
     problems += _checkpoint_problems(config.checkpoint)
+    problems += _uri_problems(config)
     if problems:
         raise ConfigError(problems)
+
+
+def _uri_problems(config: Config) -> list[str]:
+    """Every storage location in the config: a local path, file:// or s3:// (a typo such as
+    `s3:/bucket` would otherwise become a local folder, another scheme hang without a timeout)."""
+    locations = {
+        "storage.uri": config.storage.uri, "data.source": config.data.source,
+        "data.cache_dir": config.data.cache_dir, "checkpoint.init_from": config.checkpoint.init_from,
+    }
+    found = (uri_problem(value, setting=setting) for setting, value in locations.items() if isinstance(value, str))
+    return [problem for problem in found if problem]
 
 
 _POSITIVE = {

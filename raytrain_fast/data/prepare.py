@@ -448,7 +448,11 @@ def _read_manifest(filesystem: pafs.FileSystem, root: str, display_root: str) ->
     try:
         data = json.loads(raw)
     except json.JSONDecodeError:
-        raise DataError(f"{display_root}/{MANIFEST_NAME} is not valid JSON; delete it or pass overwrite=True") from None
+        from raytrain_fast.storage import store_corruption_hint
+
+        raise DataError(
+            f"{display_root}/{MANIFEST_NAME} is not valid JSON. {store_corruption_hint(raw)} (delete it or pass --overwrite)."
+        ) from None
     return Manifest.from_dict(data, root=display_root)
 
 

@@ -4,6 +4,7 @@ AWS_ENDPOINT_URL, so an S3-compatible endpoint must be passed in, never left to 
 from __future__ import annotations
 
 import os
+import re
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
@@ -13,8 +14,42 @@ from raytrain_fast.storage.credentials import S3Credentials, resolve_credentials
 from raytrain_fast.storage.errors import StorageError
 
 
+SUPPORTED_URIS = "a local directory, file:///absolute/path or s3://bucket/prefix"
+# A scheme of two or more letters followed by ':' (one letter is a Windows drive, C:\\...).
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
+
+
 def is_remote(uri: str) -> bool:
     return "://" in uri and not uri.startswith("file://")
+
+
+def uri_problem(uri: str, *, setting: str) -> str | None:
+    """Why `uri` is not a storage location raytrain-fast can use, or None.
+
+    Only local paths, file:// and s3:// are accepted: pyarrow's other filesystems (gs://, hdfs://)
+    have no timeouts or need a JVM, and a typo such as `s3:/bucket` would otherwise become a
+    local folder named `s3:`.
+    """
+    match = _SCHEME.match(uri)
+    if match is None:
+        return None
+    scheme = match.group(1).lower()
+    if scheme in ("s3", "file") and uri[len(scheme) + 1:].startswith("//"):
+        if scheme == "s3" and not uri[len("s3://"):].split("/", 1)[0]:
+            return f"{setting} '{uri}' names no bucket: use s3://<bucket>/<prefix>"
+        return None
+    if scheme in ("s3", "file"):
+        return f"{setting} '{uri}' is not a valid URI (missing '//'?): use {scheme}://..., or {SUPPORTED_URIS}"
+    hint = (" For Google Cloud Storage use its S3-compatible API: s3://bucket/prefix with "
+            "storage.endpoint_url=https://storage.googleapis.com and HMAC keys.") if scheme in ("gs", "gcs") else ""
+    return f"{setting} '{uri}': scheme '{scheme}://' is not supported; use {SUPPORTED_URIS}.{hint}"
+
+
+def check_uri(uri: str, *, setting: str) -> None:
+    """Raise StorageError when `uri_problem` finds one."""
+    problem = uri_problem(uri, setting=setting)
+    if problem:
+        raise StorageError(problem)
 
 
 def split_s3_uri(uri: str) -> tuple[str, str]:
@@ -53,6 +88,28 @@ def s3_region(storage: StorageConfig) -> str:
     return os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
 
 
+CHECKSUM_ENV = ("AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION")
+
+
+def request_checksums(storage: StorageConfig) -> str:
+    """storage.request_checksums with `auto` resolved: plain bodies for any custom endpoint."""
+    if storage.request_checksums != "auto":
+        return storage.request_checksums
+    return "when_required" if storage.endpoint_url else "when_supported"
+
+
+def checksum_env(storage: StorageConfig) -> dict[str, str]:
+    """The environment that sets the AWS SDK's checksum mode for `storage` ({} = leave the SDK default).
+
+    pyarrow's S3FileSystem has no checksum option: its AWS SDK reads these variables each time a
+    filesystem (and so an S3 client) is built, in this process or, once unpickled, in a Ray worker.
+    """
+    mode = request_checksums(storage)
+    if storage.request_checksums == "auto" and mode == "when_supported":
+        return {}  # AWS S3 itself: keep the SDK's default (and whatever the user's environment says)
+    return dict.fromkeys(CHECKSUM_ENV, mode)
+
+
 def build_s3_filesystem(
     storage: StorageConfig,
     *,
@@ -81,6 +138,7 @@ def build_s3_filesystem(
         kwargs["scheme"] = endpoint.scheme or "https"
     if credentials is None:
         credentials = resolve_credentials(storage)
+    os.environ.update(checksum_env(storage))  # read by the AWS SDK when the filesystem below is built
     if credentials is not None and not credentials.refreshable:
         kwargs["access_key"], kwargs["secret_key"] = credentials.access_key, credentials.secret_key
         if credentials.session_token:
@@ -116,9 +174,7 @@ def resolve_filesystem(uri: str, storage: StorageConfig) -> tuple[pafs.FileSyste
     if uri.startswith("s3://"):
         shipped = _SHIPPED.get(_endpoint_key(storage))
         return shipped or build_s3_filesystem(storage), uri[len("s3://"):].rstrip("/")
+    check_uri(uri, setting="storage URI")
     if uri.startswith("file://"):
         uri = uri[len("file://"):]
-    if is_remote(uri):
-        filesystem, path = pafs.FileSystem.from_uri(uri)
-        return filesystem, path
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))

@@ -72,3 +72,25 @@ def redact(obj: Any) -> Any:
     if isinstance(obj, str):
         return redact_string(obj)
     return obj
+
+
+_URL_TOKEN = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
+_SECRET_ENV_MIN_LEN = 6  # shorter values ("1", "true") would mask ordinary words
+
+
+def _secret_env_values() -> list[str]:
+    import os
+
+    values = {v for k, v in os.environ.items() if is_secret_key(k) and len(v) >= _SECRET_ENV_MIN_LEN}
+    return sorted(values, key=len, reverse=True)  # longest first: a secret containing another
+
+
+def redact_text(text: str) -> str:
+    """Free text (messages, logs, printed YAML) with credentials masked: URL passwords, credential
+    query parameters (presigned URLs), and the value of any secret-named environment variable
+    (AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, ...) wherever it appears. The one redaction every
+    printout of the command line goes through."""
+    text = _URL_TOKEN.sub(lambda m: redact_string(m.group(0)), text)
+    for secret in _secret_env_values():
+        text = text.replace(secret, MASK)
+    return text
