@@ -68,6 +68,11 @@ class Config:
         return max(1, self.train.global_batch // per_step)
 
 
+PRESET_ALIASES = {"gpt2-124m": "gpt-124m"}
+"""Old preset names, still accepted. Presets are named gpt-<parameters>; a run started under an old
+name keeps that name (so it resumes)."""
+
+
 def presets() -> dict[str, Path]:
     """Shipped presets: name -> YAML file."""
     folder = resources.files("raytrain_fast") / "configs"
@@ -114,13 +119,26 @@ def resolve_config_path(config: str | None) -> Path:
     if config is None:
         config = DEFAULT_PRESET
     shipped = presets()
-    if config in shipped:
-        return shipped[config]
-    path = Path(config)
-    if path.exists():
+    if PRESET_ALIASES.get(config, config) in shipped:
+        return shipped[PRESET_ALIASES.get(config, config)]
+    path = Path(config).expanduser()
+    if path.is_file():
         return path
     names = ", ".join(sorted(shipped))
-    raise ConfigError(f"--config '{config}' is neither a file nor a preset (presets: {names})")
+    if path.is_dir():
+        raise ConfigError(f"--config '{config}' is a directory: give a YAML file in it, or a preset ({names})")
+    if "/" in config or "\\" in config or path.suffix.lower() in (".yaml", ".yml", ".json"):
+        raise ConfigError(
+            f"--config file '{config}' does not exist (looked in {path.resolve().parent}). Check the path, "
+            f"or use a preset: {names}"
+        )
+    import difflib
+
+    close = difflib.get_close_matches(config, [*shipped, *PRESET_ALIASES], n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise ConfigError(
+        f"--config '{config}' is not a preset ({hint}presets: {names}) and no file of that name exists here"
+    )
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> list[str]:
@@ -160,8 +178,8 @@ def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...
     problems.extend(structure)
     if problems:
         raise ConfigError(problems, source=str(path) + (" with --set overrides" if overrides else ""))
-    if loaded.name is None:
-        loaded = dataclasses.replace(loaded, name=path.stem)
+    if loaded.name is None:  # an old preset name stays the run's name: the run resumes under it
+        loaded = dataclasses.replace(loaded, name=config if config in PRESET_ALIASES else path.stem)
     return loaded
 
 
@@ -252,7 +270,10 @@ def _optim_problems(config: Config) -> list[str]:
     if o.warmup_steps < 0:
         problems.append(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     elif t.steps > 0 and o.warmup_steps > t.steps:
-        problems.append(f"optim.warmup_steps ({o.warmup_steps}) exceeds train.steps ({t.steps})")
+        problems.append(
+            f"optim.warmup_steps ({o.warmup_steps}) exceeds train.steps ({t.steps}); fix: --set optim.warmup_steps="
+            f"{max(0, t.steps // 10)} (a tenth of the steps), or raise train.steps"
+        )
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         problems.append(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     if o.grad_clip < 0:
@@ -279,16 +300,39 @@ def _batch_problems(t: TrainConfig, r: ResourcesConfig) -> list[str]:
             if t.global_batch % per_step:
                 problems.append(
                     f"train.global_batch ({t.global_batch}) is not a multiple of train.micro_batch x "
-                    f"resources.num_workers ({t.micro_batch} x {r.num_workers} = {per_step}); "
-                    f"try global_batch={max(per_step, t.global_batch // per_step * per_step)}"
+                    f"resources.num_workers ({t.micro_batch} x {r.num_workers} = {per_step}); fix it with one of: "
+                    + _batch_fixes(t.global_batch, t.micro_batch, r.num_workers)
                 )
         elif t.grad_accum > 0 and per_step * t.grad_accum != t.global_batch:
             problems.append(
                 f"train.global_batch ({t.global_batch}) != micro_batch x grad_accum x num_workers "
-                f"({t.micro_batch} x {t.grad_accum} x {r.num_workers} = {per_step * t.grad_accum}); "
-                "fix one of them, or set train.grad_accum=null to derive it"
+                f"({t.micro_batch} x {t.grad_accum} x {r.num_workers} = {per_step * t.grad_accum}); fix it with one of: "
+                + _batch_fixes(t.global_batch, t.micro_batch, r.num_workers, grad_accum=t.grad_accum)
             )
     return problems
+
+
+def _batch_fixes(global_batch: int, micro_batch: int, num_workers: int, *, grad_accum: int | None = None) -> str:
+    """Every way to make global_batch = micro_batch x grad_accum x num_workers: micro_batch or
+    grad_accum first (same training run), the global batch last (it changes the run)."""
+    fixes = []
+    per_worker, remainder = divmod(global_batch, num_workers)
+    if not remainder:
+        divisors = [m for m in range(min(micro_batch, per_worker), 0, -1) if per_worker % m == 0]
+        if grad_accum is None:
+            fixes.append(f"--set train.micro_batch={divisors[0]} (grad_accum is derived: {per_worker // divisors[0]})")
+            if len(divisors) > 1:
+                fixes.append(f"--set train.micro_batch={divisors[1]} --set train.grad_accum={per_worker // divisors[1]}")
+        else:
+            if per_worker % grad_accum == 0:
+                fixes.append(f"--set train.micro_batch={per_worker // grad_accum}")
+            if per_worker % micro_batch == 0:
+                fixes.append(f"--set train.grad_accum={per_worker // micro_batch}")
+            if not fixes:
+                fixes.append(f"--set train.micro_batch={divisors[0]} --set train.grad_accum={per_worker // divisors[0]}")
+    step = micro_batch * (grad_accum or 1) * num_workers
+    fixes.append(f"--set train.global_batch={max(step, round(global_batch / step) * step)} (changes the training run)")
+    return "; ".join(fixes)
 
 
 def _resources_problems(config: Config, *, cluster_cpus: float | None, cluster_gpus: float | None) -> list[str]:

@@ -47,7 +47,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._read_body()
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_HEADERS and k.lower() != "expect"}
         if _is_framed(self.headers):
-            self.server.framed_requests += 1
+            self.server.framed_paths.append(self.path.split("?", 1)[0])
             headers = {k: v for k, v in headers.items() if k.lower() not in _FRAMING_HEADERS}
             encodings = [e.strip() for e in headers.pop("Content-Encoding", "").split(",") if e.strip()]
             if [e for e in encodings if e.lower() != "aws-chunked"]:
@@ -78,7 +78,7 @@ class _Handler(BaseHTTPRequestHandler):
 class _ProxyServer(ThreadingHTTPServer):
     daemon_threads = True
     upstream_port: int
-    framed_requests: int = 0
+    framed_paths: list[str]
 
 
 class ChunkManglingProxy:
@@ -87,6 +87,7 @@ class ChunkManglingProxy:
     def __init__(self, upstream_port: int) -> None:
         self._server = _ProxyServer(("127.0.0.1", 0), _Handler)
         self._server.upstream_port = upstream_port
+        self._server.framed_paths = []
         self._thread = threading.Thread(target=self._server.serve_forever, name="s3-mangling-proxy", daemon=True)
 
     @property
@@ -94,9 +95,9 @@ class ChunkManglingProxy:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     @property
-    def framed_requests(self) -> int:
-        """How many aws-chunked uploads passed through (and were stored with their framing)."""
-        return self._server.framed_requests
+    def framed_paths(self) -> list[str]:
+        """/bucket/key of every aws-chunked upload that passed through (and was stored with its framing)."""
+        return list(self._server.framed_paths)
 
     def __enter__(self) -> ChunkManglingProxy:
         self._thread.start()

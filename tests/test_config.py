@@ -72,9 +72,15 @@ def test_set_overrides_are_typed_and_checked():
         load_config("tiny", ["model.positions=alibi"])
 
 
-def test_missing_config_file_lists_presets():
-    with pytest.raises(ConfigError, match="neither a file nor a preset .*tiny"):
+def test_missing_config_file_and_unknown_preset_get_different_messages():
+    with pytest.raises(ConfigError, match="--config file 'no-such-config.yaml' does not exist .*tiny"):
         load_config("no-such-config.yaml")
+    with pytest.raises(ConfigError, match="'gpt-350' is not a preset .did you mean 'gpt-350m'"):
+        load_config("gpt-350")
+
+
+def test_old_preset_names_still_work_and_keep_their_run_name():
+    assert load_config("gpt2-124m").to_dict() == {**load_config("gpt-124m").to_dict(), "name": "gpt2-124m"}
 
 
 def test_bad_batch_arithmetic_names_fields_and_fix():
