@@ -200,8 +200,8 @@ def runs(args: argparse.Namespace) -> int:
     print(format_runs_table(found, storage_uri=args.storage))
     bad = [c for run in found for c in run.checkpoints if not c.complete]
     if bad:
-        print(f"\n{len(bad)} checkpoint(s) incomplete or corrupt (exit code {EXIT_INCOMPLETE_CHECKPOINTS}): a run "
-              "resumes from its newest complete one; delete the others once no run is writing them.", file=sys.stderr)
+        _error(f"{len(bad)} checkpoint(s) incomplete or corrupt (exit code {EXIT_INCOMPLETE_CHECKPOINTS}): a run "
+               "resumes from its newest complete one; delete the others once no run is writing them.")
         return EXIT_INCOMPLETE_CHECKPOINTS
     return EXIT_OK
 
@@ -238,6 +238,13 @@ def prepare_data(args: argparse.Namespace) -> int:
     from raytrain_fast.data import prepare_data as prepare
     from raytrain_fast.storage import StorageConfig
 
+    from raytrain_fast.errors import ConfigError
+    from raytrain_fast.storage import check_uri
+
+    if args.seq_len < 1:
+        raise ConfigError(f"--seq-len must be >= 1 (tokens per training sequence), got {args.seq_len}; e.g. --seq-len 128")
+    for uri, setting in [(args.output, "--output"), *((item, "--input") for item in args.input)]:
+        check_uri(uri, setting=setting)
     storage = StorageConfig(uri=args.output, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile)
     manifest = prepare(
         inputs=args.input, output=args.output, seq_len=args.seq_len, tokenizer=args.tokenizer,

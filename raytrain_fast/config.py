@@ -22,7 +22,7 @@ from raytrain_fast.loop.config import TrainConfig
 from raytrain_fast.metrics.config import MetricsConfig, metrics_config_problems
 from raytrain_fast.model.config import ModelConfig
 from raytrain_fast.storage.config import StorageConfig
-from raytrain_fast.storage.filesystem import uri_problem
+from raytrain_fast.storage.config import uri_problem
 
 DEFAULT_PRESET = "tiny"
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -88,7 +88,7 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
-            raise ConfigError(f"duplicate key '{key}' (line {key_node.start_mark.line + 1})")
+            raise ConfigError(f"duplicate key '{key}' (line {key_node.start_mark.line + 1}): keep one of them")
         seen.add(key)
     return loader.construct_mapping(node, deep=deep)
 
@@ -110,7 +110,10 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError("the top level must be a mapping of sections", source=str(path))
+        raise ConfigError(
+            "the top level must be a mapping of sections (e.g. `train:` then `  steps: 500` on the next line); "
+            "see docs/configuration.md", source=str(path),
+        )
     return data
 
 
@@ -166,11 +169,22 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> list[str]:
     return problems
 
 
+PRECISION_ALIASES = {"bfloat16": "bf16", "float32": "fp32"}
+"""torch's spellings, accepted wherever the config takes bf16 / fp32 (export takes both too)."""
+
+
+def _accept_dtype_spellings(data: dict[str, Any]) -> None:
+    engine = data.get("engine")
+    if isinstance(engine, dict) and isinstance(engine.get("precision"), str):
+        engine["precision"] = PRECISION_ALIASES.get(engine["precision"].lower(), engine["precision"])
+
+
 def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...] = (), *, name: str | None = None) -> Config:
     """Read a preset or YAML file, apply overrides, and check types and unknown keys."""
     path = resolve_config_path(config)
     data = read_yaml(path)
     problems = apply_overrides(data, list(overrides))
+    _accept_dtype_spellings(data)
     if name is not None:
         data["name"] = name
     structure: list[str] = []
@@ -236,7 +250,11 @@ def _not_positive(section: str, obj: Any, names: tuple[str, ...]) -> list[str]:
 def _model_problems(m: ModelConfig, d: DataConfig) -> list[str]:
     problems = []
     if m.num_heads > 0 and m.d_model % m.num_heads:
-        problems.append(f"model.d_model ({m.d_model}) must be divisible by model.num_heads ({m.num_heads})")
+        heads = max(h for h in range(1, m.num_heads + 1) if m.d_model % h == 0)
+        problems.append(
+            f"model.d_model ({m.d_model}) must be divisible by model.num_heads ({m.num_heads}); "
+            f"e.g. --set model.num_heads={heads}"
+        )
     elif m.positions == "rotary" and m.num_heads > 0 and (m.d_model // m.num_heads) % 2:
         problems.append("model.positions=rotary needs an even head size (d_model / num_heads)")
     if not 0.0 <= m.dropout < 1.0:
@@ -259,7 +277,10 @@ def _data_problems(d: DataConfig) -> list[str]:
             f"data.source '{d.source}' does not exist; give a text file, directory or glob, a prepare-data output, or 'stdlib'"
         )
     if d.tokenizer != "byte" and "://" not in d.tokenizer and not Path(d.tokenizer).expanduser().is_file():
-        problems.append(f"data.tokenizer '{d.tokenizer}' is neither 'byte' nor an existing tokenizer.json file")
+        problems.append(
+            f"data.tokenizer '{d.tokenizer}' is neither 'byte' nor an existing tokenizer.json file; "
+            "give 'byte' or the path of a HuggingFace tokenizer.json"
+        )
     return problems
 
 

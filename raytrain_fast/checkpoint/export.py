@@ -174,13 +174,17 @@ def export_checkpoint(
             path, skipped = find_resumable_checkpoint(filesystem, run_path, download_to=local_dir)
             if path is None:
                 why = "; ".join(f"{p.rsplit('/', 1)[-1]}: {r}" for p, r in skipped) or "it has no checkpoints"
-                raise CheckpointError(f"run '{name}' under {storage_uri} has no complete checkpoint ({why})")
+                raise CheckpointError(
+                    f"run '{name}' under {storage_uri} has no complete checkpoint ({why}). Check --name and --storage "
+                    f"(`raytrain-fast runs --storage {storage_uri}` lists runs), or train it until it saves one"
+                )
         else:
             path = f"{run_path}/checkpoint_{step:08d}"
             if not any(s == step for s, _ in list_checkpoint_dirs(filesystem, run_path)):
                 steps = [s for s, _ in list_checkpoint_dirs(filesystem, run_path)]
                 raise CheckpointError(
-                    f"run '{name}' under {storage_uri} has no checkpoint at step {step} (steps: {sorted(steps) or 'none'})"
+                    f"run '{name}' under {storage_uri} has no checkpoint at step {step} (steps: {sorted(steps) or 'none'}); "
+                    "pick one of those steps, or leave out --step for the newest complete one"
                 )
             download_checkpoint(filesystem, path, local_dir)
         checkpoint_step = int(path.rstrip("/").rsplit("_", 1)[-1])

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,3 +25,30 @@ class StorageConfig:
     """S3 upload checksums. when_supported: the AWS SDK default, uploads sent aws-chunked with a trailing
     CRC, which some S3-compatible stores save as part of the object; when_required: plain request
     bodies, which every store reads. auto = when_required with storage.endpoint_url, else when_supported."""
+
+
+SUPPORTED_URIS = "a local directory, file:///absolute/path or s3://bucket/prefix"
+# A scheme of two or more letters followed by ':' (one letter is a Windows drive, C:\\...).
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
+
+
+def uri_problem(uri: str, *, setting: str) -> str | None:
+    """Why `uri` is not a storage location raytrain-fast can use, or None.
+
+    Only local paths, file:// and s3:// are accepted: pyarrow's other filesystems (gs://, hdfs://)
+    have no timeouts or need a JVM, and a typo such as `s3:/bucket` would otherwise become a
+    local folder named `s3:`.
+    """
+    match = _SCHEME.match(uri)
+    if match is None:
+        return None
+    scheme = match.group(1).lower()
+    if scheme in ("s3", "file") and uri[len(scheme) + 1:].startswith("//"):
+        if scheme == "s3" and not uri[len("s3://"):].split("/", 1)[0]:
+            return f"{setting} '{uri}' names no bucket: use s3://<bucket>/<prefix>"
+        return None
+    if scheme in ("s3", "file"):
+        return f"{setting} '{uri}' is not a valid URI (missing '//'?): use {scheme}://..., or {SUPPORTED_URIS}"
+    hint = (" For Google Cloud Storage use its S3-compatible API: s3://bucket/prefix with "
+            "storage.endpoint_url=https://storage.googleapis.com and HMAC keys.") if scheme in ("gs", "gcs") else ""
+    return f"{setting} '{uri}': scheme '{scheme}://' is not supported; use {SUPPORTED_URIS}.{hint}"
