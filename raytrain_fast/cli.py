@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import traceback
@@ -266,6 +267,9 @@ def _error(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line. argv None = this process's arguments (the `raytrain-fast` program): a
+    storage probe still blocked after an error or Ctrl-C then ends the process at once."""
+    as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere, also after the subcommand
     argv = [a for a in argv if a != "--debug"]
@@ -273,9 +277,18 @@ def main(argv: list[str] | None = None) -> int:
 
     streams = wrap_std_streams()  # every printout below is redacted; colour only on a terminal
     try:
-        return _run(argv, debug=debug)
+        code = _run(argv, debug=debug)
     finally:
         sys.stdout, sys.stderr = streams
+    from raytrain_fast.storage.probe import probe_still_running
+
+    if as_program and probe_still_running():
+        if debug:
+            print("raytrain-fast: a storage probe was still waiting; ended without waiting for it", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # pyarrow's exit handler would wait for the abandoned request
+    return code
 
 
 def _run(argv: list[str], *, debug: bool) -> int:

@@ -93,6 +93,11 @@ CASES = [
     # ---- checkpoints and the commands that read them
     Case("resume-must-without-checkpoint", ["pretrain", "--resume", "must", *_s("storage.uri={tmp}/runs")], 2,
          ["--resume must: run 'tiny' has no complete checkpoint", "raytrain-fast runs --storage", "--resume auto"]),
+    Case("resume-never-with-checkpoint", ["pretrain", "--resume", "never", *_s("storage.uri={tmp}/runs")], 2,
+         [r"--resume never: run 'tiny' already has 1 checkpoint\(s\)", "Pick another --name", "--resume auto"],
+         setup="complete_checkpoint"),
+    Case("resume-other-worker-count", ["pretrain", *_s("storage.uri={tmp}/runs", "resources.num_workers=2", "train.micro_batch=8")], 2,
+         ["was saved by 1 workers, this run has 2", "resources.num_workers"], setup="complete_checkpoint"),
     Case("runs-missing-storage", ["runs", "--storage", "{tmp}/does-not-exist"], 2, ["does-not-exist' does not exist", "Check the path"]),
     Case("runs-unsupported-scheme", ["runs", "--storage", "gs://bucket/runs"], 2, ["scheme 'gs://' is not supported"]),
     Case("runs-unreachable-endpoint", ["runs", "--storage", "s3://bkt/runs", "--endpoint-url", "http://127.0.0.1:{port}"], 2,
@@ -152,6 +157,16 @@ def incomplete_checkpoint(tmp: Path) -> None:
     checkpoint = tmp / "runs" / "r1" / "checkpoint_00000010"
     checkpoint.mkdir(parents=True)
     (checkpoint / "train_state.json").write_text('{"step": 10}')
+
+
+def complete_checkpoint(tmp: Path) -> None:
+    """Run 'tiny' with a complete (manifested) checkpoint at step 300, saved by 1 worker."""
+    from raytrain_fast.checkpoint.manifest import write_rank_manifest
+
+    checkpoint = tmp / "runs" / "tiny" / "checkpoint_00000300"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "train_state.json").write_text('{"step": 300, "world_size": 1, "metrics": {"train/loss": 2.5}}')
+    write_rank_manifest(str(checkpoint), rank=0, world_size=1, step=300)
 
 
 def earlier_export(tmp: Path) -> None:
@@ -253,3 +268,73 @@ def test_debug_shows_the_traceback(capsys):
     assert main(["--debug", "pretrain", "--set", "train.micro_batch=0"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and err.rstrip().endswith("train.micro_batch must be > 0, got 0")
+
+
+def test_a_finished_run_is_nothing_to_do_before_ray_starts(isolated, monkeypatch, capsys):
+    import raytrain_fast.launch.trainer as trainer
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started for a run that had nothing to do")
+
+    monkeypatch.setattr(trainer, "_ensure_ray", no_ray)
+    complete_checkpoint(isolated)
+    assert main(["pretrain", "--set", f"storage.uri={isolated}/runs"]) == 0
+    out = capsys.readouterr().out
+    assert "already reached train.steps=300 (checkpoint at step 300); nothing to do" in out
+    assert "--set train.steps=600" in out and "checkpoint_00000300" in out
+
+
+def _silent_server():
+    """A TCP server on 127.0.0.1 that accepts connections and never answers (a hung endpoint)."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    accepted: list = []
+
+    def serve() -> None:
+        while True:
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:  # closed: the test is over
+                return
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, accepted
+
+
+def test_a_silent_endpoint_times_out_and_ctrl_c_ends_the_probe_at_once(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    server, accepted = _silent_server()
+    port = server.getsockname()[1]
+    env = {**__import__("os").environ, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": SECRET,
+           "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": str(tmp_path / "none"),
+           "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}
+    command = [sys.executable, "-m", "raytrain_fast.cli", "runs", "--storage", "s3://bkt/runs",
+               "--endpoint-url", f"http://127.0.0.1:{port}"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert re.search(r"Timed out after 10 s trying to read s3://bkt/runs|Timeout was reached", done.stderr), done.stderr
+        assert "storage.endpoint_url" in done.stderr and SECRET not in done.stderr + done.stdout
+
+        accepted.clear()
+        process = subprocess.Popen([*command, "--debug"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env=env, cwd=tmp_path)
+        deadline = time.monotonic() + 30
+        while not accepted and time.monotonic() < deadline:  # the probe is waiting on the silent server
+            time.sleep(0.05)
+        assert accepted, "the command never connected"
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+        assert process.returncode == 130 and "raytrain-fast: error: interrupted" in err, err
+        # Ctrl-C was taken while the request still hung (not after the probe gave up), and the
+        # process ended without waiting for it.
+        assert "Timed out" not in err and "a storage probe was still waiting" in err, err
+    finally:
+        server.close()

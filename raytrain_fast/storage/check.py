@@ -33,6 +33,9 @@ MARKER_PREFIX = ".raytrain-fast-write-check-"
 CONNECT_TIMEOUT_S = 2.0
 REQUEST_TIMEOUT_S = 5.0
 MAX_ATTEMPTS = 2
+READ_PROBE_TIMEOUT_S = 10.0
+"""runs / export / report: one listing call, so a silent endpoint is reported after 10 s, not after
+every attempt's request timeout."""
 
 
 def check_storage(storage: StorageConfig, *, create_bucket: bool = False) -> None:
@@ -72,7 +75,7 @@ def check_storage_readable(uri: str, storage: StorageConfig, *, setting: str = "
 
     fix = "Check storage.endpoint_url (--endpoint-url) and that the service answers from this machine."
     try:
-        kind = call_with_timeout(probe, what=f"read {uri} ({endpoint})", fix=fix)
+        kind = call_with_timeout(probe, timeout_s=READ_PROBE_TIMEOUT_S, what=f"read {uri} ({endpoint})", fix=fix)
     except OSError as error:
         raise StorageError(f"Cannot read {uri} ({endpoint}): {_short(str(error))}. {fix}") from None
     if kind == pafs.FileType.NotFound:

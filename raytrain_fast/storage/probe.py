@@ -16,6 +16,8 @@ from typing import TypeVar
 from raytrain_fast.storage.errors import StorageError
 
 T = TypeVar("T")
+_abandoned: list[threading.Event] = []
+"""The `finished` events of probes given up on."""
 PROBE_TIMEOUT_S = 30.0
 """Longest any start-up storage probe may take (each request has its own shorter timeouts)."""
 
@@ -26,20 +28,33 @@ def call_with_timeout(fn: Callable[[], T], *, timeout_s: float = PROBE_TIMEOUT_S
     what: the action in words ("reach s3://bucket/runs at endpoint http://..."); fix: the advice.
     """
     outcome: dict[str, object] = {}
+    finished = threading.Event()
 
     def target() -> None:
         try:
             outcome["value"] = fn()
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
             outcome["error"] = error
+        finally:
+            finished.set()
 
-    thread = threading.Thread(target=target, name="raytrain-fast-storage-probe", daemon=True)
-    thread.start()
+    threading.Thread(target=target, name="raytrain-fast-storage-probe", daemon=True).start()
     deadline = time.monotonic() + timeout_s
-    while thread.is_alive():
-        if time.monotonic() >= deadline:
-            raise StorageError(f"Timed out after {timeout_s:.0f} s trying to {what}. {fix}")
-        thread.join(0.1)  # short waits: the main thread stays interruptible by Ctrl-C
+    try:
+        # An Event, not Thread.join: a Ctrl-C inside join() marks a still running thread as
+        # stopped (CPython's bpo-45274 handling), which would hide the hung probe.
+        while not finished.wait(0.1):  # short waits: the main thread stays interruptible by Ctrl-C
+            if time.monotonic() >= deadline:
+                raise StorageError(f"Timed out after {timeout_s:.0f} s trying to {what}. {fix}")
+    except BaseException:
+        _abandoned.append(finished)
+        raise
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     return outcome["value"]  # type: ignore[return-value]
+
+
+def probe_still_running() -> bool:
+    """Whether a probe given up on (timed out, Ctrl-C) is still blocked in pyarrow. Then the process
+    should end with os._exit: pyarrow's S3 shutdown at exit would wait for that request."""
+    return any(not finished.is_set() for finished in _abandoned)
