@@ -90,7 +90,7 @@ CASES = [
          [r"endpoint_url: http://admin:\*\*\*@127.0.0.1:9000"]),
     Case("presigned-url-in-a-setting", ["show-config", *_s(f"data.source=https://h/x?X-Amz-Signature={SECRET}&a=1")], 2,
          [r"X-Amz-Signature=\*\*\*", "not supported"]),
-    # ---- checkpoints and the commands that read them
+    # ---- checkpoints
     Case("resume-must-without-checkpoint", ["pretrain", "--resume", "must", *_s("storage.uri={tmp}/runs")], 2,
          ["--resume must: run 'tiny' has no complete checkpoint", "raytrain-fast runs --storage", "--resume auto"]),
     Case("resume-never-with-checkpoint", ["pretrain", "--resume", "never", *_s("storage.uri={tmp}/runs")], 2,
