@@ -15,15 +15,9 @@ from tests.s3_server import SECRET_KEY
 
 
 @pytest.fixture
-def proxy(s3_server, monkeypatch, tmp_path):
-    """Credentials in the environment (only there), checksum variables restored afterwards."""
-    for key, value in s3_server.env.items():
-        monkeypatch.setenv(key, value)
-    for key in ("AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION", "AWS_PROFILE"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    with ChunkManglingProxy(s3_server.port) as running:
+def proxy(aws_env):
+    """The framing-keeping store in front of the S3 server; credentials only in the environment."""
+    with ChunkManglingProxy(aws_env.port) as running:
         yield running
 
 
