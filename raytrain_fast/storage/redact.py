@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -78,10 +79,17 @@ _URL_TOKEN = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
 _SECRET_ENV_MIN_LEN = 6  # shorter values ("1", "true") would mask ordinary words
 
 
+@functools.lru_cache(maxsize=8)
+def _secret_names(names: frozenset[str]) -> tuple[str, ...]:
+    return tuple(name for name in names if is_secret_key(name))
+
+
 def _secret_env_values() -> list[str]:
     import os
 
-    values = {v for k, v in os.environ.items() if is_secret_key(k) and len(v) >= _SECRET_ENV_MIN_LEN}
+    # Names are classified once per set of variables: this runs on every console write.
+    names = _secret_names(frozenset(os.environ))
+    values = {v for v in (os.environ.get(n, "") for n in names) if len(v) >= _SECRET_ENV_MIN_LEN}
     return sorted(values, key=len, reverse=True)  # longest first: a secret containing another
 
 
