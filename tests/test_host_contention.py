@@ -94,3 +94,25 @@ def test_report_names_the_stall_the_contention_and_the_memory_pressure(contended
     assert pressure.numbers["host/memory_budget_frac"] > 0.9
     assert "resources.memory_budget_gb" in " ".join(pressure.advice)
     assert "step_time.png" in {p.rsplit("/", 1)[-1] for p in report.pngs}
+
+
+def test_a_worker_started_at_niceness_15_lowers_every_thread_to_0():
+    """What a Ray worker started with Ray's default niceness does at setup (the suite's own Ray
+    starts workers at 0, see conftest): every thread, those started before the call included."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, threading, time\n"
+        "from raytrain_fast.metrics.host import run_at_normal_priority\n"
+        "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
+        "before = os.getpriority(os.PRIO_PROCESS, 0)\n"
+        "after = run_at_normal_priority()\n"
+        "threads = [os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')]\n"
+        "print(before, after, max(threads))\n"
+    )
+    out = subprocess.run(["nice", "-n", "15", sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    if os.geteuid() == 0:  # root may lower niceness (CI, containers)
+        assert out.stdout.split() == ["15", "0", "0"], out.stderr
+    else:  # not permitted: it trains on at 15 and one warning names the fix
+        assert out.stdout.split()[1] == "15" and "RAY_worker_niceness=0" in out.stderr, out.stderr
