@@ -20,7 +20,7 @@ from raytrain_fast.report.diagnose import (
     STRAGGLER_SHARE,
 )
 
-PNGS = {"loss.png", "throughput.png", "data_wait.png", "step_time.png", "checkpoint.png", "memory.png"}
+PNGS = {"loss.png", "throughput.png", "mfu.png", "data_wait.png", "step_time.png", "checkpoint.png", "memory.png"}
 
 
 # --- records built in the test -------------------------------------------------------------------
@@ -414,7 +414,10 @@ def test_clean_run_report_has_the_plots_and_no_finding_noise_cannot_explain(real
     # Every plot but the checkpoint one (no save between two log steps), which the page explains.
     assert {p.name for p in out.glob("*.png")} == PNGS - {"checkpoint.png"}
     html = (out / "report.html").read_text()
-    assert all(f'src="{name}"' in html for name in PNGS - {"checkpoint.png"})
+    # One file to mail: every plot embedded, and what the run was at the top.
+    assert all(f'<figure id="{name}"><img src="data:image/png;base64,' in html for name in PNGS - {"checkpoint.png"})
+    assert html.index("<h2>Run</h2>") < html.index("<h2>Summary</h2>")
+    assert "fp32, ZeRO stage 2" in html and "2 layers, d_model 32" in html and "tokens trained" in html
     assert "Checkpoint blocked time: no checkpoint was saved between two log steps" in html
     assert "tokens/s (median)" in html
     assert ("No problems found" in html) == (not found)

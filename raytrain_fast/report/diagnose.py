@@ -142,7 +142,7 @@ def _pct(value: float) -> str:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+    return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.1f} s"
 
 
 def _duration(seconds: float) -> str:
@@ -434,11 +434,7 @@ def _checkpoint_stall(run: RunMetrics) -> Finding | str | None:
     total_blocked = 0.0
     num_checkpoints = 0
     for step, seconds in zip(steps, blocked):
-        # A save right after log step s lands in the window that ends at the next log step.
-        count = 1
-        if isinstance(every, int) and every > 0:
-            start = step - windows[step]
-            count = max(1, sum(1 for s in range(start, step) if s > 0 and s % every == 0))
+        count = len(run.saves_in_window(step))  # blocked_s is per checkpoint saved in the window
         total_blocked += seconds * count
         num_checkpoints += count
     wall = sum(r.get("time/step_s", 0.0) * windows[r["step"]] for r in run.records)
@@ -673,12 +669,42 @@ def _memory_pressure(run: RunMetrics) -> Finding | str | None:
 # --- summary -------------------------------------------------------------------------------------
 
 
+def run_facts(run: RunMetrics) -> dict[str, str]:
+    """What the run was: model, precision, workers, batch, tokens and dates (from its config and
+    records), for the top of the report."""
+    import datetime
+
+    facts: dict[str, str] = {}
+    model = run.config.get("model") if run.config else None
+    if isinstance(model, dict) and model.get("d_model"):
+        facts["model"] = (
+            f"{model.get('num_layers')} layers, d_model {model.get('d_model'):,}, {model.get('num_heads')} heads, "
+            f"vocabulary {model.get('vocab_size', 0):,}, sequence {model.get('max_seq_len', 0):,}"
+        )
+    precision = run.setting("engine", "precision")
+    if precision:
+        facts["precision"] = f"{precision}, ZeRO stage {run.setting('engine', 'zero_stage', '?')}"
+    workers = run.setting("resources", "num_workers")
+    if workers is not None:
+        facts["workers"] = f"{workers}" + (f" x {run.setting('resources', 'cpus_per_worker')} CPUs" if run.setting("resources", "cpus_per_worker") else "")
+    global_batch, seq_len = run.setting("train", "global_batch"), run.setting("data", "seq_len")
+    if isinstance(global_batch, int) and isinstance(seq_len, int):
+        facts["batch"] = f"{global_batch:,} sequences of {seq_len:,} tokens (micro-batch {run.setting('train', 'micro_batch')})"
+        steps = run.setting("train", "steps")
+        facts["tokens trained"] = f"{global_batch * seq_len * run.last_step:,} (to step {run.last_step:,}" + (f" of {steps:,})" if isinstance(steps, int) else ")")
+    times = [r["time"] for r in run.records if isinstance(r.get("time"), (int, float))]
+    if times:
+        fmt = lambda t: datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")  # noqa: E731
+        facts["logged"] = f"{fmt(min(times))} to {fmt(max(times))}"
+    return facts
+
+
 def summarize(run: RunMetrics) -> dict[str, str]:
     """Headline numbers: medians over the steady windows (all windows when none is steady)."""
     steady = bool(run.steady)
     summary: dict[str, str] = {}
     first, last = run.records[0]["step"], run.last_step
-    summary["steps logged"] = f"{first}-{last} ({len(run.records)} records, every {run.log_every} steps)"
+    summary["steps logged"] = f"{first:,}-{last:,} ({len(run.records):,} records, every {run.log_every:,} steps)"
     ranks = run.world_size
     summary["ranks"] = str(ranks) if ranks else ("several" if run.has("time/step_s_rank_spread") else "1 (or unknown)")
     summary["warm-up left out"] = f"steps up to {run.warmup_steps}" + (f"; resumes at steps {run.restart_steps}" if run.restart_steps else "")

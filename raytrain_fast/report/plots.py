@@ -90,22 +90,37 @@ def _loss(run: RunMetrics, axis) -> str | None:
     return None
 
 
+def _thousands(axis) -> None:
+    """Tick labels with thousands separators (12,500 rather than 12500)."""
+    from matplotlib.ticker import FuncFormatter
+
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+
+
 def _throughput(run: RunMetrics, axis) -> str | None:
     steps, tps = run.series("throughput/tokens_per_sec")
     if not tps:
         return "throughput/tokens_per_sec was not recorded"
     axis.plot(steps, tps, marker=".", color="tab:blue", label="tokens/s")
     axis.set_ylabel("tokens/s")
-    axis.set_ylim(bottom=0)
-    mfu_axis = None
+    axis.set_ylim(0, 1.1 * max(tps))
+    _thousands(axis)
+    return None
+
+
+def _mfu(run: RunMetrics, axis) -> str | None:
+    """MFU on its own axes: with a fixed peak it is tokens/s times a constant, and on one plot the
+    two lines sat exactly on top of each other."""
+    drawn = []
     for metric, label, color in (("throughput/mfu", "MFU (datasheet peak)", "tab:red"), ("throughput/mfu_measured_peak", "MFU (measured peak)", "tab:orange")):
-        mfu_steps, mfu = run.series(metric)
+        steps, mfu = run.series(metric)
         if mfu:
-            mfu_axis = mfu_axis or axis.twinx()
-            mfu_axis.plot(mfu_steps, [100 * v for v in mfu], marker="x", linestyle="--", color=color, label=label)  # dashed: it often tracks tokens/s exactly
-    if mfu_axis is not None:
-        mfu_axis.set_ylabel("MFU %")
-        mfu_axis.set_ylim(bottom=0)
+            axis.plot(steps, [100 * v for v in mfu], marker=".", color=color, label=label)
+            drawn += mfu
+    if not drawn:
+        return "neither throughput/mfu nor throughput/mfu_measured_peak was recorded"
+    axis.set_ylabel("% of peak FLOP/s")
+    axis.set_ylim(0, 110 * max(drawn))
     return None
 
 
@@ -191,17 +206,33 @@ def _baseline_band(run: RunMetrics, axis) -> float | None:
 
 
 def _checkpoint(run: RunMetrics, axis) -> str | None:
+    """Each checkpoint at the step it was saved: its blocked time is recorded in the next window's
+    record, and an async upload's duration at the save after it."""
     steps, blocked = run.series("checkpoint/blocked_s")
     up_steps, upload = run.series("checkpoint/upload_s")
     if not blocked and not upload:
         return "no checkpoint was saved between two log steps (checkpoint/blocked_s and checkpoint/upload_s absent)"
+    planned = run.planned_saves()
+    for i, save in enumerate(planned):
+        axis.axvline(save, color="0.6", linestyle=":", linewidth=1, label="checkpoint saved" if i == 0 else None)
+    width = max(1.0, 0.4 * min(run.window_steps().values()))
     if blocked:
-        axis.bar(steps, blocked, width=max(1.0, 0.4 * min(run.window_steps().values())), label="training blocked per checkpoint")
+        at = [(save, seconds) for step, seconds in zip(steps, blocked) for save in run.saves_in_window(step)]
+        axis.bar([a for a, _ in at], [b for _, b in at], width=width, label="training blocked by the save")
     if upload:
-        axis.plot(up_steps, upload, marker="o", linestyle="", color="tab:orange", label="upload time")
+        asynchronous = run.setting("checkpoint", "upload", "async") == "async"
+        points = []
+        for step, seconds in zip(up_steps, upload):
+            save = run.saves_in_window(step)[0]
+            if asynchronous:  # read when the next save waits for it: it belongs to the save before
+                earlier = [s for s in planned if s < save]
+                save = earlier[-1] if earlier else save
+            points.append((save, seconds))
+        axis.plot([p for p, _ in points], [u for _, u in points], marker="o", linestyle="", color="tab:orange", label="its upload took")
     if blocked and max(blocked) > 0.5 * CHECKPOINT_MAX_BLOCK_S:
         axis.axhline(CHECKPOINT_MAX_BLOCK_S, color="tab:red", linestyle="--", label=f"stall above {CHECKPOINT_MAX_BLOCK_S:.0f} s")
     axis.set_ylabel("seconds")
+    axis.set_ylim(bottom=0)
     return None
 
 
@@ -211,16 +242,17 @@ def _memory(run: RunMetrics, axis) -> str | None:
         return "memory/peak_gb was not recorded"
     axis.plot(steps, peak, marker=".", label="peak")
     cur_steps, current = run.series("memory/current_gb")
+    current = current or []
     if current:
         axis.plot(cur_steps, current, marker=".", label="in use at the log step")
     axis.set_ylabel("GB")
-    axis.set_ylim(bottom=0)
+    axis.set_ylim(0, 1.15 * max(peak + current))  # headroom: the peak line is never drawn on the frame
     frac_steps, frac = run.series("memory/peak_frac")
     if frac:
         frac_axis = axis.twinx()
         frac_axis.plot(frac_steps, [100 * v for v in frac], color="tab:green", linestyle=":", label="peak, % of available")
         frac_axis.axhline(100 * MEMORY_UNDERUSED_FRAC, color="tab:red", linestyle="--", label=f"under-used below {MEMORY_UNDERUSED_FRAC:.0%}")
-        frac_axis.set_ylim(0, 105)
+        frac_axis.set_ylim(0, 1.15 * max(100.0, 100 * max(frac)))
         frac_axis.set_ylabel("% of available")
     return None
 
@@ -228,8 +260,13 @@ def _memory(run: RunMetrics, axis) -> str | None:
 _SPECS = [
     _Spec(file="loss.png", title="Training loss", caption="train/loss: mean over each log window.", draw=_loss),
     _Spec(
-        file="throughput.png", title="Throughput and MFU",
-        caption="Tokens per second across all ranks (checkpoint stalls included) and model FLOPs utilisation.", draw=_throughput,
+        file="throughput.png", title="Throughput",
+        caption="Tokens per second across all ranks, checkpoint stalls included.", draw=_throughput,
+    ),
+    _Spec(
+        file="mfu.png", title="Model FLOPs utilisation",
+        caption="Model FLOPs per second as a share of the device's datasheet peak (GPUs) and of the matmul peak measured "
+        "on this device type in the training dtype.", draw=_mfu,
     ),
     _Spec(
         file="data_wait.png", title="Data-wait share",
@@ -245,7 +282,8 @@ _SPECS = [
     ),
     _Spec(
         file="checkpoint.png", title="Checkpoint blocked time",
-        caption="Seconds training was blocked per checkpoint (bars) and upload durations.", draw=_checkpoint,
+        caption="Each checkpoint at the step it was saved (dotted): seconds training was blocked by it (bars; the final save "
+        "is after the last record, so it has none) and how long its upload took (dots).", draw=_checkpoint,
     ),
     _Spec(file="memory.png", title="Memory", caption="Peak and current memory (GPU allocator or process RSS on CPU).", draw=_memory),
 ]
