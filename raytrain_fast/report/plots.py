@@ -285,5 +285,8 @@ _SPECS = [
         caption="Each checkpoint at the step it was saved (dotted): seconds training was blocked by it (bars; the final save "
         "is after the last record, so it has none) and how long its upload took (dots).", draw=_checkpoint,
     ),
-    _Spec(file="memory.png", title="Memory", caption="Peak and current memory (GPU allocator or process RSS on CPU).", draw=_memory),
+    _Spec(
+        file="memory.png", title="Memory", caption="Peak and current memory (GPU allocator or process RSS on CPU).",
+        draw=_memory, legend_loc="below",  # two y axes: "best" only sees the first one's lines
+    ),
 ]
