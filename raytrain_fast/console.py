@@ -22,6 +22,13 @@ NOISE = (
     "To disable the usage stats collection",
     "See https://docs.ray.io/en/master/cluster/usage-stats.html",
     "Disabling usage stats collection",
+    "Token authentication is enabled for this Ray cluster",
+    # An E-level line from Ray Train's controller on every run; nothing is wrong.
+    "Actor with class name: 'PreemptionWatcher'",
+    # Ray Train's placement-group cleanup actor: its monitor thread fails when this machine runs more
+    # than one Ray instance ("Found multiple active Ray instances"); training is not affected.
+    "(PlacementGroupCleaner pid=",
+    "Progress bars disabled. To enable",  # Ray Data, once per worker
 )
 """Substrings of lines that are dropped from the console (they stay in Ray's log files)."""
 

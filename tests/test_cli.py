@@ -58,6 +58,7 @@ def test_console_masks_secrets_strips_colour_off_a_terminal_and_drops_ray_dumps(
     stream = ConsoleStream(sink)
     stream.write("\x1b[36m(RayTrainWorker pid=1)\x1b[0m step 10 loss 2.5\n")
     stream.write("(RayTrainWorker pid=1) Reporting training result 1: TrainingReport(checkpoint=...)\nkept line\n")
+    stream.write("(TrainController pid=2) [...] E 1 2] core_worker.cc:2465: Actor with class name: 'PreemptionWatcher' and ...\n")
     stream.write("endpoint http://user:hunter22@host:9000/x?X-Amz-Signature=abc and tok-0123456789\n")
     assert sink.getvalue().splitlines() == [
         "(RayTrainWorker pid=1) step 10 loss 2.5",

@@ -178,7 +178,6 @@ def build_trainer(
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raytrain_fast.loop.train_loop import train_loop_per_worker
 
     resources = config.resources
     # Built from config and passed explicitly: pyarrow ignores AWS_ENDPOINT_URL, so a bare
@@ -194,7 +193,7 @@ def build_trainer(
         **checksum_env(config.storage),  # S3 clients built in the workers upload as the driver's do
     }
     return TorchTrainer(
-        train_loop_per_worker,
+        _train_loop_without_result_dumps,
         train_loop_config={
             "config": config.to_dict(), "data_uri": data_uri, "max_sequences": max_sequences(config),
             "hooks": hooks or LoopHooks(), "on_window": on_window, "save_checkpoints": save_checkpoints,
@@ -217,10 +216,27 @@ def build_trainer(
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
             worker_runtime_env={"env_vars": env_vars},
             callbacks=callbacks,
-            # WARNING: Ray Train's INFO lines include a ~1 KB TrainingReport dump per report.
+            # Ray Train's own INFO lines (start-up, each report) stay in its log files, off the console.
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
     )
+
+
+def _train_loop_without_result_dumps(loop_config: dict) -> None:
+    """The step loop, with Ray Train's per-report INFO line (a ~1 KB `TrainingReport(...)` dump) off.
+
+    That logger is named after its file, outside `ray.train`, so RunConfig's LoggingConfig does not
+    reach it; it is quieted in the worker, where it logs.
+    """
+    from raytrain_fast.loop.train_loop import train_loop_per_worker
+
+    try:
+        from ray.train.v2._internal.execution import context
+
+        context.logger.setLevel(logging.WARNING)
+    except (ImportError, AttributeError):  # another Ray version: the console filter still drops it
+        pass
+    train_loop_per_worker(loop_config)
 
 
 def _ray_snapshot_name() -> str:
