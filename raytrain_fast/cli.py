@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import traceback
 
 from raytrain_fast.errors import RaytrainFastError
 
+EXIT_OK = 0
+EXIT_FAILED = 1
+"""An unexpected internal error (a bug: run with --debug and report the traceback), or a sweep with no finished trial."""
+EXIT_ERROR = 2
+"""Bad input or an unusable environment: the message names the problem and the fix."""
+EXIT_INCOMPLETE_CHECKPOINTS = 3
+"""`runs` listed at least one incomplete or corrupt checkpoint."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C outside a training run (the shell's 128 + SIGINT)."""
+
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="preset name (tiny, gpt2-124m, gpt-350m, gpt-1.3b) or YAML file; default: tiny")
+    parser.add_argument("--config", default=None, help="preset name (tiny, gpt-124m, gpt-350m, gpt-1.3b) or YAML file; default: tiny")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="override one config value, e.g. --set train.steps=500 (repeatable)",
@@ -23,16 +35,36 @@ def _add_storage_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
     parser.add_argument("--region", default=None, help="S3 region")
     parser.add_argument("--profile", default=None, help="named AWS profile for credentials")
+    parser.add_argument(
+        "--request-checksums", choices=("auto", "when_supported", "when_required"), default="auto",
+        help="S3 upload checksums (storage.request_checksums); auto = when_required with --endpoint-url",
+    )
 
 
 def _storage_config(args: argparse.Namespace):
     from raytrain_fast.storage import StorageConfig
 
-    return StorageConfig(uri=args.storage, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile)
+    return StorageConfig(
+        uri=args.storage, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile,
+        request_checksums=args.request_checksums,
+    )
+
+
+def _readable_storage(args: argparse.Namespace):
+    """The --storage of runs / export / report, checked to exist and answer within seconds."""
+    from raytrain_fast.storage import check_storage_readable
+
+    storage = _storage_config(args)
+    check_storage_readable(args.storage, storage)
+    return storage
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import version
+
     parser = argparse.ArgumentParser(prog="raytrain-fast", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"raytrain-fast {version('raytrain_fast')}")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (any position)")
     commands = parser.add_subparsers(dest="command", required=True)
     pretrain = commands.add_parser("pretrain", help="train a GPT on Ray (local by default; resumes a run of the same name)")
     _add_config_args(pretrain)
@@ -44,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_argument(
         "--drill", action="append", default=[], metavar="NAME=SPEC",
         help="plant a problem to see how metrics and the report name it, e.g. slow_data=0.2 or fail_once_at=50:/tmp/m "
-        "(names: fail_once_at, record_sequences, slow_data, slow_step, slow_sink, slow_upload; see docs/development.md#drills)",
+        "(names: fail_once_at, record_sequences, slow_data, slow_step, slow_sink, slow_upload, cpu_burn, hold_memory; see docs/development.md#drills)",
     )
 
     runs = commands.add_parser("runs", help="list the runs under a storage URI, their checkpoints, steps and completeness")
@@ -56,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--name", required=True, help="run name")
     export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
     export.add_argument("--out", required=True, help="local output directory")
-    export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    export.add_argument("--dtype", choices=("float32", "fp32", "bfloat16", "bf16"), default="float32",
+                        help="weights dtype (both spellings: the config's fp32/bf16 and torch's float32/bfloat16)")
+    export.add_argument("--overwrite", action="store_true", help="replace an export already in --out")
 
     report = commands.add_parser("report", help="plots, an HTML page and a plain-language diagnosis of a run's metrics")
     _add_storage_args(report)
@@ -155,27 +189,44 @@ def show_config(args: argparse.Namespace) -> int:
     if args.reference:
         print(reference_markdown(), end="")
         return 0
+    import yaml
+
+    from raytrain_fast.storage import redact
+
     config = load_config(args.config, args.overrides, name=args.name)
     validate(config)
-    print(config.to_yaml(), end="")
+    print(yaml.safe_dump(redact(config.to_dict()), sort_keys=False), end="")  # as stored with checkpoints
     return 0
 
 
 def runs(args: argparse.Namespace) -> int:
     from raytrain_fast.checkpoint import format_runs_table, list_runs
 
-    print(format_runs_table(list_runs(args.storage, _storage_config(args), checksums=args.checksums), storage_uri=args.storage))
-    return 0
+    found = list_runs(args.storage, _readable_storage(args), checksums=args.checksums)
+    print(format_runs_table(found, storage_uri=args.storage))
+    bad = [c for run in found for c in run.checkpoints if not c.complete]
+    if bad:
+        _error(f"{len(bad)} checkpoint(s) incomplete or corrupt (exit code {EXIT_INCOMPLETE_CHECKPOINTS}): a run "
+               "resumes from its newest complete one; delete the others once no run is writing them.")
+        return EXIT_INCOMPLETE_CHECKPOINTS
+    return EXIT_OK
 
 
 def export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import yaml
+
     from raytrain_fast.checkpoint import export_checkpoint
 
     out = export_checkpoint(
-        storage_uri=args.storage, storage=_storage_config(args), name=args.name, step=args.step,
-        out_dir=args.out, dtype=args.dtype,
+        storage_uri=args.storage, storage=_readable_storage(args), name=args.name, step=args.step,
+        out_dir=args.out, dtype=args.dtype, overwrite=args.overwrite,
     )
-    print(f"Exported run '{args.name}' to {out} (model.safetensors, config.yaml).")
+    info = yaml.safe_load(Path(out, "config.yaml").read_text())["export"]
+    print(f"Exported run '{args.name}' at step {info['step']} to {out} (model.safetensors, config.yaml).")
+    for skipped in info.get("skipped", []):
+        print(f"Skipped the newer {skipped['checkpoint']}: {skipped['reason']}")
     print("Load it with: from raytrain_fast.checkpoint import load_exported; model = load_exported(" + repr(out) + ")")
     return 0
 
@@ -183,7 +234,7 @@ def export(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace) -> int:
     from raytrain_fast.report import make_report
 
-    result = make_report(args.storage, args.name, out_dir=args.out or f"{args.name}-report", storage=_storage_config(args))
+    result = make_report(args.storage, args.name, out_dir=args.out or f"{args.name}-report", storage=_readable_storage(args))
     print(result.text)
     print(f"\nReport: {result.html_path} ({len(result.pngs)} plots in {result.out_dir})")
     return 0
@@ -193,6 +244,13 @@ def prepare_data(args: argparse.Namespace) -> int:
     from raytrain_fast.data import prepare_data as prepare
     from raytrain_fast.storage import StorageConfig
 
+    from raytrain_fast.errors import ConfigError
+    from raytrain_fast.storage import check_uri
+
+    if args.seq_len < 1:
+        raise ConfigError(f"--seq-len must be >= 1 (tokens per training sequence), got {args.seq_len}; e.g. --seq-len 128")
+    for uri, setting in [(args.output, "--output"), *((item, "--input") for item in args.input)]:
+        check_uri(uri, setting=setting)
     storage = StorageConfig(uri=args.output, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile)
     manifest = prepare(
         inputs=args.input, output=args.output, seq_len=args.seq_len, tokenizer=args.tokenizer,
@@ -210,8 +268,40 @@ def bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _error(message: str) -> None:
+    print(f"raytrain-fast: error: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line. argv None = this process's arguments (the `raytrain-fast` program): a
+    storage probe still blocked after an error or Ctrl-C then ends the process at once."""
+    as_program = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # accepted anywhere, also after the subcommand
+    argv = [a for a in argv if a != "--debug"]
+    from raytrain_fast.console import wrap_std_streams
+
+    streams = wrap_std_streams()  # every printout below is redacted; colour only on a terminal
+    try:
+        code = _run(argv, debug=debug)
+    finally:
+        sys.stdout, sys.stderr = streams
+    from raytrain_fast.storage.probe import probe_still_running
+
+    if as_program and probe_still_running():
+        if debug:
+            print("raytrain-fast: a storage probe was still waiting; ended without waiting for it", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # pyarrow's exit handler would wait for the abandoned request
+    return code
+
+
+def _run(argv: list[str], *, debug: bool) -> int:
+    from raytrain_fast.console import configure_console
+
     args = build_parser().parse_args(argv)
+    configure_console()
     handlers = {
         "pretrain": pretrain, "show-config": show_config, "runs": runs, "export": export,
         "prepare-data": prepare_data, "bench": bench, "sweep": sweep,
@@ -220,8 +310,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except RaytrainFastError as error:
-        print(f"raytrain-fast: error: {error}", file=sys.stderr)
-        return 2
+        if debug:
+            traceback.print_exc()
+        _error(str(error))
+        return EXIT_ERROR
+    except OSError as error:  # storage or files, past the checks: still the user's environment
+        if debug:
+            traceback.print_exc()
+        _error(f"{error.strerror or error}{f': {error.filename}' if error.filename else ''} "
+               "(run with --debug for the traceback)")
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as error:  # noqa: BLE001 - a bug: one line, the traceback on request
+        if debug:
+            traceback.print_exc()
+        _error(f"unexpected {type(error).__name__}: {error}. Run again with --debug for the traceback and report it.")
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

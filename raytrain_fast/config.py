@@ -22,6 +22,7 @@ from raytrain_fast.loop.config import EvalConfig, TrainConfig
 from raytrain_fast.metrics.config import MetricsConfig, metrics_config_problems
 from raytrain_fast.model.config import ModelConfig
 from raytrain_fast.storage.config import StorageConfig
+from raytrain_fast.storage.config import uri_problem
 
 DEFAULT_PRESET = "tiny"
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -68,6 +69,11 @@ class Config:
         return max(1, self.train.global_batch // per_step)
 
 
+PRESET_ALIASES = {"gpt2-124m": "gpt-124m"}
+"""Old preset names, still accepted. Presets are named gpt-<parameters>; a run started under an old
+name keeps that name (so it resumes)."""
+
+
 def presets() -> dict[str, Path]:
     """Shipped presets: name -> YAML file."""
     folder = resources.files("raytrain_fast") / "configs"
@@ -83,7 +89,7 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
-            raise ConfigError(f"duplicate key '{key}' (line {key_node.start_mark.line + 1})")
+            raise ConfigError(f"duplicate key '{key}' (line {key_node.start_mark.line + 1}): keep one of them")
         seen.add(key)
     return loader.construct_mapping(node, deep=deep)
 
@@ -105,7 +111,10 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError("the top level must be a mapping of sections", source=str(path))
+        raise ConfigError(
+            "the top level must be a mapping of sections (e.g. `train:` then `  steps: 500` on the next line); "
+            "see docs/configuration.md", source=str(path),
+        )
     return data
 
 
@@ -114,13 +123,26 @@ def resolve_config_path(config: str | None) -> Path:
     if config is None:
         config = DEFAULT_PRESET
     shipped = presets()
-    if config in shipped:
-        return shipped[config]
-    path = Path(config)
-    if path.exists():
+    if PRESET_ALIASES.get(config, config) in shipped:
+        return shipped[PRESET_ALIASES.get(config, config)]
+    path = Path(config).expanduser()
+    if path.is_file():
         return path
     names = ", ".join(sorted(shipped))
-    raise ConfigError(f"--config '{config}' is neither a file nor a preset (presets: {names})")
+    if path.is_dir():
+        raise ConfigError(f"--config '{config}' is a directory: give a YAML file in it, or a preset ({names})")
+    if "/" in config or "\\" in config or path.suffix.lower() in (".yaml", ".yml", ".json"):
+        raise ConfigError(
+            f"--config file '{config}' does not exist (looked in {path.resolve().parent}). Check the path, "
+            f"or use a preset: {names}"
+        )
+    import difflib
+
+    close = difflib.get_close_matches(config, [*shipped, *PRESET_ALIASES], n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise ConfigError(
+        f"--config '{config}' is not a preset ({hint}presets: {names}) and no file of that name exists here"
+    )
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> list[str]:
@@ -148,11 +170,22 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> list[str]:
     return problems
 
 
+PRECISION_ALIASES = {"bfloat16": "bf16", "float32": "fp32"}
+"""torch's spellings, accepted wherever the config takes bf16 / fp32 (export takes both too)."""
+
+
+def _accept_dtype_spellings(data: dict[str, Any]) -> None:
+    engine = data.get("engine")
+    if isinstance(engine, dict) and isinstance(engine.get("precision"), str):
+        engine["precision"] = PRECISION_ALIASES.get(engine["precision"].lower(), engine["precision"])
+
+
 def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...] = (), *, name: str | None = None) -> Config:
     """Read a preset or YAML file, apply overrides, and check types and unknown keys."""
     path = resolve_config_path(config)
     data = read_yaml(path)
     problems = apply_overrides(data, list(overrides))
+    _accept_dtype_spellings(data)
     if name is not None:
         data["name"] = name
     structure: list[str] = []
@@ -160,8 +193,8 @@ def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...
     problems.extend(structure)
     if problems:
         raise ConfigError(problems, source=str(path) + (" with --set overrides" if overrides else ""))
-    if loaded.name is None:
-        loaded = dataclasses.replace(loaded, name=path.stem)
+    if loaded.name is None:  # an old preset name stays the run's name: the run resumes under it
+        loaded = dataclasses.replace(loaded, name=config if config in PRESET_ALIASES else path.stem)
     return loaded
 
 
@@ -180,8 +213,20 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
     problems += metrics_config_problems(config.metrics)
     problems += _checkpoint_problems(config.checkpoint)
     problems += _eval_problems(config)
+    problems += _uri_problems(config)
     if problems:
         raise ConfigError(problems)
+
+
+def _uri_problems(config: Config) -> list[str]:
+    """Every storage location in the config: a local path, file:// or s3:// (a typo such as
+    `s3:/bucket` would otherwise become a local folder, another scheme hang without a timeout)."""
+    locations = {
+        "storage.uri": config.storage.uri, "data.source": config.data.source,
+        "data.cache_dir": config.data.cache_dir, "checkpoint.init_from": config.checkpoint.init_from,
+    }
+    found = (uri_problem(value, setting=setting) for setting, value in locations.items() if isinstance(value, str))
+    return [problem for problem in found if problem]
 
 
 _POSITIVE = {
@@ -207,7 +252,11 @@ def _not_positive(section: str, obj: Any, names: tuple[str, ...]) -> list[str]:
 def _model_problems(m: ModelConfig, d: DataConfig) -> list[str]:
     problems = []
     if m.num_heads > 0 and m.d_model % m.num_heads:
-        problems.append(f"model.d_model ({m.d_model}) must be divisible by model.num_heads ({m.num_heads})")
+        heads = max(h for h in range(1, m.num_heads + 1) if m.d_model % h == 0)
+        problems.append(
+            f"model.d_model ({m.d_model}) must be divisible by model.num_heads ({m.num_heads}); "
+            f"e.g. --set model.num_heads={heads}"
+        )
     elif m.positions == "rotary" and m.num_heads > 0 and (m.d_model // m.num_heads) % 2:
         problems.append("model.positions=rotary needs an even head size (d_model / num_heads)")
     if not 0.0 <= m.dropout < 1.0:
@@ -230,7 +279,10 @@ def _data_problems(d: DataConfig) -> list[str]:
             f"data.source '{d.source}' does not exist; give a text file, directory or glob, a prepare-data output, or 'stdlib'"
         )
     if d.tokenizer != "byte" and "://" not in d.tokenizer and not Path(d.tokenizer).expanduser().is_file():
-        problems.append(f"data.tokenizer '{d.tokenizer}' is neither 'byte' nor an existing tokenizer.json file")
+        problems.append(
+            f"data.tokenizer '{d.tokenizer}' is neither 'byte' nor an existing tokenizer.json file; "
+            "give 'byte' or the path of a HuggingFace tokenizer.json"
+        )
     return problems
 
 
@@ -241,7 +293,10 @@ def _optim_problems(config: Config) -> list[str]:
     if o.warmup_steps < 0:
         problems.append(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     elif t.steps > 0 and o.warmup_steps > t.steps:
-        problems.append(f"optim.warmup_steps ({o.warmup_steps}) exceeds train.steps ({t.steps})")
+        problems.append(
+            f"optim.warmup_steps ({o.warmup_steps}) exceeds train.steps ({t.steps}); fix: --set optim.warmup_steps="
+            f"{max(0, t.steps // 10)} (a tenth of the steps), or raise train.steps"
+        )
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         problems.append(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     if o.grad_clip < 0:
@@ -268,16 +323,39 @@ def _batch_problems(t: TrainConfig, r: ResourcesConfig) -> list[str]:
             if t.global_batch % per_step:
                 problems.append(
                     f"train.global_batch ({t.global_batch}) is not a multiple of train.micro_batch x "
-                    f"resources.num_workers ({t.micro_batch} x {r.num_workers} = {per_step}); "
-                    f"try global_batch={max(per_step, t.global_batch // per_step * per_step)}"
+                    f"resources.num_workers ({t.micro_batch} x {r.num_workers} = {per_step}); fix it with one of: "
+                    + _batch_fixes(t.global_batch, t.micro_batch, r.num_workers)
                 )
         elif t.grad_accum > 0 and per_step * t.grad_accum != t.global_batch:
             problems.append(
                 f"train.global_batch ({t.global_batch}) != micro_batch x grad_accum x num_workers "
-                f"({t.micro_batch} x {t.grad_accum} x {r.num_workers} = {per_step * t.grad_accum}); "
-                "fix one of them, or set train.grad_accum=null to derive it"
+                f"({t.micro_batch} x {t.grad_accum} x {r.num_workers} = {per_step * t.grad_accum}); fix it with one of: "
+                + _batch_fixes(t.global_batch, t.micro_batch, r.num_workers, grad_accum=t.grad_accum)
             )
     return problems
+
+
+def _batch_fixes(global_batch: int, micro_batch: int, num_workers: int, *, grad_accum: int | None = None) -> str:
+    """Every way to make global_batch = micro_batch x grad_accum x num_workers: micro_batch or
+    grad_accum first (same training run), the global batch last (it changes the run)."""
+    fixes = []
+    per_worker, remainder = divmod(global_batch, num_workers)
+    if not remainder:
+        divisors = [m for m in range(min(micro_batch, per_worker), 0, -1) if per_worker % m == 0]
+        if grad_accum is None:
+            fixes.append(f"--set train.micro_batch={divisors[0]} (grad_accum is derived: {per_worker // divisors[0]})")
+            if len(divisors) > 1:
+                fixes.append(f"--set train.micro_batch={divisors[1]} --set train.grad_accum={per_worker // divisors[1]}")
+        else:
+            if per_worker % grad_accum == 0:
+                fixes.append(f"--set train.micro_batch={per_worker // grad_accum}")
+            if per_worker % micro_batch == 0:
+                fixes.append(f"--set train.grad_accum={per_worker // micro_batch}")
+            if not fixes:
+                fixes.append(f"--set train.micro_batch={divisors[0]} --set train.grad_accum={per_worker // divisors[0]}")
+    step = micro_batch * (grad_accum or 1) * num_workers
+    fixes.append(f"--set train.global_batch={max(step, round(global_batch / step) * step)} (changes the training run)")
+    return "; ".join(fixes)
 
 
 def _resources_problems(config: Config, *, cluster_cpus: float | None, cluster_gpus: float | None) -> list[str]:

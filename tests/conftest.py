@@ -49,3 +49,18 @@ def ray_session():
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture
+def aws_env(s3_server, monkeypatch, tmp_path):
+    """The server's credentials in the environment, and no ~/.aws files, instance metadata or
+    checksum mode left over from another test."""
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_REQUEST_CHECKSUM_CALCULATION",
+                "AWS_RESPONSE_CHECKSUM_VALIDATION"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    return s3_server

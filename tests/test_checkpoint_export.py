@@ -109,6 +109,20 @@ def test_export_round_trip_from_s3_gives_the_engines_logits(trained_checkpoint, 
     with pytest.raises(CheckpointError, match=r"no checkpoint at step 99 \(steps: \[3\]\)"):
         export_checkpoint(storage_uri=storage.uri, storage=storage, name="exp", step=99, out_dir=str(tmp_path / "x"))
 
+    # A newer checkpoint that never finished (no manifest) is skipped, named with the reason.
+    with filesystem.open_output_stream(f"{root}/exp/checkpoint_{STEPS + 5:08d}/train_state.json") as stream:
+        stream.write(b'{"step": 8}')
+    with pytest.raises(CheckpointError, match="already holds model.safetensors and config.yaml: pass --overwrite"):
+        export_checkpoint(storage_uri=storage.uri, storage=storage, name="exp", step=None, out_dir=str(out))
+    export_checkpoint(storage_uri=storage.uri, storage=storage, name="exp", step=None, out_dir=str(out), overwrite=True,
+                      dtype="bf16")
+    info = yaml.safe_load((out / "config.yaml").read_text())["export"]
+    assert info["step"] == STEPS and isinstance(info["step"], int) and info["dtype"] == "bfloat16"
+    assert info["skipped"] == [{"checkpoint": f"checkpoint_{STEPS + 5:08d}", "reason": info["skipped"][0]["reason"]}]
+    assert "manifest" in info["skipped"][0]["reason"]
+    modes = {oct((out / name).stat().st_mode & 0o777) for name in ("model.safetensors", "config.yaml")}
+    assert len(modes) == 1, modes  # both files readable alike
+
 
 def test_export_without_optimizer_shards_uses_module_weights(trained_checkpoint, tmp_path):
     _, local = trained_checkpoint

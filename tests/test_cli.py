@@ -46,3 +46,32 @@ def test_drills_are_asked_for_by_name_and_a_bad_one_is_refused_before_ray(capsys
         assert main(["pretrain", "--drill", bad]) == 2, bad
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err, (bad, err)
+
+
+def test_console_masks_secrets_strips_colour_off_a_terminal_and_drops_ray_dumps(monkeypatch):
+    import io
+
+    from raytrain_fast.console import ConsoleStream
+
+    monkeypatch.setenv("SOME_SERVICE_TOKEN", "tok-0123456789")
+    sink = io.StringIO()  # not a terminal
+    stream = ConsoleStream(sink)
+    stream.write("\x1b[36m(RayTrainWorker pid=1)\x1b[0m step 10 loss 2.5\n")
+    stream.write("(RayTrainWorker pid=1) Reporting training result 1: TrainingReport(checkpoint=...)\nkept line\n")
+    stream.write("(TrainController pid=2) [...] E 1 2] core_worker.cc:2465: Actor with class name: 'PreemptionWatcher' and ...\n")
+    stream.write("endpoint http://user:hunter22@host:9000/x?X-Amz-Signature=abc and tok-0123456789\n")
+    assert sink.getvalue().splitlines() == [
+        "(RayTrainWorker pid=1) step 10 loss 2.5",
+        "kept line",
+        "endpoint http://user:***@host:9000/x?X-Amz-Signature=*** and ***",
+    ]
+
+
+def test_version_and_debug_flags(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0 and capsys.readouterr().out.startswith("raytrain-fast ")
+    assert main(["show-config", "--debug", "--set", "engine.precision=bfloat16"]) == 0  # --debug anywhere
+    assert yaml.safe_load(capsys.readouterr().out)["engine"]["precision"] == "bf16"  # torch's spelling accepted

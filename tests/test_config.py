@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from raytrain_fast.config import Config, load_config, presets, validate
@@ -72,9 +74,15 @@ def test_set_overrides_are_typed_and_checked():
         load_config("tiny", ["model.positions=alibi"])
 
 
-def test_missing_config_file_lists_presets():
-    with pytest.raises(ConfigError, match="neither a file nor a preset .*tiny"):
+def test_missing_config_file_and_unknown_preset_get_different_messages():
+    with pytest.raises(ConfigError, match="--config file 'no-such-config.yaml' does not exist .*tiny"):
         load_config("no-such-config.yaml")
+    with pytest.raises(ConfigError, match="'gpt-350' is not a preset .did you mean 'gpt-350m'"):
+        load_config("gpt-350")
+
+
+def test_old_preset_names_still_work_and_keep_their_run_name():
+    assert load_config("gpt2-124m").to_dict() == {**load_config("gpt-124m").to_dict(), "name": "gpt2-124m"}
 
 
 def test_bad_batch_arithmetic_names_fields_and_fix():
@@ -83,13 +91,32 @@ def test_bad_batch_arithmetic_names_fields_and_fix():
         validate(config)
     message = str(error.value)
     assert "train.global_batch (64) != micro_batch x grad_accum x num_workers (8 x 3 x 2 = 48)" in message
-    assert "grad_accum=null" in message
+    assert "--set train.grad_accum=4" in message and "--set train.global_batch=48 (changes the training run)" in message
+    _every_offered_fix_validates(message, ["train.global_batch=64", "train.micro_batch=8", "train.grad_accum=3",
+                                           "resources.num_workers=2"])
+
+
+def _every_offered_fix_validates(message: str, overrides: list[str]) -> None:
+    """Each `--set ...` group after 'fix it with one of:' applied to the same overrides passes validation."""
+    offered = message.split("fix it with one of: ", 1)[1].split("; ")
+    assert len(offered) >= 2
+    for fix in offered:
+        changes = re.findall(r"--set (\S+=\S+)", fix)
+        assert changes, fix
+        validate(load_config("tiny", [*overrides, *changes]))
 
 
 def test_derived_grad_accum_must_divide():
     config = load_config("tiny", ["train.global_batch=20", "train.micro_batch=8"])
-    with pytest.raises(ConfigError, match=r"not a multiple of .* \(8 x 1 = 8\); try global_batch=16"):
+    with pytest.raises(ConfigError, match=r"not a multiple of .* \(8 x 1 = 8\); fix it with one of: --set train.micro_batch=5 ") as error:
         validate(config)
+    message = str(error.value)
+    assert "--set train.micro_batch=4 --set train.grad_accum=5" in message and "--set train.global_batch=16" in message
+    _every_offered_fix_validates(message, ["train.global_batch=20", "train.micro_batch=8"])
+    readme_case = ["resources.num_workers=2"]  # tiny: micro_batch = global_batch = 16
+    with pytest.raises(ConfigError) as error:
+        validate(load_config("tiny", readme_case))
+    _every_offered_fix_validates(str(error.value), readme_case)
     assert load_config("tiny", ["train.global_batch=32", "train.micro_batch=8", "resources.num_workers=2"]).grad_accum() == 2
 
 

@@ -154,7 +154,9 @@ def test_bad_inputs_are_reported_with_reasons(tmp_path, capsys):
     }
     assert [os.path.basename(s.path) for s in manifest.sources] == ["good.txt"]
     err = capsys.readouterr().err
-    assert "skipped 7 input(s)" in err and "missing.txt: does not exist" in err
+    summary = [line for line in err.splitlines() if "skipped 7 input(s)" in line]
+    assert len(summary) == 1 and "1 does not exist" in summary[0] and "1 empty file" in summary[0]
+    assert "missing.txt" not in err  # one summary line; each path is in the manifest
 
     with pytest.raises(DataError) as error:
         prepare_data(inputs=[missing, str(corpus / "empty.txt")], output=str(tmp_path / "out2"), seq_len=8)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from raytrain_fast.metrics import MetricsConfig, SlowdownDetector, TrainMetrics, Window
-from raytrain_fast.metrics.slowdown import largest_cause
+from raytrain_fast.metrics.slowdown import StallDetector, largest_cause
 
 
 def _feed(detector: SlowdownDetector, windows: list[Window]):
@@ -48,6 +48,35 @@ def test_cause_is_the_signal_that_grew_most(signal, cause):
     alert = [a for _, a in _feed(detector, windows) if a is not None][0]
     assert alert.cause == cause
     assert f"{alert.ratio - 1:.0%}" in alert.message
+
+
+def test_other_processes_taking_the_cpu_are_named_when_nothing_in_the_process_explains_it():
+    def alert_for(**slow):
+        detector = SlowdownDetector(threshold=0.10, num_windows=3, warmup_steps=0)
+        windows = [Window(step=i, step_s=0.1, data_wait_s=0.001, cpu_wait_frac=0.02) for i in range(1, 4)]
+        windows += [Window(step=i, step_s=0.3, **{"data_wait_s": 0.005, **slow}) for i in range(4, 7)]
+        return [a for _, a in _feed(detector, windows) if a is not None][0]
+
+    alert = alert_for(cpu_wait_frac=0.7)  # the thread waited for a core 0.21 s of each 0.3 s step
+    assert alert.cause == "cpu" and "waiting for a CPU 2% -> 70%" in alert.message
+    # A CPU-hungry thread of the process itself makes the training thread wait for a core too: the
+    # measured sink CPU is the better name.
+    assert alert_for(cpu_wait_frac=0.5, sink_cpu_s=0.12).cause == "sink"
+
+
+def test_stall_is_one_window_far_above_the_ones_before_it():
+    detector = StallDetector(factor=2.5, num_windows=5, warmup_steps=10)
+    times = [1.0, 0.1, 0.1, 0.11, 0.1, 0.12, 0.2, 0.1, 7.0, 0.1, 6.0, 5.5, 0.1]  # the first window is warm-up
+    waits = {9: 0.9, 11: 0.9}
+    stalls = {}
+    for i, seconds in enumerate(times, 1):
+        stall = detector.update(Window(step=10 * i, step_s=seconds, cpu_wait_frac=waits.get(i, 0.02), data_wait_s=4.0 if i == 12 else 0.0))
+        if stall is not None:
+            stalls[10 * i] = stall
+    assert set(stalls) == {90, 110, 120}  # 2x (step 70) is not a stall; stalls stay out of the median
+    assert stalls[90].ratio == pytest.approx(7.0 / 0.11) and stalls[90].cause == "cpu"  # median of steps 40-80
+    assert stalls[120].cause == "data_wait" and stalls[120].base_s == pytest.approx(0.1)
+    assert "other processes took the CPU" in stalls[110].message
 
 
 def test_alert_says_since_which_window_and_leaves_logging_to_the_caller(caplog):

@@ -20,7 +20,7 @@ from raytrain_fast.report.diagnose import (
     STRAGGLER_SHARE,
 )
 
-PNGS = {"loss.png", "throughput.png", "data_wait.png", "step_time.png", "checkpoint.png", "memory.png"}
+PNGS = {"loss.png", "throughput.png", "mfu.png", "data_wait.png", "step_time.png", "checkpoint.png", "memory.png"}
 
 
 # --- records built in the test -------------------------------------------------------------------
@@ -37,7 +37,10 @@ def records(num_windows: int = 16, *, log_every: int = 5, step_s: float = 0.1, r
             "throughput/tokens_per_sec": 1000.0 / step_s, "throughput/mfu_measured_peak": 0.3, "time/step_s": step_s,
             "time/data_wait_frac": 0.005, "memory/peak_gb": 2.0, "memory/current_gb": 1.9, "gc/collect_s": 0.0,
             "sink/dropped": 0.0, "sink/backlog": 0.0, "sink/errors": 0.0,
+            "host/cpu_share": 0.95, "host/cpu_wait_frac": 0.03, "host/memory_used_frac": 0.4, "host/swap_used_gb": 0.0,
         }
+        if i == 0:
+            record["host/niceness"] = 0.0
         if ranks > 1:
             record["time/step_s_rank_spread"] = 0.01 * step_s / log_every  # the gap is 1% of a step
             record["time/data_wait_frac_rank_min"] = 0.004
@@ -253,6 +256,72 @@ def test_straggler_needs_most_windows_late_and_reads_the_data_gap():
     assert single.findings == [] and any("single-rank" in s for s in single.skipped)
 
 
+def test_a_stall_names_its_windows_the_seconds_lost_and_the_cause():
+    def contended(i, r):
+        if i in (9, 10):
+            r["time/step_s"], r["host/cpu_wait_frac"], r["host/cpu_share"] = 0.5, 0.8, 0.2
+
+    diagnosis = diagnose(from_records(records(tweak=contended), name="t", config=CONFIG))
+    finding = {f.key: f for f in diagnosis.findings}["stall"]
+    assert finding.numbers["windows"] == 2 and finding.numbers["first_step"] == 50
+    assert finding.numbers["lost_s"] == pytest.approx(2 * 5 * 0.4)  # two windows of 5 steps, 0.4 s over 0.1 s each
+    assert "other processes took the CPU" in finding.title and "nice -n 19" in finding.advice[0]
+    assert "the windows ending at step 50 (5.0x" in finding.evidence[0]
+
+    def data(i, r):
+        if i == 9:
+            r["time/step_s"], r["time/data_wait_frac"] = 0.5, 0.7
+    found = {f.key: f for f in diagnose(from_records(records(tweak=data), name="t", config=CONFIG)).findings}
+    assert "waiting for data" in found["stall"].title
+
+    def twice(i, r):  # 2x: noise on a busy machine can do that to a window, not a stall
+        if i == 9:
+            r["time/step_s"] = 0.2
+    assert "stall" not in keys_of(records(tweak=twice))
+
+    def blip(i, r):  # 3x once in a long run: 0.5% of the time lost, left to the live alert
+        if i == 200:
+            r["time/step_s"] = 0.3
+    assert "stall" not in keys_of(records(400, tweak=blip))
+
+
+def test_host_contention_needs_several_windows_and_names_the_priority():
+    def contended(i, r):
+        if 8 <= i <= 10:
+            r["host/cpu_wait_frac"], r["host/cpu_share"] = 0.6, 0.4
+        if i == 0:
+            r["host/niceness"] = 15.0
+
+    finding = {f.key: f for f in diagnose(from_records(records(tweak=contended), name="t", config=CONFIG)).findings}["host_contention"]
+    assert finding.numbers["windows"] == 3 and finding.numbers["cpu_wait_frac"] == pytest.approx(0.6)
+    assert "steps 45, 50, 55" in finding.evidence[0] and "niceness 15" in " ".join(finding.evidence)
+    assert "RAY_worker_niceness=0" in finding.advice[0]
+
+    def once(i, r):
+        if i == 9:
+            r["host/cpu_wait_frac"] = 0.6
+    assert "host_contention" not in keys_of(records(tweak=once))
+
+
+def test_host_memory_pressure_from_the_node_the_swap_or_the_budget():
+    def full(i, r):
+        if i >= 8:
+            r["host/memory_used_frac"] = 0.95
+    assert {f.key: f for f in diagnose(from_records(records(tweak=full), config=CONFIG)).findings}["memory_pressure"].numbers[
+        "host/memory_used_frac"] == pytest.approx(0.95)
+
+    def swapping(i, r):
+        r["host/swap_used_gb"] = 0.05 * i
+    finding = {f.key: f for f in diagnose(from_records(records(tweak=swapping), config=CONFIG)).findings}["memory_pressure"]
+    assert "swap in use grew from 0.00 GB to 0.75 GB" in " ".join(finding.evidence)
+
+    def budget(i, r):
+        r["host/memory_budget_frac"] = 0.5 if i < 10 else 0.97
+    finding = {f.key: f for f in diagnose(from_records(records(tweak=budget), config=CONFIG)).findings}["memory_pressure"]
+    assert "resources.memory_budget_gb" in finding.evidence[0] and "resources.memory_budget_gb" in finding.advice[-1]
+    assert "memory_pressure" not in keys_of(records())
+
+
 def test_the_first_window_after_a_resume_is_warm_up_again():
     def resumed(i, r):
         if i >= 8:
@@ -328,8 +397,11 @@ def real_runs(ray_session, tmp_path_factory):
 
 # Findings that timing noise on a loaded 2-core machine cannot cause (they count records, bytes or
 # saves), and the timed ones with the number each is judged by.
-NOISE_PROOF = {"sink_backlog", "checkpoint_stall", "memory_underused"}
+NOISE_PROOF = {"sink_backlog", "checkpoint_stall", "memory_underused", "memory_pressure"}
 TIMED = {"data_bound": "data_wait_frac", "straggler": "share", "slowdown": "ratio"}
+# Findings about other processes on the machine: judged on the clean run only on a quiet machine
+# (test_clean_run_has_no_stall_or_host_contention); a second test run beside this one causes them for real.
+HOST = {"stall", "host_contention"}
 
 
 def _excess(key: str, value: float) -> float:
@@ -351,8 +423,10 @@ def test_clean_run_report_has_the_plots_and_no_finding_noise_cannot_explain(real
     planted = {f.key: f for f in make_report(str(real_runs), "planted", out_dir=str(tmp_path / "p")).diagnosis.findings}
     found = {f.key: f for f in clean.diagnosis.findings}
     assert not NOISE_PROOF & set(found), clean.text
-    assert set(found) <= set(TIMED), clean.text
+    assert set(found) <= set(TIMED) | HOST, clean.text
     for key, finding in found.items():
+        if key in HOST:
+            continue
         if key == "slowdown":
             # Not judged here: another process taking the CPU slows the steps of a clean run 1.3-1.7x
             # (seen with a second test run beside this one), and the share of that blamed on data
@@ -367,10 +441,23 @@ def test_clean_run_report_has_the_plots_and_no_finding_noise_cannot_explain(real
     # Every plot but the checkpoint one (no save between two log steps), which the page explains.
     assert {p.name for p in out.glob("*.png")} == PNGS - {"checkpoint.png"}
     html = (out / "report.html").read_text()
-    assert all(f'src="{name}"' in html for name in PNGS - {"checkpoint.png"})
+    # One file to mail: every plot embedded, and what the run was at the top.
+    assert all(f'<figure id="{name}"><img src="data:image/png;base64,' in html for name in PNGS - {"checkpoint.png"})
+    assert html.index("<h2>Run</h2>") < html.index("<h2>Summary</h2>")
+    assert "fp32, ZeRO stage 2" in html and "2 layers, d_model 32" in html and "tokens trained" in html
     assert "Checkpoint blocked time: no checkpoint was saved between two log steps" in html
     assert "tokens/s (median)" in html
     assert ("No problems found" in html) == (not found)
+
+
+@pytest.mark.slow
+@pytest.mark.quiet
+def test_clean_run_has_no_stall_or_host_contention(real_runs, tmp_path):
+    """With nothing else running on the machine, the clean run's windows stay near each other and
+    its training threads get their cores: no stall, no host contention."""
+    clean = make_report(str(real_runs), "clean", out_dir=str(tmp_path / "clean-host"))
+    assert not HOST & set(clean.diagnosis.keys()), clean.text
+    assert "host contention" not in " ".join(clean.diagnosis.skipped)  # it was checked: the run has host/cpu_wait_frac
 
 
 @pytest.mark.slow
@@ -378,7 +465,7 @@ def test_planted_problems_are_each_named_with_their_numbers(real_runs, tmp_path)
     report = make_report(str(real_runs), "planted", out_dir=str(tmp_path / "planted-report"))
     found = {f.key: f for f in report.diagnosis.findings}
     expected = {"data_bound", "sink_backlog", "checkpoint_stall", "straggler", "slowdown", "memory_underused"}
-    assert set(found) == expected, report.text
+    assert set(found) - HOST == expected, report.text  # HOST: other processes may really stall a window here
     assert found["data_bound"].numbers["data_wait_frac"] > DATA_WAIT_FRAC
     assert found["sink_backlog"].numbers["dropped"] > 0
     assert found["checkpoint_stall"].numbers["blocked_share"] > CHECKPOINT_BLOCKED_SHARE

@@ -15,19 +15,6 @@ from tests.s3_server import ACCESS_KEY, S3Server, SECRET_KEY, free_port
 FAST_S = 5.0  # "fails in seconds"
 
 
-@pytest.fixture
-def aws_env(s3_server, monkeypatch, tmp_path):
-    """The server's credentials in the environment, and no ~/.aws files or instance metadata."""
-    for key, value in s3_server.env.items():
-        monkeypatch.setenv(key, value)
-    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    return s3_server
-
-
 def _bucket_name(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 

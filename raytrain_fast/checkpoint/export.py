@@ -17,6 +17,7 @@ import dataclasses
 import io
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -34,6 +35,8 @@ WEIGHTS_FILE = "model.safetensors"
 # An export writes its config.yaml under the same name as the run config in a checkpoint
 # (CONFIG_FILE): both hold a `model` section, read by _model_config_from_dict.
 _STRIP_PREFIXES = ("module.", "_orig_mod.")  # DDP / torch.compile wrappers
+DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+"""Both spellings, the config's (bf16, fp32) and torch's (bfloat16, float32), are accepted."""
 
 
 def _model_config_from_dict(data: Any, *, source: str) -> ModelConfig:
@@ -103,9 +106,11 @@ def export_local_checkpoint(
     *,
     model_config: ModelConfig | None = None,
     dtype: Literal["float32", "bfloat16"] = "float32",
-    metadata: dict[str, str] | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> str:
-    """Write model.safetensors + config.yaml into out_dir from an already downloaded checkpoint."""
+    """Write model.safetensors + config.yaml into out_dir from an already downloaded checkpoint.
+
+    dtype: float32 / fp32 or bfloat16 / bf16 (the config's spelling)."""
     import torch
     from safetensors.torch import save_model
 
@@ -121,18 +126,23 @@ def export_local_checkpoint(
         model.load_state_dict(state, strict=True)
     except RuntimeError as error:
         raise CheckpointError(f"the checkpoint's weights do not fit its model config: {error}") from None
+    dtype = DTYPE_ALIASES.get(dtype, dtype)  # type: ignore[assignment]
+    if dtype not in ("float32", "bfloat16"):
+        raise CheckpointError(f"dtype '{dtype}': use one of {', '.join(DTYPE_ALIASES)}")
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     os.makedirs(out_dir, exist_ok=True)
     info = {"weights": source, "dtype": dtype, **(metadata or {}), **_losses_at_save(local_dir)}
-    save_model(model, str(Path(out_dir, WEIGHTS_FILE)), metadata={k: str(v) for k, v in info.items()})
-    Path(out_dir, CONFIG_FILE).write_text(
-        yaml.safe_dump({"model": dataclasses.asdict(config), "export": info}, sort_keys=False)
-    )
+    config_path, weights_path = Path(out_dir, CONFIG_FILE), Path(out_dir, WEIGHTS_FILE)
+    # safetensors' header metadata holds strings only; config.yaml keeps the types (step: 300).
+    save_model(model, str(weights_path), metadata={k: str(v) for k, v in info.items() if not isinstance(v, (list, dict))})
+    config_path.write_text(yaml.safe_dump({"model": dataclasses.asdict(config), "export": info}, sort_keys=False))
+    # safetensors creates its file 0600; give it config.yaml's mode (the umask's), so both read alike.
+    os.chmod(weights_path, stat.S_IMODE(config_path.stat().st_mode))
     return out_dir
 
 
-def _losses_at_save(local_dir: str) -> dict[str, str]:
+def _losses_at_save(local_dir: str) -> dict[str, float]:
     """The exported step's val/loss and train/loss as saved with the checkpoint (those it has)."""
     import json
 
@@ -141,7 +151,7 @@ def _losses_at_save(local_dir: str) -> dict[str, str]:
         metrics = json.loads(path.read_text()).get("metrics") or {}
     except (OSError, ValueError):
         return {}
-    return {name.replace("/", "_"): repr(float(metrics[name])) for name in ("val/loss", "train/loss") if name in metrics}
+    return {name.replace("/", "_"): float(metrics[name]) for name in ("val/loss", "train/loss") if name in metrics}
 
 
 def export_checkpoint(
@@ -152,34 +162,50 @@ def export_checkpoint(
     step: int | None,
     out_dir: str,
     model_config: ModelConfig | None = None,
-    dtype: Literal["float32", "bfloat16"] = "float32",
+    dtype: Literal["float32", "bfloat16", "fp32", "bf16"] = "float32",
+    overwrite: bool = False,
 ) -> str:
     """Export run `name`'s checkpoint at `step` (None = the newest complete one) to out_dir (local).
 
-    Returns out_dir, which then holds model.safetensors and config.yaml (see load_exported).
-    Raises CheckpointError when the run has no such checkpoint or it is incomplete.
+    Returns out_dir, which then holds model.safetensors and config.yaml (see load_exported); the
+    config's `export` section records the step (an int) and every newer checkpoint skipped, with why.
+    Raises CheckpointError when the run has no such checkpoint or it is incomplete, and when out_dir
+    already holds an export, unless overwrite.
     """
+    existing = [f for f in (WEIGHTS_FILE, CONFIG_FILE) if Path(out_dir, f).exists()]
+    if existing and not overwrite:
+        raise CheckpointError(
+            f"{out_dir} already holds {' and '.join(existing)}: pass --overwrite to replace them, or choose another --out"
+        )
     filesystem, root = resolve_filesystem(storage_uri, storage)
     run_path = f"{root.rstrip('/')}/{name}"
     local_dir = tempfile.mkdtemp(prefix="raytrain-fast-export-")
+    skipped: list[tuple[str, str]] = []
     try:
         if step is None:
             path, skipped = find_resumable_checkpoint(filesystem, run_path, download_to=local_dir)
             if path is None:
                 why = "; ".join(f"{p.rsplit('/', 1)[-1]}: {r}" for p, r in skipped) or "it has no checkpoints"
-                raise CheckpointError(f"run '{name}' under {storage_uri} has no complete checkpoint ({why})")
+                raise CheckpointError(
+                    f"run '{name}' under {storage_uri} has no complete checkpoint ({why}). Check --name and --storage "
+                    f"(`raytrain-fast runs --storage {storage_uri}` lists runs), or train it until it saves one"
+                )
         else:
             path = f"{run_path}/checkpoint_{step:08d}"
             if not any(s == step for s, _ in list_checkpoint_dirs(filesystem, run_path)):
                 steps = [s for s, _ in list_checkpoint_dirs(filesystem, run_path)]
                 raise CheckpointError(
-                    f"run '{name}' under {storage_uri} has no checkpoint at step {step} (steps: {sorted(steps) or 'none'})"
+                    f"run '{name}' under {storage_uri} has no checkpoint at step {step} (steps: {sorted(steps) or 'none'}); "
+                    "pick one of those steps, or leave out --step for the newest complete one"
                 )
             download_checkpoint(filesystem, path, local_dir)
         checkpoint_step = int(path.rstrip("/").rsplit("_", 1)[-1])
         return export_local_checkpoint(
             local_dir, out_dir, model_config=model_config, dtype=dtype,
-            metadata={"run": name, "step": str(checkpoint_step), "checkpoint": path},
+            metadata={
+                "run": name, "step": checkpoint_step, "checkpoint": path,
+                "skipped": [{"checkpoint": p.rsplit("/", 1)[-1], "reason": r} for p, r in skipped],
+            },
         )
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)

@@ -252,10 +252,15 @@ def _read_rank_manifests(filesystem: pafs.FileSystem, path: str, files: dict[str
         return [], "it has no manifest: its save or upload never finished (or it was not written by raytrain_fast)"
     manifests: list[RankManifest] = []
     for rank, name in manifest_names:
+        raw = b""
         try:
-            manifest = RankManifest.from_json(_read_small(filesystem, f"{path}/{name}"))
+            raw = _read_small(filesystem, f"{path}/{name}")
+            manifest = RankManifest.from_json(raw)
         except (OSError, ValueError) as error:
-            return [], f"{name} is unreadable: {error}"
+            from raytrain_fast.storage import store_corruption_hint
+
+            hint = f". {store_corruption_hint(raw)}" if isinstance(error, ValueError) else ""
+            return [], f"{name} is unreadable: {error}{hint}"
         if manifest.algorithm not in _available_algorithms():
             return [], f"{name} uses checksum '{manifest.algorithm}', not available here (pip install xxhash)"
         if manifest.rank != rank:

@@ -88,7 +88,9 @@ def load_manifest(uri: str, storage: StorageConfig | None = None) -> Manifest:
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as error:
-        raise DataError(f"{MANIFEST_NAME} at '{uri}' is not valid JSON ({error}); prepare the data again") from None
+        from raytrain_fast.storage import store_corruption_hint
+
+        raise DataError(f"{MANIFEST_NAME} at '{uri}' is not valid JSON ({error}). {store_corruption_hint(raw)}.") from None
     return Manifest.from_dict(data, root=root if "://" in root else path)
 
 

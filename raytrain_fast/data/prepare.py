@@ -489,7 +489,11 @@ def _read_manifest(filesystem: pafs.FileSystem, root: str, display_root: str) ->
     try:
         data = json.loads(raw)
     except json.JSONDecodeError:
-        raise DataError(f"{display_root}/{MANIFEST_NAME} is not valid JSON; delete it or pass overwrite=True") from None
+        from raytrain_fast.storage import store_corruption_hint
+
+        raise DataError(
+            f"{display_root}/{MANIFEST_NAME} is not valid JSON. {store_corruption_hint(raw)} (delete it or pass --overwrite)."
+        ) from None
     return Manifest.from_dict(data, root=display_root)
 
 
@@ -522,6 +526,8 @@ def _summarize_skipped(skipped: list[Skipped], limit: int = 10) -> str:
         return ""
     counts = Counter(s.reason.split(" (")[0].split(":")[0] for s in skipped)
     lines = [f"skipped {len(skipped)} input(s): " + ", ".join(f"{n} {reason}" for reason, n in counts.most_common())]
+    if limit == 0:  # one summary line; the paths are in the manifest
+        return f"{lines[0]} (each listed under 'skipped' in {MANIFEST_NAME})"
     lines += [f"  {s.path}: {s.reason}" for s in skipped[:limit]]
     if len(skipped) > limit:
         lines.append(f"  ... and {len(skipped) - limit} more (all listed under 'skipped' in {MANIFEST_NAME})")
@@ -585,7 +591,7 @@ def prepare_data(
             print(f"prepare-data: {out.display_root} already holds this data (same inputs, seq_len and tokenizer); nothing to do.", file=sys.stderr, flush=True)
         return existing
     if not listing.sources:
-        raise DataError(f"no input files to prepare.\n{_summarize_skipped(listing.skipped, limit=20)}")
+        raise DataError(f"no input files to prepare: check the --input paths.\n{_summarize_skipped(listing.skipped, limit=20)}")
     total_bytes = sum(s.size for s in listing.sources)
     if parallel is None:
         parallel = spec.json_text is not None or "s3" in filesystems or total_bytes > _RAY_BYTES_THRESHOLD
@@ -780,7 +786,7 @@ def _print_summary(manifest: Manifest, *, seconds: float, parallel: bool) -> Non
             file=sys.stderr, flush=True,
         )
     if manifest.skipped:
-        print(f"prepare-data: {_summarize_skipped(manifest.skipped)}", file=sys.stderr, flush=True)
+        print(f"prepare-data: {_summarize_skipped(manifest.skipped, limit=0)}", file=sys.stderr, flush=True)
 
 
 def _pack(results, listing: _Listing, writer: _ShardWriter, progress: _Progress, val: _ValPacker):

@@ -16,6 +16,7 @@ from raytrain_fast.errors import CheckpointError
 from raytrain_fast.loop.evaluation import resolve_eval
 from raytrain_fast.loop.hooks import LoopHooks, WindowCallback
 from raytrain_fast.storage import check_storage, resolve_filesystem
+from raytrain_fast.storage.filesystem import checksum_env
 
 logger = logging.getLogger("raytrain_fast")
 
@@ -44,7 +45,7 @@ def storage_path(uri: str) -> str:
     return str(Path(uri).expanduser().resolve())
 
 
-def _ensure_ray() -> None:
+def _ensure_ray(env_vars: dict[str, str] | None = None) -> None:
     import ray
 
     if not ray.is_initialized():
@@ -52,25 +53,27 @@ def _ensure_ray() -> None:
         # process at normal priority on the machine takes the CPU from training. A local instance
         # started here runs them at 0 (no effect when joining a running cluster).
         os.environ.setdefault("RAY_worker_niceness", "0")
-        # Joins RAY_ADDRESS (a cluster, or the job's cluster under `ray job submit`), else starts a local instance.
-        ray.init(log_to_driver=True, configure_logging=False)
+        # Joins RAY_ADDRESS (a cluster, or the job's cluster under `ray job submit`), else starts a
+        # local instance. env_vars reach every process of the job (Ray Train's controller too).
+        ray.init(log_to_driver=True, configure_logging=False, runtime_env={"env_vars": env_vars} if env_vars else None)
 
 
-def check_resume_policy(config: Config) -> None:
+def check_resume_policy(config: Config):
     """checkpoint.resume=must|never, and the worker count of the checkpoint to resume, decided from
-    storage before any worker starts (a mismatch inside the workers would be retried max_failures times)."""
-    import json
-
-    from raytrain_fast.checkpoint.checkpointing import STATE_FILE, world_size_message
+    storage before any worker starts (a mismatch inside the workers would be retried max_failures times).
+    Returns the TrainState of the newest complete checkpoint (None when the run has none)."""
+    from raytrain_fast.checkpoint.checkpointing import STATE_FILE, TrainState, world_size_message
     from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs, verify_checkpoint
 
     policy = config.checkpoint.resume
     filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
     run_path = f"{root.rstrip('/')}/{config.name}"
     complete = [path for _, path in list_checkpoint_dirs(filesystem, run_path) if verify_checkpoint(filesystem, path, checksums=False)[0]]
+    state = None
     if complete:
         with filesystem.open_input_stream(f"{complete[0]}/{STATE_FILE}") as stream:
-            saved = int(json.loads(stream.read()).get("world_size", config.resources.num_workers))
+            state = TrainState.from_json(stream.read().decode())
+        saved = state.world_size
         if saved != config.resources.num_workers:
             scheme = "s3://" if config.storage.uri.startswith("s3://") else ""
             raise CheckpointError(world_size_message(f"{scheme}{complete[0]}", saved=saved, now=config.resources.num_workers))
@@ -84,21 +87,30 @@ def check_resume_policy(config: Config) -> None:
             f"--resume never: run '{config.name}' already has {len(complete)} checkpoint(s) under {config.storage.uri}. "
             "Pick another --name to start fresh, or use --resume auto to continue it."
         )
+    return state
 
 
-def resolve_resources(config: Config, *, create_bucket: bool = False) -> Config:
-    """Fill in `auto` values from the cluster, then validate everything before a worker starts."""
-    import ray
-
-    validate(config)  # everything that needs no cluster, before Ray even starts
+def check_before_ray(config: Config, *, create_bucket: bool = False):
+    """Everything decided without a cluster: validation, storage reachable and writable, the
+    resume policy. Returns (config with absolute local paths, TrainState of the checkpoint to resume or None)."""
+    validate(config)
     config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, uri=storage_path(config.storage.uri)))
     if config.checkpoint.init_from:  # resolved here: the workers' working directory differs
         config = dataclasses.replace(
             config, checkpoint=dataclasses.replace(config.checkpoint, init_from=storage_path(config.checkpoint.init_from))
         )
     check_storage(config.storage, create_bucket=create_bucket)  # reachable and writable, in seconds
-    check_resume_policy(config)
-    _ensure_ray()
+    return config, check_resume_policy(config)
+
+
+def resolve_resources(config: Config, *, create_bucket: bool = False, checked: bool = False) -> Config:
+    """Fill in `auto` values from the cluster, then validate everything before a worker starts.
+    checked: `check_before_ray` already ran on this config."""
+    import ray
+
+    if not checked:
+        config, _ = check_before_ray(config, create_bucket=create_bucket)
+    _ensure_ray(checksum_env(config.storage))
     cluster = ray.cluster_resources()
     cpus, gpus = cluster.get("CPU", 0.0), cluster.get("GPU", 0.0)
     validate(config, cluster_cpus=cpus, cluster_gpus=gpus)
@@ -170,7 +182,6 @@ def build_trainer(
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raytrain_fast.loop.train_loop import train_loop_per_worker
 
     resources = config.resources
     # Built from config and passed explicitly: pyarrow ignores AWS_ENDPOINT_URL, so a bare
@@ -183,9 +194,10 @@ def build_trainer(
         "OMP_NUM_THREADS": str(resources.cpus_per_worker),
         # Ray Train routes print() through a logger AND the redirected stdout: every line twice.
         "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+        **checksum_env(config.storage),  # S3 clients built in the workers upload as the driver's do
     }
     return TorchTrainer(
-        train_loop_per_worker,
+        _train_loop_without_result_dumps,
         train_loop_config={
             "config": config.to_dict(), "data_uri": data_uri, "max_sequences": max_sequences(config),
             "hooks": hooks or LoopHooks(), "on_window": on_window, "save_checkpoints": save_checkpoints,
@@ -208,8 +220,27 @@ def build_trainer(
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
             worker_runtime_env={"env_vars": env_vars},
             callbacks=callbacks,
+            # Ray Train's own INFO lines (start-up, each report) stay in its log files, off the console.
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
     )
+
+
+def _train_loop_without_result_dumps(loop_config: dict) -> None:
+    """The step loop, with Ray Train's per-report INFO line (a ~1 KB `TrainingReport(...)` dump) off.
+
+    That logger is named after its file, outside `ray.train`, so RunConfig's LoggingConfig does not
+    reach it; it is quieted in the worker, where it logs.
+    """
+    from raytrain_fast.loop.train_loop import train_loop_per_worker
+
+    try:
+        from ray.train.v2._internal.execution import context
+
+        context.logger.setLevel(logging.WARNING)
+    except (ImportError, AttributeError):  # another Ray version: the console filter still drops it
+        pass
+    train_loop_per_worker(loop_config)
 
 
 def _ray_snapshot_name() -> str:
@@ -254,7 +285,10 @@ def kept_checkpoints(config: Config) -> list[tuple[str, dict]]:
 def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None = None) -> RunResult:
     """Validate, build and fit. Same name + same storage = the run continues from its latest checkpoint.
     `hooks`: drills and fault injection for the loop (tests, `pretrain --drill`); none by default."""
-    config = resolve_resources(config, create_bucket=create_bucket)
+    config, resume_state = check_before_ray(config, create_bucket=create_bucket)
+    if resume_state is not None and resume_state.step >= config.train.steps:
+        return _nothing_to_do(config, resume_state)  # decided from storage: no Ray, no workers
+    config = resolve_resources(config, create_bucket=create_bucket, checked=True)
     if config.train.micro_batch == "auto":
         from raytrain_fast.autobatch import resolve_micro_batch
 
@@ -279,6 +313,22 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
         name=config.name or "", run_dir=run_dir, checkpoint=kept[-1][0] if kept else None,
         metrics=dict(kept[-1][1]) if kept else dict(result.metrics or {}),
         checkpoints=kept, measurements=measurements, stopped_by=stop.signal_name,
+    )
+
+
+def _nothing_to_do(config: Config, state) -> RunResult:
+    """The run already reached train.steps: say so and return what storage holds."""
+    steps = config.train.steps
+    print(
+        f"Run '{config.name}' already reached train.steps={steps} (checkpoint at step {state.step}); "
+        f"nothing to do. To train further: --set train.steps={max(steps * 2, state.step + steps)}",
+        flush=True,
+    )
+    kept = kept_checkpoints(config)
+    return RunResult(
+        name=config.name or "", run_dir=f"{config.storage.uri.rstrip('/')}/{config.name}",
+        checkpoint=kept[-1][0] if kept else None, metrics=dict(kept[-1][1]) if kept else dict(state.metrics),
+        checkpoints=kept, measurements={},
     )
 
 

@@ -13,10 +13,19 @@ like). They reach the loop only through `LoopHooks` (loop/hooks.py), built by a 
   bucket): the sink backlog grows and, with a small metrics.queue_size, records are dropped.
 - slow_upload="<seconds>[:<rank>]": each checkpoint upload of <rank> starts this much later: ranks
   whose files reach storage at different times.
+- cpu_burn="<from_step>:<to_step>[:<processes>]": rank 0 starts <processes> (default 2) separate
+  busy-loop processes at normal priority when it completes <from_step> and stops them at <to_step>:
+  other work on the node taking the CPU (host contention, a stall).
+- hold_memory="<GB>:<from_step>": rank 0 allocates and touches <GB> of host memory at <from_step>
+  and holds it to the end: memory pressure against resources.memory_budget_gb.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -92,3 +101,83 @@ def upload_delay_s(text: str, rank: int) -> float:
         if not only_rank or int(only_rank) == rank:
             total += float(seconds)
     return total
+
+
+# A busy loop at niceness 0 that also ends by itself: when its parent (the worker) is gone, or after
+# a time limit, so a worker that dies mid-drill leaves nothing burning.
+_BURN = """
+import os, time
+os.setpriority(os.PRIO_PROCESS, 0, 0)
+parent, end = os.getppid(), time.monotonic() + {limit_s}
+while os.getppid() == parent and time.monotonic() < end:
+    for _ in range(200000):
+        pass
+"""
+
+
+def cpu_burn_range(text: str) -> tuple[int, int, int] | None:
+    """(from_step, to_step, processes) of a "<from_step>:<to_step>[:<processes>]" spec, or None."""
+    if not text:
+        return None
+    start, end, *rest = text.split(":")
+    processes = int(rest[0]) if rest else 2
+    if int(end) <= int(start) or processes <= 0:
+        raise ValueError(text)
+    return int(start), int(end), processes
+
+
+class CpuBurner:
+    """Starts and stops the cpu_burn drill's processes at their steps."""
+
+    def __init__(self, spec: tuple[int, int, int], *, limit_s: float = 600.0) -> None:
+        self.start_step, self.end_step, self.processes = spec
+        self._limit_s = limit_s
+        self._procs: list[subprocess.Popen] = []
+
+    def step(self, step: int) -> None:
+        if step == self.start_step and not self._procs:
+            code = _BURN.format(limit_s=self._limit_s)
+            self._procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(self.processes)]
+        elif step >= self.end_step:
+            self.stop()
+
+    def stop(self) -> None:
+        for proc in self._procs:
+            proc.kill()
+        for proc in self._procs:
+            proc.wait()
+        self._procs = []
+
+
+def hold_memory_spec(text: str) -> tuple[float, int] | None:
+    """(GB, from_step) of a "<GB>:<from_step>" spec, or None."""
+    if not text:
+        return None
+    gb, _, start = text.partition(":")
+    if float(gb) <= 0:
+        raise ValueError(text)
+    return float(gb), int(start or 0)
+
+
+class MemoryHolder:
+    """Allocates and touches the hold_memory drill's buffer at its step and keeps it. A thread does
+    the allocation (a second or two per GB), so the drill plants memory, not a stall."""
+
+    def __init__(self, spec: tuple[float, int]) -> None:
+        self.gb, self.start_step = spec
+        self._buffer: list[bytearray] | None = None
+        self._thread: threading.Thread | None = None
+
+    def step(self, step: int) -> None:
+        if step >= self.start_step and self._thread is None:
+            self._thread = threading.Thread(target=self._allocate, name="drill-hold-memory", daemon=True)
+            self._thread.start()
+
+    def _allocate(self) -> None:
+        # In 64 MB chunks with a pause between: filling one bytearray holds the GIL for the whole
+        # fill, which would stall the training thread for seconds.
+        chunk, chunks = 64 * 2**20, []
+        for _ in range(max(1, int(self.gb * 1e9) // chunk)):
+            chunks.append(bytearray(b"\x01") * chunk)  # written, so resident
+            time.sleep(0.02)
+        self._buffer = chunks

@@ -15,6 +15,9 @@ Drill specs (see loop/drills.py for what each one plants):
 - slow_data / slow_step="<seconds>[:<from_step>[:<rank>]]", comma-separated specs add up.
 - slow_sink="<seconds>": rank 0's metric sinks sleep this long before each record.
 - slow_upload="<seconds>[:<rank>]": each checkpoint upload of <rank> (default every rank) starts late.
+- cpu_burn="<from_step>:<to_step>[:<processes>]": busy processes at normal priority beside rank 0
+  between two steps (host contention, a stall).
+- hold_memory="<GB>:<from_step>": rank 0 holds that much host memory from a step on (memory pressure).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class LoopHooks:
     slow_step: str = ""
     slow_sink: float = 0.0
     slow_upload: str = ""
+    cpu_burn: str = ""
+    hold_memory: str = ""
 
     @classmethod
     def from_cli(cls, items: Sequence[str]) -> LoopHooks:
@@ -62,6 +67,10 @@ class LoopHooks:
                     drills.specs(spec, 0)
                 elif name == "slow_upload":
                     drills.upload_delay_s(spec, 0)
+                elif name == "cpu_burn":
+                    drills.cpu_burn_range(spec)
+                elif name == "hold_memory":
+                    drills.hold_memory_spec(spec)
                 elif name == "fail_once_at" and (len(spec.split(":")) < 2 or not spec.split(":")[0].isdigit()):
                     raise ValueError
             except ValueError:
@@ -87,6 +96,10 @@ class RankHooks:
         self.on_batch: Callable[[Any], None] | None = self._recorder.add if self._recorder else None
         """Called with each micro-batch's sequence ids, or None (the loop then skips the call)."""
         self.upload_delay_s = drills.upload_delay_s(hooks.slow_upload, rank)
+        burn = drills.cpu_burn_range(hooks.cpu_burn) if rank == 0 else None
+        self._burner = drills.CpuBurner(burn) if burn else None
+        hold = drills.hold_memory_spec(hooks.hold_memory) if rank == 0 else None
+        self._memory = drills.MemoryHolder(hold) if hold else None
 
     def batches(self, data: Iterator[T], *, current_step: Callable[[], int]) -> Iterator[T]:
         return drills.slow_data(data, drills.specs(self._hooks.slow_data, self.rank), current_step=current_step)
@@ -101,6 +114,15 @@ class RankHooks:
             _maybe_fail(self._hooks.fail_once_at, step=step, rank=self.rank)
         if self._slow_step:
             drills.sleep_for(self._slow_step, step)
+        if self._burner is not None:
+            self._burner.step(step)
+        if self._memory is not None:
+            self._memory.step(step)
+
+    def close(self) -> None:
+        """Stop what a drill started (the cpu_burn processes)."""
+        if self._burner is not None:
+            self._burner.stop()
 
 
 def _maybe_fail(spec: str, *, step: int, rank: int) -> None:

@@ -29,6 +29,7 @@ from raytrain_fast.engine import build_engine, select_accelerator, training_devi
 from raytrain_fast.loop.evaluation import Evaluator, resolve_eval
 from raytrain_fast.loop.hooks import LoopHooks, RankHooks, WindowCallback
 from raytrain_fast.metrics import TrainMetrics, build_sinks, mfu_inputs
+from raytrain_fast.metrics.host import run_at_normal_priority
 from raytrain_fast.model import GPT
 from raytrain_fast.storage import redact
 from raytrain_fast.storage.filesystem import resolve_filesystem, use_shipped_s3_filesystem
@@ -69,6 +70,8 @@ class Worker:
     grad_accum: int
     device: torch.device
     hooks: RankHooks
+    niceness: int
+    """This worker's niceness after setup (0 unless lowering it was not permitted)."""
     manifest: Any
     """The prepared data's manifest (training shards and the validation split)."""
 
@@ -106,6 +109,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     finally:
         coordinator.close()
         data.close()
+        worker.hooks.close()
 
 
 def setup_worker(loop_config: dict[str, Any]) -> Worker:
@@ -124,13 +128,14 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
     if cpus > 0:  # Ray starts workers with OMP_NUM_THREADS=1: torch must be told how many cores it has
         torch.set_num_threads(cpus)
         os.environ["OMP_NUM_THREADS"] = str(cpus)
+    niceness = run_at_normal_priority()  # Ray starts workers at niceness 15: any other process would win the CPU
     select_accelerator()
     torch.manual_seed(config.train.seed)
     random.seed(config.train.seed)
     hooks: LoopHooks = loop_config.get("hooks") or LoopHooks()
     return Worker(
         config=config, rank=rank, world_size=context.get_world_size(), grad_accum=config.grad_accum(),
-        device=training_device(), hooks=hooks.for_rank(rank), manifest=manifest,
+        device=training_device(), hooks=hooks.for_rank(rank), niceness=niceness, manifest=manifest,
     )
 
 
@@ -239,6 +244,7 @@ def build_metrics(worker: Worker, state: TrainState, engine: Any, mfu: Any) -> T
         tokens_per_step=worker.tokens_per_step, device=engine.device, rank=worker.rank, world_size=worker.world_size,
         flops_per_token=mfu.flops_per_token, datasheet_peak_flops=mfu.datasheet_peak_flops,
         measured_peak_flops=mfu.measured_peak_flops, memory_budget_gb=config.resources.memory_budget_gb, sinks=sinks,
+        niceness=worker.niceness,
     )
 
 

@@ -31,7 +31,9 @@ class MetricsConfig:
     slowdown_windows: int = 3
     """Log windows in the rolling median (and in the baseline taken right after warm-up)."""
     slowdown_warmup_steps: int = 50
-    """Steps left out of the baseline (allocator and data pipeline warm-up)."""
+    """Steps left out of the baseline (allocator and data pipeline warm-up); the stall alert starts after them too."""
+    stall_factor: float = 2.5
+    """Raise alert/stall for a log window whose step time is more than this many times the median of the 5 windows before it (a stall, which a rolling median never shows). 2.5 sits above what noise does to a window on a busy 2-core machine (up to 1.7x measured) and below a fair share against 4 other busy processes."""
     gc_every: int = 200
     """After setup, freeze the heap, turn off Python's automatic full collections and run one timed full collection every this many steps. 0 = leave Python's GC alone."""
     peak_measure_s: float = 3.0
@@ -57,6 +59,8 @@ def metrics_config_problems(config: MetricsConfig) -> list[str]:
             problems.append(f"metrics.{name} must be >= 0, got {value}")
     if config.coordinator_timeout_s <= 0:
         problems.append(f"metrics.coordinator_timeout_s must be > 0, got {config.coordinator_timeout_s}")
+    if config.stall_factor <= 1:
+        problems.append(f"metrics.stall_factor must be > 1 (a window this many times slower than the ones before it), got {config.stall_factor}")
     if config.slowdown_threshold <= 0:
         problems.append(f"metrics.slowdown_threshold must be > 0 (e.g. 0.1 = 10% slower), got {config.slowdown_threshold}")
     if config.wandb and not config.wandb_project.strip():

@@ -1,13 +1,17 @@
-"""Progressive-slowdown detector: the run's own step time after warm-up is the baseline.
+"""Two detectors over the log windows: a progressive slowdown (the run's own step time after
+warm-up is the baseline) and a stall (one window far slower than the ones just before it).
 
-Fed one `Window` per log step. After `warmup_steps`, the median of the first `num_windows` windows
+Slowdown: fed one `Window` per log step. After `warmup_steps`, the median of the first `num_windows` windows
 becomes the baseline; from then on, when the median of the last `num_windows` windows exceeds the
 baseline by more than `threshold`, the detector raises an alert naming the most likely cause among
 what the loop measures, by how many seconds per step each signal grew against its own baseline:
-data wait, GC pauses, checkpoint stalls, CPU the sink thread took; then sink drops and memory
-growth, which cost no measurable seconds of their own.
+data wait, GC pauses, checkpoint stalls, CPU the sink thread took; then the training thread
+waiting for a core (other processes taking the CPU); then sink drops and memory growth, which cost
+no measurable seconds of their own.
 
-The same detector serves the live alert (TrainMetrics, thresholds from MetricsConfig) and the
+Stall: see `StallDetector`.
+
+The same detectors serve the live alert (TrainMetrics, thresholds from MetricsConfig) and the
 report, which replays it over a run's records with its own thresholds when the run has no
 alert/slowdown metrics (report/diagnose.py). The detector does not log: its caller does.
 """
@@ -19,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-CAUSES = ("data_wait", "gc", "checkpoint", "sink", "memory", "unexplained")
+CAUSES = ("data_wait", "gc", "checkpoint", "sink", "memory", "cpu", "unexplained")
 
 _DESCRIPTIONS = {
     "data_wait": "the data pipeline: waiting for the next batch",
@@ -27,6 +31,7 @@ _DESCRIPTIONS = {
     "checkpoint": "checkpoint stalls (time training was blocked saving)",
     "sink": "the metric sinks (the sink thread's CPU time, a growing backlog or dropped records)",
     "memory": "memory growth",
+    "cpu": "other processes took the CPU (the training thread waited for a core)",
     "unexplained": (
         "nothing the loop measures: the compute itself got slower (other processes on this machine, "
         "thermal or power throttling, a straggler rank, a slower interconnect)"
@@ -52,6 +57,10 @@ class Window:
     sink_backlog: int = 0
     memory_gb: float = 0.0
     """Memory in use now (host RSS on CPU, allocated on GPU)."""
+    cpu_share: float | None = None
+    """host/cpu_share: CPU time the training process got / (wall time x its compute threads)."""
+    cpu_wait_frac: float | None = None
+    """host/cpu_wait_frac: share of the window the training thread was ready to run but had no core."""
 
 
 @dataclass(kw_only=True)
@@ -122,7 +131,10 @@ class SlowdownDetector:
             "checkpoint": current.checkpoint_s - base.checkpoint_s,
             "sink": current.sink_cpu_s - base.sink_cpu_s,
         }
-        cause = largest_cause(grew, excess) or _unmeasured_cause(current, base, dropped=dropped)
+        cause = (
+            largest_cause(grew, excess) or largest_cause(_cpu_growth(current, base), excess)
+            or _unmeasured_cause(current, base, dropped=dropped)
+        )
         details = {
             "data_wait": f"data wait {base.data_wait_s * 1e3:.1f} -> {current.data_wait_s * 1e3:.1f} ms/step",
             "gc": f"GC {base.gc_s * 1e3:.1f} -> {current.gc_s * 1e3:.1f} ms/step",
@@ -133,6 +145,8 @@ class SlowdownDetector:
             ),
             "memory": f"memory {base.memory_gb:.2f} -> {current.memory_gb:.2f} GB",
         }
+        if current.cpu_wait_frac is not None and base.cpu_wait_frac is not None:
+            details["cpu"] = f"waiting for a CPU {base.cpu_wait_frac:.0%} -> {current.cpu_wait_frac:.0%} of the time"
         message = (
             f"slowdown at step {step}: step time {current.step_s * 1e3:.1f} ms is {ratio - 1:.0%} above the baseline "
             f"{base.step_s * 1e3:.1f} ms (median of the last {self.num_windows} log windows). "
@@ -161,7 +175,18 @@ def largest_cause(grew: dict[str, float], excess_s: float) -> str | None:
     return top if grew[top] >= _MIN_EXPLAINED * excess_s else None
 
 
+def _cpu_growth(current: Window, base: Window) -> dict[str, float]:
+    """{"cpu": how many more seconds per step the training thread waited for a core} where measured,
+    in the same unit as the other causes. Asked after the signals inside the process (data wait, GC,
+    checkpoint, sink CPU): a busy thread of the process itself, like a CPU-hungry sink, also makes
+    the training thread wait for a core, and it is the better name for the cause."""
+    if current.cpu_wait_frac is None or base.cpu_wait_frac is None:
+        return {}
+    return {"cpu": current.cpu_wait_frac * current.step_s - base.cpu_wait_frac * base.step_s}
+
+
 _SECONDS = ("step_s", "data_wait_s", "gc_s", "checkpoint_s", "sink_cpu_s")
+_OPTIONAL = ("cpu_share", "cpu_wait_frac")
 
 
 def _median_window(windows: list[Window]) -> Window:
@@ -182,10 +207,96 @@ def _mean_window(windows: list[Window]) -> Window:
 
 
 def _combine(windows: list[Window], average: Callable[[list[float]], float], *, sink_backlog: int, memory_gb: float) -> Window:
+    optional = {}
+    for name in _OPTIONAL:
+        values = [getattr(w, name) for w in windows if getattr(w, name) is not None]
+        optional[name] = average(values) if values else None
     return Window(
         step=windows[-1].step,
         **{name: average([getattr(w, name) for w in windows]) for name in _SECONDS},
+        **optional,
         sink_dropped=sum(w.sink_dropped for w in windows),
         sink_backlog=sink_backlog,
         memory_gb=memory_gb,
     )
+
+
+# --- stalls --------------------------------------------------------------------------------------
+
+STALL_CAUSES = {
+    "cpu": "other processes took the CPU",
+    "data_wait": "waiting for data",
+    "checkpoint": "a checkpoint blocked training",
+    "gc": "a garbage-collection pause",
+    "unknown": "nothing the loop measures",
+}
+
+
+@dataclass(kw_only=True)
+class Stall:
+    step: int
+    step_s: float
+    """This window's step time."""
+    base_s: float
+    """The median step time of the windows before it."""
+    cause: str
+    """A key of STALL_CAUSES."""
+    message: str
+
+    @property
+    def ratio(self) -> float:
+        return self.step_s / self.base_s
+
+    @property
+    def lost_s(self) -> float:
+        """Seconds per step above the windows before it."""
+        return self.step_s - self.base_s
+
+
+class StallDetector:
+    """One log window far slower than the ones just before it: a stall, not a trend.
+
+    The progressive-slowdown detector watches a rolling median, so a single 70x window never moves
+    it. This one compares each window with the median of the last `num_windows` windows that were
+    not stalls (at least 3, after `warmup_steps`) and reports a window whose step time is more than
+    `factor` times that. Its likely cause comes from the window's own numbers: data wait,
+    checkpoint or GC, whichever grew most in seconds if it explains at least a quarter of the extra
+    time; else the training thread waiting for a core (other processes took the CPU) by the same
+    rule; else unknown. Used live (TrainMetrics) and by the report.
+    """
+
+    def __init__(self, *, factor: float = 2.5, num_windows: int = 5, warmup_steps: int = 50) -> None:
+        self.factor = factor
+        self.num_windows = num_windows
+        self.warmup_steps = warmup_steps
+        self._recent: deque[Window] = deque(maxlen=num_windows)
+
+    def update(self, window: Window) -> Stall | None:
+        if window.step <= self.warmup_steps:
+            return None
+        if len(self._recent) < min(3, self.num_windows):
+            self._recent.append(window)
+            return None
+        base = _median_window(list(self._recent))
+        if base.step_s <= 0 or window.step_s <= self.factor * base.step_s:
+            self._recent.append(window)  # stalls stay out of the median, so a long one keeps firing
+            return None
+        cause = stall_cause(window, base)
+        ratio = window.step_s / base.step_s
+        message = (
+            f"stall at step {window.step}: {window.step_s * 1e3:,.0f} ms/step, {ratio:.1f}x the {base.step_s * 1e3:,.0f} ms "
+            f"of the windows before it. Likely cause: {STALL_CAUSES[cause]}"
+            + (f" (the training thread waited for a CPU {window.cpu_wait_frac:.0%} of the window)" if cause == "cpu" else "")
+            + "."
+        )
+        return Stall(step=window.step, step_s=window.step_s, base_s=base.step_s, cause=cause, message=message)
+
+
+def stall_cause(window: Window, base: Window) -> str:
+    grew = {
+        "data_wait": window.data_wait_s - base.data_wait_s,
+        "checkpoint": window.checkpoint_s - base.checkpoint_s,
+        "gc": window.gc_s - base.gc_s,
+    }
+    excess = window.step_s - base.step_s
+    return largest_cause(grew, excess) or largest_cause(_cpu_growth(window, base), excess) or "unknown"

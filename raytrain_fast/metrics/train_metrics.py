@@ -4,11 +4,13 @@ Per step, `TrainMetrics` only adds detached tensors into an on-device accumulato
 and reads the host clock around each phase: no host syncs. On log steps,
 `log()` does, on every rank:
 
-1. one all-reduce of the accumulator and one all-gather of four host floats per rank (time to
-   reach the log step, data wait, GC time, a caller's flag), both queued on the device without waiting;
+1. one all-reduce of the accumulator and one all-gather of six host floats per rank (time to
+   reach the log step, data wait, GC time, a caller's flag, CPU share, CPU wait), both queued on the
+   device without waiting;
 2. ONE host sync: a single `.tolist()` of all of it (it waits for every kernel queued in the window);
-3. on rank 0: throughput, MFU, phase times, memory, rank spread, slowdown check, progress line, and
-   a hand-off of the record to the sink thread (which never blocks training).
+3. on rank 0: throughput, MFU, phase times, memory, host CPU and memory, rank spread, slowdown and
+   stall checks, progress line, and a hand-off of the record to the sink thread (which never blocks
+   training).
 
 The window's wall time runs from one drain's host sync to the next, so it is exact even on a GPU
 where the host runs ahead. Phase times (forward, backward, optimizer) are sampled every
@@ -32,9 +34,10 @@ import torch
 
 from raytrain_fast.metrics.config import MetricsConfig
 from raytrain_fast.metrics.gc_control import GcControl
+from raytrain_fast.metrics.host import HostSampler
 from raytrain_fast.metrics.peak import mfu
 from raytrain_fast.metrics.sinks import MetricSink, SinkWriter
-from raytrain_fast.metrics.slowdown import SlowdownDetector, Window
+from raytrain_fast.metrics.slowdown import STALL_CAUSES, SlowdownDetector, StallDetector, Window
 
 logger = logging.getLogger("raytrain_fast.metrics")
 
@@ -49,7 +52,7 @@ def _duration(seconds: float) -> str:
 PHASES = ("data", "forward", "backward", "optimizer")
 _GB = 1e9
 _ACC = 2  # on-device sums: loss, grad norm
-_STATS = 4  # per-rank host floats gathered on log steps: seconds to reach the drain, data wait, GC, flag
+_STATS = 6  # per-rank host floats gathered on log steps: seconds to reach the drain, data wait, GC, flag, CPU share, CPU wait
 
 
 def _host_memory_gb() -> tuple[float, float]:
@@ -114,6 +117,7 @@ class TrainMetrics:
         sinks: Sequence[MetricSink] = (),
         print_progress: bool = True,
         process_group: Any = None,
+        niceness: int | None = None,
     ) -> None:
         if log_every <= 0:
             raise ValueError(f"log_every must be > 0, got {log_every}")
@@ -137,6 +141,12 @@ class TrainMetrics:
         )
         self._group = process_group
         self._allocate_buffers()
+        # Threads that compute: torch's on a CPU, the one that launches kernels on a GPU.
+        self._host = HostSampler(compute_threads=1 if self._cuda else torch.get_num_threads())
+        self._niceness = niceness
+        """Recorded once, in the first record, as host/niceness."""
+        self._cpu: tuple[float, float | None] = (0.0, None)
+        """(host/cpu_share, host/cpu_wait_frac) of the window being drained: the most starved rank's."""
 
         self._step = start_step
         self._window_start_step = start_step
@@ -161,6 +171,7 @@ class TrainMetrics:
             num_windows=config.slowdown_windows,
             warmup_steps=start_step + config.slowdown_warmup_steps,
         )
+        self._stall = StallDetector(factor=config.stall_factor, warmup_steps=start_step + config.slowdown_warmup_steps)
         self._last_upload_s: float | None = None
         self.flags_any_rank = 0
         """After log(): the bitwise OR of the `flags` every rank passed to it."""
@@ -286,11 +297,14 @@ class TrainMetrics:
         """
         arrival_s = time.perf_counter() - self._window_start
         gc_s = self._gc.collect_s - self._gc_s_at_window_start
+        host = self._host.window()
+        self._cpu = (host.cpu_share, host.cpu_wait_frac)
         self.flags_any_rank = flags
         if self._distributed:
             import torch.distributed as dist
 
-            host_stats = [arrival_s, self._data_wait_s, gc_s, float(flags)]  # exact in fp32 below 2**24
+            cpu_wait = -1.0 if host.cpu_wait_frac is None else host.cpu_wait_frac
+            host_stats = [arrival_s, self._data_wait_s, gc_s, float(flags), host.cpu_share, cpu_wait]  # flags exact in fp32 below 2**24
             self._stats_host.copy_(torch.tensor(host_stats, dtype=torch.float32))
             self._stats_dev.copy_(self._stats_host, non_blocking=True)
             dist.all_reduce(self._acc, group=self._group)
@@ -313,6 +327,7 @@ class TrainMetrics:
         data_wait, gc_window = self._time_metrics(metrics, values, num_steps=num_steps, wall=wall, gc_s=gc_s)
         self._checkpoint_metrics(metrics)
         memory_now = self._memory_metrics(metrics)
+        self._host_metrics(metrics)
         metrics["gc/collect_s"] = gc_window
         metrics["gc/collections"] = float(self._gc.num_collections - self._gc_n_at_window_start)
         sink_cpu, dropped = self._sink_metrics(metrics)
@@ -327,8 +342,11 @@ class TrainMetrics:
                 sink_dropped=dropped,
                 sink_backlog=self._writer.backlog if self._writer is not None else 0,
                 memory_gb=memory_now,
+                cpu_share=metrics["host/cpu_share"],
+                cpu_wait_frac=metrics.get("host/cpu_wait_frac"),
             )
             self._slowdown_metrics(metrics, window)
+            self._stall_metrics(metrics, window)
         return metrics
 
     def _train_metrics(self, values: list[float], *, lr: float | None, num_steps: int, wall: float) -> dict[str, float]:
@@ -363,6 +381,9 @@ class TrainMetrics:
             self.flags_any_rank = 0
             for r in per_rank:
                 self.flags_any_rank |= int(round(r[3]))
+            # The most starved rank sets the pace: every rank waits for it at the next collective.
+            waits = [r[5] for r in per_rank if r[5] >= 0]
+            self._cpu = (min(r[4] for r in per_rank), max(waits) if waits else None)
             arrivals = [r[0] for r in per_rank]
             data_wait = max(r[1] for r in per_rank)
             gc_window = max(r[2] for r in per_rank)
@@ -396,6 +417,21 @@ class TrainMetrics:
             metrics["memory/peak_frac"] = metrics["memory/peak_gb"] / self._memory_capacity_gb
         return memory_now
 
+    def _host_metrics(self, metrics: dict[str, float]) -> None:
+        """host/*: the CPU the training process got (the most starved rank), and rank 0's node's
+        load and memory. /proc reads and psutil on the host only."""
+        cpu_share, cpu_wait = self._cpu
+        metrics["host/cpu_share"] = cpu_share
+        if cpu_wait is not None:
+            metrics["host/cpu_wait_frac"] = cpu_wait
+        if self._is_logger:
+            metrics.update(self._host.machine())
+            if not self._cuda and self._memory_capacity_gb:  # the process against its CPU memory budget
+                metrics["host/memory_budget_frac"] = _host_memory_gb()[1] / self._memory_capacity_gb
+            if self._niceness is not None:
+                metrics["host/niceness"] = float(self._niceness)
+                self._niceness = None  # once per run
+
     def _sink_metrics(self, metrics: dict[str, float]) -> tuple[float, int]:
         """sink/* into `metrics` (rank 0 only); returns the sink thread's CPU seconds and the records
         dropped during the window."""
@@ -422,6 +458,16 @@ class TrainMetrics:
         if alert is not None:
             metrics[f"alert/slowdown_cause/{alert.cause}"] = 1.0
             logger.warning(alert.message)
+
+    def _stall_metrics(self, metrics: dict[str, float], window: Window) -> None:
+        """alert/stall (a window far slower than the ones before it) into `metrics`, with its cause
+        and a warning."""
+        stall = self._stall.update(window)
+        metrics["alert/stall"] = 1.0 if stall else 0.0
+        if stall is not None:
+            metrics["alert/stall_ratio"] = stall.ratio
+            metrics[f"alert/stall_cause/{stall.cause}"] = 1.0
+            logger.warning(stall.message)
 
     def _phase_means(self) -> dict[str, float]:
         if self._cuda:
@@ -480,6 +526,9 @@ class TrainMetrics:
         parts.append(f"ETA {_duration(step_s * max(0, self.total_steps - step))}")
         if metrics.get("alert/slowdown"):
             parts.append(f"SLOWDOWN x{metrics.get('alert/slowdown_ratio', math.nan):.2f}")
+        if metrics.get("alert/stall"):
+            cause = next((k.rsplit("/", 1)[1] for k in metrics if k.startswith("alert/stall_cause/")), "unknown")
+            parts.append(f"STALL x{metrics.get('alert/stall_ratio', math.nan):.1f} ({STALL_CAUSES[cause]})")
         return "  ".join(parts)
 
     # --- end -----------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """`raytrain-fast report`: a run's metrics from storage as PNG plots, one HTML page and a plain-language
 diagnosis (data-bound, sink backlog, memory under-used, progressive slowdown, checkpoint stalls,
-stragglers), each finding with the numbers it rests on and what to change."""
+stragglers, stalls, host contention, host memory pressure), each finding with the numbers it rests on and what to change."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def report_for(run: RunMetrics, *, out_dir: str) -> Report:
     plots = draw_plots(run, out_dir)
     html_path = os.path.join(out_dir, HTML_FILE)
     with open(html_path, "w", encoding="utf-8") as out:
-        out.write(render_html(run, diagnosis, plots))
+        out.write(render_html(run, diagnosis, plots, out_dir=out_dir))
     return Report(
         run=run, diagnosis=diagnosis, out_dir=out_dir, html_path=html_path,
         pngs=[os.path.join(out_dir, p.file) for p in plots.plots], skipped_plots=plots.skipped,

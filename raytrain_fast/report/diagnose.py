@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrain_fast.metrics.slowdown import SlowdownDetector, Window, largest_cause
+from raytrain_fast.metrics.slowdown import STALL_CAUSES, SlowdownDetector, Stall, StallDetector, Window, largest_cause
 from raytrain_fast.report.load import RunMetrics, median
 
 # --- thresholds ----------------------------------------------------------------------------------
@@ -54,12 +54,29 @@ OVERFIT_MIN_RISE = 0.01
 """...and the last val/loss at least this much (relative) above the run's lowest."""
 STRAGGLER_SHARE = 0.10
 STRAGGLER_MIN_WINDOWS = 2 / 3
+# Stalls: the run's stall detector (metrics/slowdown.py, factor metrics.stall_factor) replayed over
+# the steady windows. A finding when the stalled windows lost at least 1% of the run's wall time or
+# one of them lost a minute: a blip in a week-long run is left to the live alert.
+STALL_MIN_SHARE = 0.01
+STALL_MIN_LOST_S = 60.0
+DEFAULT_STALL_FACTOR = 2.5
+# Host contention: the training thread waited for a CPU at least a quarter of the window
+# (host/cpu_wait_frac; a few percent on a node with nothing else running) in at least two steady
+# windows and at least 5% of them.
+CONTENTION_WAIT_FRAC = 0.25
+CONTENTION_MIN_WINDOWS = 2
+CONTENTION_MIN_SHARE = 0.05
+# Host memory pressure: the node's memory above 90% in use, swap growing by 0.1 GB or more, or a CPU
+# run's process above 90% of resources.memory_budget_gb: the next allocation pages out or fails.
+MEMORY_PRESSURE_FRAC = 0.90
+SWAP_GROWTH_GB = 0.1
 
 
 @dataclass(kw_only=True)
 class Finding:
     key: str
-    """data_bound, sink_backlog, memory_underused, slowdown, checkpoint_stall, straggler or overfitting."""
+    """data_bound, sink_backlog, memory_underused, slowdown, checkpoint_stall, straggler, stall,
+    host_contention, memory_pressure or overfitting."""
     title: str
     evidence: list[str]
     """The numbers the finding rests on, in words."""
@@ -111,6 +128,7 @@ def diagnose(run: RunMetrics) -> Diagnosis:
         return Diagnosis(findings=[], skipped=skipped, summary=summarize(run))
     for rule in (
         _data_bound, _sink_backlog, _memory_underused, _slowdown, _checkpoint_stall, _straggler,
+        _stall, _host_contention, _memory_pressure,
         _overfitting,
     ):
         result = rule(run)
@@ -129,7 +147,7 @@ def _pct(value: float) -> str:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+    return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.1f} s"
 
 
 def _duration(seconds: float) -> str:
@@ -330,6 +348,10 @@ def _replayed_slowdown(run: RunMetrics, steps: list[int], step_s: list[float]) -
 
 
 _SLOWDOWN_CAUSES = {
+    "cpu": (
+        "other processes took the CPU: the training thread waited for a core more of the time (host/cpu_wait_frac)",
+        "keep CPU-heavy work off the training nodes, or run it with `nice -n 19`; check host/niceness is 0",
+    ),
     "data_wait": ("the data pipeline: waiting for the next batch grew", "see the data advice: prefetch more, more CPUs per worker, prepared shards near the workers"),
     "gc": ("Python garbage collection pauses grew", "keep metrics.gc_every on (not 0); look for objects kept across steps (lists of tensors, growing caches)"),
     "checkpoint": ("checkpoint stalls grew", "use checkpoint.upload=async, save less often, or check the storage's write speed"),
@@ -358,7 +380,7 @@ def _slowdown_finding(
         cause = own_cause
     since = slowdown.since
     evidence = [slowdown.source, f"step time {_ms(step_before)} before step {since}, {_ms(step_after)} since"]
-    labels = {"data_wait": "data wait", "checkpoint": "checkpoint blocked", "gc": "GC"}
+    labels = {"data_wait": "data wait", "checkpoint": "checkpoint blocked", "gc": "GC", "cpu": "waiting for a CPU (host/cpu_wait_frac)"}
     for key, (old, new, _) in growth.items():
         evidence.append(f"{labels[key]} {_ms(old)} -> {_ms(new)} per step")
     _, mem = run.series("memory/current_gb")
@@ -366,7 +388,7 @@ def _slowdown_finding(
         evidence.append(f"memory in use {mem[0]:.2f} GB at the start, {mem[-1]:.2f} GB at the end (memory/current_gb)")
     if extra > 0:
         explained = sum(max(0.0, grew) for _, _, grew in growth.values())
-        evidence.append(f"of the {_ms(extra)} extra per step, data wait, checkpoints and GC together explain {_ms(min(explained, extra))}")
+        evidence.append(f"of the {_ms(extra)} extra per step, the signals above together explain {_ms(min(explained, extra))}")
     what, fix = _SLOWDOWN_CAUSES.get(cause, _SLOWDOWN_CAUSES["unexplained"])
     line = f"likely cause: {what}"
     if slowdown.detector_cause == cause:
@@ -396,10 +418,12 @@ def _growth(run: RunMetrics, before: list[dict[str, Any]], after: list[dict[str,
                 values.append(r.get("checkpoint/blocked_s", 0.0) / windows[r["step"]])
             elif signal == "gc" and "gc/collect_s" in r:
                 values.append(r["gc/collect_s"] / windows[r["step"]])
+            elif signal == "cpu" and "host/cpu_wait_frac" in r:
+                values.append(r["host/cpu_wait_frac"] * r["time/step_s"])
         return median(values) if values else None
 
     result = {}
-    for signal in ("data_wait", "checkpoint", "gc"):
+    for signal in ("data_wait", "checkpoint", "gc", "cpu"):
         old, new = per_step(before, signal), per_step(after, signal)
         if old is not None and new is not None and (old > 0 or new > 0):
             result[signal] = (old, new, new - old)
@@ -415,11 +439,7 @@ def _checkpoint_stall(run: RunMetrics) -> Finding | str | None:
     total_blocked = 0.0
     num_checkpoints = 0
     for step, seconds in zip(steps, blocked):
-        # A save right after log step s lands in the window that ends at the next log step.
-        count = 1
-        if isinstance(every, int) and every > 0:
-            start = step - windows[step]
-            count = max(1, sum(1 for s in range(start, step) if s > 0 and s % every == 0))
+        count = len(run.saves_in_window(step))  # blocked_s is per checkpoint saved in the window
         total_blocked += seconds * count
         num_checkpoints += count
     wall = sum(r.get("time/step_s", 0.0) * windows[r["step"]] for r in run.records)
@@ -503,7 +523,185 @@ def _straggler(run: RunMetrics) -> Finding | str | None:
     )
 
 
+def _record_window(record: dict[str, Any], steps: int) -> Window:
+    """A log record as the detectors' Window (seconds per step)."""
+    step_s = record["time/step_s"]
+    return Window(
+        step=record["step"], step_s=step_s,
+        data_wait_s=record.get("time/data_wait_frac", 0.0) * step_s,
+        gc_s=record.get("gc/collect_s", 0.0) / steps,
+        checkpoint_s=record.get("checkpoint/blocked_s", 0.0) / steps,
+        memory_gb=record.get("memory/current_gb", 0.0),
+        cpu_share=record.get("host/cpu_share"), cpu_wait_frac=record.get("host/cpu_wait_frac"),
+    )
+
+
+def run_stalls(run: RunMetrics) -> list[Stall]:
+    """The stalls of the steady windows: the run's own stall detector replayed with its factor."""
+    detector = StallDetector(factor=stall_factor(run), warmup_steps=0)
+    windows = run.window_steps()
+    stalls = []
+    for record in run.steady:
+        if "time/step_s" in record:
+            stall = detector.update(_record_window(record, windows[record["step"]]))
+            if stall is not None:
+                stalls.append(stall)
+    return stalls
+
+
+_STALL_ADVICE = {
+    "cpu": "keep other CPU-heavy work off the training nodes while they train, or run it at low priority (`nice -n 19 ...`)",
+    "data_wait": "see the data advice: prefetch more (data.prefetch_batches), more CPUs per worker, prepared shards near the workers",
+    "checkpoint": "use checkpoint.upload=async and check the storage's write speed around those steps",
+    "gc": "keep metrics.gc_every on, and look for many Python objects made per step",
+    "unknown": "look at the node around those steps: other jobs, storage or network hiccups, throttling",
+}
+
+
+def _stall(run: RunMetrics) -> Finding | str | None:
+    if not run.has("time/step_s"):
+        return "stalls: time/step_s was not recorded"
+    stalls = run_stalls(run)
+    if not stalls:
+        return None
+    windows = run.window_steps()
+    lost = sum(s.lost_s * windows[s.step] for s in stalls)
+    wall = sum(r.get("time/step_s", 0.0) * windows[r["step"]] for r in run.records)
+    share = lost / wall if wall > 0 else 0.0
+    worst = max(stalls, key=lambda s: s.lost_s * windows[s.step])
+    if share < STALL_MIN_SHARE and worst.lost_s * windows[worst.step] < STALL_MIN_LOST_S:
+        return None
+    causes = sorted({s.cause for s in stalls}, key=lambda c: -sum(x.lost_s * windows[x.step] for x in stalls if x.cause == c))
+    listed = ", ".join(f"{s.step} ({s.ratio:.1f}x, {STALL_CAUSES[s.cause]})" for s in stalls[:8])
+    evidence = [
+        f"{len(stalls)} log window{'s' if len(stalls) > 1 else ''} took more than {stall_factor(run):.1f}x the median of the windows "
+        f"before {'them' if len(stalls) > 1 else 'it'}: the windows ending at step {listed}" + (" ..." if len(stalls) > 8 else ""),
+        f"those windows lost {_duration(lost)} against their neighbours: {_pct(share)} of {_duration(wall)} of logged training time",
+        f"worst: the window ending at step {worst.step}, {_ms(worst.step_s)} per step against {_ms(worst.base_s)}",
+    ]
+    live = [s for s, v in zip(*run.series("alert/stall")) if v >= 1]
+    if live:
+        evidence.append(f"the run's live alert (alert/stall) fired at steps {', '.join(map(str, live[:8]))}")
+    return Finding(
+        key="stall", title=f"Stalls: {len(stalls)} log window{'s' if len(stalls) > 1 else ''} far slower than the rest, likely cause: {STALL_CAUSES[causes[0]]}",
+        evidence=evidence, advice=[_STALL_ADVICE[c] for c in causes],
+        numbers={"lost_s": lost, "lost_share": share, "windows": float(len(stalls)), "first_step": float(stalls[0].step), "last_step": float(stalls[-1].step)},
+    )
+
+
+def stall_factor(run: RunMetrics) -> float:
+    return float(run.setting("metrics", "stall_factor", DEFAULT_STALL_FACTOR))
+
+
+def _host_contention(run: RunMetrics) -> Finding | str | None:
+    if not run.has("host/cpu_wait_frac"):
+        return "host contention: host/cpu_wait_frac was not recorded (a Linux kernel's schedstat gives it)"
+    steps, waits = run.series("host/cpu_wait_frac", steady=True)
+    contended = [(s, w) for s, w in zip(steps, waits) if w >= CONTENTION_WAIT_FRAC]
+    if len(contended) < CONTENTION_MIN_WINDOWS or len(contended) < CONTENTION_MIN_SHARE * len(waits):
+        return None
+    by_step = {r["step"]: r for r in run.records}
+    wait_in = median([w for _, w in contended])
+    quiet = [w for _, w in zip(steps, waits) if w < CONTENTION_WAIT_FRAC]
+    evidence = [
+        f"the training thread was ready to run but waited for a CPU a median {_pct(wait_in)} of the time in {len(contended)} of "
+        f"{len(waits)} steady windows (host/cpu_wait_frac, threshold {_pct(CONTENTION_WAIT_FRAC)}): steps "
+        + ", ".join(str(s) for s, _ in contended[:12]) + (" ..." if len(contended) > 12 else ""),
+    ]
+    if quiet:
+        evidence.append(f"in the other windows it waited {_pct(median(quiet))}")
+    shares = [by_step[s]["host/cpu_share"] for s, _ in contended if "host/cpu_share" in by_step[s]]
+    if shares:
+        evidence.append(f"the training process got {_pct(median(shares))} of its threads' CPU time there (host/cpu_share)")
+    _, load = run.series("host/load_per_cpu", steady=True)
+    if load:
+        evidence.append(f"load per CPU on rank 0's node: median {median(load):.2f}, up to {max(load):.2f} (host/load_per_cpu)")
+    _, step_s = run.series("time/step_s", steady=True)
+    contended_s = [by_step[s]["time/step_s"] for s, _ in contended if "time/step_s" in by_step[s]]
+    if contended_s and step_s:
+        evidence.append(f"step time {_ms(median(contended_s))} in those windows, {_ms(median(step_s))} over the run")
+    advice = ["other processes on the node took the CPU: keep CPU-heavy work (tokenizers, notebooks, other jobs) off training nodes, or run it with `nice -n 19`"]
+    _, nice = run.series("host/niceness")
+    if nice and nice[0] > 0:
+        evidence.append(f"the training worker ran at niceness {nice[0]:.0f} (host/niceness): every process at normal priority came first")
+        advice.insert(0, "run training at normal priority: start Ray with RAY_worker_niceness=0 (cluster.yaml does), or let the worker renice itself (root or CAP_SYS_NICE)")
+    return Finding(
+        key="host_contention", title=f"Host contention: other processes took the CPU from training in {len(contended)} log windows",
+        evidence=evidence, advice=advice, numbers={"cpu_wait_frac": wait_in, "windows": float(len(contended)), "first_step": float(contended[0][0])},
+    )
+
+
+def _memory_pressure(run: RunMetrics) -> Finding | str | None:
+    checks = {
+        "host/memory_used_frac": "the node's memory in use",
+        "host/memory_budget_frac": "the process's memory against resources.memory_budget_gb",
+    }
+    if not any(run.has(m) for m in (*checks, "host/swap_used_gb")):
+        return "host memory: host/memory_used_frac and host/swap_used_gb were not recorded"
+    evidence, numbers = [], {}
+    for metric, what in checks.items():
+        steps, values = run.series(metric, steady=True)
+        high = [(s, v) for s, v in zip(steps, values) if v > MEMORY_PRESSURE_FRAC]
+        if high:
+            evidence.append(
+                f"{what} was above {_pct(MEMORY_PRESSURE_FRAC)} in {len(high)} of {len(values)} steady windows, "
+                f"from step {high[0][0]}, up to {_pct(max(v for _, v in high))} ({metric})"
+            )
+            numbers[metric] = max(v for _, v in high)
+    _, swap = run.series("host/swap_used_gb")
+    if swap and swap[-1] - min(swap) >= SWAP_GROWTH_GB:
+        evidence.append(f"swap in use grew from {min(swap):.2f} GB to {swap[-1]:.2f} GB (host/swap_used_gb): memory is being paged out")
+        numbers["swap_growth_gb"] = swap[-1] - min(swap)
+    if not evidence:
+        return None
+    _, current = run.series("memory/current_gb")
+    if current:
+        evidence.append(f"the training process used {current[0]:.2f} GB at the start and {current[-1]:.2f} GB at the end (memory/current_gb)")
+    advice = [
+        f"lower the training process's memory: a smaller train.micro_batch{_setting_note(run, 'train', 'micro_batch')} "
+        f"with more accumulation, fewer data.prefetch_batches{_setting_note(run, 'data', 'prefetch_batches')}",
+    ]
+    if numbers.keys() - {"host/memory_budget_frac"}:  # the node itself is short of memory
+        advice.insert(0, "find what else holds memory on the node (other jobs, a notebook) and stop it, or train on a node with more memory")
+    if "host/memory_budget_frac" in numbers:
+        advice.append(f"or raise resources.memory_budget_gb{_setting_note(run, 'resources', 'memory_budget_gb')} if the node has the memory")
+    return Finding(
+        key="memory_pressure", title="Host memory pressure: training runs close to the memory it has",
+        evidence=evidence, advice=advice, numbers=numbers,
+    )
+
+
 # --- summary -------------------------------------------------------------------------------------
+
+
+def run_facts(run: RunMetrics) -> dict[str, str]:
+    """What the run was: model, precision, workers, batch, tokens and dates (from its config and
+    records), for the top of the report."""
+    import datetime
+
+    facts: dict[str, str] = {}
+    model = run.config.get("model") if run.config else None
+    if isinstance(model, dict) and model.get("d_model"):
+        facts["model"] = (
+            f"{model.get('num_layers')} layers, d_model {model.get('d_model'):,}, {model.get('num_heads')} heads, "
+            f"vocabulary {model.get('vocab_size', 0):,}, sequence {model.get('max_seq_len', 0):,}"
+        )
+    precision = run.setting("engine", "precision")
+    if precision:
+        facts["precision"] = f"{precision}, ZeRO stage {run.setting('engine', 'zero_stage', '?')}"
+    workers = run.setting("resources", "num_workers")
+    if workers is not None:
+        facts["workers"] = f"{workers}" + (f" x {run.setting('resources', 'cpus_per_worker')} CPUs" if run.setting("resources", "cpus_per_worker") else "")
+    global_batch, seq_len = run.setting("train", "global_batch"), run.setting("data", "seq_len")
+    if isinstance(global_batch, int) and isinstance(seq_len, int):
+        facts["batch"] = f"{global_batch:,} sequences of {seq_len:,} tokens (micro-batch {run.setting('train', 'micro_batch')})"
+        steps = run.setting("train", "steps")
+        facts["tokens trained"] = f"{global_batch * seq_len * run.last_step:,} (to step {run.last_step:,}" + (f" of {steps:,})" if isinstance(steps, int) else ")")
+    times = [r["time"] for r in run.records if isinstance(r.get("time"), (int, float))]
+    if times:
+        fmt = lambda t: datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")  # noqa: E731
+        facts["logged"] = f"{fmt(min(times))} to {fmt(max(times))}"
+    return facts
 
 
 def summarize(run: RunMetrics) -> dict[str, str]:
@@ -511,7 +709,7 @@ def summarize(run: RunMetrics) -> dict[str, str]:
     steady = bool(run.steady)
     summary: dict[str, str] = {}
     first, last = run.records[0]["step"], run.last_step
-    summary["steps logged"] = f"{first}-{last} ({len(run.records)} records, every {run.log_every} steps)"
+    summary["steps logged"] = f"{first:,}-{last:,} ({len(run.records):,} records, every {run.log_every:,} steps)"
     ranks = run.world_size
     summary["ranks"] = str(ranks) if ranks else ("several" if run.has("time/step_s_rank_spread") else "1 (or unknown)")
     summary["warm-up left out"] = f"steps up to {run.warmup_steps}" + (f"; resumes at steps {run.restart_steps}" if run.restart_steps else "")
@@ -538,6 +736,10 @@ def summarize(run: RunMetrics) -> dict[str, str]:
         _, fracs = run.series("memory/peak_frac")
         if fracs:
             summary["peak memory"] += f" ({_pct(max(fracs))} of available)"
+    _, nice = run.series("host/niceness")
+    if nice:
+        summary["worker niceness"] = f"{nice[0]:.0f}" + (" (normal priority)" if nice[0] <= 0 else " (below normal priority: other processes come first)")
+    add("CPU wait (median)", "host/cpu_wait_frac", _pct)
     _, alerts = run.series("alert/slowdown")
     if alerts:
         summary["slowdown alerts"] = f"{int(sum(a >= 1 for a in alerts))} of {len(alerts)} windows"

@@ -1,10 +1,13 @@
-"""One self-contained HTML page: summary table, diagnosis, and the plots (PNG files beside it)."""
+"""One self-contained HTML page: what the run was, the summary, the diagnosis and the plots, the
+images embedded (data URIs), so the one file can be mailed or attached. The PNGs stay beside it too."""
 
 from __future__ import annotations
 
+import base64
+import os
 from html import escape
 
-from raytrain_fast.report.diagnose import Diagnosis
+from raytrain_fast.report.diagnose import Diagnosis, run_facts
 from raytrain_fast.report.load import RunMetrics
 from raytrain_fast.report.plots import PlotResult
 
@@ -21,7 +24,17 @@ img { max-width: 100%; }
 """
 
 
-def render_html(run: RunMetrics, diagnosis: Diagnosis, plots: PlotResult) -> str:
+def _table(rows: dict[str, str]) -> list[str]:
+    return ["<table>", *(f"<tr><th>{escape(label)}</th><td>{escape(value)}</td></tr>" for label, value in rows.items()), "</table>"]
+
+
+def _data_uri(path: str) -> str:
+    with open(path, "rb") as png:
+        return "data:image/png;base64," + base64.b64encode(png.read()).decode("ascii")
+
+
+def render_html(run: RunMetrics, diagnosis: Diagnosis, plots: PlotResult, *, out_dir: str) -> str:
+    """The page; the PNGs are read from `out_dir` and embedded."""
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -29,11 +42,11 @@ def render_html(run: RunMetrics, diagnosis: Diagnosis, plots: PlotResult) -> str
         f"<style>{_STYLE}</style></head><body>",
         f"<h1>Run report: {escape(run.name)}</h1>",
         f'<p class="note">{escape(run.uri)}</p>',
-        "<h2>Summary</h2>",
-        "<table>",
     ]
-    parts += [f"<tr><th>{escape(label)}</th><td>{escape(value)}</td></tr>" for label, value in diagnosis.summary.items()]
-    parts.append("</table>")
+    facts = run_facts(run)
+    if facts:
+        parts += ["<h2>Run</h2>", *_table(facts)]
+    parts += ["<h2>Summary</h2>", *_table(diagnosis.summary)]
 
     parts.append("<h2>Diagnosis</h2>")
     if not diagnosis.findings:
@@ -48,7 +61,7 @@ def render_html(run: RunMetrics, diagnosis: Diagnosis, plots: PlotResult) -> str
     parts.append("<h2>Plots</h2>")
     for plot in plots.plots:
         parts.append(
-            f'<figure><img src="{escape(plot.file)}" alt="{escape(plot.title)}">'
+            f'<figure id="{escape(plot.file)}"><img src="{_data_uri(os.path.join(out_dir, plot.file))}" alt="{escape(plot.title)}">'
             f"<figcaption>{escape(plot.caption)}</figcaption></figure>"
         )
     if plots.skipped:

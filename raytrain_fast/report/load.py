@@ -88,6 +88,27 @@ class RunMetrics:
         return {r["step"]: max(1, r["step"] - ((r["step"] - 1) // every) * every) for r in self.records}
 
 
+    def saves_in_window(self, step: int) -> list[int]:
+        """The steps of the checkpoints whose blocked time the record at `step` holds.
+
+        A save after step s is timed into the window that ends at the next log step, so the window
+        (a, b] holds the saves at the multiples of checkpoint.every_steps in [a, b). Without a
+        known cadence (every_minutes saves) it is the window's first step, a."""
+        start = step - self.window_steps()[step]
+        every = self.setting("checkpoint", "every_steps")
+        saves = [s for s in range(start, step) if s > 0 and s % every == 0] if isinstance(every, int) and every > 0 else []
+        return saves or [start]
+
+    def planned_saves(self) -> list[int]:
+        """Every checkpoint.every_steps step up to the last logged step, and the last step itself
+        when it is train.steps (the run's final save, which no later record times)."""
+        every, total = self.setting("checkpoint", "every_steps"), self.setting("train", "steps")
+        saves = list(range(every, self.last_step + 1, every)) if isinstance(every, int) and every > 0 else []
+        if total == self.last_step and self.last_step not in saves:
+            saves.append(self.last_step)
+        return saves
+
+
 def load_run(storage_uri: str, name: str, *, storage: StorageConfig | None = None) -> RunMetrics:
     """Read run `name` under `storage_uri` (local or s3://). Raises ReportError when it has no metrics."""
     from raytrain_fast.metrics.sinks import read_metrics

@@ -9,8 +9,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from raytrain_fast.report.diagnose import CHECKPOINT_MAX_BLOCK_S, DATA_WAIT_FRAC, MEMORY_UNDERUSED_FRAC
-from raytrain_fast.report.load import RunMetrics
+from raytrain_fast.report.diagnose import CHECKPOINT_MAX_BLOCK_S, DATA_WAIT_FRAC, MEMORY_UNDERUSED_FRAC, run_stalls, stall_factor
+from raytrain_fast.report.load import RunMetrics, median
 
 
 @dataclass(kw_only=True)
@@ -59,9 +59,12 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
                 handles += h
                 labels += l
             if labels:
-                axis.legend(handles, labels, loc="best", fontsize="small")
+                if spec.legend_loc == "below":  # nothing on the axes to cover: spikes, band and lines stay visible
+                    axis.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, fontsize="small", frameon=False)
+                else:
+                    axis.legend(handles, labels, loc=spec.legend_loc, fontsize="small")
             figure.tight_layout()
-            figure.savefig(os.path.join(out_dir, spec.file))
+            figure.savefig(os.path.join(out_dir, spec.file), bbox_inches="tight")
             plots.append(Plot(file=spec.file, title=spec.title, caption=spec.caption))
         finally:
             plt.close(figure)
@@ -75,6 +78,7 @@ class _Spec:
     caption: str
     draw: Callable[[RunMetrics, object], str | None]
     """Draws on the axis; returns why it could not (missing metrics), or None."""
+    legend_loc: str = "best"
 
 
 def _loss(run: RunMetrics, axis) -> str | None:
@@ -96,22 +100,37 @@ def _val_loss(run: RunMetrics, axis) -> None:
         axis.legend()
 
 
+def _thousands(axis) -> None:
+    """Tick labels with thousands separators (12,500 rather than 12500)."""
+    from matplotlib.ticker import FuncFormatter
+
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+
+
 def _throughput(run: RunMetrics, axis) -> str | None:
     steps, tps = run.series("throughput/tokens_per_sec")
     if not tps:
         return "throughput/tokens_per_sec was not recorded"
     axis.plot(steps, tps, marker=".", color="tab:blue", label="tokens/s")
     axis.set_ylabel("tokens/s")
-    axis.set_ylim(bottom=0)
-    mfu_axis = None
+    axis.set_ylim(0, 1.1 * max(tps))
+    _thousands(axis)
+    return None
+
+
+def _mfu(run: RunMetrics, axis) -> str | None:
+    """MFU on its own axes: with a fixed peak it is tokens/s times a constant, and on one plot the
+    two lines sat exactly on top of each other."""
+    drawn = []
     for metric, label, color in (("throughput/mfu", "MFU (datasheet peak)", "tab:red"), ("throughput/mfu_measured_peak", "MFU (measured peak)", "tab:orange")):
-        mfu_steps, mfu = run.series(metric)
+        steps, mfu = run.series(metric)
         if mfu:
-            mfu_axis = mfu_axis or axis.twinx()
-            mfu_axis.plot(mfu_steps, [100 * v for v in mfu], marker="x", linestyle="--", color=color, label=label)  # dashed: it often tracks tokens/s exactly
-    if mfu_axis is not None:
-        mfu_axis.set_ylabel("MFU %")
-        mfu_axis.set_ylim(bottom=0)
+            axis.plot(steps, [100 * v for v in mfu], marker=".", color=color, label=label)
+            drawn += mfu
+    if not drawn:
+        return "neither throughput/mfu nor throughput/mfu_measured_peak was recorded"
+    axis.set_ylabel("% of peak FLOP/s")
+    axis.set_ylim(0, 110 * max(drawn))
     return None
 
 
@@ -133,16 +152,18 @@ def _step_time(run: RunMetrics, axis) -> str | None:
     steps, step_s = run.series("time/step_s")
     if not step_s:
         return "time/step_s was not recorded"
-    axis.plot(steps, [1e3 * v for v in step_s], marker=".", label="step time")
-    by_step = dict(zip(steps, step_s))
+    ms = [1e3 * v for v in step_s]
+    axis.plot(steps, ms, marker=".", label="step time")
+    by_step = dict(zip(steps, ms))
+    baseline = _baseline_band(run, axis)
     alert_steps = [s for s, v in zip(*run.series("alert/slowdown")) if v >= 1 and s in by_step]
     if alert_steps:
-        axis.scatter(alert_steps, [1e3 * by_step[s] for s in alert_steps], color="tab:red", zorder=3, s=40, label="slowdown alert")
+        axis.scatter(alert_steps, [by_step[s] for s in alert_steps], color="tab:red", zorder=3, s=40, label="slowdown alert")
     for record in run.records:
         causes = [k.removeprefix("alert/slowdown_cause/") for k in record if k.startswith("alert/slowdown_cause/")]
         if causes and record["step"] in by_step:
             axis.annotate(
-                ", ".join(causes), (record["step"], 1e3 * by_step[record["step"]]), textcoords="offset points",
+                ", ".join(causes), (record["step"], by_step[record["step"]]), textcoords="offset points",
                 xytext=(0, 8), ha="center", fontsize="small", color="tab:red",
             )
     spread_steps, spread = run.series("time/step_s_rank_spread")
@@ -152,30 +173,76 @@ def _step_time(run: RunMetrics, axis) -> str | None:
         gaps = [1e3 * v * windows[s] for s, v in zip(spread_steps, spread)]
         axis.plot(spread_steps, gaps, marker=".", color="tab:gray", label="rank arrival gap")
     axis.set_ylabel("ms")
-    # Scale to the steady windows: the first window (startup, compilation) can be 100x longer.
-    steady = [1e3 * v for s, v in zip(steps, step_s) if s > run.warmup_steps]
+    stalls = {stall.step for stall in run_stalls(run)}
+    # Scale to the steady windows that are not stalls, so one 70x window (or the first window's
+    # startup) never flattens the baseline: what is above the scale is drawn at its top, with its value.
+    steady = [v for s, v in zip(steps, ms) if s > run.warmup_steps and s not in stalls]
     steady += [g for s, g in zip(spread_steps, gaps) if s > run.warmup_steps]
-    top = 1.25 * max(steady, default=0.0)
-    if top > 0 and max([1e3 * v for v in step_s] + gaps) > top:
+    top = max(1.25 * max(steady, default=0.0), 1.15 * stall_factor(run) * baseline if baseline else 0.0)
+    above = [(s, v) for s, v in zip(steps, ms) if v > top]
+    if top > 0 and (above or max(gaps, default=0.0) > top):
         axis.set_ylim(0, top)
-        axis.annotate("first window above the scale", (0.5, 0.97), xycoords="axes fraction", fontsize="small", color="0.4", ha="center", va="top")
+        for s, v in above:
+            stalled = s in stalls
+            axis.scatter([s], [top], marker="^", s=60, clip_on=False, zorder=4, color="tab:purple" if stalled else "0.4")
+            axis.annotate(
+                f"{v:,.0f} ms" + (" (stall)" if stalled else ""), (s, top), textcoords="offset points", xytext=(7, -3),
+                ha="left", va="top", fontsize="small", color="tab:purple" if stalled else "0.3",
+            )
     else:
         axis.set_ylim(bottom=0)
+    stalled_in_scale = [s for s in stalls if s in by_step and by_step[s] <= top]
+    if stalled_in_scale:
+        axis.scatter(stalled_in_scale, [by_step[s] for s in stalled_in_scale], marker="^", s=60, zorder=4, color="tab:purple")
+    if stalls:
+        axis.scatter([], [], marker="^", s=60, color="tab:purple", label="stall (value at the top when off the scale)")
     return None
 
 
+def _baseline_band(run: RunMetrics, axis) -> float | None:
+    """The slowdown detector's baseline (median step time of the first windows after warm-up), its
+    threshold as a band and the stall threshold as a line; returns the baseline in ms."""
+    steady = [1e3 * v for _, v in zip(*run.series("time/step_s", steady=True))]
+    windows = int(run.setting("metrics", "slowdown_windows", 3) or 3)
+    if len(steady) < windows:
+        return None
+    baseline = median(steady[:windows])
+    threshold = float(run.setting("metrics", "slowdown_threshold", 0.10) or 0.10)
+    axis.axhspan(baseline, baseline * (1 + threshold), color="tab:green", alpha=0.15, zorder=0,
+                 label=f"baseline {baseline:,.0f} ms to +{threshold:.0%} (slowdown alert above)")
+    axis.axhline(baseline * stall_factor(run), color="tab:purple", linestyle=":", linewidth=1,
+                 label=f"stall threshold ({stall_factor(run):.1f}x)")
+    return baseline
+
+
 def _checkpoint(run: RunMetrics, axis) -> str | None:
+    """Each checkpoint at the step it was saved: its blocked time is recorded in the next window's
+    record, and an async upload's duration at the save after it."""
     steps, blocked = run.series("checkpoint/blocked_s")
     up_steps, upload = run.series("checkpoint/upload_s")
     if not blocked and not upload:
         return "no checkpoint was saved between two log steps (checkpoint/blocked_s and checkpoint/upload_s absent)"
+    planned = run.planned_saves()
+    for i, save in enumerate(planned):
+        axis.axvline(save, color="0.6", linestyle=":", linewidth=1, label="checkpoint saved" if i == 0 else None)
+    width = max(1.0, 0.4 * min(run.window_steps().values()))
     if blocked:
-        axis.bar(steps, blocked, width=max(1.0, 0.4 * min(run.window_steps().values())), label="training blocked per checkpoint")
+        at = [(save, seconds) for step, seconds in zip(steps, blocked) for save in run.saves_in_window(step)]
+        axis.bar([a for a, _ in at], [b for _, b in at], width=width, label="training blocked by the save")
     if upload:
-        axis.plot(up_steps, upload, marker="o", linestyle="", color="tab:orange", label="upload time")
+        asynchronous = run.setting("checkpoint", "upload", "async") == "async"
+        points = []
+        for step, seconds in zip(up_steps, upload):
+            save = run.saves_in_window(step)[0]
+            if asynchronous:  # read when the next save waits for it: it belongs to the save before
+                earlier = [s for s in planned if s < save]
+                save = earlier[-1] if earlier else save
+            points.append((save, seconds))
+        axis.plot([p for p, _ in points], [u for _, u in points], marker="o", linestyle="", color="tab:orange", label="its upload took")
     if blocked and max(blocked) > 0.5 * CHECKPOINT_MAX_BLOCK_S:
         axis.axhline(CHECKPOINT_MAX_BLOCK_S, color="tab:red", linestyle="--", label=f"stall above {CHECKPOINT_MAX_BLOCK_S:.0f} s")
     axis.set_ylabel("seconds")
+    axis.set_ylim(bottom=0)
     return None
 
 
@@ -185,16 +252,17 @@ def _memory(run: RunMetrics, axis) -> str | None:
         return "memory/peak_gb was not recorded"
     axis.plot(steps, peak, marker=".", label="peak")
     cur_steps, current = run.series("memory/current_gb")
+    current = current or []
     if current:
         axis.plot(cur_steps, current, marker=".", label="in use at the log step")
     axis.set_ylabel("GB")
-    axis.set_ylim(bottom=0)
+    axis.set_ylim(0, 1.15 * max(peak + current))  # headroom: the peak line is never drawn on the frame
     frac_steps, frac = run.series("memory/peak_frac")
     if frac:
         frac_axis = axis.twinx()
         frac_axis.plot(frac_steps, [100 * v for v in frac], color="tab:green", linestyle=":", label="peak, % of available")
         frac_axis.axhline(100 * MEMORY_UNDERUSED_FRAC, color="tab:red", linestyle="--", label=f"under-used below {MEMORY_UNDERUSED_FRAC:.0%}")
-        frac_axis.set_ylim(0, 105)
+        frac_axis.set_ylim(0, 1.15 * max(100.0, 100 * max(frac)))
         frac_axis.set_ylabel("% of available")
     return None
 
@@ -202,21 +270,33 @@ def _memory(run: RunMetrics, axis) -> str | None:
 _SPECS = [
     _Spec(file="loss.png", title="Training loss", caption="train/loss: mean over each log window; val/loss: the held-out set at each evaluation.", draw=_loss),
     _Spec(
-        file="throughput.png", title="Throughput and MFU",
-        caption="Tokens per second across all ranks (checkpoint stalls included) and model FLOPs utilisation.", draw=_throughput,
+        file="throughput.png", title="Throughput",
+        caption="Tokens per second across all ranks, checkpoint stalls included.", draw=_throughput,
+    ),
+    _Spec(
+        file="mfu.png", title="Model FLOPs utilisation",
+        caption="Model FLOPs per second as a share of the device's datasheet peak (GPUs) and of the matmul peak measured "
+        "on this device type in the training dtype.", draw=_mfu,
     ),
     _Spec(
         file="data_wait.png", title="Data-wait share",
         caption="Share of each window spent waiting for the next batch; the dashed line is the data-bound threshold.", draw=_data_wait,
     ),
     _Spec(
-        file="step_time.png", title="Step time and slowdown alerts",
-        caption="Wall time per optimizer step; red dots are windows where the slowdown detector was on, labelled with its cause; "
-        "grey is how much later the slowest rank reached the log step.", draw=_step_time,
+        file="step_time.png", title="Step time, slowdowns and stalls",
+        caption="Wall time per optimizer step. The green band runs from the baseline (the first windows after warm-up) to the "
+        "slowdown threshold: a run without alerts stays near it. Red dots are windows where the slowdown detector was on, "
+        "labelled with its cause; purple triangles are stalls (a window far slower than the ones before it), drawn at the top "
+        "with their value when off the scale; grey, when present, is how much later the slowest rank reached the log step.",
+        draw=_step_time, legend_loc="below",
     ),
     _Spec(
         file="checkpoint.png", title="Checkpoint blocked time",
-        caption="Seconds training was blocked per checkpoint (bars) and upload durations.", draw=_checkpoint,
+        caption="Each checkpoint at the step it was saved (dotted): seconds training was blocked by it (bars; the final save "
+        "is after the last record, so it has none) and how long its upload took (dots).", draw=_checkpoint,
     ),
-    _Spec(file="memory.png", title="Memory", caption="Peak and current memory (GPU allocator or process RSS on CPU).", draw=_memory),
+    _Spec(
+        file="memory.png", title="Memory", caption="Peak and current memory (GPU allocator or process RSS on CPU).",
+        draw=_memory, legend_loc="below",  # two y axes: "best" only sees the first one's lines
+    ),
 ]

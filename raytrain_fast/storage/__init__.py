@@ -1,11 +1,18 @@
 """Storage for runs and data: local paths or S3-compatible buckets, built explicitly from config."""
 
-from raytrain_fast.storage.check import check_storage
+from raytrain_fast.storage.check import check_storage, check_storage_readable, store_corruption_hint
 from raytrain_fast.storage.config import StorageConfig
 from raytrain_fast.storage.credentials import S3Credentials, resolve_credentials
 from raytrain_fast.storage.errors import StorageError
-from raytrain_fast.storage.filesystem import build_s3_filesystem, is_remote, resolve_filesystem, split_s3_uri
-from raytrain_fast.storage.redact import redact
+from raytrain_fast.storage.filesystem import (
+    build_s3_filesystem,
+    check_uri,
+    is_remote,
+    resolve_filesystem,
+    split_s3_uri,
+    uri_problem,
+)
+from raytrain_fast.storage.redact import redact, redact_text
 
 __all__ = [
     "S3Credentials",
@@ -13,9 +20,14 @@ __all__ = [
     "StorageError",
     "build_s3_filesystem",
     "check_storage",
+    "check_storage_readable",
+    "check_uri",
     "is_remote",
     "redact",
+    "redact_text",
     "resolve_credentials",
     "resolve_filesystem",
     "split_s3_uri",
+    "store_corruption_hint",
+    "uri_problem",
 ]

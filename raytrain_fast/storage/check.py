@@ -1,14 +1,17 @@
 """Prove, before any worker starts, that the run's storage is reachable and writable.
 
-For s3:// a marker object is written under the prefix and deleted again, with short timeouts and
-few retries, so a wrong endpoint, a missing bucket or missing credentials fail in seconds with a
+For s3:// a marker object is written under the prefix, read back, compared byte for byte and
+deleted again, with short timeouts and few retries, so a wrong endpoint, a missing bucket or missing credentials fail in seconds with a
 message that names the endpoint, the bucket and the fix (instead of a worker failing minutes later
-at its first checkpoint). Local paths are created and test-written.
+at its first checkpoint). The read-back catches a store that saves uploads altered (the AWS SDK's
+aws-chunked framing kept in the object), which would otherwise surface later as a corrupt manifest.
+Local paths are created and test-written the same way. Every probe has a deadline and Ctrl-C ends it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import uuid
 
 import pyarrow.fs as pafs
@@ -16,12 +19,23 @@ import pyarrow.fs as pafs
 from raytrain_fast.storage.config import StorageConfig
 from raytrain_fast.storage.credentials import S3Credentials, missing_credentials_message, resolve_credentials
 from raytrain_fast.storage.errors import StorageError
-from raytrain_fast.storage.filesystem import build_s3_filesystem, describe_endpoint, is_remote, split_s3_uri
+from raytrain_fast.storage.filesystem import (
+    build_s3_filesystem,
+    check_uri,
+    describe_endpoint,
+    request_checksums,
+    resolve_filesystem,
+    split_s3_uri,
+)
+from raytrain_fast.storage.probe import call_with_timeout
 
 MARKER_PREFIX = ".raytrain-fast-write-check-"
 CONNECT_TIMEOUT_S = 2.0
 REQUEST_TIMEOUT_S = 5.0
 MAX_ATTEMPTS = 2
+READ_PROBE_TIMEOUT_S = 10.0
+"""runs / export / report: one listing call, so a silent endpoint is reported after 10 s, not after
+every attempt's request timeout."""
 
 
 def check_storage(storage: StorageConfig, *, create_bucket: bool = False) -> None:
@@ -30,16 +44,51 @@ def check_storage(storage: StorageConfig, *, create_bucket: bool = False) -> Non
     create_bucket: create a missing S3 bucket instead of failing (the CLI's --create-bucket).
     """
     uri = storage.uri
+    check_uri(uri, setting="storage.uri")
     if uri.startswith("s3://"):
-        _check_s3(storage, create_bucket=create_bucket)
-    elif is_remote(uri):
-        try:
-            filesystem, path = pafs.FileSystem.from_uri(uri)
-        except (OSError, ValueError) as error:
-            raise StorageError(f"storage.uri '{uri}' cannot be opened: {error}") from None
-        _write_and_delete_marker(filesystem, path, on_error=lambda e: StorageError(f"cannot write to {uri}: {e}"))
+        call_with_timeout(
+            lambda: _check_s3(storage, create_bucket=create_bucket), what=f"write to {uri} at {describe_endpoint(storage)}",
+            fix="Check storage.endpoint_url and that the service answers from this machine.",
+        )
     else:
-        _check_local(uri)
+        call_with_timeout(lambda: _check_local(uri), what=f"write to {uri}", fix="Is it a stalled network mount?")
+
+
+def check_storage_readable(uri: str, storage: StorageConfig, *, setting: str = "--storage") -> None:
+    """Raise StorageError unless `uri` exists and can be listed, within the probe deadline.
+
+    For the commands that only read (runs, export, report): a missing location is an error that
+    names it, never an empty listing.
+    """
+    check_uri(uri, setting=setting)
+    endpoint = describe_endpoint(storage) if uri.startswith("s3://") else "on this machine"
+
+    def probe() -> pafs.FileType:
+        if uri.startswith("s3://"):
+            bucket, prefix = split_s3_uri(uri)
+            filesystem = build_s3_filesystem(
+                storage, connect_timeout_s=CONNECT_TIMEOUT_S, request_timeout_s=REQUEST_TIMEOUT_S, max_attempts=MAX_ATTEMPTS,
+            )
+            return filesystem.get_file_info(f"{bucket}/{prefix}".rstrip("/")).type
+        filesystem, path = resolve_filesystem(uri, storage)
+        return filesystem.get_file_info(path).type
+
+    fix = "Check storage.endpoint_url (--endpoint-url) and that the service answers from this machine."
+    try:
+        kind = call_with_timeout(probe, timeout_s=READ_PROBE_TIMEOUT_S, what=f"read {uri} ({endpoint})", fix=fix)
+    except OSError as error:
+        raise StorageError(f"Cannot read {uri} ({endpoint}): {_short(str(error))}. {fix}") from None
+    if kind == pafs.FileType.NotFound:
+        where = f"at {endpoint}" if uri.startswith("s3://") else endpoint
+        raise StorageError(
+            f"{setting} '{uri}' does not exist {where}. Check the path (a run directory or the storage.uri "
+            "the runs were trained with, e.g. ./runs)."
+        )
+
+
+def _marker_bytes() -> bytes:
+    # Long enough for a multi-line body, so a store that keeps upload framing changes it visibly.
+    return b"raytrain-fast storage check\n" + uuid.uuid4().hex.encode() * 4 + b"\n"
 
 
 def _check_local(uri: str) -> None:
@@ -47,14 +96,19 @@ def _check_local(uri: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
         marker = os.path.join(path, MARKER_PREFIX + uuid.uuid4().hex)
+        written = _marker_bytes()
         with open(marker, "wb") as handle:
-            handle.write(b"ok")
+            handle.write(written)
+        with open(marker, "rb") as handle:
+            read = handle.read()
         os.remove(marker)
     except OSError as error:
         raise StorageError(
             f"storage.uri '{uri}' (local directory {path}) is not writable: {error.strerror or error}. "
             "Choose another directory with --set storage.uri=<dir> or fix its permissions."
         ) from None
+    if read != written:
+        raise StorageError(f"storage.uri '{uri}' (local directory {path}) returned other bytes than were written to it.")
 
 
 def _check_s3(storage: StorageConfig, *, create_bucket: bool) -> None:
@@ -74,8 +128,11 @@ def _check_s3(storage: StorageConfig, *, create_bucket: bool) -> None:
             error, storage=storage, bucket=bucket, where=where, endpoint=endpoint, credentials=credentials, creating=creating
         )
 
+    def altered(written: bytes, read: bytes) -> StorageError:
+        return StorageError(altered_upload_message(storage, where=where, endpoint=endpoint, written=written, read=read))
+
     try:
-        _write_and_delete_marker(filesystem, f"{bucket}/{prefix}".rstrip("/"), on_error=explain)
+        _write_and_delete_marker(filesystem, f"{bucket}/{prefix}".rstrip("/"), on_error=explain, on_altered=altered)
     except _MissingBucket:
         if not create_bucket:
             raise StorageError(
@@ -88,7 +145,7 @@ def _check_s3(storage: StorageConfig, *, create_bucket: bool) -> None:
         except OSError as error:
             raise explain(error, creating=True) from None
         try:
-            _write_and_delete_marker(filesystem, f"{bucket}/{prefix}".rstrip("/"), on_error=explain)
+            _write_and_delete_marker(filesystem, f"{bucket}/{prefix}".rstrip("/"), on_error=explain, on_altered=altered)
         except _MissingBucket:
             raise StorageError(f"Bucket '{bucket}' was created at {endpoint} but is still not visible; try again.") from None
 
@@ -97,16 +154,46 @@ class _MissingBucket(Exception):
     pass
 
 
-def _write_and_delete_marker(filesystem: pafs.FileSystem, directory: str, *, on_error) -> None:
+def _write_and_delete_marker(filesystem: pafs.FileSystem, directory: str, *, on_error, on_altered) -> None:
+    """Write a marker, read it back, delete it; on_altered(written, read) when the bytes differ."""
     marker = f"{directory}/{MARKER_PREFIX}{uuid.uuid4().hex}"
+    written = _marker_bytes()
     try:
         with filesystem.open_output_stream(marker) as stream:
-            stream.write(b"ok")
+            stream.write(written)
+        with filesystem.open_input_stream(marker) as stream:
+            read = stream.read()
         filesystem.delete_file(marker)
     except OSError as error:
         if "NO_SUCH_BUCKET" in str(error):
             raise _MissingBucket() from None
         raise on_error(error) from None
+    if read != written:
+        raise on_altered(written, read)
+
+
+def looks_like_aws_chunked(data: bytes) -> bool:
+    """Whether `data` starts with aws-chunked framing (`<hex size>[;chunk-signature=...]\\r\\n`) or
+    holds its trailing checksum line: an upload stored by a service that did not decode it."""
+    head = data[:200]
+    return re.match(rb"^[0-9a-fA-F]{1,16}(;chunk-signature=[0-9a-f]+)?\r\n", head) is not None or b"x-amz-checksum-" in data[-300:]
+
+
+def altered_upload_message(storage: StorageConfig, *, where: str, endpoint: str, written: bytes, read: bytes) -> str:
+    """The start-up check's error when the store returned other bytes than were uploaded."""
+    mode = request_checksums(storage)
+    seen = f"wrote {len(written)} bytes to {where} at {endpoint} and read back {len(read)} other bytes ({read[:40]!r}...)"
+    if looks_like_aws_chunked(read) and mode != "when_required":
+        return (
+            f"Storage check: {seen}. The store kept the AWS SDK's aws-chunked upload framing in the object "
+            f"(storage.request_checksums={mode}), so every file it stores would be corrupt. Set "
+            "storage.request_checksums=when_required (e.g. --set storage.request_checksums=when_required) to send "
+            "plain request bodies."
+        )
+    return (
+        f"Storage check: {seen} (storage.request_checksums={mode}). The store alters uploads: check the "
+        "service at storage.endpoint_url (a proxy or gateway that rewrites bodies?) before training on it."
+    )
 
 
 def _scrub(text: str, secrets: list[str]) -> str:
@@ -171,3 +258,12 @@ def _short(detail: str, limit: int = 300) -> str:
     detail = " ".join(detail.split())
     detail = detail[detail.index("AWS Error"):] if "AWS Error" in detail else detail
     return detail if len(detail) <= limit else detail[:limit] + "..."
+
+
+def store_corruption_hint(raw: bytes) -> str:
+    """Advice for a stored JSON file that does not parse: the store may have altered it on upload."""
+    framing = " (it starts with aws-chunked upload framing)" if looks_like_aws_chunked(raw) else ""
+    return (
+        f"It may have been corrupted by the store{framing}: on an S3-compatible store set "
+        "storage.request_checksums=when_required (`raytrain-fast pretrain` checks this at start), then write it again"
+    )

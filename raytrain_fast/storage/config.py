@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(kw_only=True)
@@ -9,7 +11,7 @@ class StorageConfig:
     come from the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or a named profile."""
 
     uri: str = "./runs"
-    """A local directory (made absolute) or s3://bucket/prefix."""
+    """A local directory (made absolute), file:///path or s3://bucket/prefix. Other schemes are refused."""
     endpoint_url: str | None = None
     """S3-compatible endpoint (MinIO, Ceph, R2, ...), e.g. http://127.0.0.1:9000. null = AWS S3."""
     region: str | None = None
@@ -19,3 +21,34 @@ class StorageConfig:
     profile: str | None = None
     """Named AWS profile (~/.aws/credentials or ~/.aws/config) to take credentials from. null = the
     environment variables, then the default AWS chain (shared files, instance or container role)."""
+    request_checksums: Literal["auto", "when_supported", "when_required"] = "auto"
+    """S3 upload checksums. when_supported: the AWS SDK default, uploads sent aws-chunked with a trailing
+    CRC, which some S3-compatible stores save as part of the object; when_required: plain request
+    bodies, which every store reads. auto = when_required with storage.endpoint_url, else when_supported."""
+
+
+SUPPORTED_URIS = "a local directory, file:///absolute/path or s3://bucket/prefix"
+# A scheme of two or more letters followed by ':' (one letter is a Windows drive, C:\\...).
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
+
+
+def uri_problem(uri: str, *, setting: str) -> str | None:
+    """Why `uri` is not a storage location raytrain-fast can use, or None.
+
+    Only local paths, file:// and s3:// are accepted: pyarrow's other filesystems (gs://, hdfs://)
+    have no timeouts or need a JVM, and a typo such as `s3:/bucket` would otherwise become a
+    local folder named `s3:`.
+    """
+    match = _SCHEME.match(uri)
+    if match is None:
+        return None
+    scheme = match.group(1).lower()
+    if scheme in ("s3", "file") and uri[len(scheme) + 1:].startswith("//"):
+        if scheme == "s3" and not uri[len("s3://"):].split("/", 1)[0]:
+            return f"{setting} '{uri}' names no bucket: use s3://<bucket>/<prefix>"
+        return None
+    if scheme in ("s3", "file"):
+        return f"{setting} '{uri}' is not a valid URI (missing '//'?): use {scheme}://..., or {SUPPORTED_URIS}"
+    hint = (" For Google Cloud Storage use its S3-compatible API: s3://bucket/prefix with "
+            "storage.endpoint_url=https://storage.googleapis.com and HMAC keys.") if scheme in ("gs", "gcs") else ""
+    return f"{setting} '{uri}': scheme '{scheme}://' is not supported; use {SUPPORTED_URIS}.{hint}"

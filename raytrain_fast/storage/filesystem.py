@@ -8,13 +8,20 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from raytrain_fast.storage.config import StorageConfig
+from raytrain_fast.storage.config import StorageConfig, uri_problem
 from raytrain_fast.storage.credentials import S3Credentials, resolve_credentials
 from raytrain_fast.storage.errors import StorageError
 
 
 def is_remote(uri: str) -> bool:
     return "://" in uri and not uri.startswith("file://")
+
+
+def check_uri(uri: str, *, setting: str) -> None:
+    """Raise StorageError when `uri_problem` finds one."""
+    problem = uri_problem(uri, setting=setting)
+    if problem:
+        raise StorageError(problem)
 
 
 def split_s3_uri(uri: str) -> tuple[str, str]:
@@ -53,6 +60,28 @@ def s3_region(storage: StorageConfig) -> str:
     return os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
 
 
+CHECKSUM_ENV = ("AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION")
+
+
+def request_checksums(storage: StorageConfig) -> str:
+    """storage.request_checksums with `auto` resolved: plain bodies for any custom endpoint."""
+    if storage.request_checksums != "auto":
+        return storage.request_checksums
+    return "when_required" if storage.endpoint_url else "when_supported"
+
+
+def checksum_env(storage: StorageConfig) -> dict[str, str]:
+    """The environment that sets the AWS SDK's checksum mode for `storage` ({} = leave the SDK default).
+
+    pyarrow's S3FileSystem has no checksum option: its AWS SDK reads these variables each time a
+    filesystem (and so an S3 client) is built, in this process or, once unpickled, in a Ray worker.
+    """
+    mode = request_checksums(storage)
+    if storage.request_checksums == "auto" and mode == "when_supported":
+        return {}  # AWS S3 itself: keep the SDK's default (and whatever the user's environment says)
+    return dict.fromkeys(CHECKSUM_ENV, mode)
+
+
 def build_s3_filesystem(
     storage: StorageConfig,
     *,
@@ -81,6 +110,7 @@ def build_s3_filesystem(
         kwargs["scheme"] = endpoint.scheme or "https"
     if credentials is None:
         credentials = resolve_credentials(storage)
+    os.environ.update(checksum_env(storage))  # read by the AWS SDK when the filesystem below is built
     if credentials is not None and not credentials.refreshable:
         kwargs["access_key"], kwargs["secret_key"] = credentials.access_key, credentials.secret_key
         if credentials.session_token:
@@ -116,9 +146,7 @@ def resolve_filesystem(uri: str, storage: StorageConfig) -> tuple[pafs.FileSyste
     if uri.startswith("s3://"):
         shipped = _SHIPPED.get(_endpoint_key(storage))
         return shipped or build_s3_filesystem(storage), uri[len("s3://"):].rstrip("/")
+    check_uri(uri, setting="storage URI")
     if uri.startswith("file://"):
         uri = uri[len("file://"):]
-    if is_remote(uri):
-        filesystem, path = pafs.FileSystem.from_uri(uri)
-        return filesystem, path
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -72,3 +73,32 @@ def redact(obj: Any) -> Any:
     if isinstance(obj, str):
         return redact_string(obj)
     return obj
+
+
+_URL_TOKEN = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
+_SECRET_ENV_MIN_LEN = 6  # shorter values ("1", "true") would mask ordinary words
+
+
+@functools.lru_cache(maxsize=8)
+def _secret_names(names: frozenset[str]) -> tuple[str, ...]:
+    return tuple(name for name in names if is_secret_key(name))
+
+
+def _secret_env_values() -> list[str]:
+    import os
+
+    # Names are classified once per set of variables: this runs on every console write.
+    names = _secret_names(frozenset(os.environ))
+    values = {v for v in (os.environ.get(n, "") for n in names) if len(v) >= _SECRET_ENV_MIN_LEN}
+    return sorted(values, key=len, reverse=True)  # longest first: a secret containing another
+
+
+def redact_text(text: str) -> str:
+    """Free text (messages, logs, printed YAML) with credentials masked: URL passwords, credential
+    query parameters (presigned URLs), and the value of any secret-named environment variable
+    (AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, ...) wherever it appears. The one redaction every
+    printout of the command line goes through."""
+    text = _URL_TOKEN.sub(lambda m: redact_string(m.group(0)), text)
+    for secret in _secret_env_values():
+        text = text.replace(secret, MASK)
+    return text

@@ -1,0 +1,75 @@
+"""What the command line prints: every write masked for credentials, colour only on a terminal, and
+Ray's start-up and bookkeeping lines that a user needs nothing from left out.
+
+Ray forwards worker output to the driver through `print(..., file=sys.stdout/stderr)`, so wrapping
+the two streams reaches the workers' lines too. Lines Ray's C++ core writes straight to the file
+descriptor cannot be reached from here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+NOISE = (
+    "Reporting training result",  # Ray Train's ~1 KB TrainingReport dump per report (also off via LoggingConfig)
+    "Started a local Ray instance",
+    "Connected to Ray cluster",
+    "View the dashboard at",
+    "Usage stats collection is",
+    "To disable the usage stats collection",
+    "See https://docs.ray.io/en/master/cluster/usage-stats.html",
+    "Disabling usage stats collection",
+    "Token authentication is enabled for this Ray cluster",
+    # An E-level line from Ray Train's controller on every run; nothing is wrong.
+    "Actor with class name: 'PreemptionWatcher'",
+    # Ray Train's placement-group cleanup actor: its monitor thread fails when this machine runs more
+    # than one Ray instance ("Found multiple active Ray instances"); training is not affected.
+    "(PlacementGroupCleaner pid=",
+    "Progress bars disabled. To enable",  # Ray Data, once per worker
+)
+"""Substrings of lines that are dropped from the console (they stay in Ray's log files)."""
+
+
+def _on_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty()) and "NO_COLOR" not in os.environ
+    except (AttributeError, ValueError):
+        return False
+
+
+class ConsoleStream:
+    """A text stream that writes `redact_text(text)` to `stream`, without ANSI colour codes when it
+    is not a terminal and without the lines in NOISE."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self._colour = _on_terminal(stream)
+
+    def write(self, text: str) -> int:
+        from raytrain_fast.storage.redact import redact_text
+
+        if any(noise in text for noise in NOISE):
+            text = "".join(line for line in text.splitlines(keepends=True) if not any(n in line for n in NOISE))
+        if not self._colour:
+            text = _ANSI.sub("", text)
+        self._stream.write(redact_text(text))
+        return len(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def configure_console() -> None:
+    """Process-wide settings read by Ray: no colour prefix on worker lines unless on a terminal."""
+    if not _on_terminal(sys.stdout):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
+def wrap_std_streams() -> tuple:
+    """Replace sys.stdout / sys.stderr with ConsoleStreams; returns the originals to restore."""
+    originals = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = ConsoleStream(sys.stdout), ConsoleStream(sys.stderr)
+    return originals

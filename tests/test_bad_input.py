@@ -1,0 +1,340 @@
+"""Every row of the bad-input table in docs/errors.md: the command fails (or, for a credential in a
+setting, succeeds) with the documented exit code, a message that names the problem and the fix,
+within seconds (before Ray starts), and a planted secret appears in no output and no written file.
+
+The cases run in-process through raytrain_fast.cli.main: no Ray, no subprocess, so the whole table
+takes seconds. Only the S3 rows talk to the loopback S3 server (or to a closed port)."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from raytrain_fast.cli import main
+from tests.s3_server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+SECRET = "planted-Secret-0123456789abcdef"
+LIMIT_S = 10.0  # "in seconds": generous for a 2-core machine under load; these fail before Ray starts
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    """Also the row's first cell in docs/errors.md."""
+    argv: list[str]
+    code: int
+    says: list[str]
+    """Substrings of the output: the problem and the fix (regexes)."""
+    setup: str = ""
+    """Name of a function below that prepares files under tmp_path."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment; "S3" = the loopback server's credentials."""
+
+
+def _s(*overrides: str) -> list[str]:
+    return [part for override in overrides for part in ("--set", override)]
+
+
+CASES = [
+    # ---- config
+    Case("unknown-key", ["pretrain", *_s("train.stepz=1")], 2, ["unknown key 'train.stepz'", "known keys here: .*steps"]),
+    Case("wrong-type", ["pretrain", *_s("train.steps=abc")], 2, ["train.steps: expected an integer, got 'abc'"]),
+    Case("wrong-choice", ["pretrain", *_s("engine.precision=fp16")], 2, ["engine.precision: must be one of 'auto', 'bf16', 'fp32'"]),
+    Case("malformed-set", ["pretrain", "--set", "train.steps"], 2, ["--set 'train.steps': expected section.field=value, e.g."]),
+    Case("set-into-a-value", ["pretrain", *_s("train.steps.x=1")], 2, ["'steps' is not a section"]),
+    Case("not-positive", ["pretrain", *_s("train.micro_batch=0")], 2, ["train.micro_batch must be > 0, got 0"]),
+    Case("batch-arithmetic", ["pretrain", *_s("resources.num_workers=2")], 2,
+         ["not a multiple of train.micro_batch x resources.num_workers", "train.micro_batch=8", "train.grad_accum=2",
+          "train.global_batch=32"]),
+    Case("batch-with-grad-accum", ["pretrain", *_s("train.grad_accum=3")], 2,
+         [r"!= micro_batch x grad_accum x num_workers", "train.grad_accum=1", "train.global_batch=48"]),
+    Case("warmup-too-long", ["pretrain", *_s("train.steps=10")], 2, [r"optim.warmup_steps \(20\) exceeds train.steps \(10\)",
+                                                                      "--set optim.warmup_steps=1"]),
+    Case("missing-config-file", ["pretrain", "--config", "{tmp}/nope.yaml"], 2, ["--config file .*nope.yaml' does not exist", "preset: .*tiny"]),
+    Case("unknown-preset", ["pretrain", "--config", "gpt-350"], 2, ["'gpt-350' is not a preset", "did you mean 'gpt-350m'"]),
+    Case("config-not-yaml", ["pretrain", "--config", "{tmp}/bad.yaml"], 2, ["bad.yaml: not valid YAML", "line 1"], setup="bad_yaml"),
+    Case("duplicate-key", ["pretrain", "--config", "{tmp}/dup.yaml"], 2, ["duplicate key 'steps' .line 3.", "keep one of them"],
+         setup="dup_yaml"),
+    Case("config-not-a-mapping", ["pretrain", "--config", "{tmp}/list.yaml"], 2, ["top level must be a mapping", "docs/configuration.md"],
+         setup="list_yaml"),
+    Case("bad-run-name", ["pretrain", "--name", "a/b"], 2, ["name 'a/b'", "use letters, digits"]),
+    Case("seq-len-too-long", ["pretrain", *_s("data.seq_len=512")], 2, ["exceeds model.max_seq_len", "raise model.max_seq_len or lower"]),
+    Case("heads-do-not-divide", ["pretrain", *_s("model.num_heads=3")], 2, ["must be divisible by model.num_heads", "model.num_heads=2"]),
+    Case("data-source-missing", ["pretrain", *_s("data.source={tmp}/no-text")], 2, ["data.source .* does not exist", "or 'stdlib'"]),
+    Case("tokenizer-missing", ["pretrain", *_s("data.tokenizer={tmp}/t.json")], 2, ["neither 'byte' nor an existing", "tokenizer.json"]),
+    Case("bad-drill", ["pretrain", "--drill", "slow_dat=1"], 2, ["NAME one of"]),
+    # ---- storage
+    Case("gs-scheme", ["pretrain", *_s("storage.uri=gs://bucket/runs")], 2, ["scheme 'gs://' is not supported", "s3://bucket/prefix",
+                                                                              "storage.googleapis.com"]),
+    Case("hdfs-scheme", ["pretrain", *_s("storage.uri=hdfs://nn:8020/runs")], 2, ["scheme 'hdfs://' is not supported", "file:///"]),
+    Case("s3-one-slash", ["pretrain", *_s("storage.uri=s3:/bucket")], 2, ["'s3:/bucket' is not a valid URI .missing '//'", "s3://"]),
+    Case("s3-no-bucket", ["pretrain", *_s("storage.uri=s3://")], 2, ["names no bucket", "s3://<bucket>/<prefix>"]),
+    Case("init-from-typo", ["pretrain", *_s("checkpoint.init_from=s3:/b/run/checkpoint_00000100")], 2,
+         ["checkpoint.init_from .* not a valid URI", "s3://"]),
+    Case("storage-not-writable", ["pretrain", *_s("storage.uri={tmp}/file/runs")], 2, ["is not writable", "--set storage.uri=<dir>"],
+         setup="blocking_file"),
+    Case("s3-endpoint-unreachable", ["pretrain", *_s("storage.uri=s3://bkt/runs", f"storage.endpoint_url=http://admin:{SECRET}@127.0.0.1:{{port}}")],
+         2, ["Cannot reach endpoint http://127.0.0.1:", "Check storage.endpoint_url"], env={"S3": "1"}),
+    Case("s3-no-credentials", ["pretrain", *_s("storage.uri=s3://bkt/runs", "storage.endpoint_url={s3}")], 2,
+         ["No S3 credentials found for bucket 'bkt'", "AWS_ACCESS_KEY_ID", "storage.profile"]),
+    Case("s3-half-credentials", ["pretrain", *_s("storage.uri=s3://bkt/runs", "storage.endpoint_url={s3}")], 2,
+         ["AWS_SECRET_ACCESS_KEY is set but AWS_ACCESS_KEY_ID is not", "set both"], env={"AWS_SECRET_ACCESS_KEY": SECRET}),
+    Case("s3-missing-bucket", ["pretrain", *_s("storage.uri=s3://no-such-bucket-x/runs", "storage.endpoint_url={s3}")], 2,
+         ["Bucket 'no-such-bucket-x' does not exist", "--create-bucket"], env={"S3": "1"}),
+    Case("credentials-in-endpoint-url", ["show-config", *_s(f"storage.endpoint_url=http://admin:{SECRET}@127.0.0.1:9000")], 0,
+         [r"endpoint_url: http://admin:\*\*\*@127.0.0.1:9000"]),
+    Case("presigned-url-in-a-setting", ["show-config", *_s(f"data.source=https://h/x?X-Amz-Signature={SECRET}&a=1")], 2,
+         [r"X-Amz-Signature=\*\*\*", "not supported"]),
+    # ---- checkpoints
+    Case("resume-must-without-checkpoint", ["pretrain", "--resume", "must", *_s("storage.uri={tmp}/runs")], 2,
+         ["--resume must: run 'tiny' has no complete checkpoint", "raytrain-fast runs --storage", "--resume auto"]),
+    Case("resume-never-with-checkpoint", ["pretrain", "--resume", "never", *_s("storage.uri={tmp}/runs")], 2,
+         [r"--resume never: run 'tiny' already has 1 checkpoint\(s\)", "Pick another --name", "--resume auto"],
+         setup="complete_checkpoint"),
+    Case("resume-other-worker-count", ["pretrain", *_s("storage.uri={tmp}/runs", "resources.num_workers=2", "train.micro_batch=8")], 2,
+         ["was saved by 1 workers, this run has 2", "resources.num_workers"], setup="complete_checkpoint"),
+    Case("runs-missing-storage", ["runs", "--storage", "{tmp}/does-not-exist"], 2, ["does-not-exist' does not exist", "Check the path"]),
+    Case("runs-unsupported-scheme", ["runs", "--storage", "gs://bucket/runs"], 2, ["scheme 'gs://' is not supported"]),
+    Case("runs-unreachable-endpoint", ["runs", "--storage", "s3://bkt/runs", "--endpoint-url", "http://127.0.0.1:{port}"], 2,
+         ["Cannot read s3://bkt/runs", "Check storage.endpoint_url"], env={"S3": "1"}),
+    Case("runs-incomplete-checkpoint", ["runs", "--storage", "{tmp}/runs"], 3,
+         ["INCOMPLETE: it has no manifest", "incomplete or corrupt .exit code 3.", "resumes from its newest complete one"],
+         setup="incomplete_checkpoint"),
+    Case("export-no-complete-checkpoint", ["export", "--storage", "{tmp}/runs", "--name", "r1", "--out", "{tmp}/out"], 2,
+         ["has no complete checkpoint .checkpoint_00000010: it has no manifest", "raytrain-fast runs --storage"],
+         setup="incomplete_checkpoint"),
+    Case("export-step-missing", ["export", "--storage", "{tmp}/runs", "--name", "r1", "--step", "99", "--out", "{tmp}/out"], 2,
+         [r"no checkpoint at step 99 \(steps: \[10\]\)", "leave out --step"], setup="incomplete_checkpoint"),
+    Case("export-would-overwrite", ["export", "--storage", "{tmp}/runs", "--name", "r1", "--out", "{tmp}/out"], 2,
+         ["already holds config.yaml", "--overwrite"], setup="earlier_export"),
+    Case("export-bad-dtype", ["export", "--storage", "x", "--name", "r", "--out", "o", "--dtype", "fp16"], 2,
+         ["invalid choice: 'fp16'", "'bf16'"]),
+    Case("report-missing-storage", ["report", "--storage", "{tmp}/nope", "--name", "tiny"], 2, ["nope' does not exist", "Check the path"]),
+    # ---- data
+    Case("prepare-missing-input", ["prepare-data", "--input", "{tmp}/no.txt", "--output", "{tmp}/data", "--seq-len", "8"], 2,
+         ["no input files to prepare: check the --input paths", "does not exist"]),
+    Case("prepare-seq-len-zero", ["prepare-data", "--input", "{tmp}/in.txt", "--output", "{tmp}/data", "--seq-len", "0"], 2,
+         ["--seq-len must be >= 1", "--seq-len 128"], setup="text"),
+    Case("prepare-output-typo", ["prepare-data", "--input", "{tmp}/in.txt", "--output", "s3:/bucket/data", "--seq-len", "8"], 2,
+         ["--output 's3:/bucket/data' is not a valid URI"], setup="text"),
+    Case("prepare-over-other-data", ["prepare-data", "--input", "{tmp}/other.txt", "--output", "{tmp}/data", "--seq-len", "8"], 2,
+         ["different", "--overwrite"], setup="prepared"),
+    Case("manifest-corrupted-by-store", ["prepare-data", "--input", "{tmp}/in.txt", "--output", "{tmp}/data", "--seq-len", "8"], 2,
+         ["manifest.json is not valid JSON", "corrupted by the store .it starts with aws-chunked", "storage.request_checksums=when_required"],
+         setup="framed_manifest"),
+    # ---- command line
+    Case("unknown-command", ["pretrian"], 2, ["invalid choice: 'pretrian'"]),
+    Case("missing-required-flag", ["runs"], 2, ["the following arguments are required: --storage"]),
+    Case("bad-sweep-micro-batch", ["sweep", "--micro-batch", "a,b"], 2, ["--micro-batch 'a,b': expected comma-separated integers"]),
+]
+
+
+# ---------------------------------------------------------------- setups
+
+
+def bad_yaml(tmp: Path) -> None:
+    (tmp / "bad.yaml").write_text("train: {steps: 1\n")
+
+
+def dup_yaml(tmp: Path) -> None:
+    (tmp / "dup.yaml").write_text("train:\n  steps: 1\n  steps: 2\n")
+
+
+def list_yaml(tmp: Path) -> None:
+    (tmp / "list.yaml").write_text("[1, 2]\n")
+
+
+def blocking_file(tmp: Path) -> None:
+    (tmp / "file").write_text("a file where a directory should be")
+
+
+def incomplete_checkpoint(tmp: Path) -> None:
+    checkpoint = tmp / "runs" / "r1" / "checkpoint_00000010"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "train_state.json").write_text('{"step": 10}')
+
+
+def complete_checkpoint(tmp: Path) -> None:
+    """Run 'tiny' with a complete (manifested) checkpoint at step 300, saved by 1 worker."""
+    from raytrain_fast.checkpoint.manifest import write_rank_manifest
+
+    checkpoint = tmp / "runs" / "tiny" / "checkpoint_00000300"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "train_state.json").write_text('{"step": 300, "world_size": 1, "metrics": {"train/loss": 2.5}}')
+    write_rank_manifest(str(checkpoint), rank=0, world_size=1, step=300)
+
+
+def earlier_export(tmp: Path) -> None:
+    incomplete_checkpoint(tmp)
+    (tmp / "out").mkdir()
+    (tmp / "out" / "config.yaml").write_text("model: {}\n")
+
+
+def text(tmp: Path) -> None:
+    (tmp / "in.txt").write_text("Some text for the tokenizer. " * 20)
+
+
+def prepared(tmp: Path) -> None:
+    from raytrain_fast.data import prepare_data
+
+    text(tmp)
+    (tmp / "other.txt").write_text("Other text. " * 40)
+    prepare_data(inputs=[str(tmp / "in.txt")], output=str(tmp / "data"), seq_len=8, parallel=False, verbose=False)
+
+
+def framed_manifest(tmp: Path) -> None:
+    text(tmp)
+    (tmp / "data").mkdir()
+    (tmp / "data" / "manifest.json").write_bytes(b'3e8\r\n{"format_version": 1}\r\n0\r\nx-amz-checksum-crc64nvme:AAAA\r\n\r\n')
+
+
+# ---------------------------------------------------------------- the test
+
+
+@pytest.fixture
+def isolated(tmp_path, monkeypatch):
+    """cwd in tmp_path (so defaults such as ./runs land there), no AWS files, metadata or keys."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "RAY_ADDRESS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("RAYTRAIN_FAST_TEST_TOKEN", SECRET)  # a secret-named variable: never printed
+    return work
+
+
+def _fill(word: str, values: dict[str, str]) -> str:
+    for key, value in values.items():
+        word = word.replace("{" + key + "}", value)
+    return word
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, isolated: Path, request, monkeypatch, capsys):
+    values = {"tmp": str(isolated), "port": str(free_port())}
+    if "{s3}" in " ".join(case.argv) or case.env.get("S3"):
+        server = request.getfixturevalue("s3_server")
+        values["s3"] = server.endpoint_url
+        if case.env.get("S3"):
+            monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-access-key")
+            monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    for key, value in case.env.items():
+        if key != "S3":
+            monkeypatch.setenv(key, value)
+    if case.setup:
+        globals()[case.setup](isolated)
+    argv = [_fill(word, values) for word in case.argv]
+
+    start = time.monotonic()
+    try:
+        code = main(argv)
+    except SystemExit as exit:  # argparse's own errors
+        code = exit.code
+    seconds = time.monotonic() - start
+    out, err = capsys.readouterr()
+
+    assert code == case.code, f"exit {code}, expected {case.code}\nstdout: {out}\nstderr: {err}"
+    assert seconds < LIMIT_S, f"took {seconds:.1f}s"
+    text_out = out + err
+    for pattern in case.says:
+        assert re.search(pattern, text_out), f"{pattern!r} not in:\n{text_out}"
+    if code != 0:
+        # argparse names the subcommand: "raytrain-fast runs: error: ..."
+        assert re.search(r"^raytrain-fast( [\w-]+)?: error: ", err, flags=re.M) and "Traceback" not in text_out
+    assert SECRET not in text_out
+    for path in isolated.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), f"{path} holds the planted secret"
+
+
+def test_the_table_in_the_docs_lists_every_case():
+    table = (ROOT / "docs" / "errors.md").read_text()
+    rows = {m.group(1) for m in re.finditer(r"^\| `([\w-]+)` \|", table, flags=re.M)}
+    ids = {c.id for c in CASES}
+    assert ids <= rows, f"docs/errors.md has no row for {sorted(ids - rows)}"
+    assert rows <= ids, f"docs/errors.md rows without a case in tests/test_bad_input.py: {sorted(rows - ids)}"
+    assert len(ids) >= 30
+
+
+def test_debug_shows_the_traceback(capsys):
+    assert main(["--debug", "pretrain", "--set", "train.micro_batch=0"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.rstrip().endswith("train.micro_batch must be > 0, got 0")
+
+
+def test_a_finished_run_is_nothing_to_do_before_ray_starts(isolated, monkeypatch, capsys):
+    import raytrain_fast.launch.trainer as trainer
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started for a run that had nothing to do")
+
+    monkeypatch.setattr(trainer, "_ensure_ray", no_ray)
+    complete_checkpoint(isolated)
+    assert main(["pretrain", "--set", f"storage.uri={isolated}/runs"]) == 0
+    out = capsys.readouterr().out
+    assert "already reached train.steps=300 (checkpoint at step 300); nothing to do" in out
+    assert "--set train.steps=600" in out and "checkpoint_00000300" in out
+
+
+def _silent_server():
+    """A TCP server on 127.0.0.1 that accepts connections and never answers (a hung endpoint)."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    accepted: list = []
+
+    def serve() -> None:
+        while True:
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:  # closed: the test is over
+                return
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, accepted
+
+
+def test_a_silent_endpoint_times_out_and_ctrl_c_ends_the_probe_at_once(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    server, accepted = _silent_server()
+    port = server.getsockname()[1]
+    env = {**__import__("os").environ, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": SECRET,
+           "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": str(tmp_path / "none"),
+           "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}
+    command = [sys.executable, "-m", "raytrain_fast.cli", "runs", "--storage", "s3://bkt/runs",
+               "--endpoint-url", f"http://127.0.0.1:{port}"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert re.search(r"Timed out after 10 s trying to read s3://bkt/runs|Timeout was reached", done.stderr), done.stderr
+        assert "storage.endpoint_url" in done.stderr and SECRET not in done.stderr + done.stdout
+
+        accepted.clear()
+        process = subprocess.Popen([*command, "--debug"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env=env, cwd=tmp_path)
+        deadline = time.monotonic() + 30
+        while not accepted and time.monotonic() < deadline:  # the probe is waiting on the silent server
+            time.sleep(0.05)
+        assert accepted, "the command never connected"
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+        assert process.returncode == 130 and "raytrain-fast: error: interrupted" in err, err
+        # Ctrl-C was taken while the request still hung (not after the probe gave up), and the
+        # process ended without waiting for it.
+        assert "Timed out" not in err and "a storage probe was still waiting" in err, err
+    finally:
+        server.close()
