@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence (rows hold seq_len + 1)")
     prepare.add_argument("--tokenizer", default="byte", help="'byte' or a path to a HuggingFace tokenizer.json")
     prepare.add_argument("--overwrite", action="store_true", help="replace an output that was prepared from other inputs")
+    prepare.add_argument(
+        "--val-fraction", type=float, default=None, metavar="F",
+        help="share of documents held out for validation, chosen by content hash, in (0, 0.5] (default 0.005; capped at ~8M tokens)",
+    )
+    prepare.add_argument("--val-input", nargs="+", default=None, metavar="PATH_OR_GLOB", help="a separate validation corpus instead of --val-fraction")
     prepare.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// inputs/outputs")
     prepare.add_argument("--region", default=None)
     prepare.add_argument("--profile", default=None)
@@ -116,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(sweep)
     sweep.add_argument("--micro-batch", required=True, metavar="M1,M2,...", help="micro-batches per worker to try, e.g. 1,2,4,8,16")
     sweep.add_argument("--steps", type=int, default=30, help="optimizer steps per trial (default 30)")
-    sweep.add_argument("--objective", choices=("tokens_per_sec", "loss"), default="tokens_per_sec", help="what the best trial maximises / minimises")
+    sweep.add_argument("--objective", choices=("tokens_per_sec", "loss", "val_loss"), default="tokens_per_sec", help="what the best trial maximises / minimises (val_loss: evaluates every window)")
     sweep.add_argument("--sweep-name", default=None, help="directory of the results under storage.uri (default: <run name>-sweep)")
     sweep.add_argument("--best-out", default=None, help="local file for the best config (default: in the results when storage is local, else ./<sweep>-best.yaml)")
     sweep.add_argument("--create-bucket", action="store_true", help="create the S3 bucket of storage.uri if it is missing")
@@ -249,9 +254,10 @@ def prepare_data(args: argparse.Namespace) -> int:
     storage = StorageConfig(uri=args.output, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile)
     manifest = prepare(
         inputs=args.input, output=args.output, seq_len=args.seq_len, tokenizer=args.tokenizer,
-        storage=storage, overwrite=args.overwrite,
+        storage=storage, overwrite=args.overwrite, val_fraction=args.val_fraction, val_inputs=args.val_input,
     )
-    print(f"Prepared {manifest.num_sequences:,} sequences of {args.seq_len + 1} tokens in {args.output}")
+    held_out = f" (+ {manifest.validation.num_sequences:,} held out for validation)" if manifest.validation else " (no validation split)"
+    print(f"Prepared {manifest.num_sequences:,} sequences of {args.seq_len + 1} tokens in {args.output}{held_out}")
     print(f"Train on it: raytrain-fast pretrain --set data.source={args.output} --set data.seq_len={args.seq_len}")
     return 0
 

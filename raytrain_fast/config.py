@@ -18,7 +18,7 @@ from raytrain_fast.data.config import BYTE_VOCAB_SIZE, DataConfig
 from raytrain_fast.engine.config import EngineConfig, OptimConfig
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.launch.config import ResourcesConfig
-from raytrain_fast.loop.config import TrainConfig
+from raytrain_fast.loop.config import EvalConfig, TrainConfig
 from raytrain_fast.metrics.config import MetricsConfig, metrics_config_problems
 from raytrain_fast.model.config import ModelConfig
 from raytrain_fast.storage.config import StorageConfig
@@ -37,6 +37,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -211,6 +212,7 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
     problems += _resources_problems(config, cluster_cpus=cluster_cpus, cluster_gpus=cluster_gpus)
     problems += metrics_config_problems(config.metrics)
     problems += _checkpoint_problems(config.checkpoint)
+    problems += _eval_problems(config)
     problems += _uri_problems(config)
     if problems:
         raise ConfigError(problems)
@@ -395,6 +397,19 @@ def _checkpoint_problems(c: CheckpointConfig) -> list[str]:
         problems.append(f"checkpoint.keep_best must be >= 0, got {c.keep_best}")
     if c.upload_attempts < 1:
         problems.append(f"checkpoint.upload_attempts must be >= 1, got {c.upload_attempts}")
+    return problems
+
+
+def _eval_problems(config: Config) -> list[str]:
+    """The eval section on its own; what depends on the data's split is checked once it is prepared."""
+    e = config.eval
+    problems = []
+    if e.sequences < 1:
+        problems.append(f"eval.sequences must be >= 1, got {e.sequences} (to turn evaluation off: eval.enabled=false)")
+    if e.every_steps is not None and e.every_steps < 1:
+        problems.append(f"eval.every_steps must be >= 1 or null (= checkpoint.every_steps), got {e.every_steps}; to turn evaluation off: eval.enabled=false")
+    if e.micro_batch is not None and e.micro_batch < 1:
+        problems.append(f"eval.micro_batch must be >= 1 or null (= train.micro_batch), got {e.micro_batch}")
     return problems
 
 

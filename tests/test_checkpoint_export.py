@@ -4,6 +4,7 @@ engine's logits."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import uuid
 
@@ -60,6 +61,8 @@ def trained_checkpoint(tmp_path_factory):
         engine.save_checkpoint(str(local), tag="deepspeed")
         config = Config(name="exp", model=MODEL).to_dict()
         (local / "config.yaml").write_text(yaml.safe_dump(redact(config), sort_keys=False))
+        # The loop's state file, with the metrics it saves (an evaluation ran before the save).
+        (local / "train_state.json").write_text(json.dumps({"step": STEPS, "metrics": {"val/loss": 2.5, "train/loss": 3.25}}))
         write_rank_manifest(str(local), rank=0, world_size=1, step=STEPS)
         yield engine, local
     finally:
@@ -92,6 +95,8 @@ def test_export_round_trip_from_s3_gives_the_engines_logits(trained_checkpoint, 
         assert weights.metadata()["weights"] == "fp32 master weights from the ZeRO optimizer shards"
         assert weights.metadata()["step"] == str(STEPS)
     assert len(stored & {"lm_head.weight", "token_emb.weight"}) == 1  # the shared matrix is stored once
+    exported = yaml.safe_load((out / "config.yaml").read_text())["export"]
+    assert (float(exported["val_loss"]), float(exported["train_loss"])) == (2.5, 3.25)  # the exported step's, as saved
 
     tokens = torch.randint(0, MODEL.vocab_size, (3, MODEL.max_seq_len))
     engine.module.eval()

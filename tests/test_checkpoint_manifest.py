@@ -154,7 +154,7 @@ def test_list_runs_shows_steps_and_completeness(bucket_storage, tmp_path):
 
     table = format_runs_table(runs, storage_uri=storage.uri)
     lines = table.splitlines()
-    assert lines[0].split() == ["RUN", "CHECKPOINT", "STEP", "RANKS", "SIZE", "STATUS"]
+    assert lines[0].split() == ["RUN", "CHECKPOINT", "STEP", "RANKS", "SIZE", "VAL/LOSS", "STATUS"]
     assert any("checkpoint_00000040" in line and "1/2" in line and "INCOMPLETE: manifest missing" in line for line in lines)
     assert any("checkpoint_00000020" in line and "complete (newest complete)" in line for line in lines)
     assert any(line.startswith("beta") and "checkpoint_00000005" in line for line in lines)

@@ -13,6 +13,7 @@ import pytest
 from raytrain_fast.data import ensure_prepared_corpus, load_manifest, prepare_data
 from raytrain_fast.data.corpus import EOD_TOKEN
 from raytrain_fast.data.manifest import MANIFEST_NAME
+from raytrain_fast.data.prepare import is_validation_document
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
 
@@ -32,8 +33,8 @@ def write_corpus(root) -> None:
     (root / "d.jsonl").write_text("\n".join(json.dumps(r) for r in JSONL) + "\nnot json\n", encoding="utf-8")
 
 
-def source_documents(manifest, storage: StorageConfig) -> list[str]:
-    """The documents prepare_data should have packed, in the manifest's source order."""
+def source_documents(manifest, storage: StorageConfig, *, split: str = "train") -> list[str]:
+    """The documents prepare_data should have packed into `split` (train or val), in source order."""
     documents = []
     for source in manifest.sources:
         filesystem, path = resolve_filesystem(source.path, storage)
@@ -49,7 +50,8 @@ def source_documents(manifest, storage: StorageConfig) -> list[str]:
             documents += [r["text"] for r in records if isinstance(r.get("text"), str) and r["text"]]
         else:
             documents.append(text)
-    return documents
+    fraction = manifest.recipe.get("val_fraction", 0.0)
+    return [d for d in documents if is_validation_document(d.encode(), fraction) == (split == "val")]
 
 
 def read_rows(manifest, storage: StorageConfig | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -255,3 +257,84 @@ def test_corpus_cache_prepares_once_and_notices_changes(tmp_path, monkeypatch, c
     assert os.path.basename(stdlib).startswith("stdlib-") and len(load_manifest(stdlib).sources) == 2
     with pytest.raises(DataError, match="does not exist"):
         ensure_prepared_corpus(str(tmp_path / "nope"), seq_len=16, cache_dir=cache)
+
+
+def _decoded(stream: np.ndarray) -> list[str]:
+    """The complete documents of a byte-token stream."""
+    pieces = np.split(stream, np.flatnonzero(stream == EOD_TOKEN) + 1)
+    return [bytes(p[:-1].astype(np.uint8)).decode("utf-8") for p in pieces if len(p) and p[-1] == EOD_TOKEN]
+
+
+def _split_documents(manifest) -> tuple[list[str], list[str]]:
+    """(training documents, validation documents) as stored in the shards."""
+    _, train = read_rows(manifest)
+    filesystem, root = resolve_filesystem(manifest.root, StorageConfig())
+    val = [np.stack(pq.read_table(f"{root}/{s.path}", filesystem=filesystem).column("tokens").to_numpy(zero_copy_only=False))
+           for s in manifest.validation.shards]
+    return _decoded(train.reshape(-1)), _decoded(np.concatenate(val).reshape(-1))
+
+
+def test_validation_split_is_disjoint_by_document_and_stable(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    records = [{"text": f"record {i}: " + "word " * (i % 9 + 2)} for i in range(300)]
+    records += records[:20]  # duplicates: a document and its copy must land in the same split
+    (corpus / "docs.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n", encoding="utf-8")
+    first = prepare_data(inputs=[str(corpus)], output=str(tmp_path / "a"), seq_len=8, val_fraction=0.1, parallel=False)
+    train, val = _split_documents(first)
+    assert val and not set(train) & set(val)  # no document in both splits
+    unique = {r["text"] for r in records}
+    assert set(train) | set(val) <= unique and len(unique - set(train) - set(val)) <= 2  # only the packing tails are cut
+    assert first.validation.num_documents + first.num_documents == len(records)
+    assert 0.03 < first.validation.num_documents / len(records) < 0.25  # about the fraction asked for
+    assert first.validation.num_sequences == sum(s.num_rows for s in first.validation.shards) > 0
+
+    again = prepare_data(inputs=[str(corpus)], output=str(tmp_path / "b"), seq_len=8, val_fraction=0.1, parallel=False)
+    assert _split_documents(again) == (train, val)  # preparing again chooses the same documents
+    assert load_manifest(str(tmp_path / "a")).validation == first.validation
+
+    (tmp_path / "held.txt").write_text(("a separate validation text " * 7)[:161])  # + EOD: 18 rows of 9
+    separate = prepare_data(inputs=[str(corpus)], output=str(tmp_path / "c"), seq_len=8, val_inputs=[str(tmp_path / "held.txt")])
+    train_c, val_c = _split_documents(separate)
+    assert separate.validation.method == "inputs" and val_c == [(tmp_path / "held.txt").read_text()]
+    assert set(train_c) == unique  # with --val-input, every training document trains
+
+
+def test_validation_split_bad_input_and_old_manifests(tmp_path):
+    from raytrain_fast.config import load_config
+    from raytrain_fast.errors import ConfigError
+    from raytrain_fast.loop.evaluation import resolve_eval
+
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus)
+    for bad in (0.0, 0.6, -0.1):
+        with pytest.raises(DataError, match=r"--val-fraction must be in \(0, 0.5\], got"):
+            prepare_data(inputs=[str(corpus)], output=str(tmp_path / "bad"), seq_len=8, val_fraction=bad)
+    with pytest.raises(DataError, match="either --val-fraction .* or --val-input"):
+        prepare_data(inputs=[str(corpus)], output=str(tmp_path / "bad"), seq_len=8, val_fraction=0.1, val_inputs=[str(corpus)])
+    # Five documents: an explicit 1% chooses none. Asked for explicitly, that is an error naming the fix;
+    # with the default, the data is prepared without a split and a warning.
+    with pytest.raises(DataError, match="validation split came out empty.*raise --val-fraction"):
+        prepare_data(inputs=[str(corpus)], output=str(tmp_path / "bad"), seq_len=8, val_fraction=0.01)
+    old = prepare_data(inputs=[str(corpus)], output=str(tmp_path / "old"), seq_len=8)
+    assert old.validation is None
+
+    # A manifest written before splits existed (no `validation` key) still loads and trains.
+    path = tmp_path / "old" / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    del data["validation"]
+    path.write_text(json.dumps(data))
+    manifest = load_manifest(str(tmp_path / "old"))
+    assert manifest.validation is None and manifest.num_sequences == old.num_sequences
+    config, notes = resolve_eval(load_config("tiny"), manifest)
+    assert config.eval.enabled is False and config.checkpoint.best_metric == "train/loss"
+    assert len(notes) == 1 and "no validation split" in notes[0]
+    with pytest.raises(ConfigError, match="eval.enabled=true, but .* no validation split.*prepare-data"):
+        resolve_eval(load_config("tiny", ["eval.enabled=true"]), manifest)
+
+    split = prepare_data(inputs=[str(corpus)], output=str(tmp_path / "split"), seq_len=8, val_fraction=0.5)
+    n = split.validation.num_sequences
+    with pytest.raises(ConfigError, match=rf"eval.sequences \({n + 1}\) is larger than the validation split .* \({n} sequences\)"):
+        resolve_eval(load_config("tiny", ["eval.enabled=true", f"eval.sequences={n + 1}"]), split)
+    config, _ = resolve_eval(load_config("tiny", [f"eval.sequences={n + 1}"]), split)  # auto: the whole split
+    assert config.eval.sequences == n and config.eval.every_steps == 100 and config.checkpoint.best_metric == "val/loss"

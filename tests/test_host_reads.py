@@ -3,7 +3,7 @@ checkpoint) in Ray Train's local mode, with every host read of a tensor counted.
 
 A host read (`.item()`, `.tolist()`, `.cpu()`, `float(t)`, `int(t)`, `bool(t)`) waits for all queued
 device work: one per step is what makes "fast" loops slow on GPUs. The loop may read once per log
-window (the drain), plus whatever a checkpoint save needs.
+window (the drain), plus one per evaluation (its loss sum), plus whatever a checkpoint save needs.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def _train_counting_reads(address: str, loop_config: dict, port: int, out_path: 
 
     from raytrain_fast.checkpoint import Checkpointer
     from raytrain_fast.loop import train_loop
+    from raytrain_fast.loop.evaluation import Evaluator
     from raytrain_fast.metrics import TrainMetrics
 
     # Local mode builds a real (1-process gloo) process group from torchrun's variables; DeepSpeed needs one.
@@ -74,6 +75,7 @@ def _train_counting_reads(address: str, loop_config: dict, port: int, out_path: 
     train_loop.train_step = in_phase("step", train_loop.train_step)  # looked up by name on every step
     TrainMetrics.log = in_phase("log", TrainMetrics.log)
     Checkpointer.save = in_phase("checkpoint", Checkpointer.save)
+    Evaluator.run = in_phase("eval", Evaluator.run)
 
     trainer = TorchTrainer(
         train_loop.train_loop_per_worker, train_loop_config=loop_config,
@@ -88,7 +90,8 @@ def test_the_step_loop_reads_from_the_device_once_per_log_window(ray_session, tm
     config = load_config("tiny", [
         "model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.max_seq_len=32",
         "data.seq_len=32", "data.max_tokens=60000", "train.micro_batch=4", "train.global_batch=8",
-        f"train.steps={steps}", f"train.log_every={log_every}", "checkpoint.every_steps=0",
+        f"train.steps={steps}", f"train.log_every={log_every}", "checkpoint.every_steps=0", "eval.every_steps=8",
+        "eval.sequences=16",
         "metrics.profile_every=5", "resources.num_workers=1", "resources.cpus_per_worker=1",
         "engine.precision=bf16", "optim.warmup_steps=2", f"storage.uri={tmp_path / 'runs'}",
     ], name="reads")
@@ -108,6 +111,7 @@ def test_the_step_loop_reads_from_the_device_once_per_log_window(ray_session, tm
 
     assert calls["step"] == steps
     assert calls["log"] == steps // log_every
+    assert calls["eval"] == 2  # step 8 (eval.every_steps) and the last step, which also saves
     # 2 micro-batches x 12 steps, phases sampled on 2 of them: not one read in the steps or between them.
     # (bf16, as on GPUs: in fp32 DeepSpeed's ZeRO optimizer itself checks the grad norm for inf/NaN
     # with a host read every step, which no setting turns off.)
@@ -115,6 +119,8 @@ def test_the_step_loop_reads_from_the_device_once_per_log_window(ray_session, tm
     assert in_loop == {}, reads
     # The drain: exactly one read per log window.
     assert sum(n for key, n in reads.items() if key.startswith("log:")) == calls["log"]
+    # An evaluation: exactly one read (its loss sum), none per micro-batch.
+    assert sum(n for key, n in reads.items() if key.startswith("eval:")) == calls["eval"]
     # Local mode still saved the final checkpoint, complete, in the run's storage.
     [run] = [r for r in list_runs(str(tmp_path / "runs"), StorageConfig()) if r.name == "reads"]
     assert [(c.step, c.complete) for c in run.checkpoints] == [(steps, True)]

@@ -72,6 +72,31 @@ def test_a_healthy_run_has_no_finding_and_says_what_it_could_not_check():
     assert any("checkpoint" in s for s in diagnosis.skipped)
 
 
+def _evaluated(val: list[float]):
+    """A tweak: val/loss at every window (an evaluation per log step), train/loss still falling."""
+    def tweak(index: int, record: dict) -> None:
+        record["val/loss"] = val[index]
+    return tweak
+
+
+def test_overfitting_needs_val_loss_rising_over_evaluations_while_train_loss_falls():
+    falling = [4.0 - 0.1 * i for i in range(16)]
+    assert "overfitting" not in keys_of(records(tweak=_evaluated(falling)))
+    # Lowest at window 9 (step 50), then up for the last 6 evaluations while train/loss keeps falling.
+    planted = falling[:10] + [3.2, 3.3, 3.4, 3.5, 3.6, 3.7]
+    diagnosis = diagnose(from_records(records(tweak=_evaluated(planted)), name="t", config=CONFIG))
+    [finding] = [f for f in diagnosis.findings if f.key == "overfitting"]
+    assert finding.numbers["best_step"] == 50 and finding.numbers["best_val_loss"] == pytest.approx(3.1)
+    assert finding.numbers["rise"] == pytest.approx(3.7 / 3.1 - 1)
+    assert "3.1000 at step 50" in finding.evidence[0] and "train/loss fell" in finding.evidence[1]
+    advice = " ".join(finding.advice)
+    assert "more data" in advice and "checkpoint.keep_best" in advice and "model.dropout" in advice
+    # One evaluation up is noise, not a trend; without evaluation the check says why it did not run.
+    assert "overfitting" not in keys_of(records(tweak=_evaluated(falling[:15] + [3.0])))
+    healthy = diagnose(from_records(records(), name="t", config=CONFIG))
+    assert any(s.startswith("overfitting: no val/loss") for s in healthy.skipped)
+
+
 def test_data_bound_names_the_share_and_the_fix():
     def slow_data(i, r):
         r["time/data_wait_frac"] = 0.30
@@ -359,7 +384,9 @@ def real_runs(ray_session, tmp_path_factory):
     from raytrain_fast.launch.trainer import run
 
     tmp_path = tmp_path_factory.mktemp("report-runs")
-    run(_config(tmp_path, "clean"))  # no checkpoint but the last: at this size any save is a stall
+    # No checkpoint but the last (at this size any save is a stall); evaluated every 6 steps, so
+    # the overfitting check runs and must stay quiet on a run that sees each sequence once.
+    run(_config(tmp_path, "clean", "eval.every_steps=6"))
     planted = [
         "checkpoint.every_steps=1", "checkpoint.upload=sync", "metrics.queue_size=1", "metrics.slowdown_windows=2",
         "resources.memory_budget_gb=64",  # a ~0.6 GB process: memory under-used (memory/peak_frac ~1%)
@@ -450,6 +477,27 @@ def test_planted_problems_are_each_named_with_their_numbers(real_runs, tmp_path)
     html = Path(report.html_path).read_text()
     assert all(f'id="{key}"' in html for key in found)
     assert {Path(p).name for p in report.pngs} == PNGS
+
+
+@pytest.mark.slow
+def test_overfitting_is_named_on_a_planted_run(ray_session, tmp_path):
+    """Planted: ~30 sequences repeated for ~25 epochs. The tiny model memorises them: train/loss
+    falls while val/loss, lowest early, climbs; the report says so with the numbers and the fixes."""
+    from raytrain_fast.config import load_config
+    from raytrain_fast.launch.trainer import run
+
+    config = load_config("tiny", [
+        "train.steps=50", "train.log_every=5", "eval.every_steps=5", "data.max_tokens=4000", "optim.lr=0.003",
+        "optim.warmup_steps=10", "checkpoint.every_steps=0", "engine.precision=fp32", "resources.num_workers=1",
+        "metrics.peak_measure_s=0.2", f"storage.uri={tmp_path / 'runs'}",
+    ], name="memorise")
+    run(config)
+    report = make_report(str(tmp_path / "runs"), "memorise", out_dir=str(tmp_path / "report"))
+    found = {f.key: f for f in report.diagnosis.findings}
+    assert "overfitting" in found, report.text
+    numbers = found["overfitting"].numbers
+    assert numbers["best_step"] < 50 and numbers["val_loss"] > numbers["best_val_loss"] * 1.01
+    assert "Overfitting" in report.text and "more data" in report.text
 
 
 # --- storage -------------------------------------------------------------------------------------

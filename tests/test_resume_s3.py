@@ -57,7 +57,8 @@ def uninterrupted(ray_session, s3_server, bucket):
     with pytest.MonkeyPatch.context() as patch:
         for key, value in s3_server.env.items():
             patch.setenv(key, value)
-        # Retention under test too: keep the newest 1 plus the best 1 by the HIGHEST loss (step 8's).
+        # Retention under test too: keep the newest 1 plus the best 1 by the HIGHEST val/loss (the
+        # default best_metric while evaluating; every checkpoint carries a fresh one), so not the newest.
         config = s3_config(
             s3_server, bucket, "straight",
             "checkpoint.keep_last=1", "checkpoint.keep_best=1", "checkpoint.best_mode=max",
@@ -81,7 +82,10 @@ def checkpoint_names(s3_server, bucket: str, run: str) -> set[str]:
 def test_uninterrupted_run_keeps_exactly_the_expected_checkpoints(uninterrupted, s3_server, bucket):
     config, result, curve = uninterrupted
     assert curve[STEPS] < curve[1]
-    assert checkpoint_names(s3_server, bucket, "straight") == {"checkpoint_00000008", "checkpoint_00000024"}
+    records = {r["step"]: r for r in read_metrics(f"{config.storage.uri}/{config.name}", storage=config.storage)}
+    best = max((8, 16, 24), key=lambda step: records[step]["val/loss"])  # evaluated before every save
+    assert best != 24 and all("val/loss" in metrics for _, metrics in result.checkpoints)
+    assert checkpoint_names(s3_server, bucket, "straight") == {f"checkpoint_{best:08d}", "checkpoint_00000024"}
     assert sum(v for k, v in result.measurements.items() if k.startswith("flops_per_token/")) == 1
 
 
@@ -94,6 +98,7 @@ def test_retention_waits_for_every_rank_upload(late_rank, ray_session, s3_server
     config = s3_config(
         s3_server, bucket, f"late-upload-{late_rank}", "train.steps=12", "checkpoint.every_steps=4",
         "checkpoint.upload=async", "checkpoint.keep_last=1", "checkpoint.keep_best=1", "checkpoint.best_mode=max",
+        "checkpoint.best_metric=train/loss",
     )
     run(config, hooks=LoopHooks(slow_upload=f"2:{late_rank}"))
     records = read_metrics(f"{config.storage.uri}/{config.name}", storage=config.storage)

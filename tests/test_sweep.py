@@ -83,6 +83,11 @@ def test_rows_table_and_reasons():
     lines = table.splitlines()
     assert [line.split()[0] for line in lines[1:5]] == ["3", "4", "8", "16"]
     assert "BEST" in lines[2] and "60%" in lines[2] and "failed: over memory budget" in lines[4]
+    # --objective val_loss: the lowest val/loss at the last evaluation.
+    lower = row_from_reports(micro_batch=2, grad_accum=4, reports=[{**r, "val/loss": 6.0 - r["train/loss"]} for r in reports], steps=6, error=None)
+    higher = row_from_reports(micro_batch=1, grad_accum=8, reports=[{**r, "val/loss": 2.0 + r["train/loss"]} for r in reports], steps=6, error=None)
+    assert (lower.final_val_loss, higher.final_val_loss) == (3.0, 5.0)
+    assert pick_best([higher, lower, failed], objective="val_loss") is lower
     assert failure_reason(RuntimeError("wrapped")) == "RuntimeError: wrapped"
     chained = RuntimeError("training failed")
     chained.__cause__ = MemoryBudgetExceeded("peak memory 1.20 GB > resources.memory_budget_gb 0.90 GB at step 2")

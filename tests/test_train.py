@@ -95,3 +95,17 @@ def test_finished_run_rerun_does_nothing_and_says_how_to_continue(uninterrupted,
     again = run(config)
     assert again.checkpoint == uninterrupted.checkpoint
     assert "already reached train.steps=30" in capfd.readouterr().out
+
+
+def test_evaluation_never_changes_what_or_how_it_trains(uninterrupted, ray_session, tmp_path):
+    """The uninterrupted run evaluates (eval.enabled=auto on the stdlib corpus's split: before every
+    checkpoint); the same run with eval off trains on exactly the same sequences at every step on
+    every rank, to the same losses (no data position, RNG stream or gradient touched)."""
+    evaluated = by_step(uninterrupted)
+    assert all(0 < evaluated[step]["val/loss"] < math.log(257) for step in (10, 20, 30))
+    assert all(evaluated[step]["time/eval_s"] > 0 for step in (10, 20, 30))
+    plain = run(micro_config(tmp_path, "no-eval", "eval.enabled=false"), hooks=LoopHooks(record_sequences=str(tmp_path)))
+    assert recorded_sequences(tmp_path) == uninterrupted.sequences
+    for step, metrics in by_step(plain).items():
+        assert "val/loss" not in metrics
+        assert metrics["train/loss"] == pytest.approx(evaluated[step]["train/loss"], rel=1e-5)

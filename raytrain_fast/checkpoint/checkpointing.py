@@ -32,6 +32,7 @@ import yaml
 
 from raytrain_fast.checkpoint.config import CheckpointConfig
 from raytrain_fast.checkpoint.manifest import (
+    STATE_FILE,
     download_checkpoint,
     find_resumable_checkpoint,
     list_checkpoint_dirs,
@@ -41,7 +42,6 @@ from raytrain_fast.checkpoint.manifest import (
 from raytrain_fast.errors import CheckpointError
 
 DEEPSPEED_TAG = "deepspeed"
-STATE_FILE = "train_state.json"
 CONFIG_FILE = "config.yaml"
 
 
@@ -116,6 +116,8 @@ class Checkpointer:
         locally, and Ray's report (with a sync upload inside it)."""
         self._last_save = time.monotonic()
         self._best_cache: dict[str, float | None] = {}
+        # "auto" is resolved by the loop (loop/evaluation.py: val/loss when evaluating); left as is, the training loss.
+        self._best_metric = "train/loss" if config.best_metric == "auto" else config.best_metric
         self._upload_delay_s = upload_delay_s
         self._saved = False
 
@@ -262,7 +264,7 @@ class Checkpointer:
         if path not in self._best_cache:
             try:
                 with self.filesystem.open_input_stream(f"{path}/{STATE_FILE}") as stream:
-                    value = TrainState.from_json(stream.read().decode()).metrics.get(self.config.best_metric)
+                    value = TrainState.from_json(stream.read().decode()).metrics.get(self._best_metric)
                 self._best_cache[path] = float(value) if value is not None and math.isfinite(value) else None
             except (OSError, ValueError):
                 self._best_cache[path] = None

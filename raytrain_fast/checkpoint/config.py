@@ -18,8 +18,9 @@ class CheckpointConfig:
     """Keep the newest this many checkpoints in storage (the newest is never deleted)."""
     keep_best: int = 0
     """Also keep the best this many checkpoints by `best_metric`. 0 = off."""
-    best_metric: str = "train/loss"
-    """Metric that ranks checkpoints for keep_best."""
+    best_metric: str = "auto"
+    """Metric that ranks checkpoints for keep_best (any metric the loop emits, e.g. train/loss);
+    auto = val/loss when evaluation is on (eval section), else train/loss."""
     best_mode: Literal["min", "max"] = "min"
     """Whether lower (min) or higher (max) best_metric is better."""
     resume: Literal["auto", "must", "never"] = "auto"

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
-from raytrain_fast.checkpoint.checkpointing import CONFIG_FILE, DEEPSPEED_TAG
+from raytrain_fast.checkpoint.checkpointing import CONFIG_FILE, DEEPSPEED_TAG, STATE_FILE
 from raytrain_fast.checkpoint.manifest import download_checkpoint, find_resumable_checkpoint, list_checkpoint_dirs
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.model import GPT, ModelConfig
@@ -132,7 +132,7 @@ def export_local_checkpoint(
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     os.makedirs(out_dir, exist_ok=True)
-    info = {"weights": source, "dtype": dtype, **(metadata or {})}
+    info = {"weights": source, "dtype": dtype, **(metadata or {}), **_losses_at_save(local_dir)}
     config_path, weights_path = Path(out_dir, CONFIG_FILE), Path(out_dir, WEIGHTS_FILE)
     # safetensors' header metadata holds strings only; config.yaml keeps the types (step: 300).
     save_model(model, str(weights_path), metadata={k: str(v) for k, v in info.items() if not isinstance(v, (list, dict))})
@@ -140,6 +140,18 @@ def export_local_checkpoint(
     # safetensors creates its file 0600; give it config.yaml's mode (the umask's), so both read alike.
     os.chmod(weights_path, stat.S_IMODE(config_path.stat().st_mode))
     return out_dir
+
+
+def _losses_at_save(local_dir: str) -> dict[str, float]:
+    """The exported step's val/loss and train/loss as saved with the checkpoint (those it has)."""
+    import json
+
+    path = Path(local_dir, STATE_FILE)
+    try:
+        metrics = json.loads(path.read_text()).get("metrics") or {}
+    except (OSError, ValueError):
+        return {}
+    return {name.replace("/", "_"): float(metrics[name]) for name in ("val/loss", "train/loss") if name in metrics}
 
 
 def export_checkpoint(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
-from raytrain_fast.checkpoint.manifest import inspect_checkpoint, list_checkpoint_dirs
+from raytrain_fast.checkpoint.manifest import STATE_FILE, inspect_checkpoint, list_checkpoint_dirs
 from raytrain_fast.storage.config import StorageConfig
 from raytrain_fast.storage.filesystem import resolve_filesystem
 
@@ -25,6 +26,8 @@ class CheckpointInfo:
     complete: bool
     reason: str
     """Why it is incomplete ('' when complete)."""
+    val_loss: float | None = None
+    """val/loss saved with the checkpoint (None: no evaluation at that step, or incomplete)."""
 
 
 @dataclass(kw_only=True)
@@ -47,8 +50,19 @@ def _inspect_run(filesystem: pafs.FileSystem, name: str, path: str, *, checksums
             name=checkpoint_path.rsplit("/", 1)[-1], path=checkpoint_path, step=status.step,
             world_size=status.world_size, num_ranks_found=len(status.ranks_found), num_bytes=status.num_bytes,
             complete=status.complete, reason=status.reason,
+            val_loss=_val_loss(filesystem, checkpoint_path) if status.complete else None,
         ))
     return run
+
+
+def _val_loss(filesystem: pafs.FileSystem, path: str) -> float | None:
+    """The val/loss in a checkpoint's train_state.json (one small read)."""
+    try:
+        with filesystem.open_input_stream(f"{path}/{STATE_FILE}") as stream:
+            value = (json.loads(stream.read()).get("metrics") or {}).get("val/loss")
+    except (OSError, ValueError):
+        return None
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def list_runs(storage_uri: str, storage: StorageConfig, *, checksums: bool = False) -> list[RunInfo]:
@@ -85,11 +99,11 @@ def format_runs_table(runs: list[RunInfo], *, storage_uri: str | None = None) ->
     """A plain-text table: one line per checkpoint, newest first within each run."""
     if not runs:
         return f"No runs found{f' under {storage_uri}' if storage_uri else ''}."
-    header = ("RUN", "CHECKPOINT", "STEP", "RANKS", "SIZE", "STATUS")
+    header = ("RUN", "CHECKPOINT", "STEP", "RANKS", "SIZE", "VAL/LOSS", "STATUS")
     rows: list[tuple[str, ...]] = []
     for run in runs:
         if not run.checkpoints:
-            rows.append((run.name, "-", "-", "-", "-", "no checkpoints yet"))
+            rows.append((run.name, "-", "-", "-", "-", "-", "no checkpoints yet"))
         for index, checkpoint in enumerate(run.checkpoints):
             ranks = f"{checkpoint.num_ranks_found}/{checkpoint.world_size}" if checkpoint.world_size else f"{checkpoint.num_ranks_found}/?"
             status = "complete" if checkpoint.complete else f"INCOMPLETE: {checkpoint.reason}"
@@ -97,7 +111,8 @@ def format_runs_table(runs: list[RunInfo], *, storage_uri: str | None = None) ->
                 status += " (newest complete)"
             rows.append((
                 run.name if index == 0 else "", checkpoint.name,
-                "?" if checkpoint.step is None else str(checkpoint.step), ranks, _size(checkpoint.num_bytes), status,
+                "?" if checkpoint.step is None else str(checkpoint.step), ranks, _size(checkpoint.num_bytes),
+                "-" if checkpoint.val_loss is None else f"{checkpoint.val_loss:.4f}", status,
             ))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     lines = []

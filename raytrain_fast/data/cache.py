@@ -86,7 +86,8 @@ def ensure_prepared_corpus(
         slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in os.path.basename(inputs[0].rstrip("/")))[:40] or "corpus"
         canonical = {"source": inputs[0]}
     key = hashlib.sha256(
-        json.dumps({**canonical, "seq_len": seq_len, "tokenizer": spec.info.identity()}, sort_keys=True).encode()
+        # "split": a corpus cached before validation splits existed is prepared again, with one.
+        json.dumps({**canonical, "seq_len": seq_len, "tokenizer": spec.info.identity(), "split": "val-v1"}, sort_keys=True).encode()
     ).hexdigest()[:16]
     target = join_uri(cache_dir.rstrip("/") if "://" in cache_dir else os.path.abspath(os.path.expanduser(cache_dir)), f"{slug}-seq{seq_len}-{key}")
     fingerprint = _fingerprint(inputs, storage)

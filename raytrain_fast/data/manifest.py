@@ -65,6 +65,40 @@ class Shard:
 
 
 @dataclass(kw_only=True)
+class ValidationSplit:
+    """The held-out validation sequences: whole documents kept out of training (see data.md)."""
+
+    method: str
+    """`hash`: documents whose content hash falls under `fraction` (capped at `max_tokens`);
+    `inputs`: every document of the separate `--val-input` files."""
+    fraction: float
+    """The share of documents asked for (method `hash`); 1.0 for `inputs`."""
+    max_tokens: int
+    """Cap of the hashed split: once it holds this many tokens, further chosen documents train (0 = none)."""
+    num_sequences: int
+    num_documents: int
+    num_dropped_tokens: int
+    """Tokens of the split's final, incomplete row that were not written."""
+    shards: list[Shard]
+    """Paths relative to the manifest's directory (`val/shard-*.parquet`); seq_ids count from 0."""
+    sources: list[SourceFile] = field(default_factory=list)
+    """The `--val-input` files (method `inputs`); empty for `hash` (the documents come from `sources`)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["shards"] = [dict(vars(s)) for s in self.shards]
+        data["sources"] = [dict(vars(s)) for s in self.sources]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ValidationSplit:
+        values = dict(data)
+        values["shards"] = [Shard(**s) for s in data["shards"]]
+        values["sources"] = [SourceFile(**s) for s in data.get("sources", [])]
+        return cls(**values)
+
+
+@dataclass(kw_only=True)
 class Manifest:
     """A prepared dataset: fixed-length packed sequences in Parquet shards.
 
@@ -93,6 +127,9 @@ class Manifest:
     skipped: list[Skipped] = field(default_factory=list)
     """Everything that was given but not used, with the reason (nothing is dropped silently)."""
     shards: list[Shard]
+    validation: ValidationSplit | None = None
+    """The held-out split; None for data prepared before splits existed (or with an empty split).
+    The counts above (num_sequences, num_documents, shards) are the training split's."""
     root: str = ""
     """Directory (or URI) the manifest was read from; not stored in the file."""
 
@@ -109,6 +146,7 @@ class Manifest:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "root"}
         data["tokenizer"] = asdict(self.tokenizer)
         data["recipe"] = json.loads(json.dumps(self.recipe))
+        data["validation"] = self.validation.to_dict() if self.validation is not None else None
         for name in ("sources", "skipped", "shards"):
             data[name] = [dict(vars(entry)) for entry in data[name]]
         return data
@@ -130,6 +168,7 @@ class Manifest:
             values["sources"] = [SourceFile(**s) for s in data["sources"]]
             values["skipped"] = [Skipped(**s) for s in data.get("skipped", [])]
             values["shards"] = [Shard(**s) for s in data["shards"]]
+            values["validation"] = ValidationSplit.from_dict(data["validation"]) if data.get("validation") else None
             return cls(**values, root=root)
         except (KeyError, TypeError) as error:
             raise DataError(f"manifest at {root or '?'} is malformed ({error}); prepare the data again") from None
@@ -139,4 +178,6 @@ def join_uri(root: str, relative: str) -> str:
     return f"{root.rstrip('/')}/{relative}" if root else relative
 
 
-__all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "Shard", "Skipped", "SourceFile", "TokenizerInfo", "join_uri"]
+__all__ = [
+    "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "Shard", "Skipped", "SourceFile", "TokenizerInfo", "ValidationSplit", "join_uri",
+]

@@ -6,6 +6,11 @@ Pipeline: list the inputs (files, directories, globs, s3:// URIs) -> read and to
 end-of-document id -> concatenate in source order -> cut into rows of seq_len + 1 ids -> write shards
 (seq_id int64, tokens fixed_size_list) -> write the manifest last. Files that cannot be used are
 listed with the reason, never dropped silently.
+
+The validation split is chosen per document, before packing: a document goes to `val/` shards when
+a hash of its content falls under `val_fraction` (so a document is never in both splits, duplicates
+land together, and preparing again chooses the same documents), until the split holds
+VAL_MAX_TOKENS; or every document of the `val_inputs` files does.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -30,7 +36,7 @@ import pyarrow.parquet as pq
 
 from raytrain_fast.data.ingest import NODE_ID_LABEL
 from raytrain_fast.data.manifest import (
-    FORMAT_VERSION, MANIFEST_NAME, Manifest, Shard, Skipped, SourceFile, join_uri,
+    FORMAT_VERSION, MANIFEST_NAME, Manifest, Shard, Skipped, SourceFile, ValidationSplit, join_uri,
 )
 from raytrain_fast.data.tokenizer import TokenizerSpec, load_tokenizer
 from raytrain_fast.errors import DataError
@@ -40,6 +46,11 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 SHARD_TOKENS = 1 << 20
 """Default shard size in tokens (~1 MiB on disk for bytes). Shards are the unit of the per-epoch
 shuffle and of the split across ranks, so many small shards shuffle better than a few big ones."""
+DEFAULT_VAL_FRACTION = 0.005
+VAL_MAX_TOKENS = 1 << 23
+"""Cap of the hashed validation split (~8M tokens): evaluation reads a fixed subset of it anyway
+(eval.sequences), so a larger split would only take documents from training."""
+VAL_DIR = "val"
 _RAY_BYTES_THRESHOLD = 1 << 30  # the byte tokenizer is a memcpy: Ray only pays off for huge local inputs
 _GLOB_CHARS = "*?["
 
@@ -54,6 +65,8 @@ class _Source:
     """Path inside that filesystem."""
     size: int
     mtime_ns: int | None
+    val_fraction: float = 0.0
+    """Share of this file's documents that go to the validation split (1.0: a --val-input file)."""
 
 
 @dataclass
@@ -66,6 +79,9 @@ class _FileResult:
     """Non-empty: the whole file was not used."""
     partial_reason: str = ""
     """Non-empty: some records of a JSONL file were not used."""
+    val_tokens: np.ndarray | None = None
+    """The tokens of the documents chosen for validation (None: none were)."""
+    val_documents: int = 0
 
 
 @dataclass
@@ -248,7 +264,18 @@ def _documents(data: bytes, *, jsonl: bool) -> tuple[list[bytes], str, str]:
     return documents, "", f"{sum(bad.values())} JSONL records skipped: {summary}" if bad else ""
 
 
-def _tokenize_one(index: int, location: str, path: str, spec: TokenizerSpec, filesystems: dict[str, pafs.FileSystem]) -> _FileResult:
+def is_validation_document(document: bytes, fraction: float) -> bool:
+    """Whether a document belongs to the validation split: a hash of its content, not its place, so
+    the choice is the same on every preparation and identical documents share a split."""
+    if fraction >= 1.0:
+        return True
+    digest = hashlib.blake2b(document, digest_size=8, person=b"rtf-val-split").digest()
+    return int.from_bytes(digest, "big") < fraction * 2**64
+
+
+def _tokenize_one(
+    index: int, location: str, path: str, spec: TokenizerSpec, filesystems: dict[str, pafs.FileSystem], val_fraction: float = 0.0
+) -> _FileResult:
     try:
         data = _read(location, path, filesystems)
     except OSError as error:
@@ -256,8 +283,13 @@ def _tokenize_one(index: int, location: str, path: str, spec: TokenizerSpec, fil
     result = _FileResult(index=index, sha256=hashlib.sha256(data).hexdigest())
     documents, result.skip_reason, result.partial_reason = _documents(data, jsonl=path.lower().endswith(JSONL_SUFFIXES))
     if documents:
+        chosen = [val_fraction > 0 and is_validation_document(d, val_fraction) for d in documents]
+        if any(chosen):
+            held_out = [d for d, c in zip(documents, chosen) if c]
+            result.val_tokens, result.val_documents = spec.encode_documents(held_out), len(held_out)
+            documents = [d for d, c in zip(documents, chosen) if not c]
         result.tokens = spec.encode_documents(documents)
-        result.num_documents = len(documents)
+        result.num_documents = len(documents) + result.val_documents
     return result
 
 
@@ -269,8 +301,8 @@ class _TokenizeBatch:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
         results = [
-            _tokenize_one(int(i), str(loc), str(p), self.spec, self.filesystems)
-            for i, loc, p in zip(batch["index"], batch["location"], batch["path"])
+            _tokenize_one(int(i), str(loc), str(p), self.spec, self.filesystems, float(f))
+            for i, loc, p, f in zip(batch["index"], batch["location"], batch["path"], batch["val_fraction"])
         ]
         return pa.table({
             "index": pa.array([r.index for r in results], pa.int64()),
@@ -279,12 +311,14 @@ class _TokenizeBatch:
             "skip_reason": [r.skip_reason for r in results],
             "partial_reason": [r.partial_reason for r in results],
             "tokens": pa.array([b"" if r.tokens is None else r.tokens.tobytes() for r in results], pa.large_binary()),
+            "val_tokens": pa.array([b"" if r.val_tokens is None else r.val_tokens.tobytes() for r in results], pa.large_binary()),
+            "val_documents": pa.array([r.val_documents for r in results], pa.int64()),
         })
 
 
 def _results_local(sources: list[_Source], spec: TokenizerSpec, filesystems: dict[str, pafs.FileSystem]):
     for index, source in enumerate(sources):
-        yield _tokenize_one(index, source.location, source.path, spec, filesystems)
+        yield _tokenize_one(index, source.location, source.path, spec, filesystems, source.val_fraction)
 
 
 def _results_ray(sources: list[_Source], spec: TokenizerSpec, filesystems: dict[str, pafs.FileSystem]):
@@ -298,7 +332,7 @@ def _results_ray(sources: list[_Source], spec: TokenizerSpec, filesystems: dict[
     if any(s.location == "local" for s in sources):
         # Local paths exist on this node only: keep the tasks here.
         remote_args["label_selector"] = {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}
-    items = [{"index": i, "location": s.location, "path": s.path} for i, s in enumerate(sources)]
+    items = [{"index": i, "location": s.location, "path": s.path, "val_fraction": s.val_fraction} for i, s in enumerate(sources)]
     dataset = ray.data.from_items(items, override_num_blocks=max(1, math.ceil(len(items) / files_per_task)))
     dataset = dataset.map_batches(
         _TokenizeBatch(spec, filesystems), batch_size=files_per_task, batch_format="numpy",
@@ -312,11 +346,12 @@ def _results_ray(sources: list[_Source], spec: TokenizerSpec, filesystems: dict[
     for table in dataset.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2):
         columns = table.to_pydict()
         for i in range(table.num_rows):
-            raw = columns["tokens"][i]
+            raw, val_raw = columns["tokens"][i], columns["val_tokens"][i]
             pending[columns["index"][i]] = _FileResult(
                 index=columns["index"][i], sha256=columns["sha256"][i],
-                tokens=np.frombuffer(raw, dtype=dtype) if raw else None, num_documents=columns["num_documents"][i],
+                tokens=np.frombuffer(raw, dtype=dtype) if raw else np.zeros(0, dtype=dtype), num_documents=columns["num_documents"][i],
                 skip_reason=columns["skip_reason"][i], partial_reason=columns["partial_reason"][i],
+                val_tokens=np.frombuffer(val_raw, dtype=dtype) if val_raw else None, val_documents=columns["val_documents"][i],
             )
         while next_index in pending:  # preserve_order keeps blocks in order; this makes sure of it
             yield pending.pop(next_index)
@@ -351,8 +386,13 @@ def _quiet(context) -> None:
 class _ShardWriter:
     """Concatenates token arrays and writes every `rows_per_shard` rows of seq_len + 1 ids as a shard."""
 
-    def __init__(self, *, filesystem: pafs.FileSystem, root: str, seq_len: int, rows_per_shard: int, dtype: np.dtype) -> None:
+    def __init__(
+        self, *, filesystem: pafs.FileSystem, root: str, seq_len: int, rows_per_shard: int, dtype: np.dtype, prefix: str = ""
+    ) -> None:
         self.filesystem, self.root, self.row, self.rows_per_shard, self.dtype = filesystem, root, seq_len + 1, rows_per_shard, dtype
+        self.prefix = prefix
+        """Shard paths start with it: `val/` for the validation split."""
+        self.tokens_added = 0
         self.buffer: list[np.ndarray] = []
         self.buffered = 0
         self.shards: list[Shard] = []
@@ -366,6 +406,7 @@ class _ShardWriter:
         if not len(tokens):
             return
         self.max_token_id = max(self.max_token_id, int(tokens.max()))
+        self.tokens_added += len(tokens)
         self.buffer.append(tokens)
         self.buffered += len(tokens)
         shard_tokens = self.rows_per_shard * self.row
@@ -392,7 +433,7 @@ class _ShardWriter:
 
     def _write(self, tokens: np.ndarray) -> None:
         num_rows = len(tokens) // self.row
-        shard = Shard(path=f"shard-{len(self.shards):05d}.parquet", num_rows=num_rows, first_seq_id=self.num_rows)
+        shard = Shard(path=f"{self.prefix}shard-{len(self.shards):05d}.parquet", num_rows=num_rows, first_seq_id=self.num_rows)
         self.shards.append(shard)
         self.num_rows += num_rows
         while len(self.pending) >= 4:  # bound memory: at most a few shards in flight
@@ -505,6 +546,8 @@ def prepare_data(
     num_shards_hint: int | None = None,
     parallel: bool | None = None,
     verbose: bool = True,
+    val_fraction: float | None = None,
+    val_inputs: list[str] | None = None,
 ) -> Manifest:
     """Tokenize and pack `inputs` into Parquet shards plus `manifest.json` under `output`.
 
@@ -521,20 +564,26 @@ def prepare_data(
     parallel: tokenize in Ray Data tasks (True), in this process (False), or decide (None): Ray Data
         for a HuggingFace tokenizer, S3 inputs or more than 1 GiB of input; the byte tokenizer on local
         files is a memcpy that starting Ray worker processes would only slow down.
+    val_fraction: share of documents held out for validation, chosen by a hash of each document's
+        content, in (0, 0.5]; None = DEFAULT_VAL_FRACTION (0.5%). The split stops growing at
+        VAL_MAX_TOKENS. With the default, a split that comes out empty (a corpus of a few documents)
+        is left out with a warning; asked for explicitly, it is an error.
+    val_inputs: a separate validation corpus (same forms as `inputs`) instead of a hashed split.
     """
     started = time.perf_counter()
     storage = storage or StorageConfig()
     _check_arguments(inputs, seq_len=seq_len, rows_per_shard=rows_per_shard, num_shards_hint=num_shards_hint)
+    split = _SplitRequest.of(val_fraction, val_inputs)
     spec = load_tokenizer(tokenizer, storage)
     canonical = [_canonical_input(item) for item in inputs]
     filesystems: dict[str, pafs.FileSystem] = {"local": pafs.LocalFileSystem()}
-    if any(item.startswith("s3://") for item in canonical):
+    if any(item.startswith("s3://") for item in canonical + split.inputs):
         filesystems["s3"] = resolve_filesystem("s3://", storage)[0]
     out = _Output.resolve(output, storage)
-    listing = _list_inputs(canonical, s3=filesystems.get("s3"), exclude=out.exclude)
+    listing = split.listing(_list_inputs(canonical, s3=filesystems.get("s3"), exclude=out.exclude), filesystems, out.exclude)
     recipe = {
         "inputs": canonical, "seq_len": seq_len, "tokenizer": spec.info.identity(),
-        "rows_per_shard": rows_per_shard, "num_shards_hint": num_shards_hint,
+        "rows_per_shard": rows_per_shard, "num_shards_hint": num_shards_hint, **split.recipe(),
     }
     existing = _read_manifest(out.filesystem, out.root, out.display_root)
     if existing is not None and _holds_this_data(existing, recipe, listing, filesystems, output=output, overwrite=overwrite):
@@ -549,14 +598,15 @@ def prepare_data(
     rows_per_shard = rows_per_shard or _rows_per_shard(total_bytes, spec, seq_len=seq_len, num_shards_hint=num_shards_hint)
 
     _clear_output(out.filesystem, out.root, existing)
-    writer = _ShardWriter(filesystem=out.filesystem, root=out.root, seq_len=seq_len, rows_per_shard=rows_per_shard, dtype=spec.dtype)
+    writer, val = split.writers(out.filesystem, out.root, seq_len=seq_len, rows_per_shard=rows_per_shard, dtype=spec.dtype)
     progress = _Progress(len(listing.sources), enabled=verbose)
-    hashed, used, skipped, num_tokens, dropped = _tokenize_and_pack(listing, spec, filesystems, writer, progress, parallel=parallel)
+    hashed, used, skipped, num_tokens, dropped = _tokenize_and_pack(listing, spec, filesystems, writer, progress, val, parallel=parallel)
     manifest = Manifest(
         format_version=FORMAT_VERSION, seq_len=seq_len, num_sequences=writer.num_rows,
-        num_documents=sum(s.num_documents for s in used), num_dropped_tokens=dropped,
-        max_token_id=writer.max_token_id, token_dtype=spec.dtype.name, tokenizer=spec.info, recipe=recipe,
-        sources=used, sources_hash=_hash_sources(hashed), skipped=skipped, shards=writer.shards, root=out.display_root,
+        num_documents=sum(s.num_documents for s in used) - val.hashed_documents, num_dropped_tokens=dropped,
+        max_token_id=max(writer.max_token_id, val.writer.max_token_id), token_dtype=spec.dtype.name, tokenizer=spec.info,
+        recipe=recipe, sources=used, sources_hash=_hash_sources(hashed), skipped=skipped, shards=writer.shards,
+        validation=split.result(val, verbose=verbose), root=out.display_root,
     )
     with out.filesystem.open_output_stream(join_uri(out.root, MANIFEST_NAME)) as stream:  # written last: marks completion
         stream.write(manifest.to_json().encode())
@@ -568,7 +618,7 @@ def prepare_data(
 
 def _tokenize_and_pack(
     listing: _Listing, spec: TokenizerSpec, filesystems: dict[str, pafs.FileSystem], writer: _ShardWriter,
-    progress: _Progress, *, parallel: bool,
+    progress: _Progress, val: _ValPacker, *, parallel: bool,
 ):
     """Tokenize every input (Ray Data tasks or this process) and pack the results, see `_pack`.
     Raises DataError when they do not fill a single sequence."""
@@ -578,7 +628,7 @@ def _tokenize_and_pack(
             results = _results_ray(listing.sources, spec, filesystems)
         else:
             results = _results_local(listing.sources, spec, filesystems)
-        packed = _pack(results, listing, writer, progress)
+        packed = _pack(results, listing, writer, progress, val)
     if not writer.num_rows:
         _, _, skipped, num_tokens, _ = packed
         raise DataError(
@@ -586,6 +636,77 @@ def _tokenize_and_pack(
             f"add text or lower seq_len.\n{_summarize_skipped(skipped)}".rstrip()
         )
     return packed
+
+
+@dataclass(kw_only=True)
+class _SplitRequest:
+    """What was asked of the validation split: a hashed share of the inputs, or separate inputs."""
+
+    fraction: float
+    explicit: bool
+    """Asked for on the command line (an empty split is then an error, not a warning)."""
+    inputs: list[str]
+    """Canonical --val-input items (empty: a hashed split)."""
+
+    @classmethod
+    def of(cls, val_fraction: float | None, val_inputs: list[str] | None) -> _SplitRequest:
+        if val_fraction is not None and val_inputs:
+            raise DataError("pass either --val-fraction (a share of --input) or --val-input (a separate corpus), not both")
+        if val_fraction is not None and not 0.0 < val_fraction <= 0.5:
+            raise DataError(
+                f"--val-fraction must be in (0, 0.5], got {val_fraction}: it is the share of documents held out "
+                f"for validation (default {DEFAULT_VAL_FRACTION})"
+            )
+        inputs = [_canonical_input(item) for item in val_inputs or []]
+        fraction = 1.0 if inputs else (val_fraction if val_fraction is not None else DEFAULT_VAL_FRACTION)
+        return cls(fraction=fraction, explicit=val_fraction is not None or bool(inputs), inputs=inputs)
+
+    def recipe(self) -> dict[str, Any]:
+        return {"val_inputs": self.inputs} if self.inputs else {"val_fraction": self.fraction}
+
+    def listing(self, train: _Listing, filesystems: dict[str, pafs.FileSystem], exclude: str | None) -> _Listing:
+        """The training listing with every source's share set, plus the --val-input files."""
+        for source in train.sources:
+            source.val_fraction = 0.0 if self.inputs else self.fraction
+        if not self.inputs:
+            return train
+        held = _list_inputs(self.inputs, s3=filesystems.get("s3"), exclude=exclude)
+        training = {s.uri for s in train.sources}
+        both = [s.uri for s in held.sources if s.uri in training]
+        if both:
+            raise DataError(f"{len(both)} file(s) are both --input and --val-input (e.g. {both[0]}); a document must be in one split only")
+        for source in held.sources:
+            source.val_fraction = 1.0
+        held.skipped = [Skipped(path=s.path, reason=f"--val-input: {s.reason}") for s in held.skipped]
+        return _Listing(sources=train.sources + held.sources, skipped=train.skipped + held.skipped)
+
+    def writers(
+        self, filesystem: pafs.FileSystem, root: str, *, seq_len: int, rows_per_shard: int, dtype: np.dtype
+    ) -> tuple[_ShardWriter, _ValPacker]:
+        """The training shards' writer and the validation split's packer (its shards under val/)."""
+        filesystem.create_dir(join_uri(root, VAL_DIR), recursive=True)
+        writer = _ShardWriter(filesystem=filesystem, root=root, seq_len=seq_len, rows_per_shard=rows_per_shard, dtype=dtype)
+        held = _ShardWriter(filesystem=filesystem, root=root, seq_len=seq_len, rows_per_shard=rows_per_shard, dtype=dtype, prefix=f"{VAL_DIR}/")
+        return writer, _ValPacker(held, writer, max_tokens=0 if self.inputs else VAL_MAX_TOKENS)
+
+    def result(self, val: _ValPacker, *, verbose: bool) -> ValidationSplit | None:
+        """The split for the manifest; None (with a warning) when the default share chose nothing."""
+        if not val.writer.num_rows:
+            fix = (
+                "add documents to --val-input" if self.inputs else
+                f"raise --val-fraction (now {self.fraction}; a corpus of few large files holds few documents) or pass --val-input"
+            )
+            message = f"the validation split came out empty ({val.writer.tokens_added:,} tokens, fewer than one sequence); {fix}"
+            if self.explicit:
+                raise DataError(message)
+            if verbose:
+                print(f"prepare-data: warning: {message}. Prepared without one: evaluation will be off.", file=sys.stderr, flush=True)
+            return None
+        return ValidationSplit(
+            method="inputs" if self.inputs else "hash", fraction=self.fraction, max_tokens=val.max_tokens,
+            num_sequences=val.writer.num_rows, num_documents=val.num_documents, num_dropped_tokens=val.dropped,
+            shards=val.writer.shards, sources=val.sources,
+        )
 
 
 def _check_arguments(inputs: list[str], *, seq_len: int, rows_per_shard: int | None, num_shards_hint: int | None) -> None:
@@ -656,12 +777,20 @@ def _print_summary(manifest: Manifest, *, seconds: float, parallel: bool) -> Non
         f"{manifest.num_dropped_tokens} tail tokens did not fill a sequence",
         file=sys.stderr, flush=True,
     )
+    split = manifest.validation
+    if split is not None:
+        how = "from --val-input" if split.method == "inputs" else f"{split.fraction:g} of the documents by content hash"
+        print(
+            f"prepare-data: validation split: {split.num_sequences:,} sequences ({split.num_documents:,} documents, {how}) "
+            f"in {len(split.shards)} shards under {VAL_DIR}/; training keeps {manifest.num_documents:,} documents",
+            file=sys.stderr, flush=True,
+        )
     if manifest.skipped:
         print(f"prepare-data: {_summarize_skipped(manifest.skipped, limit=0)}", file=sys.stderr, flush=True)
 
 
-def _pack(results, listing: _Listing, writer: _ShardWriter, progress: _Progress):
-    """Feed tokenized files (in source order) to the shard writer; collect what was used and skipped."""
+def _pack(results, listing: _Listing, writer: _ShardWriter, progress: _Progress, val: _ValPacker):
+    """Feed tokenized files (in source order) to the shard writers; collect what was used and skipped."""
     skipped = list(listing.skipped)
     used: list[SourceFile] = []
     hashed: list[tuple[str, int, str]] = []
@@ -677,17 +806,50 @@ def _pack(results, listing: _Listing, writer: _ShardWriter, progress: _Progress)
                 if result.partial_reason:
                     skipped.append(Skipped(path=source.uri, reason=result.partial_reason))
                 writer.add(result.tokens)
-                num_tokens += len(result.tokens)
-                used.append(SourceFile(
+                val.add(result, source)
+                num_tokens += len(result.tokens) + (0 if result.val_tokens is None else len(result.val_tokens))
+                entry = SourceFile(
                     path=source.uri, size=source.size, sha256=result.sha256, num_documents=result.num_documents,
-                    num_tokens=len(result.tokens), mtime_ns=source.mtime_ns,
-                ))
+                    num_tokens=len(result.tokens) + (0 if result.val_tokens is None else len(result.val_tokens)),
+                    mtime_ns=source.mtime_ns,
+                )
+                (val.sources if source.val_fraction >= 1.0 else used).append(entry)
             progress.update(done, num_tokens, len(skipped))
         dropped = writer.finish()
+        val.finish()
     except BaseException:
         writer.abort()
+        val.writer.abort()
         raise
     return hashed, used, skipped, num_tokens, dropped
+
+
+class _ValPacker:
+    """Routes each file's held-out documents to the validation writer, up to the hashed split's cap
+    (then to training: a chosen document past the cap trains, it is never dropped)."""
+
+    def __init__(self, writer: _ShardWriter, train_writer: _ShardWriter, *, max_tokens: int) -> None:
+        self.writer, self.train_writer, self.max_tokens = writer, train_writer, max_tokens
+        self.num_documents = 0
+        self.hashed_documents = 0
+        """Of num_documents, those held out of the training inputs (not --val-input files)."""
+        self.sources: list[SourceFile] = []
+        """--val-input files."""
+        self.dropped = 0
+
+    def add(self, result: _FileResult, source: _Source) -> None:
+        if result.val_tokens is None:
+            return
+        capped = source.val_fraction < 1.0 and self.max_tokens and self.writer.tokens_added >= self.max_tokens
+        if capped:
+            self.train_writer.add(result.val_tokens)
+        else:
+            self.writer.add(result.val_tokens)
+            self.num_documents += result.val_documents
+            self.hashed_documents += result.val_documents if source.val_fraction < 1.0 else 0
+
+    def finish(self) -> None:
+        self.dropped = self.writer.finish()
 
 
 def _clear_output(filesystem: pafs.FileSystem, root: str, existing: Manifest | None) -> None:
@@ -704,6 +866,8 @@ def _clear_output(filesystem: pafs.FileSystem, root: str, existing: Manifest | N
     for entry in filesystem.get_file_info(pafs.FileSelector(root, recursive=False)):
         if entry.type == pafs.FileType.File and entry.base_name.startswith("shard-") and entry.base_name.endswith(".parquet"):
             filesystem.delete_file(entry.path)
+        elif entry.type == pafs.FileType.Directory and entry.base_name == VAL_DIR:
+            filesystem.delete_dir(entry.path)
 
 
-__all__ = ["JSONL_SUFFIXES", "SHARD_TOKENS", "prepare_data"]
+__all__ = ["DEFAULT_VAL_FRACTION", "JSONL_SUFFIXES", "SHARD_TOKENS", "VAL_DIR", "VAL_MAX_TOKENS", "is_validation_document", "prepare_data"]

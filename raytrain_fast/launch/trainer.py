@@ -13,6 +13,7 @@ from pathlib import Path
 from raytrain_fast.config import Config, validate
 from raytrain_fast.engine import resolve_precision
 from raytrain_fast.errors import CheckpointError
+from raytrain_fast.loop.evaluation import resolve_eval
 from raytrain_fast.loop.hooks import LoopHooks, WindowCallback
 from raytrain_fast.storage import check_storage, resolve_filesystem
 from raytrain_fast.storage.filesystem import checksum_env
@@ -160,8 +161,11 @@ def prepare_training_data(config: Config) -> str:
     )
     if problems:
         raise ConfigError(problems)
+    _, notes = resolve_eval(config, manifest)  # the workers resolve it the same way; errors surface here, before them
     used = min(manifest.num_sequences, max_sequences(config) or manifest.num_sequences)
     print(f"Data: {used:,} sequences of {config.data.seq_len + 1} tokens from {uri}", flush=True)
+    for note in notes:
+        print(note, flush=True)
     return uri
 
 

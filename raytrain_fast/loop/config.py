@@ -23,3 +23,21 @@ class TrainConfig:
     """Seed of model init and dropout."""
     log_every: int = 10
     """Read the loss back to the host, print progress, every this many steps (the only host sync)."""
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out validation during training: val/loss on a fixed set of the data's validation split."""
+
+    enabled: bool | Literal["auto"] = "auto"
+    """auto: evaluate when the prepared data has a validation split (else one line says it is off);
+    true: require a split (an error before any worker starts without one); false: never evaluate."""
+    every_steps: int | None = None
+    """Evaluate every this many optimizer steps (on the first log step at or after each multiple), at the
+    last step and before every checkpoint saved on a log step; null = checkpoint.every_steps (so each
+    saved checkpoint carries a fresh val/loss), or 100 when that is 0."""
+    sequences: int = 64
+    """Validation sequences per evaluation, across all workers: the same, evenly spread set every time,
+    so values compare over the run. With enabled=auto and a smaller split, the whole split is used."""
+    micro_batch: int | None = None
+    """Sequences per forward pass of an evaluation on one worker; null = train.micro_batch."""

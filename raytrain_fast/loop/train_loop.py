@@ -1,8 +1,8 @@
 """The per-worker step loop that Ray's TorchTrainer runs on every worker.
 
 `train_loop_per_worker` reads as a table of contents: restore, build the data, the model and the
-engine, the metrics, then the steps. Hot path: `train_step` only. Every side concern (metrics,
-checkpoint) asks whether this step is its step. The loss stays on the device; the host reads it
+engine, the metrics and the evaluator, then the steps. Hot path: `train_step` only. Every side
+concern (metrics, evaluation, checkpoint) asks whether this step is its step. The loss stays on the device; the host reads it
 only on log steps.
 
 What the loop takes from outside comes in the loop config as objects (loop/hooks.py): a
@@ -26,6 +26,7 @@ from raytrain_fast.checkpoint.checkpointing import load_initial_weights
 from raytrain_fast.config import Config
 from raytrain_fast.coordinator import Coordinator
 from raytrain_fast.engine import build_engine, select_accelerator, training_device
+from raytrain_fast.loop.evaluation import Evaluator, resolve_eval
 from raytrain_fast.loop.hooks import LoopHooks, RankHooks, WindowCallback
 from raytrain_fast.metrics import TrainMetrics, build_sinks, mfu_inputs
 from raytrain_fast.metrics.host import run_at_normal_priority
@@ -71,6 +72,8 @@ class Worker:
     hooks: RankHooks
     niceness: int
     """This worker's niceness after setup (0 unless lowering it was not permitted)."""
+    manifest: Any
+    """The prepared data's manifest (training shards and the validation split)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -93,10 +96,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     coordinator = Coordinator.connect(worker.config.name or "run", timeout_s=worker.config.metrics.coordinator_timeout_s)
     try:
         engine, mfu = build_model_and_engine(worker, state, coordinator, checkpointer, restored=restored)
+        evaluator = build_evaluator(worker, engine)
         metrics = build_metrics(worker, state, engine, mfu)  # built last: it freezes the heap for GC control
         try:
             run_steps(
-                worker, engine=engine, data=data, metrics=metrics, checkpointer=checkpointer,
+                worker, engine=engine, data=data, metrics=metrics, evaluator=evaluator, checkpointer=checkpointer,
                 coordinator=coordinator, state=state, on_window=loop_config.get("on_window"),
                 save_checkpoints=loop_config.get("save_checkpoints", True),
             )
@@ -111,9 +115,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 def setup_worker(loop_config: dict[str, Any]) -> Worker:
     import ray.train
 
+    from raytrain_fast.data import load_manifest
+
     config = Config.from_dict(loop_config["config"])
     if loop_config.get("s3_filesystem") is not None:
         use_shipped_s3_filesystem(config.storage, loop_config["s3_filesystem"])
+    manifest = load_manifest(loop_config["data_uri"], config.storage)
+    config, _ = resolve_eval(config, manifest)  # the driver printed the notes and raised the errors
     context = ray.train.get_context()
     rank = context.get_world_rank()
     cpus = config.resources.cpus_per_worker
@@ -127,7 +135,7 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
     hooks: LoopHooks = loop_config.get("hooks") or LoopHooks()
     return Worker(
         config=config, rank=rank, world_size=context.get_world_size(), grad_accum=config.grad_accum(),
-        device=training_device(), hooks=hooks.for_rank(rank), niceness=niceness,
+        device=training_device(), hooks=hooks.for_rank(rank), niceness=niceness, manifest=manifest,
     )
 
 
@@ -161,11 +169,11 @@ def _say_nothing_to_do(worker: Worker, state: TrainState) -> None:
 
 
 def build_data(worker: Worker, loop_config: dict[str, Any], state: TrainState):
-    from raytrain_fast.data import BatchIterator, DataPosition, load_manifest
+    from raytrain_fast.data import BatchIterator, DataPosition
 
     config = worker.config
     return BatchIterator(
-        load_manifest(loop_config["data_uri"], config.storage),
+        worker.manifest,
         rank=worker.rank, world_size=worker.world_size, micro_batch=config.train.micro_batch,
         seed=config.data.shuffle_seed, prefetch_batches=config.data.prefetch_batches, device=worker.device,
         storage=config.storage, max_sequences=loop_config.get("max_sequences"),
@@ -203,6 +211,23 @@ def build_model_and_engine(
     return engine, mfu
 
 
+def build_evaluator(worker: Worker, engine: Any) -> Evaluator:
+    """This rank's share of the fixed validation set, on the device once (none when eval is off)."""
+    from raytrain_fast.data.validation import load_validation_tokens
+
+    config = worker.config
+    tokens = None
+    if config.eval.enabled:
+        rows = load_validation_tokens(
+            worker.manifest, count=config.eval.sequences, rank=worker.rank, world_size=worker.world_size, storage=config.storage
+        )
+        tokens = torch.from_numpy(rows).to(engine.device)
+    return Evaluator(
+        tokens=tokens, total=config.eval.sequences, every_steps=config.eval.every_steps or 1, total_steps=config.train.steps,
+        micro_batch=config.eval.micro_batch or int(config.train.micro_batch), rank=worker.rank, world_size=worker.world_size,
+    )
+
+
 def build_metrics(worker: Worker, state: TrainState, engine: Any, mfu: Any) -> TrainMetrics:
     """Rank 0's sinks (JSONL, W&B, TensorBoard as configured) and every rank's metrics."""
     config = worker.config
@@ -224,13 +249,14 @@ def build_metrics(worker: Worker, state: TrainState, engine: Any, mfu: Any) -> T
 
 
 def run_steps(
-    worker: Worker, *, engine: Any, data: Any, metrics: TrainMetrics, checkpointer: Checkpointer,
+    worker: Worker, *, engine: Any, data: Any, metrics: TrainMetrics, evaluator: Evaluator, checkpointer: Checkpointer,
     coordinator: Coordinator, state: TrainState, on_window: WindowCallback | None, save_checkpoints: bool,
 ) -> None:
     """The steps, up to train.steps or a stop notice. On log steps every rank takes part in one
     collective (the one host sync of the window), which also carries each rank's flags, so every
     rank saves (a timed checkpoint is due on some rank) and stops (a stop notice reached rank 0) at
-    the same step."""
+    the same step. An evaluation (its own collective and read) follows the drain on its cadence and
+    before every save on a log step, so such a checkpoint's metrics carry a fresh val/loss."""
     train, hooks = worker.config.train, worker.hooks
     batches = hooks.batches(data, current_step=lambda: state.step)
     start_step, last = state.step, {}
@@ -241,17 +267,20 @@ def run_steps(
         metrics.end_step(state.step)
         hooks.after_step(state.step)
 
-        agreed = 0
-        if metrics.is_log_step(state.step):
+        agreed, logged = 0, metrics.is_log_step(state.step)
+        if logged:
             flags = (_TIME_DUE if checkpointer.due_by_time() else 0) | (
                 _STOP if worker.rank == 0 and coordinator.stop_requested() else 0
             )
             last = metrics.log(state.step, lr=engine.get_lr()[0], flags=flags)
             agreed = metrics.flags_any_rank
-            if on_window is not None:
-                on_window(step=state.step, metrics=last)
+        saving = save_checkpoints and (checkpointer.due_by_steps(state.step, train.steps) or bool(agreed))
+        if evaluator.due(state.step, logged=logged, saving=saving):
+            last = {**last, **evaluator.run(engine, metrics, step=state.step)}
+        if logged and on_window is not None:
+            on_window(step=state.step, metrics=last)
 
-        if save_checkpoints and (checkpointer.due_by_steps(state.step, train.steps) or agreed):
+        if saving:
             state.data_position = data.position.to_dict()
             blocked_s = checkpointer.save(
                 engine, state, metrics={"step": state.step, "tokens": state.tokens, "start_step": start_step, **last}

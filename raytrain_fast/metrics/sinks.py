@@ -294,7 +294,8 @@ class JsonlSink:
 
 
 def read_metrics(run_uri: str, *, storage: StorageConfig | None = None, filesystem: pafs.FileSystem | None = None) -> list[dict[str, Any]]:
-    """Every metrics record of a run as one continuous series ordered by step.
+    """Every metrics record of a run as one continuous series ordered by step, one record per step
+    (records written for the same step, such as an evaluation's, are merged).
 
     Segments are replayed in (re)start order. When a restart resumed from step s, what earlier
     attempts logged after s was superseded (those steps ran again), so it is dropped.
@@ -324,7 +325,13 @@ def read_metrics(run_uri: str, *, storage: StorageConfig | None = None, filesyst
         records = [r for r in records if r["step"] <= start_step]
         records.extend(segment)
     records.sort(key=lambda r: r["step"])  # stable: keeps the order of equal steps
-    return records
+    merged: list[dict[str, Any]] = []
+    for record in records:  # one record per step: an evaluation's values join that step's window record
+        if merged and merged[-1]["step"] == record["step"]:
+            merged[-1].update(record)
+        else:
+            merged.append(record)
+    return merged
 
 
 # --- Weights & Biases ------------------------------------------------------------------------------

@@ -267,6 +267,16 @@ class TrainMetrics:
         if self._writer is not None:
             self._writer.request_flush()
 
+    def exclude_from_window(self, seconds: float) -> None:
+        """Leave `seconds` spent outside training (an evaluation) out of the window's wall time, so
+        tokens/s, step time, MFU and the slowdown detector's baseline see training only."""
+        self._window_start += seconds
+
+    def emit(self, step: int, values: dict[str, float]) -> None:
+        """Hand values measured outside the window (an evaluation's) to rank 0's sinks as a record of `step`."""
+        if self._writer is not None:
+            self._writer.log(values, step)
+
     @contextmanager
     def checkpoint_timer(self) -> Iterator[None]:
         """Times the block as checkpoint/blocked_s."""

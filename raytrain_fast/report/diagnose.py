@@ -48,6 +48,10 @@ CHECKPOINT_MAX_BLOCK_S = 60.0
 # Stragglers: the slowest rank reaches the log step more than 10% of a step after the fastest, in
 # at least two thirds of the steady windows. Ranks meet in a collective every step, so a healthy gap
 # is a few percent; on a busy machine single windows reach 15%, but not most of them.
+OVERFIT_RISES = 2
+"""Evaluations in a row with a higher val/loss than the one before, ending at the last one."""
+OVERFIT_MIN_RISE = 0.01
+"""...and the last val/loss at least this much (relative) above the run's lowest."""
 STRAGGLER_SHARE = 0.10
 STRAGGLER_MIN_WINDOWS = 2 / 3
 # Stalls: the run's stall detector (metrics/slowdown.py, factor metrics.stall_factor) replayed over
@@ -72,7 +76,7 @@ SWAP_GROWTH_GB = 0.1
 class Finding:
     key: str
     """data_bound, sink_backlog, memory_underused, slowdown, checkpoint_stall, straggler, stall,
-    host_contention or memory_pressure."""
+    host_contention, memory_pressure or overfitting."""
     title: str
     evidence: list[str]
     """The numbers the finding rests on, in words."""
@@ -125,6 +129,7 @@ def diagnose(run: RunMetrics) -> Diagnosis:
     for rule in (
         _data_bound, _sink_backlog, _memory_underused, _slowdown, _checkpoint_stall, _straggler,
         _stall, _host_contention, _memory_pressure,
+        _overfitting,
     ):
         result = rule(run)
         if isinstance(result, Finding):
@@ -742,3 +747,38 @@ def summarize(run: RunMetrics) -> dict[str, str]:
     if dropped:
         summary["sink records dropped"] = str(int(max(dropped)))
     return summary
+
+
+def _overfitting(run: RunMetrics) -> Finding | str | None:
+    """val/loss rising over the last OVERFIT_RISES evaluations, above its minimum, while train/loss fell."""
+    steps, val = run.series("val/loss")
+    if len(val) < OVERFIT_RISES + 1:
+        why = "no val/loss (evaluation off: prepare the data with a validation split and keep eval.enabled)" if not val else (
+            f"{len(val)} evaluation(s), {OVERFIT_RISES + 1} needed (eval.every_steps)"
+        )
+        return f"overfitting: {why}"
+    best = min(range(len(val)), key=val.__getitem__)
+    rising = all(val[i] > val[i - 1] for i in range(len(val) - OVERFIT_RISES, len(val)))
+    rise = val[-1] / val[best] - 1.0
+    train = dict(zip(*run.series("train/loss")))
+    train_then, train_now = train.get(steps[best]), train.get(steps[-1])
+    if not (rising and rise >= OVERFIT_MIN_RISE and train_then is not None and train_now is not None and train_now < train_then):
+        return None
+    evidence = [
+        f"val/loss rose over the last {OVERFIT_RISES} evaluations, from its lowest {val[best]:.4f} at step {steps[best]} "
+        f"to {val[-1]:.4f} at step {steps[-1]} (+{rise:.1%})",
+        f"while train/loss fell from {train_then:.4f} to {train_now:.4f}: the model is memorising its training data",
+    ]
+    advice = [
+        "more data: a larger corpus (data.source), or all of it (data.max_tokens=0"
+        + _setting_note(run, "data", "max_tokens") + ")",
+        f"fewer epochs: train fewer steps (train.steps{_setting_note(run, 'train', 'steps')}), or keep the best "
+        f"checkpoint by val/loss (checkpoint.keep_best=1: the step-{steps[best]} one)",
+        f"regularise: model.dropout{_setting_note(run, 'model', 'dropout')} (e.g. 0.1), "
+        f"optim.weight_decay{_setting_note(run, 'optim', 'weight_decay')}",
+    ]
+    return Finding(
+        key="overfitting", title=f"Overfitting: val/loss up {rise:.1%} since step {steps[best]} while train/loss fell",
+        evidence=evidence, advice=advice,
+        numbers={"best_step": float(steps[best]), "best_val_loss": val[best], "val_loss": val[-1], "rise": rise},
+    )

@@ -86,8 +86,18 @@ def _loss(run: RunMetrics, axis) -> str | None:
     if not loss:
         return "train/loss was not recorded"
     axis.plot(steps, loss, marker=".", label="train/loss")
+    _val_loss(run, axis)
     axis.set_ylabel("loss")
     return None
+
+
+def _val_loss(run: RunMetrics, axis) -> None:
+    """val/loss on the loss plot, where the run evaluated (a wide gap below train/loss that grows
+    while train/loss falls is memorisation: see the overfitting finding)."""
+    steps, val = run.series("val/loss")
+    if val:
+        axis.plot(steps, val, marker="o", label="val/loss (held out)")
+        axis.legend()
 
 
 def _thousands(axis) -> None:
@@ -258,7 +268,7 @@ def _memory(run: RunMetrics, axis) -> str | None:
 
 
 _SPECS = [
-    _Spec(file="loss.png", title="Training loss", caption="train/loss: mean over each log window.", draw=_loss),
+    _Spec(file="loss.png", title="Training loss", caption="train/loss: mean over each log window; val/loss: the held-out set at each evaluation.", draw=_loss),
     _Spec(
         file="throughput.png", title="Throughput",
         caption="Tokens per second across all ranks, checkpoint stalls included.", draw=_throughput,

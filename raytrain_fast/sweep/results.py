@@ -37,6 +37,8 @@ class SweepRow:
     peak_frac: float | None = None
     """peak_gb / (device memory or resources.memory_budget_gb)."""
     final_loss: float | None = None
+    final_val_loss: float | None = None
+    """val/loss at the trial's last evaluation (objective val_loss evaluates every window)."""
     steps_done: int = 0
     best: bool = False
     run_name: str = ""
@@ -60,6 +62,7 @@ def row_from_reports(*, micro_batch: int, grad_accum: int, reports: list[dict[st
     peaks = series("memory/peak_gb", reports)
     fracs = series("memory/peak_frac", reports)
     losses = series("train/loss", reports)
+    val_losses = series("val/loss", reports)
     steps_done = max((int(r.get("step", 0)) for r in reports), default=0)
     if error:
         status = "failed"
@@ -74,15 +77,17 @@ def row_from_reports(*, micro_batch: int, grad_accum: int, reports: list[dict[st
         mfu=_median(series("throughput/mfu", steady)),
         mfu_measured_peak=_median(series("throughput/mfu_measured_peak", steady)),
         peak_gb=max(peaks) if peaks else None, peak_frac=max(fracs) if fracs else None,
-        final_loss=losses[-1] if losses else None, steps_done=steps_done, run_name=run_name,
+        final_loss=losses[-1] if losses else None, final_val_loss=val_losses[-1] if val_losses else None,
+        steps_done=steps_done, run_name=run_name,
     )
 
 
 def pick_best(rows: list[SweepRow], *, objective: str) -> SweepRow | None:
-    """Among trials that ran to the end: the most tokens/s, or the lowest final loss."""
-    if objective == "loss":
-        done = [r for r in rows if r.status == OK and r.final_loss is not None]
-        best = min(done, key=lambda r: r.final_loss) if done else None  # type: ignore[arg-type, return-value]
+    """Among trials that ran to the end: the most tokens/s, or the lowest final (validation) loss."""
+    if objective in ("loss", "val_loss"):
+        field = "final_loss" if objective == "loss" else "final_val_loss"
+        done = [r for r in rows if r.status == OK and getattr(r, field) is not None]
+        best = min(done, key=lambda r: getattr(r, field)) if done else None
     else:
         best = fastest(rows)  # the rule autobatch picks by
     if best is not None:
@@ -136,7 +141,12 @@ def best_config_yaml(config: Config, best: SweepRow, *, sweep_name: str, objecti
     chosen = dataclasses.replace(
         config, train=dataclasses.replace(config.train, micro_batch=best.micro_batch, grad_accum=best.grad_accum)
     )
-    what = f"{best.tokens_per_sec:,.0f} tokens/s" if objective == "tokens_per_sec" and best.tokens_per_sec else f"final loss {best.final_loss:.4f}"
+    if objective == "tokens_per_sec" and best.tokens_per_sec:
+        what = f"{best.tokens_per_sec:,.0f} tokens/s"
+    elif objective == "val_loss" and best.final_val_loss is not None:
+        what = f"final val/loss {best.final_val_loss:.4f}"
+    else:
+        what = f"final loss {best.final_loss:.4f}"
     header = (
         f"# Written by `raytrain-fast sweep` ({sweep_name}): micro_batch={best.micro_batch} x grad_accum={best.grad_accum}"
         f" x {config.resources.num_workers} worker(s) = global batch {config.train.global_batch} ({what}).\n"

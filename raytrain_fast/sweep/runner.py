@@ -32,7 +32,9 @@ from raytrain_fast.sweep.results import (
 )
 from raytrain_fast.sweep.trial import FAILED_MARK
 
-OBJECTIVES = {"tokens_per_sec": ("throughput/tokens_per_sec", "max"), "loss": ("train/loss", "min")}
+OBJECTIVES = {
+    "tokens_per_sec": ("throughput/tokens_per_sec", "max"), "loss": ("train/loss", "min"), "val_loss": ("val/loss", "min"),
+}
 
 
 @dataclass(kw_only=True)
@@ -42,7 +44,7 @@ class SweepSpec:
     (`microbatch.candidate_micro_batches`)."""
     steps: int = 30
     """Optimizer steps per trial."""
-    objective: Literal["tokens_per_sec", "loss"] = "tokens_per_sec"
+    objective: Literal["tokens_per_sec", "loss", "val_loss"] = "tokens_per_sec"
     name: str | None = None
     """Directory of the sweep under storage.uri; default `<run name>-sweep`."""
     num_reports: int = 6
@@ -86,8 +88,11 @@ def max_concurrent_trials(config: Config, *, cluster_cpus: float, cluster_gpus: 
 def _trial_config(config: Config, spec: SweepSpec) -> Config:
     """The short, checkpoint-free run each trial makes (micro_batch filled in per trial)."""
     log_every = max(1, spec.steps // max(1, spec.num_reports))
+    # val_loss: an evaluation in every reported window (ASHA compares trials on it at each rung), and
+    # an error before any trial when the data has no validation split; other objectives need none.
+    evaluation = dataclasses.replace(config.eval, enabled=spec.objective == "val_loss", every_steps=log_every)
     return dataclasses.replace(
-        config,
+        config, eval=evaluation,
         train=dataclasses.replace(config.train, steps=spec.steps, log_every=log_every),
         optim=dataclasses.replace(config.optim, warmup_steps=min(config.optim.warmup_steps, spec.steps)),
         resources=dataclasses.replace(config.resources, max_failures=0),  # a trial that fails is a result

@@ -1,0 +1,54 @@
+"""The evaluation side of the validation split: which held-out sequences each rank evaluates.
+
+The set is fixed for a run (the same sequences at every evaluation, so values compare over time)
+and spread evenly over the whole split rather than its first rows, which would all come from the
+first few documents. Rank r of W evaluates its contiguous share of that set. The split is small
+(capped when prepared), so each rank reads its rows with pyarrow once, when the loop starts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from raytrain_fast.data.manifest import Manifest, join_uri
+from raytrain_fast.errors import DataError
+from raytrain_fast.storage import StorageConfig, resolve_filesystem
+
+
+def evaluation_ids(num_available: int, count: int) -> np.ndarray:
+    """`count` distinct seq_ids of a split of `num_available`, evenly spaced from 0."""
+    if not 0 < count <= num_available:
+        raise DataError(f"cannot evaluate {count} sequences of a validation split of {num_available}")
+    return np.arange(count, dtype=np.int64) * num_available // count
+
+
+def rank_share(ids: np.ndarray, *, rank: int, world_size: int) -> np.ndarray:
+    """Rank `rank`'s contiguous part of `ids` (shares differ by at most one sequence)."""
+    count = len(ids)
+    return ids[rank * count // world_size: (rank + 1) * count // world_size]
+
+
+def load_validation_tokens(
+    manifest: Manifest, *, count: int, rank: int, world_size: int, storage: StorageConfig | None = None
+) -> np.ndarray:
+    """(n, seq_len + 1) int64 tokens of this rank's share of the `count` evaluation sequences."""
+    split = manifest.validation
+    if split is None:
+        raise DataError(f"the prepared data at {manifest.root} has no validation split; prepare it again")
+    wanted = rank_share(evaluation_ids(split.num_sequences, count), rank=rank, world_size=world_size)
+    import pyarrow.parquet as pq
+
+    filesystem, root = resolve_filesystem(manifest.root, storage or StorageConfig())
+    rows: list[np.ndarray] = []
+    for shard in split.shards:
+        local = wanted[(wanted >= shard.first_seq_id) & (wanted < shard.first_seq_id + shard.num_rows)] - shard.first_seq_id
+        if not len(local):
+            continue
+        table = pq.read_table(join_uri(root, shard.path), filesystem=filesystem, columns=["tokens"])
+        tokens = table.column("tokens").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        rows.append(tokens.reshape(shard.num_rows, manifest.seq_len + 1)[local].astype(np.int64))
+    width = manifest.seq_len + 1
+    return np.concatenate(rows) if rows else np.zeros((0, width), dtype=np.int64)
+
+
+__all__ = ["evaluation_ids", "load_validation_tokens", "rank_share"]

@@ -1,0 +1,143 @@
+"""Held-out evaluation inside the step loop: the `Evaluator` the loop asks on every step whether
+this is its step, and `resolve_eval`, which turns the eval section into concrete values for the
+data at hand (run on the driver, to fail before any worker starts, and again on every worker).
+
+An evaluation never disturbs training: it runs between optimizer steps, in eval mode (no dropout,
+so no random numbers drawn) under no_grad (no graph, no gradient touched), on a fixed set of
+validation sequences held in memory (the training data stream and its position are not used).
+It costs one collective and ONE host read; its wall time is left out of the training window
+(TrainMetrics.exclude_from_window), so tokens/s, step time, MFU and the slowdown baseline see
+training only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import torch
+
+from raytrain_fast.config import Config
+from raytrain_fast.data.manifest import Manifest
+from raytrain_fast.errors import ConfigError
+from raytrain_fast.metrics import TrainMetrics
+
+DEFAULT_EVERY_STEPS = 100
+"""eval.every_steps when it is null and checkpoints are saved by time only."""
+
+
+def resolve_eval(config: Config, manifest: Manifest) -> tuple[Config, list[str]]:
+    """(config with eval.enabled, every_steps, sequences and checkpoint.best_metric concrete, notes
+    to print). Raises ConfigError for what was asked explicitly and cannot be done."""
+    e, split, notes = config.eval, manifest.validation, []
+    where = manifest.root or "the prepared data"
+    if e.enabled is True and split is None:
+        raise ConfigError(
+            f"eval.enabled=true, but {where} has no validation split (prepared before splits existed, or its split "
+            "came out empty). Prepare it again with `raytrain-fast prepare-data ... --val-fraction 0.005` (or "
+            "--val-input), or set eval.enabled=false"
+        )
+    enabled = split is not None and e.enabled is not False
+    if e.enabled == "auto" and split is None:
+        notes.append(
+            f"Eval: off: {where} has no validation split (prepared before splits existed, or too few documents); "
+            "prepare it again to get val/loss."
+        )
+    sequences = e.sequences
+    if enabled and split is not None and sequences > split.num_sequences:
+        if e.enabled is True:
+            raise ConfigError(
+                f"eval.sequences ({sequences}) is larger than the validation split of {where} ({split.num_sequences} "
+                f"sequences); set eval.sequences <= {split.num_sequences}, or prepare a larger split (--val-fraction, --val-input)"
+            )
+        notes.append(f"Eval: the validation split holds {split.num_sequences} sequences (eval.sequences={sequences}): evaluating all of them.")
+        sequences = split.num_sequences
+    best = config.checkpoint.best_metric
+    if best == "auto":
+        best = "val/loss" if enabled else "train/loss"
+    elif best.startswith("val/") and not enabled and config.checkpoint.keep_best > 0:
+        raise ConfigError(
+            f"checkpoint.best_metric={best} ranks checkpoints by evaluation, but evaluation is off; "
+            "turn it on (eval.enabled, a prepared validation split) or set checkpoint.best_metric=train/loss"
+        )
+    every = e.every_steps or config.checkpoint.every_steps or DEFAULT_EVERY_STEPS
+    if enabled:
+        notes.append(f"Eval: {sequences} validation sequences every {every} steps (and before each checkpoint saved on a log step); keep_best ranks by {best}.")
+    resolved = dataclasses.replace(
+        config, eval=dataclasses.replace(e, enabled=enabled, every_steps=every, sequences=sequences),
+        checkpoint=dataclasses.replace(config.checkpoint, best_metric=best),
+    )
+    return resolved, notes
+
+
+class Evaluator:
+    """val/loss of this rank's share of the fixed validation set, summed across ranks.
+
+    `tokens`: (n, seq_len + 1) on the training device, this rank's share; `total`: sequences across
+    all ranks. A disabled evaluator (`tokens=None`) is never due.
+    """
+
+    def __init__(
+        self, *, tokens: torch.Tensor | None, total: int, every_steps: int, total_steps: int, micro_batch: int,
+        rank: int, world_size: int,
+    ) -> None:
+        self.tokens, self.total, self.every_steps, self.total_steps = tokens, total, every_steps, total_steps
+        self.micro_batch, self.rank, self.world_size = micro_batch, rank, world_size
+        self._next_step = every_steps
+        self._sum = torch.zeros((), dtype=torch.float32, device=tokens.device) if tokens is not None else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.tokens is not None
+
+    def due(self, step: int, *, logged: bool, saving: bool) -> bool:
+        """On log steps only (right after the drain, where the ranks met, so the evaluation's time is
+        its own, and its values join that step's record): the first one at or after each multiple
+        of every_steps, the last step, and any log step that saves a checkpoint (which then carries
+        a fresh val/loss)."""
+        if not (self.enabled and logged and (saving or step == self.total_steps or step >= self._next_step)):
+            return False
+        self._next_step = (step // self.every_steps + 1) * self.every_steps
+        return True
+
+    def run(self, engine: Any, metrics: TrainMetrics, *, step: int) -> dict[str, float]:
+        """Evaluate (every rank, same step: a collective); the values also go to rank 0's sinks."""
+        assert self.tokens is not None and self._sum is not None
+        start = time.perf_counter()
+        self._sum.zero_()
+        self._forward_all(engine)
+        own_s = time.perf_counter() - start
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(self._sum)
+        loss = self._sum.item() / self.total  # HOST SYNC: the one read of an evaluation
+        seconds = time.perf_counter() - start
+        # What leaves the training window: on a CPU, where ops run synchronously, only this rank's
+        # own forward passes, so that waiting in the all-reduce for a slower rank still counts as
+        # training time (a straggler stays visible); on a GPU the host only queued the passes, so
+        # the whole evaluation (it follows the log step's drain, where the ranks met).
+        metrics.exclude_from_window(own_s if self._sum.device.type == "cpu" else seconds)
+        values = {"val/loss": loss, "val/ppl": math.exp(min(loss, 80.0)), "time/eval_s": seconds}
+        metrics.emit(step, values)
+        if self.rank == 0:
+            print(f"step {step}/{self.total_steps}  val/loss {loss:.4f}  val/ppl {values['val/ppl']:.2f}  eval {seconds:.2f}s", flush=True)
+        return values
+
+    def _forward_all(self, engine: Any) -> None:
+        """Loss sums on the device, in eval mode and no_grad, the training mode restored after."""
+        module = getattr(engine, "module", engine)  # DeepSpeed's engine keeps the mode on its module
+        was_training = module.training
+        engine.eval()
+        try:
+            with torch.no_grad():
+                for batch in self.tokens.split(self.micro_batch):  # type: ignore[union-attr]
+                    loss = engine(batch[:, :-1], batch[:, 1:])
+                    self._sum.add_(loss.detach().float() * batch.shape[0])  # type: ignore[union-attr]
+        finally:
+            engine.train(was_training)
+
+
+__all__ = ["DEFAULT_EVERY_STEPS", "Evaluator", "resolve_eval"]
