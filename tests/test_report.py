@@ -530,3 +530,6 @@ def test_report_reads_metrics_from_s3(s3_server, monkeypatch, tmp_path, capsys):
 
     assert main(["report", "--storage", f"s3://{bucket}/runs", "--endpoint-url", s3_server.endpoint_url, "--name", "nope"]) == 2
     assert "has no metrics" in capsys.readouterr().err
+    # --storage pointing at the run itself: the hint names the command that works.
+    assert main(["report", "--storage", f"s3://{bucket}/runs/remote", "--endpoint-url", s3_server.endpoint_url, "--name", "remote"]) == 2
+    assert f"--storage s3://{bucket}/runs --name remote" in capsys.readouterr().err

@@ -118,6 +118,13 @@ def load_run(storage_uri: str, name: str, *, storage: StorageConfig | None = Non
     uri = f"{storage_uri.rstrip('/')}/{name}"
     records = read_metrics(uri, storage=storage)
     if not records:
+        root = storage_uri.rstrip("/")
+        parent, _, last = root.rpartition("/")
+        if parent and read_metrics(root, storage=storage):  # --storage names the run itself
+            raise ReportError(
+                f"{root} is a run's own directory, not the storage that holds runs: use "
+                f"`raytrain-fast report --storage {parent} --name {last}`."
+            )
         raise ReportError(
             f"run '{name}' has no metrics under {uri}/metrics/. Check --storage and --name "
             f"(`raytrain-fast runs --storage {storage_uri}` lists the runs there)."
