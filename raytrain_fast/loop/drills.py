@@ -22,7 +22,6 @@ like). They reach the loop only through `LoopHooks` (loop/hooks.py), built by a 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -165,7 +164,7 @@ class MemoryHolder:
 
     def __init__(self, spec: tuple[float, int]) -> None:
         self.gb, self.start_step = spec
-        self._buffer: list[bytearray] | None = None
+        self._buffer: list[Any] | None = None
         self._thread: threading.Thread | None = None
 
     def step(self, step: int) -> None:
@@ -174,10 +173,12 @@ class MemoryHolder:
             self._thread.start()
 
     def _allocate(self) -> None:
-        # In 64 MB chunks with a pause between: filling one bytearray holds the GIL for the whole
-        # fill, which would stall the training thread for seconds.
+        # torch fills without the GIL (a bytearray fill holds it, and the training thread stalled a
+        # whole window), in 64 MB chunks.
+        import torch
+
         chunk, chunks = 64 * 2**20, []
         for _ in range(max(1, int(self.gb * 1e9) // chunk)):
-            chunks.append(bytearray(b"\x01") * chunk)  # written, so resident
-            time.sleep(0.02)
+            chunks.append(torch.ones(chunk, dtype=torch.uint8))  # written, so resident
+            time.sleep(0.005)
         self._buffer = chunks
