@@ -78,6 +78,11 @@ def test_stall_is_one_window_far_above_the_ones_before_it():
     assert stalls[120].cause == "data_wait" and stalls[120].base_s == pytest.approx(0.1)
     assert "other processes took the CPU" in stalls[110].message
 
+    # The same ratio in a window that lost well under a second in all is noise, not a stall.
+    tiny = StallDetector(factor=2.5, warmup_steps=0)
+    windows = [Window(step=i, step_s=0.01, num_steps=3) for i in range(1, 6)] + [Window(step=6, step_s=0.05, num_steps=3)]
+    assert [tiny.update(w) for w in windows] == [None] * 6
+
 
 def test_alert_says_since_which_window_and_leaves_logging_to_the_caller(caplog):
     detector = SlowdownDetector(threshold=0.25, num_windows=3, warmup_steps=0)

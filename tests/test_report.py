@@ -288,19 +288,25 @@ def test_a_stall_names_its_windows_the_seconds_lost_and_the_cause():
 def test_host_contention_needs_several_windows_and_names_the_priority():
     def contended(i, r):
         if 8 <= i <= 10:
-            r["host/cpu_wait_frac"], r["host/cpu_share"] = 0.6, 0.4
+            r["host/cpu_wait_frac"], r["host/cpu_share"], r["time/step_s"] = 0.6, 0.4, 0.4
         if i == 0:
             r["host/niceness"] = 15.0
 
     finding = {f.key: f for f in diagnose(from_records(records(tweak=contended), name="t", config=CONFIG)).findings}["host_contention"]
     assert finding.numbers["windows"] == 3 and finding.numbers["cpu_wait_frac"] == pytest.approx(0.6)
+    assert finding.numbers["waited_s"] == pytest.approx(3 * 0.6 * 0.4 * 5)  # 3 windows of 5 steps: 3.6 s
     assert "steps 45, 50, 55" in finding.evidence[0] and "niceness 15" in " ".join(finding.evidence)
     assert "RAY_worker_niceness=0" in finding.advice[0]
 
     def once(i, r):
         if i == 9:
-            r["host/cpu_wait_frac"] = 0.6
+            r["host/cpu_wait_frac"], r["time/step_s"] = 0.6, 0.25
     assert "host_contention" not in keys_of(records(tweak=once))
+
+    def hiccups(i, r):  # a tiny model's 50 ms windows: one scheduling hiccup reads as 40%
+        if i % 3 == 0:
+            r["host/cpu_wait_frac"] = 0.4
+    assert "host_contention" not in keys_of(records(tweak=hiccups, step_s=0.01))
 
 
 def test_host_memory_pressure_from_the_node_the_swap_or_the_budget():

@@ -48,6 +48,8 @@ class Window:
 
     step: int
     step_s: float
+    num_steps: int = 1
+    """Optimizer steps in the window."""
     data_wait_s: float = 0.0
     gc_s: float = 0.0
     checkpoint_s: float = 0.0
@@ -259,14 +261,16 @@ class StallDetector:
     The progressive-slowdown detector watches a rolling median, so a single 70x window never moves
     it. This one compares each window with the median of the last `num_windows` windows that were
     not stalls (at least 3, after `warmup_steps`) and reports a window whose step time is more than
-    `factor` times that. Its likely cause comes from the window's own numbers: data wait,
+    `factor` times that and which lost at least `min_lost_s` seconds in all (a 40 ms window of a
+    tiny test model that took 100 ms is noise, not a stall anyone waits for). Its likely cause comes from the window's own numbers: data wait,
     checkpoint or GC, whichever grew most in seconds if it explains at least a quarter of the extra
     time; else the training thread waiting for a core (other processes took the CPU) by the same
     rule; else unknown. Used live (TrainMetrics) and by the report.
     """
 
-    def __init__(self, *, factor: float = 2.5, num_windows: int = 5, warmup_steps: int = 50) -> None:
+    def __init__(self, *, factor: float = 2.5, num_windows: int = 5, warmup_steps: int = 50, min_lost_s: float = 1.0) -> None:
         self.factor = factor
+        self.min_lost_s = min_lost_s
         self.num_windows = num_windows
         self.warmup_steps = warmup_steps
         self._recent: deque[Window] = deque(maxlen=num_windows)
@@ -278,7 +282,8 @@ class StallDetector:
             self._recent.append(window)
             return None
         base = _median_window(list(self._recent))
-        if base.step_s <= 0 or window.step_s <= self.factor * base.step_s:
+        lost = (window.step_s - base.step_s) * window.num_steps
+        if base.step_s <= 0 or window.step_s <= self.factor * base.step_s or lost < self.min_lost_s:
             self._recent.append(window)  # stalls stay out of the median, so a long one keeps firing
             return None
         cause = stall_cause(window, base)

@@ -335,6 +335,7 @@ class TrainMetrics:
             window = Window(
                 step=step,
                 step_s=metrics["time/step_s"],
+                num_steps=num_steps,
                 data_wait_s=data_wait / num_steps,
                 gc_s=gc_window / num_steps,
                 checkpoint_s=self._checkpoint_blocked_s / num_steps,

@@ -62,10 +62,12 @@ STALL_MIN_LOST_S = 60.0
 DEFAULT_STALL_FACTOR = 2.5
 # Host contention: the training thread waited for a CPU at least a quarter of the window
 # (host/cpu_wait_frac; a few percent on a node with nothing else running) in at least two steady
-# windows and at least 5% of them.
+# windows and at least 5% of them, and at least 3 s in all: over the 50 ms windows of a tiny test
+# model one scheduling hiccup reads as 40%.
 CONTENTION_WAIT_FRAC = 0.25
 CONTENTION_MIN_WINDOWS = 2
 CONTENTION_MIN_SHARE = 0.05
+CONTENTION_MIN_WAIT_S = 3.0
 # Host memory pressure: the node's memory above 90% in use, swap growing by 0.1 GB or more, or a CPU
 # run's process above 90% of resources.memory_budget_gb: the next allocation pages out or fails.
 MEMORY_PRESSURE_FRAC = 0.90
@@ -527,7 +529,7 @@ def _record_window(record: dict[str, Any], steps: int) -> Window:
     """A log record as the detectors' Window (seconds per step)."""
     step_s = record["time/step_s"]
     return Window(
-        step=record["step"], step_s=step_s,
+        step=record["step"], step_s=step_s, num_steps=steps,
         data_wait_s=record.get("time/data_wait_frac", 0.0) * step_s,
         gc_s=record.get("gc/collect_s", 0.0) / steps,
         checkpoint_s=record.get("checkpoint/blocked_s", 0.0) / steps,
@@ -600,7 +602,10 @@ def _host_contention(run: RunMetrics) -> Finding | str | None:
     contended = [(s, w) for s, w in zip(steps, waits) if w >= CONTENTION_WAIT_FRAC]
     if len(contended) < CONTENTION_MIN_WINDOWS or len(contended) < CONTENTION_MIN_SHARE * len(waits):
         return None
-    by_step = {r["step"]: r for r in run.records}
+    by_step, windows = {r["step"]: r for r in run.records}, run.window_steps()
+    waited_s = sum(w * by_step[s].get("time/step_s", 0.0) * windows[s] for s, w in contended)
+    if waited_s < CONTENTION_MIN_WAIT_S:
+        return None
     wait_in = median([w for _, w in contended])
     quiet = [w for _, w in zip(steps, waits) if w < CONTENTION_WAIT_FRAC]
     evidence = [
@@ -608,6 +613,7 @@ def _host_contention(run: RunMetrics) -> Finding | str | None:
         f"{len(waits)} steady windows (host/cpu_wait_frac, threshold {_pct(CONTENTION_WAIT_FRAC)}): steps "
         + ", ".join(str(s) for s, _ in contended[:12]) + (" ..." if len(contended) > 12 else ""),
     ]
+    evidence.append(f"it waited {_duration(waited_s)} in those windows")
     if quiet:
         evidence.append(f"in the other windows it waited {_pct(median(quiet))}")
     shares = [by_step[s]["host/cpu_share"] for s, _ in contended if "host/cpu_share" in by_step[s]]
@@ -627,7 +633,9 @@ def _host_contention(run: RunMetrics) -> Finding | str | None:
         advice.insert(0, "run training at normal priority: start Ray with RAY_worker_niceness=0 (cluster.yaml does), or let the worker renice itself (root or CAP_SYS_NICE)")
     return Finding(
         key="host_contention", title=f"Host contention: other processes took the CPU from training in {len(contended)} log windows",
-        evidence=evidence, advice=advice, numbers={"cpu_wait_frac": wait_in, "windows": float(len(contended)), "first_step": float(contended[0][0])},
+        evidence=evidence, advice=advice, numbers={
+            "cpu_wait_frac": wait_in, "windows": float(len(contended)), "first_step": float(contended[0][0]), "waited_s": waited_s,
+        },
     )
 
 
