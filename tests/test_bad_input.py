@@ -333,8 +333,11 @@ def test_a_silent_endpoint_times_out_and_ctrl_c_ends_the_probe_at_once(tmp_path)
             server, accepted = _silent_server()
             command[-1] = f"http://127.0.0.1:{server.getsockname()[1]}"
             started = time.monotonic()
+            # The command starts with Ctrl-C at its default, as from a terminal. A process inherits
+            # an ignored SIGINT, and earlier tests in the suite leave pytest's ignored: Python then
+            # installs no KeyboardInterrupt handler and the signal was lost (every full run, never alone).
             process = subprocess.Popen([*command, "--debug"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       env=env, cwd=tmp_path)
+                                       env=env, cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
             while not accepted and time.monotonic() - started < 30:  # the probe is waiting on the silent server
                 time.sleep(0.05)
             assert accepted, "the command never connected"
