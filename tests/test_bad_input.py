@@ -326,8 +326,8 @@ def test_a_silent_endpoint_times_out_and_ctrl_c_ends_the_probe_at_once(tmp_path)
         # Ctrl-C while the request hangs. Each try gets its own silent server: a connection the
         # previous command left in a backlog could be accepted late and send the signal during the
         # next command's start-up. The signal must come well before the probe's 10 s deadline, or
-        # the try proves nothing (on a starved machine, start-up alone can take that long).
-        lost: list[str] = []
+        # the try proves nothing (on a starved machine, start-up alone can take that long): only
+        # such a try is tried again.
         for _ in range(3):
             server.close()
             server, accepted = _silent_server()
@@ -347,19 +347,12 @@ def test_a_silent_endpoint_times_out_and_ctrl_c_ends_the_probe_at_once(tmp_path)
                 continue
             process.send_signal(signal.SIGINT)
             _, err = process.communicate(timeout=30)
-            if process.returncode == 2 and "Timed out" in err:
-                # Known and not yet explained: about one full-suite run in four, the signal is not
-                # taken and the probe runs to its deadline (never when this test runs alone, 11 tries).
-                # Another try; a Ctrl-C that never works fails all three.
-                lost.append(err)
-                continue
             assert process.returncode == 130 and "raytrain-fast: error: interrupted" in err, err
             # Ctrl-C was taken while the request still hung (not after the probe gave up), and the
             # process ended without waiting for it.
             assert "Timed out" not in err and "a storage probe was still waiting" in err, err
             break
         else:
-            pytest.fail(f"no try showed Ctrl-C ending the probe ({len(lost)} lost the signal, the others took over 6 s "
-                        f"to reach the probe): {lost[-1] if lost else ''}")
+            pytest.fail("no try reached the probe within 6 s of starting: the machine is too starved to tell")
     finally:
         server.close()
