@@ -48,6 +48,7 @@ from raytrain_fast.microbatch import (
     classify_peak,
     fastest,
     peak_memory_gb,
+    reset_peak_memory,
     plan_candidates,
 )
 
@@ -125,7 +126,7 @@ def probe_micro_batch(
     import torch.distributed as dist
 
     from raytrain_fast.engine import build_engine, select_accelerator
-    from raytrain_fast.model import GPT
+    from raytrain_fast.model import build_model
 
     # What a training worker's process imports too (Ray Train, Ray Data, the loop): about 0.14 GB
     # of RSS on CPU, which a budget must hold as well.
@@ -148,12 +149,13 @@ def probe_micro_batch(
     engine = tokens = None
     try:
         torch.manual_seed(config.train.seed)
-        model = GPT(config.model).to(device)
+        model = build_model(config.model, device)
         engine = build_engine(
             model, engine=config.engine, optim=config.optim, micro_batch=micro_batch, grad_accum=grad_accum,
             world_size=1, total_steps=warmup_steps + timed_steps,
         )
         tokens = torch.randint(0, config.model.vocab_size, (micro_batch, config.data.seq_len + 1), device=device)
+        reset_peak_memory(device)  # as the training loop does once set up: the same statistic
 
         def optimizer_step() -> torch.Tensor:
             for _ in range(grad_accum):

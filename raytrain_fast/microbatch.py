@@ -23,8 +23,10 @@ Memory (`peak_memory_gb`)
     reserved memory live tensors use (`max_memory_allocated` leaves out the allocator's cached and
     fragmented blocks, so a micro-batch can "fit" by that number and still run out). On CPU the peak
     RSS of the whole process (libraries included: what a memory limit counts), measured by the
-    training metrics' own function: the larger of `ru_maxrss` and the current RSS (the kernel's
-    high-water mark can lag the current RSS by a few pages).
+    training metrics' own function: the larger of the RSS high-water mark (VmHWM) and the current
+    RSS (the mark can lag the current RSS by a few pages). Both start over once setup is done
+    (`reset_peak_memory`), in a probe as in training: transients of setup (the FLOP count, the
+    peak-measuring matmul) are not training's peak.
     It is the training metric's own function (metrics.train_metrics.peak_memory_gb): autobatch's
     probes measure with it, and a sweep trial's workers check the budget against memory/peak_gb,
     the same number.
@@ -131,6 +133,13 @@ def peak_memory_gb(device: Any = "cpu") -> float:
     return training_peak_gb(device)
 
 
+def reset_peak_memory(device: Any = "cpu") -> None:
+    """Start the peak over once setup is done: the training metrics' own reset."""
+    from raytrain_fast.metrics.train_metrics import reset_peak_memory as training_reset
+
+    training_reset(device)
+
+
 # --------------------------------------------------------------------------- outcome
 
 
@@ -202,5 +211,5 @@ def fastest(results: Iterable[T]) -> T | None:
 
 __all__ = [
     "FAILED", "MemoryBudgetExceeded", "OK", "OOM", "OVER_BUDGET", "Outcome", "STATUSES", "candidate_micro_batches",
-    "classify_error", "classify_peak", "fastest", "peak_memory_gb", "per_worker_batch", "plan_candidates",
+    "classify_error", "classify_peak", "fastest", "peak_memory_gb", "per_worker_batch", "plan_candidates", "reset_peak_memory",
 ]

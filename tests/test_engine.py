@@ -22,9 +22,19 @@ def test_default_is_zero2_bf16_without_per_step_host_syncs():
     assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False}
     assert ds["wall_clock_breakdown"] is False
     assert ds["timers"]["throughput"] == {"enabled": False, "synchronized": False}
-    assert ds["optimizer"]["type"] == "AdamW" and ds["gradient_clipping"] == 0.5
-    assert ds["optimizer"]["params"]["torch_adam"] is True  # no JIT-compiled FusedAdam
+    assert ds["gradient_clipping"] == 0.5
+    assert "optimizer" not in ds  # ours, torch's fused AdamW (build_optimizer): no JIT-compiled FusedAdam
     assert "fp16" not in ds  # one mixed-precision path
+
+
+def test_the_optimizer_is_torchs_fused_adamw_on_cpu():
+    from raytrain_fast.engine.deepspeed_engine import build_optimizer
+
+    parameter = torch.nn.Parameter(torch.zeros(3))
+    optimizer = build_optimizer([parameter], optim=OptimConfig(lr=0.5, weight_decay=0.1), device="cpu")
+    assert isinstance(optimizer, torch.optim.AdamW)
+    group = optimizer.param_groups[0]
+    assert group["fused"] is True and group["lr"] == 0.5 and group["weight_decay"] == 0.1
 
 
 def test_one_worker_skips_the_reduction_machinery():

@@ -5,7 +5,7 @@ rank's local directory:
 - `deepspeed/`: DeepSpeed's own files: model states (rank 0) and one optimizer shard per rank
   (`<bf16_>zero_pp_rank_<r>_mp_rank_00_optim_states.pt`: distinct names, so the merge never
   collides), LR scheduler state included;
-- `rng_state_rank<r>.pt`: each rank's torch RNG state;
+- `rng_state_rank<r>.pt`: each rank's torch RNG states (CPU, and the GPU's on CUDA);
 - `train_state.json` (rank 0): step, tokens, data position, coordinator values, world size, ZeRO
   stage, precision and the metrics at save time; `config.yaml` (rank 0): the run config, redacted;
 - `manifest.rank<r>.json`, written last by each rank: every file it wrote, with size and checksum.
@@ -68,6 +68,24 @@ class TrainState:
         data = json.loads(text)
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def rng_states(device: Any) -> dict[str, torch.Tensor]:
+    """This rank's random number generator states: the CPU's, and its GPU's on CUDA (dropout and
+    any sampling on the device draw from the latter)."""
+    states = {"cpu": torch.get_rng_state()}
+    if torch.device(device).type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict[str, torch.Tensor] | torch.Tensor, device: Any) -> None:
+    """Restore `rng_states`; a bare tensor is the CPU state of a checkpoint written before the GPU's was kept."""
+    if isinstance(states, torch.Tensor):
+        states = {"cpu": states}
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
 
 
 def world_size_message(uri: str, *, saved: int, now: int) -> str:
@@ -149,7 +167,7 @@ class Checkpointer:
         local_dir = tempfile.mkdtemp(prefix="raytrain-fast-ckpt-")
         try:
             engine.save_checkpoint(local_dir, tag=DEEPSPEED_TAG)
-            torch.save(torch.get_rng_state(), Path(local_dir, f"rng_state_rank{self.rank}.pt"))
+            torch.save(rng_states(engine.device), Path(local_dir, f"rng_state_rank{self.rank}.pt"))
             if self.rank == 0:
                 state.metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
                 Path(local_dir, STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
@@ -311,7 +329,7 @@ class Checkpointer:
                 raise CheckpointError(f"DeepSpeed found no loadable state in {self._restored_from}")
             rng_file = Path(self._restore_dir, f"rng_state_rank{self.rank}.pt")
             if rng_file.exists():
-                torch.set_rng_state(torch.load(rng_file))
+                set_rng_states(torch.load(rng_file), engine.device)
             self._last_save = time.monotonic()
         finally:
             self._discard_restore_dir()

@@ -100,7 +100,27 @@ def check_before_ray(config: Config, *, create_bucket: bool = False):
             config, checkpoint=dataclasses.replace(config.checkpoint, init_from=storage_path(config.checkpoint.init_from))
         )
     check_storage(config.storage, create_bucket=create_bucket)  # reachable and writable, in seconds
-    return config, check_resume_policy(config)
+    state = check_resume_policy(config)
+    return keep_checkpoint_precision(config, state), state
+
+
+def keep_checkpoint_precision(config: Config, state) -> Config:
+    """Precision is a property of the run: a resumed run trains in the precision its checkpoint was
+    written in (its optimizer files are in that layout), whatever `auto` would measure today. An
+    explicit other precision is an error, before any worker starts."""
+    if state is None:
+        return config
+    saved, asked = state.precision, config.engine.precision
+    if asked == "auto":
+        print(f"Precision: {saved} (kept from the checkpoint at step {state.step})", flush=True)
+        return dataclasses.replace(config, engine=dataclasses.replace(config.engine, precision=saved))
+    if asked != saved:
+        raise CheckpointError(
+            f"engine.precision={asked}, but run '{config.name}' was checkpointed in {saved} (step {state.step}): "
+            f"its optimizer state is in {saved}'s layout. Resume with engine.precision={saved} (or auto), or start "
+            f"a new run (another --name) from its weights with --set checkpoint.init_from=<its checkpoint>"
+        )
+    return config
 
 
 def resolve_resources(config: Config, *, create_bucket: bool = False, checked: bool = False) -> Config:
@@ -126,14 +146,32 @@ def resolve_resources(config: Config, *, create_bucket: bool = False, checked: b
     if cpus_per_worker == 0:
         cpus_per_worker = 4 if use_gpu else max(1, int(cpus // resources.num_workers))
         cpus_per_worker = min(cpus_per_worker, max(1, int(cpus // resources.num_workers)))
-    precision, reason = resolve_precision(config.engine.precision, use_gpu=use_gpu)
-    logger.info("precision: %s (%s)", precision, reason)
-    print(f"Precision: {precision} ({reason})", flush=True)
+    precision = config.engine.precision
+    if precision == "auto":  # measured where the workers run: the driver may have no GPU, or another CPU
+        precision, reason = resolve_precision_on_a_worker(use_gpu=use_gpu, cpus_per_worker=cpus_per_worker)
+        logger.info("precision: %s (%s)", precision, reason)
+        print(f"Precision: {precision} ({reason})", flush=True)
     return dataclasses.replace(
         config,
         resources=dataclasses.replace(resources, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker),
         engine=dataclasses.replace(config.engine, precision=precision),
     )
+
+
+def resolve_precision_on_a_worker(*, use_gpu: bool, cpus_per_worker: int) -> tuple[str, str]:
+    """engine.precision=auto, decided in a Ray task with a training worker's resources (its GPU, or
+    its CPUs and thread count), so on a cluster it is the workers' hardware that is measured."""
+    import ray
+
+    def resolve() -> tuple[str, str]:
+        import torch
+
+        if not use_gpu:
+            torch.set_num_threads(cpus_per_worker)  # a Ray process starts with one thread
+        return resolve_precision("auto", use_gpu=use_gpu)
+
+    task = ray.remote(resolve).options(num_cpus=0 if use_gpu else cpus_per_worker, num_gpus=1 if use_gpu else 0)
+    return ray.get(task.remote())
 
 
 def max_sequences(config: Config) -> int | None:

@@ -25,12 +25,13 @@ from raytrain_fast.checkpoint import Checkpointer, TrainState
 from raytrain_fast.checkpoint.checkpointing import load_initial_weights
 from raytrain_fast.config import Config
 from raytrain_fast.coordinator import Coordinator
-from raytrain_fast.engine import build_engine, select_accelerator, training_device
+from raytrain_fast.engine import build_engine, enable_tf32, select_accelerator, training_device
+from raytrain_fast.engine.compile import compile_blocks
 from raytrain_fast.loop.evaluation import Evaluator, resolve_eval
 from raytrain_fast.loop.hooks import LoopHooks, RankHooks, WindowCallback
 from raytrain_fast.metrics import TrainMetrics, build_sinks, mfu_inputs
 from raytrain_fast.metrics.host import run_at_normal_priority
-from raytrain_fast.model import GPT
+from raytrain_fast.model import build_model
 from raytrain_fast.storage import redact
 from raytrain_fast.storage.filesystem import resolve_filesystem, use_shipped_s3_filesystem
 
@@ -95,13 +96,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     data = build_data(worker, loop_config, state)
     coordinator = Coordinator.connect(worker.config.name or "run", timeout_s=worker.config.metrics.coordinator_timeout_s)
     try:
-        engine, mfu = build_model_and_engine(worker, state, coordinator, checkpointer, restored=restored)
+        engine, mfu, compiled = build_model_and_engine(worker, state, coordinator, checkpointer, restored=restored)
         evaluator = build_evaluator(worker, engine)
         metrics = build_metrics(worker, state, engine, mfu)  # built last: it freezes the heap for GC control
         try:
             run_steps(
                 worker, engine=engine, data=data, metrics=metrics, evaluator=evaluator, checkpointer=checkpointer,
-                coordinator=coordinator, state=state, on_window=loop_config.get("on_window"),
+                coordinator=coordinator, state=state, on_window=loop_config.get("on_window"), compiled=compiled,
                 save_checkpoints=loop_config.get("save_checkpoints", True),
             )
         finally:
@@ -130,12 +131,14 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
         os.environ["OMP_NUM_THREADS"] = str(cpus)
     niceness = run_at_normal_priority()  # Ray starts workers at niceness 15: any other process would win the CPU
     select_accelerator()
+    device = training_device()
+    enable_tf32(device)  # fp32 matmuls on CUDA use TF32 tensor cores
     torch.manual_seed(config.train.seed)
     random.seed(config.train.seed)
     hooks: LoopHooks = loop_config.get("hooks") or LoopHooks()
     return Worker(
         config=config, rank=rank, world_size=context.get_world_size(), grad_accum=config.grad_accum(),
-        device=training_device(), hooks=hooks.for_rank(rank), niceness=niceness, manifest=manifest,
+        device=device, hooks=hooks.for_rank(rank), niceness=niceness, manifest=manifest,
     )
 
 
@@ -188,7 +191,7 @@ def build_model_and_engine(
     per run (FLOPs per token, the achievable peak: counted before DeepSpeed wraps the model, shared
     through the coordinator actor, kept in checkpoints), then the DeepSpeed engine with the restored state."""
     config, rank = worker.config, worker.rank
-    model = GPT(config.model).to(worker.device)
+    model = build_model(config.model, worker.device)  # weights made on the device: no host copy first
     if restored is None and config.checkpoint.init_from:
         source = load_initial_weights(model, config.checkpoint.init_from, storage=config.storage)
         if rank == 0:
@@ -200,7 +203,10 @@ def build_model_and_engine(
         sample_tokens=torch.randint(0, config.model.vocab_size, (1, config.data.seq_len), device=worker.device),
     )
     state.coordinator = coordinator.export_state()
+    compiled, compile_line = compile_blocks(model, setting=config.engine.compile, device=worker.device)  # after FLOPs: counted eager
     if rank == 0:
+        if compile_line:
+            print(compile_line, flush=True)
         coordinator.watch_for_stop()  # the driver's SIGTERM / Ctrl-C reaches the loop through it
     engine = build_engine(
         model, engine=config.engine, optim=config.optim, micro_batch=config.train.micro_batch,
@@ -208,7 +214,7 @@ def build_model_and_engine(
     )
     if restored is not None:
         checkpointer.load_into(engine)
-    return engine, mfu
+    return engine, mfu, compiled
 
 
 def build_evaluator(worker: Worker, engine: Any) -> Evaluator:
@@ -251,6 +257,7 @@ def build_metrics(worker: Worker, state: TrainState, engine: Any, mfu: Any) -> T
 def run_steps(
     worker: Worker, *, engine: Any, data: Any, metrics: TrainMetrics, evaluator: Evaluator, checkpointer: Checkpointer,
     coordinator: Coordinator, state: TrainState, on_window: WindowCallback | None, save_checkpoints: bool,
+    compiled: bool = False,
 ) -> None:
     """The steps, up to train.steps or a stop notice. On log steps every rank takes part in one
     collective (the one host sync of the window), which also carries each rank's flags, so every
@@ -260,8 +267,11 @@ def run_steps(
     train, hooks = worker.config.train, worker.hooks
     batches = hooks.batches(data, current_step=lambda: state.step)
     start_step, last = state.step, {}
+    compiling = compiled  # the first step compiles the blocks: timed apart (time/compile_s)
     while state.step < train.steps:
-        train_step(engine, batches, metrics, grad_accum=worker.grad_accum, on_batch=hooks.on_batch)
+        with metrics.compile_timer(state.step + 1, active=compiling):
+            train_step(engine, batches, metrics, grad_accum=worker.grad_accum, on_batch=hooks.on_batch)
+        compiling = False
         state.step += 1
         state.tokens += worker.tokens_per_step
         metrics.end_step(state.step)

@@ -18,6 +18,7 @@ METRICS: dict[str, str] = {
     "time/optimizer_s": "Optimizer-step time of one optimizer step, sampled.",
     "val/loss": "Mean loss on the fixed validation set (eval.sequences held-out sequences, all ranks), at each evaluation (log steps only): the eval cadence, the last step and every checkpoint saved on a log step.",
     "val/ppl": "exp(val/loss): validation perplexity.",
+    "time/compile_s": "Wall time of the first optimizer step with engine.compile on, compilation included; logged once. That step is left out of the window's tokens/s, step time, MFU and the slowdown baseline.",
     "time/eval_s": "Wall time of the evaluation (one collective and one host read included); its own compute (on a GPU all of it) is left out of the window's tokens/s, step time, MFU and the slowdown baseline.",
     "checkpoint/blocked_s": "Seconds training was blocked per checkpoint saved in the window.",
     "checkpoint/upload_s": "Seconds the last checkpoint upload took (async uploads report it when done).",

@@ -56,22 +56,38 @@ _STATS = 6  # per-rank host floats gathered on log steps: seconds to reach the d
 
 
 def _host_memory_gb() -> tuple[float, float]:
-    """(peak RSS, current RSS) of this process in GB."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak_bytes = peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+    """(peak RSS since the last `reset_peak_memory`, current RSS) of this process in GB. Linux:
+    VmHWM and VmRSS of /proc/self/status; elsewhere the process's lifetime peak (ru_maxrss)."""
     try:
-        with open("/proc/self/statm") as statm:
-            current_bytes = int(statm.read().split()[1]) * resource.getpagesize()
-    except (OSError, IndexError, ValueError):
-        current_bytes = peak_bytes
+        with open("/proc/self/status") as status:
+            fields = dict(line.split(":", 1) for line in status if line.startswith(("VmHWM", "VmRSS")))
+        peak_bytes, current_bytes = (int(fields[name].split()[0]) * 1024 for name in ("VmHWM", "VmRSS"))
+    except (OSError, KeyError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak_bytes = current_bytes = peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
     return max(peak_bytes, current_bytes) / _GB, current_bytes / _GB
 
 
+def reset_peak_memory(device: Any = "cpu") -> None:
+    """Start `peak_memory_gb` over from the memory in use now. Called once setup is done (model,
+    engine, FLOP count, peak measurement, data), by the loop and by `micro_batch: auto`'s probes
+    alike, so memory/peak_gb and the probes' peaks are the same statistic: training's. CUDA: the
+    allocator's peak stats; Linux: the process's RSS high-water mark (/proc/self/clear_refs)."""
+    if getattr(device, "type", str(device).split(":", 1)[0]) == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # resets VmHWM to the current RSS (Linux 4.0+)
+    except OSError:
+        pass  # elsewhere the peak keeps setup in it
+
+
 def peak_memory_gb(device: Any = "cpu") -> float:
-    """This process's peak memory in GB, the one statistic that memory/peak_gb, the sweep's budget
-    check and `micro_batch: auto` all use: on CUDA `max_memory_reserved` (what the caching allocator
-    holds, so what the next allocation competes with; allocator stats, no device sync), elsewhere the
-    peak RSS of the process."""
+    """This process's peak memory in GB since `reset_peak_memory`, the one statistic that
+    memory/peak_gb, the sweep's budget check and `micro_batch: auto` all use: on CUDA
+    `max_memory_reserved` (what the caching allocator holds, so what the next allocation competes
+    with; allocator stats, no device sync), elsewhere the peak RSS of the process."""
     if getattr(device, "type", str(device).split(":", 1)[0]) == "cuda":
         return torch.cuda.max_memory_reserved(device) / _GB
     return _host_memory_gb()[0]
@@ -173,8 +189,10 @@ class TrainMetrics:
         )
         self._stall = StallDetector(factor=config.stall_factor, warmup_steps=start_step + config.slowdown_warmup_steps)
         self._last_upload_s: float | None = None
+        self._compile_s: float | None = None
         self.flags_any_rank = 0
         """After log(): the bitwise OR of the `flags` every rank passed to it."""
+        reset_peak_memory(self.device)  # memory/peak_gb: training's, not setup's
         self._window_start = time.perf_counter()
 
     def _allocate_buffers(self) -> None:
@@ -278,6 +296,25 @@ class TrainMetrics:
             self._writer.log(values, step)
 
     @contextmanager
+    def compile_timer(self, step: int, *, active: bool = True) -> Iterator[None]:
+        """Times step `step`, the first of a compiled model (compilation happens in it), as
+        time/compile_s in the next record, and keeps that step out of the window's tokens/s, step
+        time, MFU and the slowdown baseline (unless it ends a window by itself). One device sync,
+        once per run. `active=False`: does nothing."""
+        if not active:
+            yield
+            return
+        start = time.perf_counter()
+        yield
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self._compile_s = seconds
+        if not self.is_log_step(step):
+            self._window_start += seconds
+            self._window_start_step += 1
+
+    @contextmanager
     def checkpoint_timer(self) -> Iterator[None]:
         """Times the block as checkpoint/blocked_s."""
         start = time.perf_counter()
@@ -326,6 +363,8 @@ class TrainMetrics:
         metrics = self._train_metrics(values, lr=lr, num_steps=num_steps, wall=wall)
         data_wait, gc_window = self._time_metrics(metrics, values, num_steps=num_steps, wall=wall, gc_s=gc_s)
         self._checkpoint_metrics(metrics)
+        if self._compile_s is not None:
+            metrics["time/compile_s"], self._compile_s = self._compile_s, None
         memory_now = self._memory_metrics(metrics)
         self._host_metrics(metrics)
         metrics["gc/collect_s"] = gc_window

@@ -36,9 +36,13 @@ _register_cpu_attention_formulas()
 def count_training_flops_per_token(model: torch.nn.Module, tokens: torch.Tensor) -> float:
     """FLOPs of one forward + backward of `model` on `tokens` (B, T), divided by B*T.
 
-    Gradients produced here are cleared afterwards, so the model is left as it was.
+    Gradients produced here are cleared afterwards, so the model is left as it was. Activation
+    checkpointing is off while counting: recomputation is not useful work in the MFU convention.
     """
-    with flop_counter.FlopCounterMode(display=False) as counter:
+    import contextlib
+
+    plain = model.counting_flops() if hasattr(model, "counting_flops") else contextlib.nullcontext()
+    with plain, flop_counter.FlopCounterMode(display=False) as counter:
         loss = model(tokens, tokens)
         loss.backward()
     model.zero_grad(set_to_none=True)

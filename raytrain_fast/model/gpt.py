@@ -1,15 +1,28 @@
 """A decoder-only GPT: pre-norm blocks, causal SDPA attention (flash kernels on GPU), learned or
-rotary positions, optional weight tying."""
+rotary positions, optional weight tying.
+
+For real sizes: per-block activation checkpointing (`model.activation_checkpointing`), a chunked
+output layer + loss that never holds the full-vocabulary logits (`model.chunked_loss`, see
+model/loss.py), rotary tables built once per (length, device, dtype), and `build_model` to build the
+weights directly on their device. Blocks are the unit `engine.compile` compiles (engine/compile.py).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from raytrain_fast.model.config import ModelConfig
+from raytrain_fast.model.loss import chunked_cross_entropy
+
+CHUNKED_LOSS_MIN_VOCAB = 8192
+"""`chunked_loss: auto` turns on from this vocabulary size."""
 
 
 def _rotary_tables(seq_len: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,15 +48,13 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
         self.dropout = config.dropout
-        self.rotary = config.positions == "rotary"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, width = x.shape  # (B, T, d)
         q, k, v = self.qkv(x).split(width, dim=-1)
         # (B, T, d) -> (B, H, T, hd)
         q, k, v = (t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        if self.rotary:
-            cos, sin = _rotary_tables(seq, self.head_dim, x.device)
+        if cos is not None and sin is not None:  # rotary positions: the tables come from GPT.forward
             q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
@@ -71,8 +82,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm_attn(x)))  # pre-norm residual
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm_attn(x), cos, sin))  # pre-norm residual
         return x + self.drop(self.mlp(self.norm_mlp(x)))
 
 
@@ -95,6 +106,11 @@ class GPT(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith(("attn.proj.weight", "mlp.down.weight")):
                 nn.init.normal_(param, std=config.init_std / math.sqrt(2 * config.num_layers))
+        self._rotary_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.checkpointing = config.activation_checkpointing != "none"
+        """Recompute checkpointed blocks in backward (training only); off while FLOPs are counted."""
+        chunked = config.chunked_loss
+        self.chunked_loss = chunked == "on" or (chunked == "auto" and config.vocab_size >= CHUNKED_LOSS_MIN_VOCAB)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -109,12 +125,41 @@ class GPT(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(seq, device=tokens.device))
         x = self.drop(x)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.norm_out(x))  # (B, T, V)
+        cos, sin = self._rotary(seq, x) if self.pos_emb is None else (None, None)
+        for index, block in enumerate(self.blocks):
+            if self._checkpointed(index):
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        hidden = self.norm_out(x)  # (B, T, d)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            return self.lm_head(hidden)  # (B, T, V)
+        if self.chunked_loss:
+            return chunked_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        return F.cross_entropy(self.lm_head(hidden).flatten(0, 1).float(), targets.flatten())
+
+    def _checkpointed(self, index: int) -> bool:
+        if not (self.checkpointing and self.training and torch.is_grad_enabled()):
+            return False
+        return self.config.activation_checkpointing == "full" or index % max(1, self.config.activation_checkpointing_n) == 0
+
+    def _rotary(self, seq: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin tables for `seq` positions in x's dtype and device: built once, then reused by
+        every block of every step (they were rebuilt in each block before)."""
+        key = (seq, x.device, x.dtype)
+        if key not in self._rotary_cache:
+            cos, sin = _rotary_tables(seq, self.config.d_model // self.config.num_heads, x.device)
+            self._rotary_cache[key] = (cos.to(x.dtype), sin.to(x.dtype))
+        return self._rotary_cache[key]
+
+    @contextlib.contextmanager
+    def counting_flops(self) -> Iterator[None]:
+        """The model as the FLOPs convention counts it: no recomputation from activation checkpointing."""
+        saved, self.checkpointing = self.checkpointing, False
+        try:
+            yield
+        finally:
+            self.checkpointing = saved
 
     def num_params(self) -> int:
         """Unique parameters (a tied embedding counts once)."""
@@ -123,6 +168,16 @@ class GPT(nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token; see `flops_per_token`."""
         return flops_per_token(self.config, seq_len)
+
+
+def build_model(config: ModelConfig, device: torch.device | str | None = None) -> GPT:
+    """The model with its weights created and initialised on `device` directly: no fp32 host copy
+    per rank (5.3 GB for a 1.3B model) before moving it. Same init distributions as on the CPU (the
+    values differ: each device has its own random stream)."""
+    if device is None:
+        return GPT(config)
+    with torch.device(device):
+        return GPT(config)
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
