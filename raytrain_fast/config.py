@@ -174,10 +174,18 @@ PRECISION_ALIASES = {"bfloat16": "bf16", "float32": "fp32"}
 """torch's spellings, accepted wherever the config takes bf16 / fp32 (export takes both too)."""
 
 
+ON_OFF_KEYS = (("engine", "compile"), ("model", "chunked_loss"))
+"""auto | on | off keys: YAML 1.1 reads a bare on/off as true/false, so those mean "on"/"off" here."""
+
+
 def _accept_dtype_spellings(data: dict[str, Any]) -> None:
     engine = data.get("engine")
     if isinstance(engine, dict) and isinstance(engine.get("precision"), str):
         engine["precision"] = PRECISION_ALIASES.get(engine["precision"].lower(), engine["precision"])
+    for section, key in ON_OFF_KEYS:
+        values = data.get(section)
+        if isinstance(values, dict) and isinstance(values.get(key), bool):
+            values[key] = "on" if values[key] else "off"
 
 
 def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...] = (), *, name: str | None = None) -> Config:

@@ -122,3 +122,35 @@ def test_val_loss_falls_over_the_quickstart(ray_session, tmp_path):
     val = [(r["step"], r["val/loss"]) for r in read_metrics(str(tmp_path / "runs" / "tiny")) if "val/loss" in r]
     assert [s for s, _ in val] == [100, 200, 300], val
     assert val[-1][1] < val[0][1], val
+
+
+def test_a_compiled_run_reports_compile_time_once_and_resumes_eager(ray_session, tmp_path, capfd):
+    """engine.compile=on (regional, per block) through the real loop and DeepSpeed: the first step's
+    compile time is logged once as time/compile_s and kept out of tokens/s; its checkpoint resumes
+    with compile off and training continues from it (the same parameter names either way)."""
+    from raytrain_fast.metrics.sinks import read_metrics
+
+    def config(compile_setting: str, steps: int):
+        return micro_config(
+            tmp_path, "compiled", "resources.num_workers=1", "train.global_batch=4", f"train.steps={steps}",
+            "train.log_every=2", "checkpoint.every_steps=4", "eval.enabled=false", "engine.precision=fp32",
+            f"engine.compile={compile_setting}",
+        )
+
+    run(config("on", 4))
+    assert "Compile: on, 2 blocks compiled on their first step (engine.compile=on)" in capfd.readouterr().out
+    records = read_metrics(str(tmp_path / "runs" / "compiled"))
+    compile_times = [r["time/compile_s"] for r in records if "time/compile_s" in r]
+    assert len(compile_times) == 1 and compile_times[0] > 0
+    first = next(r for r in records if "throughput/tokens_per_sec" in r)
+    # The window of step 2 timed step 2 only: the compiled first step would dominate it otherwise.
+    assert first["step"] == 2 and first["time/step_s"] < compile_times[0]
+
+    resumed = run(config("off", 8))
+    out = capfd.readouterr().out
+    assert "Compile:" not in out
+    assert by_step(resumed)[8]["start_step"] == 4
+    records = read_metrics(str(tmp_path / "runs" / "compiled"))
+    assert [r["step"] for r in records if "time/compile_s" in r] == [2]  # the eager restart compiled nothing
+    losses = {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+    assert losses[8] < losses[2]
