@@ -306,3 +306,17 @@ def test_the_same_weights_give_the_same_result_on_a_deepcopy_of_a_checkpointed_m
     # with it is the same module tree (used by export and init_from).
     model = GPT(_variant(activation_checkpointing="full"))
     assert list(copy.deepcopy(model).state_dict()) == list(GPT(SMALL).state_dict())
+
+
+def test_the_chunked_loss_computes_no_gradients_when_none_are_wanted():
+    # Evaluation runs under torch.no_grad: the loss alone, nothing kept for a backward pass.
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(64, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (64,))
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        loss = chunked_cross_entropy(hidden, weight, targets, chunk_rows=16)
+    assert loss.grad_fn is None
+    assert counter.get_total_flops() == 2 * 64 * 16 * 50  # the logits' matmul only, no gradient matmuls
+    assert loss.item() == pytest.approx(torch.nn.functional.cross_entropy(hidden @ weight.t(), targets).item(), rel=1e-6)
