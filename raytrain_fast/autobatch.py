@@ -19,11 +19,20 @@ that does not fit (caught, memory freed, the process then exits). The search sto
 candidate that does not fit (a larger one needs more), and the FASTEST fitting one wins: the
 largest is not always the fastest (cache and allocator effects, fewer but slower micro-steps).
 
+Activation checkpointing: when the config leaves `model.activation_checkpointing` at `none` and not
+even the smallest candidate fits (over budget or out of memory), the search runs again with
+`full` (every block recomputed in backward: far less activation memory for about one more forward
+pass). If a candidate fits then, the choice turns it on (`model.activation_checkpointing=full` in
+the resolved config) and its reason says so; if none fits either, the error says both were tried.
+A config that sets `full` or `every_n` itself is searched with that setting only, never changed.
+
 The probe runs one worker (world size 1): with ZeRO-2 across N workers the optimizer state and
 gradients are sharded, so a real worker needs less than the probe measured: the choice errs on
 the safe side. The choice is cached in storage under `_autobatch/<key>.json`, the key made of
-everything that changes the answer (model config, seq_len, device type, world size, ZeRO stage,
-precision, global batch, budget), so a resumed run or a rerun skips the search.
+everything that changes the answer (model config, activation checkpointing included, seq_len,
+device type, world size, ZeRO stage, precision, global batch, budget), so a resumed run or a rerun
+skips the search; the choice records whether it turned activation checkpointing on, so a cached
+answer resolves to the same config.
 """
 
 from __future__ import annotations
@@ -75,6 +84,8 @@ class Probe:
     """Per worker, over the timed optimizer steps."""
     device_total_gb: float | None = None
     reason: str = ""
+    activation_checkpointing: str = "none"
+    """The model.activation_checkpointing it was measured with (caches written before it: none)."""
 
 
 @dataclass(kw_only=True)
@@ -86,6 +97,9 @@ class AutoBatchChoice:
     budget_source: str
     probes: list[Probe] = field(default_factory=list)
     reason: str = ""
+    activation_checkpointing: str | None = None
+    """`full` when the search turned activation checkpointing on (nothing fit without it); None: the
+    config's own setting, unchanged."""
     cache_uri: str = ""
     cached: bool = False
 
@@ -222,7 +236,9 @@ def _device_key(config: Config) -> str:
 
 
 def cache_key(config: Config) -> tuple[str, dict[str, Any]]:
-    """(hash, what it hashes): everything that changes which micro-batch fits and is fastest."""
+    """(hash, what it hashes): everything that changes which micro-batch fits and is fastest. The
+    model config includes model.activation_checkpointing: `none` (which the search may turn on) and
+    `full` are different questions."""
     inputs = {
         "model": dataclasses.asdict(config.model), "seq_len": config.data.seq_len, "device": _device_key(config),
         "world_size": config.resources.num_workers, "zero_stage": config.engine.zero_stage,
@@ -267,18 +283,25 @@ def _write_cache(config: Config, key: str, inputs: dict[str, Any], choice: AutoB
         stream.write(json.dumps(record, indent=2).encode())
 
 
-def format_probes(probes: list[Probe], *, chosen: int | None = None) -> str:
-    lines = [f"  {'micro':>5} {'accum':>5} {'tok/s/worker':>12} {'peak GB':>8}  status"]
+def format_probes(probes: list[Probe], *, chosen: int | None = None, checkpointing: str | None = None) -> str:
+    """The probes as a table; with an activation-checkpointing column when they were not all
+    measured with the same setting (the chosen one is then the probe of `chosen` with `checkpointing`)."""
+    mixed = len({p.activation_checkpointing for p in probes}) > 1
+    lines = [f"  {'micro':>5} {'accum':>5}" + (f" {'act. ckpt':>9}" if mixed else "") + f" {'tok/s/worker':>12} {'peak GB':>8}  status"]
     for p in probes:
         speed = f"{p.tokens_per_sec:,.0f}" if p.tokens_per_sec is not None else "-"
         peak = f"{p.peak_gb:.2f}" if p.peak_gb is not None else "-"
-        status = p.status + (f" ({p.reason})" if p.reason else "") + ("  <- chosen" if p.micro_batch == chosen else "")
-        lines.append(f"  {p.micro_batch:>5} {p.grad_accum:>5} {speed:>12} {peak:>8}  {status}")
+        is_chosen = p.micro_batch == chosen and (not mixed or p.activation_checkpointing == checkpointing)
+        status = p.status + (f" ({p.reason})" if p.reason else "") + ("  <- chosen" if is_chosen else "")
+        ckpt = f" {p.activation_checkpointing:>9}" if mixed else ""
+        lines.append(f"  {p.micro_batch:>5} {p.grad_accum:>5}{ckpt} {speed:>12} {peak:>8}  {status}")
     return "\n".join(lines)
 
 
 def search(config: Config, *, probe=probe_in_fresh_process) -> AutoBatchChoice:
-    """Probe the candidates smallest first, stop at the first that does not fit, take the fastest."""
+    """Probe the candidates smallest first, stop at the first that does not fit, take the fastest.
+    When none fits and the config leaves activation checkpointing off: the same again with it on
+    (full), and the choice turns it on."""
     train, workers = config.train, config.resources.num_workers
     budget_gb, source = _budget(config)
     candidates, _ = plan_candidates(train.global_batch, workers)  # the default list: nothing to skip
@@ -287,29 +310,73 @@ def search(config: Config, *, probe=probe_in_fresh_process) -> AutoBatchChoice:
             f"train.micro_batch=auto: train.global_batch ({train.global_batch}) must be a multiple of "
             f"resources.num_workers ({workers})"
         )
+    probes, budget_gb = _probe_candidates(config, candidates, budget_gb=budget_gb, probe=probe)
+    best = fastest(probes)
+    if best is not None:
+        return AutoBatchChoice(
+            micro_batch=best.micro_batch, grad_accum=best.grad_accum, budget_gb=budget_gb, budget_source=source,
+            probes=probes, reason=_why(best, probes, budget_gb=budget_gb, source=source),
+        )
+    first = probes[0]  # the search stopped at it
+    _raise_if_failed(first)
+    fixes = "Raise resources.memory_budget_gb, use a smaller model or data.seq_len, or add workers (ZeRO-2 shards the optimizer)"
+    own = config.model.activation_checkpointing
+    if own != "none":  # the user's own setting: searched with it only
+        hint = " or model.activation_checkpointing=full (it keeps fewer activations than every_n)" if own == "every_n" else ""
+        raise ConfigError(
+            f"train.micro_batch=auto: not even micro_batch={first.micro_batch} fits with model.activation_checkpointing={own} "
+            f"({first.status}: {first.reason}). {fixes}{hint}"
+        )
+    retry, budget_gb = _probe_candidates(
+        _with_checkpointing(config, "full"), candidates, budget_gb=budget_gb, probe=probe
+    )
+    probes += retry
+    best = fastest(retry)
+    if best is None:
+        _raise_if_failed(retry[0])
+        raise ConfigError(
+            f"train.micro_batch=auto: not even micro_batch={first.micro_batch} fits, neither without activation "
+            f"checkpointing ({first.status}: {first.reason}) nor with it, full ({retry[0].status}: {retry[0].reason}). {fixes}"
+        )
+    reason = (
+        f"no micro-batch fits without activation checkpointing (micro_batch={first.micro_batch} did not fit: {first.reason}); "
+        f"with it (full), micro_batch={best.micro_batch} fits: " + _why(best, retry, budget_gb=budget_gb, source=source)
+    )
+    return AutoBatchChoice(
+        micro_batch=best.micro_batch, grad_accum=best.grad_accum, budget_gb=budget_gb, budget_source=source,
+        probes=probes, reason=reason, activation_checkpointing="full",
+    )
+
+
+def _with_checkpointing(config: Config, value: str) -> Config:
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, activation_checkpointing=value))
+
+
+def _probe_candidates(
+    config: Config, candidates: list[tuple[int, int]], *, budget_gb: float | None, probe,
+) -> tuple[list[Probe], float | None]:
+    """Smallest first, up to the first that does not fit: (the probes, the budget: on GPU without
+    one configured, known once a probe reported the device's memory)."""
     probes: list[Probe] = []
     for micro_batch, grad_accum in candidates:
         result = probe(config, micro_batch=micro_batch, grad_accum=grad_accum, budget_gb=budget_gb)
+        result.activation_checkpointing = config.model.activation_checkpointing
         probes.append(result)
         if budget_gb is None and result.device_total_gb:
             budget_gb = result.device_total_gb * (1 - GPU_MEMORY_MARGIN)
         if result.status != OK:
             break  # a larger micro-batch needs more memory still
-    best = fastest(probes)
-    if best is None:
-        first = probes[0]  # the search stopped at it
-        if first.status == FAILED:
-            raise RaytrainFastError(
-                f"train.micro_batch=auto: the probe of micro_batch={first.micro_batch} failed: {first.reason}"
-            )
-        raise ConfigError(
-            f"train.micro_batch=auto: not even micro_batch={first.micro_batch} fits ({first.status}: {first.reason}). "
-            "Raise resources.memory_budget_gb, use a smaller model or data.seq_len, or add workers (ZeRO-2 shards the optimizer)"
+    return probes, budget_gb
+
+
+def _raise_if_failed(probe: Probe) -> None:
+    """A probe that failed for another reason than memory: the search cannot go on."""
+    if probe.status == FAILED:
+        setting = probe.activation_checkpointing
+        with_ckpt = "" if setting == "none" else f" (model.activation_checkpointing={setting})"
+        raise RaytrainFastError(
+            f"train.micro_batch=auto: the probe of micro_batch={probe.micro_batch}{with_ckpt} failed: {probe.reason}"
         )
-    return AutoBatchChoice(
-        micro_batch=best.micro_batch, grad_accum=best.grad_accum, budget_gb=budget_gb, budget_source=source,
-        probes=probes, reason=_why(best, probes, budget_gb=budget_gb, source=source),
-    )
 
 
 def _why(best: Probe, probes: list[Probe], *, budget_gb: float | None, source: str) -> str:
@@ -329,7 +396,8 @@ def _why(best: Probe, probes: list[Probe], *, budget_gb: float | None, source: s
 
 def resolve_micro_batch(config: Config, *, probe=probe_in_fresh_process) -> Config:
     """Replace micro_batch=auto with the cached or measured choice (after `resolve_resources`:
-    use_gpu, cpus_per_worker and precision must be resolved). Other configs pass through."""
+    use_gpu, cpus_per_worker and precision must be resolved), and turn activation checkpointing on
+    when the choice did (nothing fit without it). Other configs pass through."""
     if config.train.micro_batch != "auto":
         return config
     key, inputs = cache_key(config)
@@ -340,14 +408,19 @@ def resolve_micro_batch(config: Config, *, probe=probe_in_fresh_process) -> Conf
         choice = search(config, probe=probe)
         _write_cache(config, key, inputs, choice)
         choice.cache_uri = _cache_path(config, key)[2]
-        print(format_probes(choice.probes, chosen=choice.micro_batch), flush=True)
+        checkpointing = choice.activation_checkpointing or config.model.activation_checkpointing
+        print(format_probes(choice.probes, chosen=choice.micro_batch, checkpointing=checkpointing), flush=True)
     where = f"cached in {choice.cache_uri}" if choice.cached else f"saved to {choice.cache_uri}"
+    turned_on = choice.activation_checkpointing not in (None, config.model.activation_checkpointing)
     message = (
-        f"micro_batch=auto -> micro_batch={choice.micro_batch}, grad_accum={choice.grad_accum} "
-        f"(x {config.resources.num_workers} workers = global batch {config.train.global_batch}): {choice.reason} [{where}]"
+        f"micro_batch=auto -> micro_batch={choice.micro_batch}, grad_accum={choice.grad_accum}"
+        + (f", model.activation_checkpointing={choice.activation_checkpointing}" if turned_on else "")
+        + f" (x {config.resources.num_workers} workers = global batch {config.train.global_batch}): {choice.reason} [{where}]"
     )
     logger.info(message)
     print(message, flush=True)
+    if turned_on:
+        config = _with_checkpointing(config, choice.activation_checkpointing)
     return dataclasses.replace(
         config, train=dataclasses.replace(config.train, micro_batch=choice.micro_batch, grad_accum=choice.grad_accum)
     )

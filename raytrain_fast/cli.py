@@ -120,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(sweep)
     sweep.add_argument("--micro-batch", required=True, metavar="M1,M2,...", help="micro-batches per worker to try, e.g. 1,2,4,8,16")
+    sweep.add_argument(
+        "--activation-checkpointing", default=None, metavar="V1,V2,...",
+        help="model.activation_checkpointing values to try with each micro-batch (none, full, every_n), e.g. none,full "
+        "(default: the config's own)",
+    )
     sweep.add_argument("--steps", type=int, default=30, help="optimizer steps per trial (default 30)")
     sweep.add_argument("--objective", choices=("tokens_per_sec", "loss", "val_loss"), default="tokens_per_sec", help="what the best trial maximises / minimises (val_loss: evaluates every window)")
     sweep.add_argument("--sweep-name", default=None, help="directory of the results under storage.uri (default: <run name>-sweep)")
@@ -167,10 +172,13 @@ def sweep(args: argparse.Namespace) -> int:
         micro_batches = [int(v) for v in args.micro_batch.replace(" ", "").split(",") if v]
     except ValueError:
         raise ConfigError(f"--micro-batch '{args.micro_batch}': expected comma-separated integers, e.g. 1,2,4,8") from None
+    checkpointing = None
+    if args.activation_checkpointing is not None:  # checked by run_sweep, before Ray starts
+        checkpointing = [v for v in args.activation_checkpointing.replace(" ", "").split(",") if v]
     config = load_config(args.config, args.overrides, name=args.name)
     spec = SweepSpec(
-        micro_batches=micro_batches, steps=args.steps, objective=args.objective, name=args.sweep_name,
-        best_config_out=args.best_out,
+        micro_batches=micro_batches, activation_checkpointing=checkpointing, steps=args.steps, objective=args.objective,
+        name=args.sweep_name, best_config_out=args.best_out,
     )
     result = run_sweep(config, spec, create_bucket=args.create_bucket)
     print(f"\nSweep '{result.name}' ({result.max_concurrent_trials} trial(s) at a time):\n{result.table}")
@@ -178,7 +186,8 @@ def sweep(args: argparse.Namespace) -> int:
     if result.best is None:
         print("No trial ran to the end: see the reasons above.")
         return 1
-    print(f"Best: micro_batch={result.best.micro_batch}, grad_accum={result.best.grad_accum}. "
+    swept = f", activation_checkpointing={result.best.activation_checkpointing}" if checkpointing is not None else ""
+    print(f"Best: micro_batch={result.best.micro_batch}, grad_accum={result.best.grad_accum}{swept}. "
           f"Train with: raytrain-fast pretrain --config {result.best_config_path}")
     return 0
 

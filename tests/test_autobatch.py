@@ -187,6 +187,59 @@ def test_search_stops_at_the_first_that_does_not_fit_and_takes_the_fastest(tmp_p
         search(config, probe=probe)
 
 
+def test_search_turns_activation_checkpointing_on_only_when_nothing_fits_without_it(tmp_path):
+    from raytrain_fast.autobatch import cache_key, resolve_micro_batch
+
+    # Peaks (GB) by (micro_batch, activation checkpointing); the decision under test, not the numbers
+    # (test_auto_turns_activation_checkpointing_on_under_a_budget_only_it_meets measures real ones).
+    peaks = {(1, "none"): 1.3, (2, "none"): 1.6, (1, "full"): 0.6, (2, "full"): 0.8, (4, "full"): 1.1}
+    asked = []
+
+    def probe(config, *, micro_batch, grad_accum, budget_gb):
+        ckpt = config.model.activation_checkpointing
+        asked.append((micro_batch, ckpt))
+        outcome = classify_peak(peaks[micro_batch, ckpt], budget_gb)
+        return Probe(micro_batch=micro_batch, grad_accum=grad_accum, status=outcome.status, reason=outcome.reason,
+                     tokens_per_sec=100.0 * micro_batch, peak_gb=peaks[micro_batch, ckpt])
+
+    config = _config(tmp_path, "resources.use_gpu=false", "resources.cpus_per_worker=2", "resources.memory_budget_gb=1")
+    choice = search(config, probe=probe)
+    assert asked == [(1, "none"), (1, "full"), (2, "full"), (4, "full")]  # again smallest first, with it on
+    assert (choice.micro_batch, choice.grad_accum, choice.activation_checkpointing) == (2, 2, "full")
+    assert choice.reason.startswith(
+        "no micro-batch fits without activation checkpointing (micro_batch=1 did not fit: over memory budget: "
+        "peak 1.300 GB > budget 1.000 GB); with it (full), micro_batch=2 fits: fastest of 2 that fit"
+    ), choice.reason
+    assert [p.activation_checkpointing for p in choice.probes] == ["none", "full", "full", "full"]
+
+    # resolve_micro_batch turns it on in the config, says so, and a cached answer does the same.
+    resolved = resolve_micro_batch(config, probe=probe)
+    assert resolved.model.activation_checkpointing == "full" and resolved.train.micro_batch == 2
+    cached = resolve_micro_batch(config, probe=_must_not_probe)
+    assert cached.model == resolved.model and cached.train == resolved.train
+
+    # Something fits without it: left off. A setting of the user's own: never changed.
+    peaks[1, "none"] = 0.9
+    assert search(config, probe=probe).activation_checkpointing is None
+    peaks[1, "none"] = 1.3
+    for own in ("every_n", "full"):
+        peaks[1, own] = 1.2
+        asked.clear()
+        with pytest.raises(ConfigError, match=f"not even micro_batch=1 fits with model.activation_checkpointing={own}"):
+            search(_config(tmp_path, f"model.activation_checkpointing={own}", "resources.memory_budget_gb=1"), probe=probe)
+        assert asked == [(1, own)]
+    # The cache key tells `none` (which the search may turn on) from an explicit `full`.
+    explicit = _config(tmp_path, "resources.use_gpu=false", "resources.cpus_per_worker=2", "resources.memory_budget_gb=1",
+                       "model.activation_checkpointing=full")
+    assert cache_key(explicit)[0] != cache_key(config)[0]
+
+    # Nothing fits with it either: the error says both were tried.
+    peaks[1, "full"] = 1.05
+    with pytest.raises(ConfigError, match=r"not even micro_batch=1 fits, neither without activation checkpointing "
+                       r"\(over_budget: .*1\.300 GB.*\) nor with it, full \(over_budget: .*1\.050 GB"):
+        search(config, probe=probe)
+
+
 def test_auto_is_validated_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match="set train.grad_accum=null"):
         validate(_config(tmp_path, "train.grad_accum=2", "resources.memory_budget_gb=4"))
@@ -243,6 +296,38 @@ def test_auto_under_a_small_budget_fits_keeps_the_global_batch_and_is_cached(ray
     other = dataclasses.replace(config, resources=dataclasses.replace(config.resources, memory_budget_gb=budget * 2))
     with pytest.raises(AssertionError, match="probed"):
         resolve_micro_batch(resolve_resources(other), probe=_must_not_probe)
+
+
+@pytest.mark.slow
+def test_auto_turns_activation_checkpointing_on_under_a_budget_only_it_meets(ray_session, tmp_path, capfd):
+    from raytrain_fast.autobatch import resolve_micro_batch
+    from raytrain_fast.launch.trainer import resolve_resources
+
+    # One sequence of 4096 tokens through 12 blocks with a 32x-wide MLP: activations are most of the
+    # memory. Measured 3 times each on the 2-core CI machine (micro_batch=1): the probe peaks at
+    # 1.65-1.71 GB without activation checkpointing and at 0.83-0.84 GB with it (full).
+    budget = 1.25
+    config = _config(
+        tmp_path, "model.vocab_size=320", "model.num_layers=12", "model.mlp_ratio=32", "model.max_seq_len=4096",
+        "data.seq_len=4096", "train.global_batch=1", f"resources.memory_budget_gb={budget}",
+    )
+    resolved = resolve_micro_batch(resolve_resources(config))
+    out = capfd.readouterr().out
+    assert (resolved.train.micro_batch, resolved.train.grad_accum, resolved.model.activation_checkpointing) == (1, 1, "full")
+    assert "micro_batch=auto -> micro_batch=1, grad_accum=1, model.activation_checkpointing=full" in out
+    assert "no micro-batch fits without activation checkpointing" in out and "with it (full), micro_batch=1 fits" in out
+
+    (cache_file,) = (tmp_path / "runs" / "_autobatch").glob("*.json")
+    record = json.loads(cache_file.read_text())
+    without, with_it = record["probes"]
+    assert (without["activation_checkpointing"], without["status"]) == ("none", "over_budget") and without["peak_gb"] > budget
+    assert (with_it["activation_checkpointing"], with_it["status"]) == ("full", "ok") and with_it["peak_gb"] <= budget
+    assert record["activation_checkpointing"] == "full" and record["key_inputs"]["model"]["activation_checkpointing"] == "none"
+
+    # A rerun finds the choice, activation checkpointing included, and measures nothing.
+    again = resolve_micro_batch(resolve_resources(config), probe=_must_not_probe)
+    assert again.model == resolved.model and again.train == resolved.train
+    assert "cached in" in capfd.readouterr().out
 
 
 def _must_not_probe(*args, **kwargs):

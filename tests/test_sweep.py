@@ -174,6 +174,47 @@ def test_cpu_sweep_table_statuses_files_and_best_config_trains(ray_session, tmp_
     assert trained.metrics["step"] == 3 and trained.metrics["tokens"] == 3 * 8 * 1024
 
 
+@pytest.mark.slow
+def test_sweep_over_activation_checkpointing_tries_each_micro_batch_with_each_value(ray_session, tmp_path):
+    config = _config(tmp_path, "train.global_batch=2", "model.max_seq_len=256", "data.seq_len=256", name="ac")
+    result = run_sweep(config, SweepSpec(micro_batches=[2, 3], activation_checkpointing=["none", "full"], steps=2, num_reports=2))
+    print(result.table)
+    trials = [r for r in result.rows if r.status != "skipped"]
+    assert sorted((r.micro_batch, r.activation_checkpointing) for r in trials) == [(2, "full"), (2, "none")]
+    assert all(r.status == "ok" for r in trials), trials  # 2 steps, both reported: ASHA has nothing to stop
+    assert [r.activation_checkpointing for r in result.rows if r.status == "skipped"] == [""]  # 3: skipped for both
+    names = {r.activation_checkpointing: r.run_name for r in trials}
+    assert "-mb2-ac-none-" in names["none"] and "-mb2-ac-full-" in names["full"]
+    # Recomputing activations changes what is kept, not the math: the same data gives the same loss.
+    assert trials[0].final_loss == pytest.approx(trials[1].final_loss, rel=1e-4)
+
+    header, *lines = result.table.splitlines()
+    assert header.split()[:4] == ["micro-batch", "accum", "act.", "ckpt"]
+    assert [line.split()[:3] for line in lines[:3]] == [["2", "1", "none"], ["2", "1", "full"], ["3", "-", "-"]]
+    sweep_dir = tmp_path / "runs" / result.name
+    with open(sweep_dir / "results.csv") as f:
+        saved = list(csv.DictReader(f))
+    assert [(r["micro_batch"], r["activation_checkpointing"]) for r in saved] == [("2", "none"), ("2", "full"), ("3", "")]
+    summary = json.loads((sweep_dir / "results.json").read_text())
+    assert summary["activation_checkpointing"] == ["none", "full"]
+    assert summary["best_activation_checkpointing"] == result.best.activation_checkpointing
+    # The best config sets the winning value (and leaves the config's own, none, as it is).
+    best = load_config(result.best_config_path)
+    assert (best.train.micro_batch, best.model.activation_checkpointing) == (2, result.best.activation_checkpointing)
+
+
+def test_cli_rejects_an_unknown_activation_checkpointing_before_ray_starts(tmp_path, capsys):
+    from raytrain_fast.cli import main
+
+    common = ["sweep", "--micro-batch", "2", "--set", f"storage.uri={tmp_path}"]
+    assert main([*common, "--activation-checkpointing", "none,partial"]) == 2
+    err = capsys.readouterr().err
+    assert "--activation-checkpointing takes a comma-separated list of none, full, every_n" in err and "got 'partial'" in err
+    assert main([*common, "--activation-checkpointing", ","]) == 2
+    assert "got none" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="got 'FULL'"):
+        run_sweep(_config(tmp_path), SweepSpec(micro_batches=[8], activation_checkpointing=["FULL"], steps=4))
+
 def test_cli_rejects_a_sweep_with_nothing_to_run_before_ray_starts(tmp_path, capsys):
     from raytrain_fast.cli import main
 

@@ -16,7 +16,9 @@ class TrainConfig:
     """Sequences per forward/backward on one worker. auto = before training, measure the micro-batches
     that divide global_batch / num_workers and take the fastest whose peak memory fits the budget
     (resources.memory_budget_gb; on GPUs the device memory minus 10%); grad_accum is re-derived so
-    the global batch stays. The choice is cached in storage (`_autobatch/`), so reruns skip the search."""
+    the global batch stays. When none fits and model.activation_checkpointing is none, it measures
+    again with full activation checkpointing and turns it on if that fits (and says so). The choice
+    is cached in storage (`_autobatch/`), so reruns skip the search."""
     grad_accum: int | None = None
     """Micro-batches accumulated per optimizer step; null = derived from the other two."""
     seed: int = 0

@@ -3,7 +3,8 @@
 For each micro-batch m asked for (by default the candidates `train.micro_batch: auto` probes),
 accumulation = global_batch / (m x num_workers); combinations that don't divide are skipped with
 the reason (one rule for both: raytrain_fast.microbatch). The others are Tune trials (grid
-search), each a short TorchTrainer run through the package's normal path (see sweep/trial.py)
+search; with `activation_checkpointing`, over micro-batch x model.activation_checkpointing), each a
+short TorchTrainer run through the package's normal path (see sweep/trial.py)
 reporting every log window; ASHA stops trials that are slower (or, objective=loss, worse) than
 the others at a rung. At most `max_concurrent_trials` run at once, derived from what one trial's
 workers need, so trials never wait on each other's placement groups (on a CPU machine that is one
@@ -22,6 +23,7 @@ from raytrain_fast.config import Config
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.microbatch import classify_error, plan_candidates
 from raytrain_fast.sweep.results import (
+    ACTIVATION_CHECKPOINTING,
     SweepRow,
     best_config_yaml,
     format_table,
@@ -30,7 +32,7 @@ from raytrain_fast.sweep.results import (
     to_csv,
     to_json,
 )
-from raytrain_fast.sweep.trial import FAILED_MARK
+from raytrain_fast.sweep.trial import FAILED_MARK, trial_run_name
 
 OBJECTIVES = {
     "tokens_per_sec": ("throughput/tokens_per_sec", "max"), "loss": ("train/loss", "min"), "val_loss": ("val/loss", "min"),
@@ -42,6 +44,9 @@ class SweepSpec:
     micro_batches: list[int] | None = None
     """Micro-batches to try (per worker); None: the candidates `train.micro_batch: auto` probes
     (`microbatch.candidate_micro_batches`)."""
+    activation_checkpointing: list[str] | None = None
+    """model.activation_checkpointing values (none, full, every_n) each micro-batch is tried with;
+    None: only the config's own."""
     steps: int = 30
     """Optimizer steps per trial."""
     objective: Literal["tokens_per_sec", "loss", "val_loss"] = "tokens_per_sec"
@@ -72,7 +77,11 @@ def plan(config: Config, micro_batches: list[int] | None) -> tuple[list[tuple[in
     """(runnable (micro_batch, grad_accum) pairs, skipped rows with their reason): the shared
     `microbatch.plan_candidates` rule; None tries the candidates `train.micro_batch: auto` would."""
     runnable, skipped = plan_candidates(config.train.global_batch, config.resources.num_workers, micro_batches)
-    return runnable, [SweepRow(micro_batch=m, grad_accum=None, status="skipped", reason=why) for m, why in skipped]
+    checkpointing = config.model.activation_checkpointing
+    return runnable, [
+        SweepRow(micro_batch=m, grad_accum=None, activation_checkpointing=checkpointing, status="skipped", reason=why)
+        for m, why in skipped
+    ]
 
 
 def max_concurrent_trials(config: Config, *, cluster_cpus: float, cluster_gpus: float) -> int:
@@ -126,7 +135,7 @@ class _Sweep:
 
 def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False) -> SweepResult:
     """Plan, validate, prepare the data once, run the Tune trials, write and return the results."""
-    runnable, skipped = _check(config, spec)
+    spec, runnable, skipped = _check(config, spec)
     sweep = _prepare(config, spec, first_micro_batch=runnable[0][0], create_bucket=create_bucket)
     _announce(sweep, spec, runnable, skipped)
     grid = _run_trials(sweep, spec, [m for m, _ in runnable])
@@ -139,19 +148,40 @@ def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False) -
     )
 
 
-def _check(config: Config, spec: SweepSpec) -> tuple[list[tuple[int, int]], list[SweepRow]]:
-    """The spec's options and the plan, before Ray starts: (runnable pairs, skipped rows)."""
+def _check(config: Config, spec: SweepSpec) -> tuple[SweepSpec, list[tuple[int, int]], list[SweepRow]]:
+    """The spec's options and the plan, before Ray starts: (the spec, its activation checkpointing
+    values checked, runnable pairs, skipped rows)."""
     if spec.objective not in OBJECTIVES:
         raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {spec.objective!r}")
     if spec.steps < 2:
         raise ConfigError(f"--steps must be >= 2 (the first log window is warm-up), got {spec.steps}")
+    checkpointing = spec.activation_checkpointing
+    if checkpointing is not None:
+        checkpointing = _checkpointing_values(checkpointing)
+        spec = dataclasses.replace(spec, activation_checkpointing=checkpointing)
     runnable, skipped = plan(config, spec.micro_batches)
+    if checkpointing is not None:
+        for row in skipped:  # one row per skipped micro-batch: skipped whatever the setting
+            row.activation_checkpointing = checkpointing[0] if len(checkpointing) == 1 else ""
     if not runnable:
         reasons = "; ".join(f"{r.micro_batch}: {r.reason}" for r in skipped) or (
             f"it is not a multiple of resources.num_workers ({config.resources.num_workers})"
         )
         raise ConfigError(f"no --micro-batch value fits train.global_batch={config.train.global_batch}: {reasons}")
-    return runnable, skipped
+    return spec, runnable, skipped
+
+
+def _checkpointing_values(values: list[str]) -> list[str]:
+    """--activation-checkpointing, checked: known values, each once, in the order given."""
+    valid = ", ".join(ACTIVATION_CHECKPOINTING)
+    unknown = [v for v in values if v not in ACTIVATION_CHECKPOINTING]
+    if unknown or not values:
+        got = f"got {', '.join(repr(v) for v in unknown)}" if unknown else "got none"
+        raise ConfigError(
+            f"--activation-checkpointing takes a comma-separated list of {valid} (model.activation_checkpointing), "
+            f"{got}; e.g. --activation-checkpointing none,full"
+        )
+    return list(dict.fromkeys(values))
 
 
 def _prepare(config: Config, spec: SweepSpec, *, first_micro_batch: int, create_bucket: bool) -> _Sweep:
@@ -190,13 +220,16 @@ def _announce(sweep: _Sweep, spec: SweepSpec, runnable: list[tuple[int, int]], s
         f"({config.train.global_batch * config.data.seq_len:,} tokens) on {sweep.resolved.resources.num_workers} worker(s); "
         f"micro-batches {', '.join(str(m) for m, _ in runnable)}"
         + (f" (skipped: {', '.join(str(r.micro_batch) for r in skipped)})" if skipped else "")
+        + (f"; activation checkpointing {', '.join(spec.activation_checkpointing)} with each"
+           if spec.activation_checkpointing is not None else "")
         + f"; {spec.steps} steps per trial, {sweep.concurrency} trial(s) at a time, objective {metric} ({mode})",
         flush=True,
     )
 
 
 def _run_trials(sweep: _Sweep, spec: SweepSpec, micro_batches: list[int]):
-    """One Tune trial per micro-batch (grid search), ASHA stopping the ones behind at a rung."""
+    """One Tune trial per micro-batch (and activation checkpointing setting, when the spec names
+    them: grid search over both), ASHA stopping the ones behind at a rung."""
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
@@ -216,9 +249,12 @@ def _run_trials(sweep: _Sweep, spec: SweepSpec, micro_batches: list[int]):
         # CPUs (they come from Ray Train's own placement group). Tune needs a non-empty bundle: 1 byte.
         {"CPU": 0, "memory": 1},
     )
+    param_space = {"micro_batch": tune.grid_search(micro_batches)}
+    if spec.activation_checkpointing is not None:
+        param_space["activation_checkpointing"] = tune.grid_search(spec.activation_checkpointing)
     tuner = tune.Tuner(
         trainable,
-        param_space={"micro_batch": tune.grid_search(micro_batches)},
+        param_space=param_space,
         tune_config=tune.TuneConfig(
             metric=metric, mode=mode, max_concurrent_trials=sweep.concurrency,
             scheduler=ASHAScheduler(time_attr="training_iteration", max_t=max_t, grace_period=min(2, max_t - 1), reduction_factor=2),
@@ -236,6 +272,7 @@ def _trial_rows(sweep: _Sweep, grid, accum: dict[int, int]) -> list[SweepRow]:
     rows = []
     for result in grid:
         m = int(result.config["micro_batch"])
+        swept = result.config.get("activation_checkpointing")  # only in a sweep over it
         frame = result.metrics_dataframe
         reports = frame.to_dict("records") if frame is not None and len(frame) else []
         reports = [r for r in reports if "step" in r and r.get("step") == r.get("step")]
@@ -243,7 +280,8 @@ def _trial_rows(sweep: _Sweep, grid, accum: dict[int, int]) -> list[SweepRow]:
         rows.append(row_from_reports(
             micro_batch=m, grad_accum=accum[m], reports=reports, steps=sweep.resolved.train.steps,
             error=_error_reason(result.error) if result.error is not None else None,
-            run_name=f"{sweep.name}-mb{m}-{trial_id}" if trial_id else "",
+            run_name=trial_run_name(sweep.name, micro_batch=m, activation_checkpointing=swept, trial_id=trial_id) if trial_id else "",
+            activation_checkpointing=swept or sweep.config.model.activation_checkpointing,
         ))
     return rows
 
@@ -261,6 +299,11 @@ def _write_results(
         "device": "gpu" if resolved.resources.use_gpu else "cpu", "precision": resolved.engine.precision,
         "best_micro_batch": best.micro_batch if best else None,
     }
+    if spec.activation_checkpointing is not None:
+        summary.update(
+            activation_checkpointing=spec.activation_checkpointing,
+            best_activation_checkpointing=best.activation_checkpointing if best else None,
+        )
     files = {"csv": f"{sweep.uri}/results.csv", "json": f"{sweep.uri}/results.json"}
     _write(sweep.filesystem, f"{sweep.path}/results.csv", to_csv(rows))
     _write(sweep.filesystem, f"{sweep.path}/results.json", to_json(rows, summary=summary))

@@ -1,5 +1,6 @@
 """One sweep trial: a Tune driver function that runs the package's normal TorchTrainer path for a
-short run at one micro-batch (the Train V2 + Tune pattern), and the worker-side report it needs."""
+short run at one micro-batch (and activation checkpointing setting, when the sweep tries several;
+the Train V2 + Tune pattern), and the worker-side report it needs."""
 
 from __future__ import annotations
 
@@ -46,6 +47,13 @@ def report_window(*, step: int, metrics: dict[str, float], memory_budget_gb: flo
     ray.train.report(report)
 
 
+def trial_run_name(prefix: str, *, micro_batch: int, activation_checkpointing: str | None, trial_id: str) -> str:
+    """The run name of a trial (its metrics under the sweep's trials/): unique by Tune's trial id,
+    readable by its micro-batch and, when the sweep tries several, its activation checkpointing."""
+    checkpointing = f"-ac-{activation_checkpointing}" if activation_checkpointing else ""
+    return f"{prefix}-mb{micro_batch}{checkpointing}-{trial_id}"
+
+
 def failure_reason(error: BaseException) -> str:
     """One line saying why a trial's training run failed: out of memory, over budget, or the error
     (the classification autobatch uses too, see raytrain_fast/microbatch.py)."""
@@ -69,11 +77,13 @@ def run_trial(params: dict[str, Any], *, base_config: dict[str, Any], data_uri: 
     # its wait would count in the next window's tokens/s. Propagated by Ray Train to the controller.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     micro_batch = int(params["micro_batch"])
+    checkpointing = params.get("activation_checkpointing")  # only in a sweep over it
     trial_id = ray.tune.get_context().get_trial_id()
     config = Config.from_dict(base_config)
     config = dataclasses.replace(
         config,
-        name=f"{prefix}-mb{micro_batch}-{trial_id}",
+        name=trial_run_name(prefix, micro_batch=micro_batch, activation_checkpointing=checkpointing, trial_id=trial_id),
+        model=dataclasses.replace(config.model, activation_checkpointing=checkpointing or config.model.activation_checkpointing),
         train=dataclasses.replace(config.train, micro_batch=micro_batch, grad_accum=None),
         storage=dataclasses.replace(config.storage, uri=trials_uri),
     )
