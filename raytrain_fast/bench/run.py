@@ -1,4 +1,4 @@
-"""`raytrain-fast bench {data,overhead,checkpoint}`: each prints one JSON object (with --json) of
+"""`raytrain-fast bench {data,overhead,checkpoint,model}`: each prints one JSON object (with --json) of
 ratios measured against a baseline in the same run, on this machine."""
 
 from __future__ import annotations
@@ -7,9 +7,7 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import tempfile
-import uuid
 from typing import Any
 
 
@@ -19,9 +17,31 @@ def add_parser(commands: Any) -> None:
     data = kinds.add_parser("data", help="data wait of the Ray Data ingest path vs a DataLoader(num_workers=0)")
     data.add_argument("--steps", type=int, default=300)
     data.add_argument("--rounds", type=int, default=3)
-    overhead = kinds.add_parser("overhead", help="tokens/s of the full loop vs a bare PyTorch loop and a typical Ray Train loop")
-    overhead.add_argument("--steps", type=int, default=60, help="timed steps per variant and repeat")
-    overhead.add_argument("--repeats", type=int, default=3)
+    overhead = kinds.add_parser(
+        "overhead", help="tokens/s of the full loop vs a bare PyTorch loop, the loops between them and a typical Ray Train loop",
+    )
+    overhead.add_argument(
+        "--model", default="tiny", choices=["tiny", "large"],
+        help="model size: tiny (the tiny preset, d_model 128, 4 layers) or large (d_model 512, 8 layers)",
+    )
+    overhead.add_argument("--d-model", type=int, default=None, help="override the model width (the size becomes `custom`)")
+    overhead.add_argument("--layers", type=int, default=None, help="override the number of layers (the size becomes `custom`)")
+    overhead.add_argument("--heads", type=int, default=None, help="override the attention heads (the size becomes `custom`)")
+    overhead.add_argument("--steps", type=int, default=None, help="timed steps per variant and repeat (default: tiny 30, large 10)")
+    overhead.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first (default: tiny 10, large 5)")
+    overhead.add_argument("--log-every", type=int, default=None, help="our loop's log window (default: tiny 10, large 5)")
+    overhead.add_argument("--repeats", type=int, default=None, help="rounds of all variants (default: tiny 3, large 2)")
+    overhead.add_argument(
+        "--checkpoint-every", type=int, default=None,
+        help="our loop's checkpoint.every_steps (default: the timed steps, so one checkpoint falls in the window; 0: none in it)",
+    )
+    overhead.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help="auto: what the engine picks here")
+    overhead.add_argument("--threads", type=int, default=0, help="torch threads in every variant (0: this process's count)")
+    overhead.add_argument(
+        "--variants", default=None,
+        help="comma-separated subset of bare,bare_deepspeed,bare_in_ray_worker,raytrain_fast_memory,raytrain_fast,"
+        "typical_no_report,typical_ray_train (default: all)",
+    )
     checkpoint = kinds.add_parser("checkpoint", help="time training is blocked per checkpoint, async vs sync upload")
     checkpoint.add_argument("--storage", default=None, help="s3://bucket/prefix (default: a loopback S3 server started here)")
     checkpoint.add_argument("--endpoint-url", default=None)
@@ -32,7 +52,13 @@ def add_parser(commands: Any) -> None:
         "--seconds-between", type=float, default=20.0,
         help="training time between checkpoints; async only helps when the upload fits into it",
     )
-    for parser in (data, overhead, checkpoint):
+    model = kinds.add_parser(
+        "model", help="tokens/s, MFU and peak memory of the engine (eager/compiled x AC off/full) vs a bare PyTorch loop",
+    )
+    from raytrain_fast.bench.model import add_arguments as add_model_arguments
+
+    add_model_arguments(model)
+    for parser in (data, overhead, checkpoint, model):
         parser.add_argument("--json", action="store_true", help="print only the JSON object")
 
 
@@ -42,60 +68,56 @@ def run(args: argparse.Namespace) -> int:
 
         report = bench_data(steps=args.steps, rounds=args.rounds, verbose=not args.json)
     elif args.bench == "overhead":
-        report = bench_overhead(steps=args.steps, repeats=args.repeats)
+        report = bench_overhead(args)
+    elif args.bench == "model":
+        from raytrain_fast.bench.model import bench_model, from_args
+
+        report = bench_model(from_args(args))
     else:
         report = bench_checkpoint(args)
     print(json.dumps(report, indent=None if args.json else 2, default=str))
     return 0
 
 
-def raytrain_fast_tokens_per_sec(*, steps: int, warmup_steps: int, micro_batch: int, seq_len: int, storage_dir: str) -> float:
-    """The package's full loop (Ray worker, ingest, metrics with JSONL + W&B offline sinks,
-    checkpoints at the default cadence) on the tiny preset, 1 worker; tokens/s after warm-up,
-    read back from the run's own JSONL metrics."""
-    from raytrain_fast.config import load_config
-    from raytrain_fast.launch.trainer import run as run_training
-    from raytrain_fast.metrics.sinks import read_metrics
+def raytrain_fast_tokens_per_sec(setup: Any, *, storage_dir: str, memory: bool = False) -> float:
+    """The package's full loop (`memory`: on in-memory batches) on `setup` (an OverheadSetup), 1
+    worker: tokens over the wall time from the end of the warm-up step to the end of the last timed
+    step, as the run's own clock hook measured it (see bench/overhead.py)."""
+    from raytrain_fast.bench.overhead import raytrain_fast_loop
 
-    log_every = 10
-    total = warmup_steps + steps
-    name = f"bench-overhead-{uuid.uuid4().hex[:8]}"
-    config = load_config("tiny", [
-        f"train.steps={total}", f"train.log_every={log_every}", f"train.micro_batch={micro_batch}",
-        f"train.global_batch={micro_batch}", f"data.seq_len={seq_len}", f"storage.uri={storage_dir}",
-        "metrics.wandb=true", "metrics.wandb_mode=offline", "optim.warmup_steps=1",
-    ], name=name)
-    os.environ.setdefault("WANDB_SILENT", "true")
-    run_training(config)
-    records = [r for r in read_metrics(f"{storage_dir}/{name}") if r.get("step", 0) > warmup_steps and "throughput/tokens_per_sec" in r]
-    if not records:
-        raise RuntimeError("the run logged no throughput after warm-up")
-    # Windows are log_every steps long; the checkpoint at the end falls inside the last one.
-    return statistics.median(r["throughput/tokens_per_sec"] for r in records)
+    return raytrain_fast_loop(setup, storage_dir=storage_dir, memory=memory)["tokens_per_sec"]
 
 
-def bench_overhead(*, steps: int, repeats: int) -> dict[str, Any]:
-    import ray
+def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
+    """`raytrain-fast bench overhead`: every variant timed the same way (bench/overhead.py)."""
+    import contextlib
+    import sys
 
-    from raytrain_fast.bench.overhead import OverheadSetup, overhead_report
+    from raytrain_fast.bench.overhead import SIZE_DEFAULTS, VARIANTS, OverheadSetup, ensure_ray, overhead_report
 
-    setup = OverheadSetup(steps=steps).resolved()
+    defaults = SIZE_DEFAULTS[args.model]
+    changes: dict[str, Any] = {
+        "steps": args.steps or defaults["steps"],
+        "warmup_steps": defaults["warmup_steps"] if args.warmup_steps is None else args.warmup_steps,
+        "log_every": args.log_every or defaults["log_every"],
+        "precision": args.precision, "threads": args.threads, "checkpoint_every": args.checkpoint_every,
+    }
+    shape = {"d_model": args.d_model, "num_layers": args.layers, "num_heads": args.heads}
+    changes.update({key: value for key, value in shape.items() if value is not None})
+    if any(value is not None for value in shape.values()):
+        changes["size"] = "custom"
+    setup = OverheadSetup.for_size(args.model, **changes)
+    variants = VARIANTS if not args.variants else [name.strip() for name in args.variants.split(",") if name.strip()]
     scratch = tempfile.mkdtemp(prefix="raytrain-fast-bench-")
     try:
-        if not ray.is_initialized():
-            ray.init(configure_logging=False, include_dashboard=False)
-        report = overhead_report(
-            setup=setup, repeats=repeats,
-            raytrain_fast=lambda: raytrain_fast_tokens_per_sec(
-                steps=setup.steps, warmup_steps=setup.warmup_steps, micro_batch=setup.micro_batch,
-                seq_len=setup.seq_len, storage_dir=scratch,
-            ),
-        )
+        # The runs print their progress: to stderr, so that with --json stdout holds only the JSON.
+        with contextlib.redirect_stdout(sys.stderr):
+            ensure_ray()
+            return overhead_report(
+                setup=setup, variants=variants, repeats=args.repeats or defaults["repeats"], storage_dir=scratch,
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    flat = {f"tokens_per_sec_{name}": summary["median"] for name, summary in report["variants"].items()}
-    flat["tokens_per_sec_typical_ray_train"] = flat.pop("tokens_per_sec_typical_ray_train", None)
-    return {**flat, **report["ratios"], "detail": report}
 
 
 def bench_checkpoint(args: argparse.Namespace) -> dict[str, Any]:

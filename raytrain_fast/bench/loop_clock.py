@@ -1,0 +1,113 @@
+"""Loop hooks the overhead bench passes to the package's own loop (`launch.trainer.run(config, hooks=...)`).
+
+The loop takes side concerns as a `LoopHooks` object (loop/hooks.py); this subclass adds two things
+through the `batches` hook, the one place every step passes through before it starts:
+
+- a clock: rank 0 notes `time.perf_counter()` when the loop asks for the first micro-batch of step
+  `start_step + 1` (the end of the warm-up: step `start_step` is done, its log, checkpoint and
+  sinks included) and of step `end_step + 1` (the end of the last timed step, everything the loop
+  did for it included), and writes both to `timing_file`. The run must have at least
+  `end_step + 1` steps. Nothing is added to a step: one integer comparison per micro-batch, no
+  device sync.
+- in-memory batches (`memory_batches`): the Ray Data pipeline is closed once the loop starts its
+  steps and the loop trains on 8 random token batches, cycled (what the bare loop trains on), so
+  a variant can measure the loop without ingest.
+
+The loop never imports this module: the object arrives pickled in the loop config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from raytrain_fast.loop.hooks import LoopHooks, RankHooks
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClockHooks(LoopHooks):
+    """`LoopHooks` (every drill still works) plus the bench's clock and in-memory batches."""
+
+    timing_file: str = ""
+    """Where rank 0 writes {"start_step", "end_step", "seconds", ...} once step end_step is done."""
+    start_step: int = 0
+    """The clock starts when this many steps are done (the warm-up)."""
+    end_step: int = 0
+    """The clock stops when this many steps are done."""
+    memory_batches: tuple[int, int, int] | None = None
+    """(micro_batch, seq_len, seed): train on in-memory random batches instead of the run's data."""
+
+    def for_rank(self, rank: int) -> RankHooks:
+        return _ClockRankHooks(self, rank)
+
+
+def in_memory_batches(*, micro_batch: int, seq_len: int, seed: int, device: Any = "cpu") -> Iterator[tuple[Any, Any]]:
+    """(tokens, seq_ids) forever: 8 distinct (micro_batch, seq_len + 1) batches of byte tokens, cycled."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    batches = torch.randint(0, 257, (8, micro_batch, seq_len + 1), generator=generator).to(device)
+    seq_ids = torch.arange(micro_batch, dtype=torch.int64)
+    i = 0
+    while True:
+        yield batches[i % 8], seq_ids
+        i += 1
+
+
+class _ClockRankHooks(RankHooks):
+    def __init__(self, hooks: ClockHooks, rank: int) -> None:
+        super().__init__(hooks, rank)
+        self._clock = hooks
+
+    def batches(self, data: Iterator[Any], *, current_step: Callable[[], int]) -> Iterator[Any]:
+        clock = self._clock
+        source: Iterator[Any] = data
+        if clock.memory_batches is not None:
+            micro_batch, seq_len, seed = clock.memory_batches
+            source = in_memory_batches(micro_batch=micro_batch, seq_len=seq_len, seed=seed, device=getattr(data, "device", "cpu"))
+            close = getattr(data, "close", None)
+            if close is not None:
+                close()  # the Ray Data pipeline stops: nothing of it runs during the steps
+        source = super().batches(source, current_step=current_step)  # the drills (slow_data) still apply
+        if self.rank != 0 or not clock.timing_file:
+            return source
+        return _clocked(source, current_step, clock)
+
+
+def _clocked(source: Iterator[Any], current_step: Callable[[], int], clock: ClockHooks) -> Iterator[Any]:
+    import torch
+
+    seen = -1
+    start: tuple[float, float, int] | None = None
+    while True:
+        done = current_step()
+        if done != seen:  # the first micro-batch of step done + 1: step `done` is over
+            seen = done
+            if done == clock.start_step:
+                start = (time.perf_counter(), time.time(), torch.get_num_threads())
+            elif done == clock.end_step and start is not None:
+                end = (time.perf_counter(), time.time())
+                _write(clock.timing_file, {
+                    "start_step": clock.start_step, "end_step": clock.end_step, "seconds": end[0] - start[0],
+                    "start_time": start[1], "end_time": end[1], "threads": start[2], "niceness": os.nice(0),
+                    "memory_batches": clock.memory_batches is not None,
+                })
+        try:
+            item = next(source)
+        except StopIteration:
+            return
+        yield item
+
+
+def _write(path: str, record: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as out:
+        json.dump(record, out)
+    os.replace(tmp, path)
+
+
+__all__ = ["ClockHooks", "in_memory_batches"]

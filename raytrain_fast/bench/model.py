@@ -1,0 +1,666 @@
+"""`raytrain-fast bench model`: tokens/s, MFU and peak memory of one model size on this device, through
+the package's engine and through a bare PyTorch loop, with and without compile and activation
+checkpointing.
+
+Variants (`VARIANTS`), all on the same model (`model.build_model` of the preset, `data.seq_len` and
+`max_seq_len` raised to --seq-len), micro-batch, precision, torch threads and seed:
+
+- `bare`: the plain loop: the fp32 model, `torch.autocast` in bf16 when the precision is bf16, torch's
+  fused AdamW with the preset's hyperparameters (`engine.build_optimizer`), gradient clipping at
+  `optim.grad_clip`, `zero_grad(set_to_none=True)`. The ceiling.
+- `engine`, `engine_ac`, `engine_compiled`, `engine_compiled_ac`: `engine.build_engine` (DeepSpeed
+  ZeRO at the preset's stage, world size 1, grad_accum 1) on a one-rank process group, as
+  `micro_batch: auto`'s probes build it (`autobatch._single_process_group`); `_ac` = activation
+  checkpointing `full`, `_compiled` = `engine.compile.compile_blocks(setting="on")` before the engine
+  is built, as the training loop does.
+
+Each variant lives in its own process (multiprocessing `spawn`, a pipe to this one), for its whole
+run: a process's memory high-water mark cannot be split between variants sharing it. The processes
+set up at the same time, then this one tells ONE of them at a time what to run, so runs never overlap:
+the warm-up steps (a compiled variant compiles in its first one), then `rounds` rounds of timed steps,
+the variants' order rotated every round so that none always runs first or last on a machine whose
+speed drifts. The statistic is the same for every variant: tokens of the timed steps over their wall
+time (the clock read around each round's steps, with one device sync at the end of the round on CUDA
+and no host read inside it).
+
+Memory (`microbatch.peak_memory_gb`, the training metric's statistic: CUDA max_memory_reserved, else
+the process's peak RSS):
+
+- `built_gb`: right after the model and engine (or optimizer) are built; the peak is reset there
+  (`microbatch.reset_peak_memory`);
+- `warmup_peak_gb`: the peak over the warm-up steps (optimizer state allocated on the first step, as
+  torch's AdamW does it lazily under DeepSpeed too; the compiler's own memory in a compiled variant);
+- `setup_gb`: the memory in use once warm-up is done: weights, optimizer state, buffers, compiled code:
+  what stays for the whole run. The peak is reset again there;
+  at both reset points the allocator's cached free memory is handed back first (glibc `malloc_trim`,
+  `torch.cuda.empty_cache`): without it, the RSS after warm-up still holds the heap pages of the
+  last step's activations (glibc keeps them for reuse), the memory in use looks larger than it is,
+  and what a step adds on top looks smaller (at gpt-124m, seq 256 x 4 on CPU: 0.13 to 0.38 GB);
+- `peak_gb`: the peak over the timed steps: training's steady peak, whole process;
+- `above_setup_gb` = peak_gb - setup_gb: what one step adds on top (activations, gradients,
+  transients): what activation checkpointing can cut.
+
+MFU (`metrics.setup.mfu_inputs`, as the training loop gets it): FLOPs per token as the training metrics
+count them (the model's formula, with FlopCounterMode's count of one eager forward + backward without
+recomputation alongside), over the achievable matmul peak measured once here in the training dtype
+with the same threads (`metrics.peak.measure_matmul_peak`), the same value for every variant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from raytrain_fast.errors import ConfigError, RaytrainFastError
+
+VARIANTS = ("bare", "engine", "engine_ac", "engine_compiled", "engine_compiled_ac")
+_ENGINE = {"engine", "engine_ac", "engine_compiled", "engine_compiled_ac"}
+_COMPILED = {"engine_compiled", "engine_compiled_ac"}
+_CHECKPOINTED = {"engine_ac", "engine_compiled_ac"}
+AC_PAIRS = {"eager": ("engine", "engine_ac"), "compiled": ("engine_compiled", "engine_compiled_ac")}
+"""Per compile setting: (without, with) full activation checkpointing."""
+_GB = 1e9
+_SETUP_TIMEOUT_S = 900.0
+
+
+def parse_variants(text: str | list[str] | tuple[str, ...]) -> list[str]:
+    """A comma list (or list) of variant names, checked, duplicates dropped, in the given order."""
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or not names:
+        what = "no variant given"
+        if unknown:
+            what = f"unknown variant{'s' if len(unknown) > 1 else ''} {', '.join(repr(n) for n in unknown)}"
+        raise ConfigError(f"--variants: {what}; valid: {', '.join(VARIANTS)} (comma-separated)")
+    return list(dict.fromkeys(names))
+
+
+@dataclass(kw_only=True)
+class ModelBenchSetup:
+    """What every variant trains, and for how long."""
+
+    preset: str = "gpt-124m"
+    """A preset name (or alias, e.g. gpt2-124m) or YAML file: its model, optimizer and engine settings."""
+    seq_len: int = 256
+    micro_batch: int = 4
+    steps: int = 6
+    """Timed steps per variant in all, spread over the rounds (the same for every variant)."""
+    rounds: int = 3
+    warmup_steps: int = 2
+    """Untimed steps first (allocation, kernel selection; a compiled variant compiles in the first)."""
+    precision: str | None = None
+    """bf16, fp32 or auto; None = the preset's engine.precision. Resolved once, the same for all."""
+    threads: int = 0
+    """torch threads (every variant, and the peak measurement); 0 = torch.get_num_threads()."""
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    peak_seconds: float | None = None
+    """Seconds of the matmul peak measurement; None = the preset's metrics.peak_measure_s."""
+    seed: int | None = None
+    """Model init and token seed; None = the preset's train.seed."""
+
+    def steps_per_round(self) -> list[int]:
+        base, extra = divmod(self.steps, self.rounds)
+        return [base + (1 if r < extra else 0) for r in range(self.rounds)]
+
+    def problems(self) -> list[str]:
+        found = [f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}"
+                 for name in ("seq_len", "micro_batch", "steps", "rounds") if getattr(self, name) <= 0]
+        if self.warmup_steps < 0:
+            found.append(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.threads < 0:
+            found.append(f"--threads must be >= 0, got {self.threads}")
+        if self.rounds > 0 and self.steps < self.rounds:
+            found.append(f"--steps ({self.steps}) must be at least --rounds ({self.rounds}): every round times one step or more")
+        if self.precision not in (None, "auto", "bf16", "fp32"):
+            found.append(f"--precision must be auto, bf16 or fp32, got {self.precision!r}")
+        return found
+
+
+def _say(message: str) -> None:
+    print(f"[bench model] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- one variant (worker process)
+
+
+def _release_cached_memory(device: Any) -> None:
+    """Hand the memory the allocator keeps free for reuse back to the system, so the memory in use
+    read next is what the process holds live: glibc's malloc keeps freed heap pages (a step's
+    activations, mostly) in the RSS, CUDA's caching allocator keeps freed blocks reserved."""
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        import ctypes
+        import ctypes.util
+
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc: the RSS keeps what malloc kept
+        pass
+
+
+def _current_memory_gb(device: Any) -> float:
+    """Memory in use now, in the statistic's terms: CUDA memory_reserved, else the process's RSS."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device) / _GB
+    from raytrain_fast.metrics.train_metrics import _host_memory_gb
+
+    return _host_memory_gb()[1]
+
+
+class _Variant:
+    """One variant's model, optimizer or engine and tokens, in this process."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        import torch
+
+        from raytrain_fast.config import Config
+        from raytrain_fast.engine import enable_tf32, select_accelerator, training_device
+        from raytrain_fast.microbatch import reset_peak_memory
+
+        started = time.perf_counter()
+        self.name = job["name"]
+        torch.set_num_threads(job["threads"])
+        select_accelerator()  # before deepspeed is first imported
+        self.device = device = training_device()
+        enable_tf32(device)  # as training does: fp32 matmuls on TF32 tensor cores on CUDA
+        config = Config.from_dict(job["config"])
+        self.precision, self.seq_len, self.micro_batch = job["precision"], job["seq_len"], job["micro_batch"]
+        self.compiled, self.compile_note = False, None
+        self.engine = self.optimizer = None
+        torch.manual_seed(job["seed"])
+        self._build(config, job)
+        generator = torch.Generator().manual_seed(job["seed"])  # the same tokens in every variant
+        tokens = torch.randint(0, config.model.vocab_size, (self.micro_batch, self.seq_len + 1), generator=generator)
+        self.tokens = tokens.to(device)
+        self.inputs, self.targets = self.tokens[:, :-1], self.tokens[:, 1:]
+        _release_cached_memory(device)
+        self.setup_s = time.perf_counter() - started
+        self.built_gb = _current_memory_gb(device)
+        reset_peak_memory(device)
+
+    def _build(self, config: Any, job: dict[str, Any]) -> None:
+        import torch
+
+        from raytrain_fast.engine import build_engine, build_optimizer
+        from raytrain_fast.engine.compile import compile_blocks
+        from raytrain_fast.model import ModelConfig, build_model
+
+        name = self.name
+        model = build_model(ModelConfig(**job["model"]), self.device)
+        self.model = model
+        if name in _COMPILED:  # before DeepSpeed wraps the model, as the training loop does
+            self.compiled, self.compile_note = compile_blocks(model, setting="on", device=self.device)
+        if name in _ENGINE:
+            from raytrain_fast.autobatch import _single_process_group
+
+            _single_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            engine_config = dataclasses.replace(config.engine, precision=self.precision)
+            self.engine = build_engine(
+                model, engine=engine_config, optim=config.optim, micro_batch=self.micro_batch, grad_accum=1,
+                world_size=1, total_steps=job["total_steps"],
+            )
+        else:
+            self.optimizer = build_optimizer(list(model.parameters()), optim=config.optim, device=self.device)
+            self.grad_clip = config.optim.grad_clip
+            if self.precision == "bf16":
+                self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
+            else:
+                self.autocast = contextlib.nullcontext
+
+    def step(self) -> Any:
+        """One optimizer step (grad_accum 1); returns the loss tensor (never read here)."""
+        import torch
+
+        if self.engine is not None:
+            loss = self.engine(self.inputs, self.targets)
+            self.engine.backward(loss)
+            self.engine.step()
+            return loss
+        with self.autocast():
+            loss = self.model(self.inputs, self.targets)
+        loss.backward()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def _sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # end of a window only; CPU ops are done when they return
+
+    def info(self) -> dict[str, Any]:
+        import torch
+
+        return {
+            "setup_s": self.setup_s, "built_gb": self.built_gb, "compiled": self.compiled,
+            "compile_note": self.compile_note, "precision": self.precision, "seq_len": int(self.inputs.shape[1]),
+            "micro_batch": int(self.inputs.shape[0]), "threads": torch.get_num_threads(),
+            "activation_checkpointing": self.model.config.activation_checkpointing,
+        }
+
+    def warmup(self, count: int) -> dict[str, Any]:
+        """`count` untimed steps, each on the host clock (the first: compilation included), then the
+        peak starts over: the timed steps' peak is training's steady one."""
+        from raytrain_fast.microbatch import peak_memory_gb, reset_peak_memory
+
+        step_s = []
+        for _ in range(count):
+            start = time.perf_counter()
+            self.step()
+            self._sync()
+            step_s.append(time.perf_counter() - start)
+        warmup_peak_gb = peak_memory_gb(self.device)
+        _release_cached_memory(self.device)
+        result = {"step_s": step_s, "warmup_peak_gb": warmup_peak_gb, "setup_gb": _current_memory_gb(self.device)}
+        reset_peak_memory(self.device)
+        return result
+
+    def run(self, count: int) -> dict[str, Any]:
+        """`count` timed steps: the clock around all of them, one device sync at the end."""
+        loss = None
+        cpu_start, start = time.process_time(), time.perf_counter()
+        for _ in range(count):
+            loss = self.step()
+        self._sync()
+        elapsed, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+        return {"steps": count, "elapsed_s": elapsed, "cpu_s": cpu_s, "loss": float(loss.detach().float())}
+
+    def memory(self) -> dict[str, Any]:
+        from raytrain_fast.microbatch import peak_memory_gb
+
+        return {"peak_gb": peak_memory_gb(self.device)}
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _worker_main(conn: Any, job: dict[str, Any]) -> None:
+    """A variant's process: set up, then answer (command, argument) messages until `exit`."""
+    os.dup2(2, 1)  # DeepSpeed and torch print to stdout; the bench's stdout carries only its JSON
+    os.environ.update(job["env"])
+    variant = None
+    try:
+        variant = _Variant(job)
+        conn.send(("ok", variant.info()))
+        while True:
+            command, argument = conn.recv()
+            if command == "exit":
+                break
+            conn.send(("ok", getattr(variant, command)(argument) if argument is not None else getattr(variant, command)()))
+    except EOFError:  # the parent is gone
+        pass
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if variant is not None:
+            with contextlib.suppress(Exception):
+                variant.close()
+        conn.close()
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+class _Worker:
+    """The parent's handle on one variant's process."""
+
+    def __init__(self, context: Any, job: dict[str, Any]) -> None:
+        self.name = job["name"]
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_worker_main, args=(child, job), name=f"bench-model-{self.name}", daemon=True)
+        self.process.start()
+        child.close()
+
+    def ask(self, command: str, argument: Any = None) -> dict[str, Any]:
+        self.conn.send((command, argument))
+        return self.answer()
+
+    def answer(self, timeout_s: float | None = None) -> dict[str, Any]:
+        if timeout_s is not None and not self.conn.poll(timeout_s):
+            raise RaytrainFastError(f"bench model: variant '{self.name}' did not finish its setup in {timeout_s:.0f} s")
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RaytrainFastError(
+                f"bench model: the process of variant '{self.name}' died (exit code {self.process.exitcode}; "
+                "killed for memory? try a smaller --micro-batch or --seq-len, or fewer --variants)"
+            ) from None
+        if status != "ok":
+            raise RaytrainFastError(f"bench model: variant '{self.name}' failed:\n{value}")
+        return value
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.send(("exit", None))
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(10)
+        self.conn.close()
+
+
+class _LocalCoordinator:
+    """What `metrics.setup.mfu_inputs` asks of the run's coordinator, for one process: each value
+    measured here, once."""
+
+    def flops_per_token(self, *, rank: int, count: Any, formula: float | None, fingerprint: str) -> Any:
+        from raytrain_fast.coordinator import FlopsPerToken
+
+        return FlopsPerToken(counted=float(count()), formula=formula)
+
+    def achievable_peak(self, *, device_key: str, dtype: str, seconds: float, measure: Any) -> float:
+        return float(measure())
+
+
+def _resolve(setup: ModelBenchSetup) -> tuple[Any, dict[str, Any], str, str, int, int]:
+    """(config with data.seq_len set, its model config with max_seq_len raised to fit, precision,
+    why that precision, torch threads, seed)."""
+    import torch
+
+    from raytrain_fast.config import load_config
+    from raytrain_fast.engine import resolve_precision
+
+    config = load_config(setup.preset)
+    data = dataclasses.replace(config.data, seq_len=setup.seq_len)
+    model = dataclasses.replace(config.model, max_seq_len=max(config.model.max_seq_len, setup.seq_len))
+    config = dataclasses.replace(config, data=data, model=model)
+    threads = setup.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)  # the precision probe and the peak with the variants' threads
+    wanted = setup.precision or config.engine.precision
+    precision, why = resolve_precision(wanted, use_gpu=torch.cuda.is_available())
+    seed = config.train.seed if setup.seed is None else setup.seed
+    return config, model, precision, why, threads, seed
+
+
+def _mfu_inputs(config: Any, model_config: Any, *, precision: str, seq_len: int, seed: int, peak_seconds: float) -> Any:
+    """FLOPs per token (counted on the eager model, no recomputation) and the measured peak, here."""
+    import torch
+
+    from raytrain_fast.engine import training_device
+    from raytrain_fast.metrics.setup import mfu_inputs
+    from raytrain_fast.model import build_model
+
+    device = training_device()
+    torch.manual_seed(seed)
+    model = build_model(model_config, device)
+    sample = torch.randint(0, model_config.vocab_size, (1, seq_len), device=device)
+    metrics = dataclasses.replace(config.metrics, peak_measure_s=peak_seconds)
+    inputs = mfu_inputs(_LocalCoordinator(), metrics, rank=0, model=model, sample_tokens=sample, device=device,
+                        precision=precision, measure_peak=True)
+    del model, sample
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return inputs
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+
+    from raytrain_fast.metrics.peak import _cpu_model_name
+
+    cuda = torch.cuda.is_available()
+    return {
+        "cpu": _cpu_model_name(), "cpu_cores": os.cpu_count(),
+        "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if cuda else None, "gpus": torch.cuda.device_count() if cuda else 0,
+    }
+
+
+def bench_model(setup: ModelBenchSetup) -> dict[str, Any]:
+    """Run the bench; returns the report (see the module docstring). Progress goes to stderr."""
+    variants = parse_variants(setup.variants)
+    problems = setup.problems()
+    if problems:
+        raise ConfigError(problems)
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):  # library chatter must not reach the JSON's stream
+        config, model_config, precision, why, threads, seed = _resolve(setup)
+        _say(f"{setup.preset}: seq_len {setup.seq_len}, micro-batch {setup.micro_batch}, precision {precision} ({why}), "
+             f"{threads} torch threads; variants: {', '.join(variants)}")
+        peak_seconds = config.metrics.peak_measure_s if setup.peak_seconds is None else setup.peak_seconds
+        mfu = _mfu_inputs(config, model_config, precision=precision, seq_len=setup.seq_len, seed=seed, peak_seconds=peak_seconds)
+        peak = mfu.measured_peak_flops
+        _say(f"FLOPs/token {mfu.flops_per_token:.4g} (counted {mfu.counted_flops_per_token:.4g}); measured "
+             f"{mfu.dtype} matmul peak {peak / 1e12 if peak else float('nan'):.3f} TFLOP/s on {mfu.device_name}")
+        jobs = _jobs(setup, variants, config=config, model_config=model_config, precision=precision, threads=threads, seed=seed)
+        with _cold_compile_caches(jobs):
+            measured = _measure(setup, jobs)
+    report = _report(setup, variants, measured, mfu=mfu, precision=precision, why=why, threads=threads)
+    report["wall_s"] = time.perf_counter() - started
+    return report
+
+
+def _jobs(setup: ModelBenchSetup, variants: list[str], *, config: Any, model_config: Any, precision: str,
+          threads: int, seed: int) -> list[dict[str, Any]]:
+    jobs = []
+    for name in variants:
+        checkpointing = "full" if name in _CHECKPOINTED else "none"
+        jobs.append({
+            # Plain dicts: unpickling a dataclass of the package in the new process would import torch
+            # before `env` is in place.
+            "name": name, "config": config.to_dict(),
+            "model": dataclasses.asdict(dataclasses.replace(model_config, activation_checkpointing=checkpointing)),
+            "precision": precision, "threads": threads, "seed": seed, "seq_len": setup.seq_len,
+            "micro_batch": setup.micro_batch, "total_steps": setup.warmup_steps + setup.steps,
+            "env": {"OMP_NUM_THREADS": str(threads)},
+        })
+    return jobs
+
+
+@contextlib.contextmanager
+def _cold_compile_caches(jobs: list[dict[str, Any]]) -> Any:
+    """Each compiled variant compiles into its own new, empty inductor (and Triton) cache, deleted
+    afterwards: compile_s is what a first compile costs, whatever earlier runs left in the user's
+    cache, and one compiled variant does not reuse the other's kernels."""
+    import shutil
+    import tempfile
+
+    made = []
+    try:
+        for job in jobs:
+            if job["name"] in _COMPILED:
+                folder = tempfile.mkdtemp(prefix=f"raytrain-fast-bench-{job['name']}-")
+                made.append(folder)
+                job["env"].update(TORCHINDUCTOR_CACHE_DIR=os.path.join(folder, "inductor"),
+                                  TRITON_CACHE_DIR=os.path.join(folder, "triton"))
+        yield jobs
+    finally:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _measure(setup: ModelBenchSetup, jobs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Start every variant's process, warm each up in turn, then the timed rounds, one run at a time."""
+    context = multiprocessing.get_context("spawn")
+    workers: list[_Worker] = []
+    try:
+        _say(f"setting up {len(jobs)} variant process(es) at once...")
+        workers = [_Worker(context, job) for job in jobs]
+        results: dict[str, dict[str, Any]] = {}
+        for worker in workers:
+            results[worker.name] = {"info": worker.answer(timeout_s=_SETUP_TIMEOUT_S), "rounds": []}
+            info = results[worker.name]["info"]
+            note = f"; {info['compile_note']}" if info["compile_note"] else ""
+            _say(f"{worker.name}: set up in {info['setup_s']:.1f} s, {info['built_gb']:.2f} GB{note}")
+        for worker in workers:
+            if setup.warmup_steps:
+                _say(f"{worker.name}: {setup.warmup_steps} warm-up step(s)...")
+            warm = results[worker.name]["warmup"] = worker.ask("warmup", setup.warmup_steps)
+            first = ""
+            if warm["step_s"]:
+                compiled = " (compilation included)" if results[worker.name]["info"]["compiled"] else ""
+                first = f", first step {warm['step_s'][0]:.2f} s{compiled}"
+            _say(f"{worker.name}: warmed up{first}; setup memory {warm['setup_gb']:.2f} GB")
+        per_round = setup.steps_per_round()
+        load = {"before": _load_average()}
+        order: list[list[str]] = []
+        for r, count in enumerate(per_round):
+            turn = workers[r % len(workers):] + workers[:r % len(workers)]
+            order.append([w.name for w in turn])
+            for worker in turn:
+                done = worker.ask("run", count)
+                results[worker.name]["rounds"].append(done)
+                tps = count * setup.micro_batch * setup.seq_len / done["elapsed_s"]
+                _say(f"round {r + 1}/{len(per_round)}: {worker.name}: {count} step(s) in {done['elapsed_s']:.2f} s, "
+                     f"{tps:,.0f} tokens/s")
+        for worker in workers:
+            results[worker.name]["memory"] = worker.ask("memory")
+        load["after"] = _load_average()
+        results["_order"] = {"order": order, "load_avg_1m": load}
+        return results
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (Unix): above the threads in use, something else shared the CPUs."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _variant_report(name: str, result: dict[str, Any], *, mfu: Any) -> dict[str, Any]:
+    from raytrain_fast.metrics.peak import mfu as compute_mfu
+
+    info, warm, rounds, memory = result["info"], result["warmup"], result["rounds"], result["memory"]
+    tokens_per_step = info["micro_batch"] * info["seq_len"]
+    steps = sum(r["steps"] for r in rounds)
+    elapsed = sum(r["elapsed_s"] for r in rounds)
+    tokens_per_sec = steps * tokens_per_step / elapsed
+    cpu_s = sum(r["cpu_s"] for r in rounds)
+    entry: dict[str, Any] = {
+        "tokens_per_sec": tokens_per_sec,
+        "mfu": compute_mfu(tokens_per_sec=tokens_per_sec, flops_per_token=mfu.flops_per_token,
+                           peak_flops=mfu.measured_peak_flops, num_devices=1),
+        "step_s": elapsed / steps,
+        "round_tokens_per_sec": [r["steps"] * tokens_per_step / r["elapsed_s"] for r in rounds],
+        "timed_steps": steps, "timed_s": elapsed, "warmup_steps": len(warm["step_s"]),
+        # CPU time of this process over the timed steps / (wall time x threads): well below 1 on a CPU
+        # device when other processes took cores from it (on GPU only the launching thread's share).
+        "cpu_share": cpu_s / (elapsed * info["threads"]),
+        "peak_gb": memory["peak_gb"], "setup_gb": warm["setup_gb"], "above_setup_gb": memory["peak_gb"] - warm["setup_gb"],
+        "built_gb": info["built_gb"], "warmup_peak_gb": warm["warmup_peak_gb"],
+        "precision": info["precision"], "threads": info["threads"], "seq_len": info["seq_len"], "micro_batch": info["micro_batch"],
+        "activation_checkpointing": info["activation_checkpointing"], "setup_s": info["setup_s"],
+        "first_step_s": warm["step_s"][0] if warm["step_s"] else None, "final_loss": rounds[-1]["loss"],
+    }
+    if name in _COMPILED:
+        entry["compiled"] = info["compiled"]
+        entry["compile_s"] = entry["first_step_s"] if info["compiled"] else None
+        if info["compile_note"]:
+            entry["compile_note"] = info["compile_note"]
+    return entry
+
+
+def _ac_cut(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per compile setting with both variants: what full activation checkpointing saves and costs."""
+    cuts = {}
+    for setting, (plain, checkpointed) in AC_PAIRS.items():
+        if plain not in variants or checkpointed not in variants:
+            continue
+        a, b = variants[checkpointed], variants[plain]
+        cuts[setting] = {
+            "compares": f"{checkpointed} vs {plain}",
+            "peak_gb_cut": 1 - a["peak_gb"] / b["peak_gb"],
+            "above_setup_gb_cut": 1 - a["above_setup_gb"] / b["above_setup_gb"] if b["above_setup_gb"] > 0 else None,
+            "peak_gb_saved": b["peak_gb"] - a["peak_gb"],
+            "tokens_per_sec_ratio": a["tokens_per_sec"] / b["tokens_per_sec"],
+            "step_time_cost": b["tokens_per_sec"] / a["tokens_per_sec"] - 1,
+        }
+    return cuts
+
+
+def _report(setup: ModelBenchSetup, variants: list[str], measured: dict[str, dict[str, Any]], *, mfu: Any,
+            precision: str, why: str, threads: int) -> dict[str, Any]:
+    import torch
+
+    per_variant = {name: _variant_report(name, measured[name], mfu=mfu) for name in variants}
+    bare = per_variant.get("bare")
+    for entry in per_variant.values():
+        entry["ratio_vs_bare"] = entry["tokens_per_sec"] / bare["tokens_per_sec"] if bare else None
+    peak = mfu.measured_peak_flops
+    return {
+        "device": "cuda" if torch.cuda.is_available() else "cpu", "device_name": mfu.device_name,
+        "machine": _machine(), "preset": setup.preset, "seq_len": setup.seq_len, "micro_batch": setup.micro_batch,
+        "precision": precision, "precision_reason": why, "threads": threads, "steps": setup.steps,
+        "steps_per_round": setup.steps_per_round(), "rounds": setup.rounds, "warmup_steps": setup.warmup_steps,
+        "order": measured["_order"]["order"], "load_avg_1m": measured["_order"]["load_avg_1m"],
+        "peak_tflops": peak / 1e12 if peak else None, "peak_dtype": mfu.dtype,
+        "datasheet_peak_tflops": mfu.datasheet_peak_flops / 1e12 if mfu.datasheet_peak_flops else None,
+        "flops_per_token": mfu.flops_per_token, "counted_flops_per_token": mfu.counted_flops_per_token,
+        "variants": per_variant, "ac_memory_cut": _ac_cut(per_variant),
+    }
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _variants_arg(text: str) -> list[str]:
+    import argparse
+
+    try:
+        return parse_variants(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(error.problems[0]) from None
+
+
+def add_arguments(parser: Any) -> None:
+    """The options of `raytrain-fast bench model`."""
+    parser.add_argument(
+        "--preset", default="gpt-124m", help="preset (or YAML file) whose model and engine settings to measure (default: gpt-124m)",
+    )
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per step (default: 4)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per variant, spread over the rounds (default: 6)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds, order rotated each round (default: 3)")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=2, help="untimed steps per variant first; compilation happens in the first (default: 2)",
+    )
+    parser.add_argument(
+        "--precision", choices=("auto", "bf16", "fp32"), default=None, help="default: the preset's engine.precision, resolved once",
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads of every variant (default: torch.get_num_threads())")
+    parser.add_argument(
+        "--variants", type=_variants_arg, default=list(VARIANTS), help=f"comma list of {', '.join(VARIANTS)} (default: all)",
+    )
+    parser.add_argument(
+        "--peak-seconds", type=float, default=None,
+        help="seconds of the matmul peak measurement (default: the preset's metrics.peak_measure_s)",
+    )
+    parser.add_argument("--seed", type=int, default=None, help="model init and token seed (default: the preset's train.seed)")
+
+
+def from_args(args: Any) -> ModelBenchSetup:
+    return ModelBenchSetup(
+        preset=args.preset, seq_len=args.seq_len, micro_batch=args.micro_batch, steps=args.steps, rounds=args.rounds,
+        warmup_steps=args.warmup_steps, precision=args.precision, threads=args.threads, variants=args.variants,
+        peak_seconds=args.peak_seconds, seed=args.seed,
+    )
+
+
+__all__ = ["AC_PAIRS", "VARIANTS", "ModelBenchSetup", "add_arguments", "bench_model", "from_args", "parse_variants"]
