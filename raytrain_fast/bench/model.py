@@ -21,7 +21,10 @@ the warm-up steps (a compiled variant compiles in its first one), then `rounds` 
 the variants' order rotated every round so that none always runs first or last on a machine whose
 speed drifts. The statistic is the same for every variant: tokens of the timed steps over their wall
 time (the clock read around each round's steps, with one device sync at the end of the round on CUDA
-and no host read inside it).
+and no host read inside it). A compiled variant's `compile_s` is its first warm-up step's wall time,
+compilation included (time/compile_s's convention), compiled into a new, empty inductor cache; its
+`setup_s` holds compile_blocks' check that the compiler works. `cpu_share` (CPU time over wall time x
+threads) and the load average show whether other processes took the CPUs during the timed rounds.
 
 Memory (`microbatch.peak_memory_gb`, the training metric's statistic: CUDA max_memory_reserved, else
 the process's peak RSS):
@@ -35,7 +38,7 @@ the process's peak RSS):
   at both reset points the allocator's cached free memory is handed back first (glibc `malloc_trim`,
   `torch.cuda.empty_cache`): without it, the RSS after warm-up still holds the heap pages of the
   last step's activations (glibc keeps them for reuse), the memory in use looks larger than it is,
-  and what a step adds on top looks smaller (at gpt-124m, seq 256 x 4 on CPU: 0.13 to 0.38 GB);
+  and what a step adds on top looks smaller (at gpt-124m, seq 256 x 4 on CPU: 0.2 GB with full AC, 0.4 GB without);
 - `peak_gb`: the peak over the timed steps: training's steady peak, whole process;
 - `above_setup_gb` = peak_gb - setup_gb: what one step adds on top (activations, gradients,
   transients): what activation checkpointing can cut.
@@ -382,7 +385,10 @@ def _resolve(setup: ModelBenchSetup) -> tuple[Any, dict[str, Any], str, str, int
     from raytrain_fast.config import load_config
     from raytrain_fast.engine import resolve_precision
 
-    config = load_config(setup.preset)
+    try:
+        config = load_config(setup.preset)
+    except ConfigError as error:  # its messages name the option of `pretrain`: here it is --preset
+        raise ConfigError([p.replace("--config ", "--preset ", 1) for p in error.problems], source=error.source) from None
     data = dataclasses.replace(config.data, seq_len=setup.seq_len)
     model = dataclasses.replace(config.model, max_seq_len=max(config.model.max_seq_len, setup.seq_len))
     config = dataclasses.replace(config, data=data, model=model)
@@ -626,7 +632,7 @@ def _variants_arg(text: str) -> list[str]:
     try:
         return parse_variants(text)
     except ConfigError as error:
-        raise argparse.ArgumentTypeError(error.problems[0]) from None
+        raise argparse.ArgumentTypeError(error.problems[0].removeprefix("--variants: ")) from None
 
 
 def add_arguments(parser: Any) -> None:
