@@ -49,6 +49,33 @@ def test_full_queue_drops_oldest_and_never_blocks():
     assert sink.closed
 
 
+def test_writer_opens_its_sinks_on_its_thread_before_the_first_record():
+    class SlowToOpen:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, str]] = []
+
+        def open(self):
+            time.sleep(0.5)  # like W&B's import + init, only shorter
+            self.calls.append(("open", threading.current_thread().name))
+
+        def log(self, metrics, step):
+            self.calls.append(("log", threading.current_thread().name))
+
+        def close(self):
+            pass
+
+    sink = SlowToOpen()
+    started = time.perf_counter()
+    writer = SinkWriter([sink])
+    assert time.perf_counter() - started < 0.4  # building the writer does not wait for the open
+    assert writer.opened.wait(10)
+    assert sink.calls == [("open", "raytrain-fast-metric-sinks")]  # opened with no record yet
+    writer.log({"x": 1.0}, 1)
+    assert writer.flush(5)
+    writer.close()
+    assert [call for call, _ in sink.calls] == ["open", "log"]
+
+
 def test_failing_sink_is_counted_and_others_still_get_records(caplog):
     class Broken:
         def log(self, metrics, step):
@@ -128,6 +155,8 @@ def test_wandb_offline_writes_and_never_logs_the_api_key(tmp_path, monkeypatch, 
         config={"train": {"steps": 3}, "storage": {"secret_key": "s3-secret-value"}, "wandb_api_key": secret},
     )
     writer = SinkWriter([sink])
+    # The writer opens W&B on its thread at once (seconds of import and init), before any record.
+    assert writer.opened.wait(120) and sink._run is not None
     for step in (10, 20, 30):
         writer.log({"train/loss": 3.0 / step, "throughput/tokens_per_sec": 1000.0}, step)
     writer.close()

@@ -29,7 +29,7 @@ from raytrain_fast.engine import build_engine, enable_tf32, select_accelerator, 
 from raytrain_fast.engine.compile import compile_blocks
 from raytrain_fast.loop.evaluation import Evaluator, resolve_eval
 from raytrain_fast.loop.hooks import LoopHooks, RankHooks, WindowCallback
-from raytrain_fast.metrics import TrainMetrics, build_sinks, mfu_inputs
+from raytrain_fast.metrics import SinkWriter, TrainMetrics, build_sinks, mfu_inputs
 from raytrain_fast.metrics.host import run_at_normal_priority
 from raytrain_fast.model import build_model
 from raytrain_fast.storage import redact
@@ -95,10 +95,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         return
     data = build_data(worker, loop_config, state)
     coordinator = Coordinator.connect(worker.config.name or "run", timeout_s=worker.config.metrics.coordinator_timeout_s)
+    sinks = None
     try:
-        engine, mfu, compiled = build_model_and_engine(worker, state, coordinator, checkpointer, restored=restored)
+        model, mfu = build_model_and_measure(worker, state, coordinator, restored=restored)
+        sinks = start_sinks(worker, state)  # W&B / TensorBoard open while the engine is built, not in the first steps
+        engine, compiled = build_engine_for(worker, model, checkpointer, coordinator, restored=restored)
         evaluator = build_evaluator(worker, engine)
-        metrics = build_metrics(worker, state, engine, mfu)  # built last: it freezes the heap for GC control
+        metrics = build_metrics(worker, state, engine, mfu, sinks)  # built last: it freezes the heap for GC control
         try:
             run_steps(
                 worker, engine=engine, data=data, metrics=metrics, evaluator=evaluator, checkpointer=checkpointer,
@@ -108,6 +111,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         finally:
             metrics.close()
     finally:
+        if sinks is not None:
+            sinks.close()  # already closed by metrics.close() unless setup failed before it
         coordinator.close()
         data.close()
         worker.hooks.close()
@@ -184,12 +189,10 @@ def build_data(worker: Worker, loop_config: dict[str, Any], state: TrainState):
     )
 
 
-def build_model_and_engine(
-    worker: Worker, state: TrainState, coordinator: Coordinator, checkpointer: Checkpointer, *, restored: TrainState | None
-):
-    """The model (initial weights from checkpoint.init_from on a new run), the values measured once
-    per run (FLOPs per token, the achievable peak: counted before DeepSpeed wraps the model, shared
-    through the coordinator actor, kept in checkpoints), then the DeepSpeed engine with the restored state."""
+def build_model_and_measure(worker: Worker, state: TrainState, coordinator: Coordinator, *, restored: TrainState | None):
+    """The model (initial weights from checkpoint.init_from on a new run) and the values measured
+    once per run (FLOPs per token, the achievable peak: counted on the eager model before anything
+    else runs beside it, shared through the coordinator actor, kept in checkpoints)."""
     config, rank = worker.config, worker.rank
     model = build_model(config.model, worker.device)  # weights made on the device: no host copy first
     if restored is None and config.checkpoint.init_from:
@@ -203,7 +206,28 @@ def build_model_and_engine(
         sample_tokens=torch.randint(0, config.model.vocab_size, (1, config.data.seq_len), device=worker.device),
     )
     state.coordinator = coordinator.export_state()
-    compiled, compile_line = compile_blocks(model, setting=config.engine.compile, device=worker.device)  # after FLOPs: counted eager
+    return model, mfu
+
+
+def start_sinks(worker: Worker, state: TrainState) -> SinkWriter | None:
+    """Rank 0's sinks (JSONL, W&B, TensorBoard as configured) behind their writer thread, which
+    opens them at once: W&B's import and init take seconds of CPU that would otherwise come out of
+    the first training steps."""
+    if worker.rank != 0:
+        return None
+    config = worker.config
+    local_dir = worker.run_uri if "://" not in worker.run_uri else tempfile.mkdtemp(prefix="raytrain-fast-sinks-")
+    sinks = build_sinks(
+        config.metrics, run_uri=worker.run_uri, run_name=config.name or "run", start_step=state.step,
+        local_dir=local_dir, storage=config.storage, run_config=redact(config.to_dict()),
+    )
+    return SinkWriter(worker.hooks.sinks(sinks), max_queue=config.metrics.queue_size)
+
+
+def build_engine_for(worker: Worker, model: Any, checkpointer: Checkpointer, coordinator: Coordinator, *, restored: TrainState | None):
+    """Compiled blocks (after the FLOP count: counted eager), then the DeepSpeed engine with the restored state."""
+    config, rank = worker.config, worker.rank
+    compiled, compile_line = compile_blocks(model, setting=config.engine.compile, device=worker.device)
     if rank == 0:
         if compile_line:
             print(compile_line, flush=True)
@@ -214,7 +238,7 @@ def build_model_and_engine(
     )
     if restored is not None:
         checkpointer.load_into(engine)
-    return engine, mfu, compiled
+    return engine, compiled
 
 
 def build_evaluator(worker: Worker, engine: Any) -> Evaluator:
@@ -234,23 +258,15 @@ def build_evaluator(worker: Worker, engine: Any) -> Evaluator:
     )
 
 
-def build_metrics(worker: Worker, state: TrainState, engine: Any, mfu: Any) -> TrainMetrics:
-    """Rank 0's sinks (JSONL, W&B, TensorBoard as configured) and every rank's metrics."""
+def build_metrics(worker: Worker, state: TrainState, engine: Any, mfu: Any, sinks: SinkWriter | None) -> TrainMetrics:
+    """Every rank's metrics; rank 0's hand records to the sink writer started during setup."""
     config = worker.config
-    sinks = []
-    if worker.rank == 0:
-        local_dir = worker.run_uri if "://" not in worker.run_uri else tempfile.mkdtemp(prefix="raytrain-fast-sinks-")
-        sinks = build_sinks(
-            config.metrics, run_uri=worker.run_uri, run_name=config.name or "run", start_step=state.step,
-            local_dir=local_dir, storage=config.storage, run_config=redact(config.to_dict()),
-        )
-        sinks = worker.hooks.sinks(sinks)
     return TrainMetrics(
         config.metrics, log_every=config.train.log_every, total_steps=config.train.steps, start_step=state.step,
         tokens_per_step=worker.tokens_per_step, device=engine.device, rank=worker.rank, world_size=worker.world_size,
         flops_per_token=mfu.flops_per_token, datasheet_peak_flops=mfu.datasheet_peak_flops,
-        measured_peak_flops=mfu.measured_peak_flops, memory_budget_gb=config.resources.memory_budget_gb, sinks=sinks,
-        niceness=worker.niceness,
+        measured_peak_flops=mfu.measured_peak_flops, memory_budget_gb=config.resources.memory_budget_gb,
+        sinks=sinks if sinks is not None else (), niceness=worker.niceness,
     )
 
 

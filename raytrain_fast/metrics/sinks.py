@@ -48,6 +48,9 @@ _FLUSH = ("__flush__",)  # queue marker: flush the sinks, in order with the reco
 class SinkWriter:
     """A bounded queue and one daemon thread that feeds every sink in order.
 
+    The thread first opens every sink that has an `open` (W&B's import and `wandb.init`,
+    TensorBoard's writer: seconds of CPU), so a writer built during setup has its sinks open
+    before training starts instead of taking those seconds from the first steps.
     `log` never blocks and never raises because of a sink. A sink that raises is reported once
     (a warning naming it) and counted in `errors`; the other sinks keep going.
     """
@@ -68,6 +71,8 @@ class SinkWriter:
         self._busy = False
         self._closed = False
         self._warned: set[tuple[str, str]] = set()
+        self.opened = threading.Event()
+        """Set once every sink's `open` has returned (or raised)."""
         self._thread = threading.Thread(target=self._run, name="raytrain-fast-metric-sinks", daemon=True)
         self._thread.start()
         # The sink thread's own CPU clock, readable from the training thread while a sink call is
@@ -138,6 +143,10 @@ class SinkWriter:
             )
 
     def _run(self) -> None:
+        for sink in self.sinks:
+            if hasattr(sink, "open"):
+                self._call(sink, "open")
+        self.opened.set()
         while True:
             with self._cond:
                 while not self._queue:
@@ -351,7 +360,7 @@ def resolve_wandb_mode(mode: str) -> str:
 
 
 class WandbSink:
-    """A W&B run, opened lazily on the sink thread (wandb.init takes seconds).
+    """A W&B run, opened on the sink thread (`wandb.init` takes seconds): when the writer starts, or at the first record.
 
     System-stats sampling is off (its thread costs CPU on every node), console capture is off,
     and the run id derives from the run name so a resumed job continues the same curves. Steps
@@ -382,6 +391,10 @@ class WandbSink:
         self.skipped = 0
         self._run: Any = None
         self._next_step = 0
+
+    def open(self) -> None:
+        if self._run is None:
+            self._open()
 
     def _open(self) -> None:
         import wandb
@@ -435,11 +448,14 @@ class TensorBoardSink:
         self.flush_every_s = flush_every_s
         self._writer: Any = None
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
+    def open(self) -> None:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=self.log_dir, flush_secs=max(1, int(self.flush_every_s)))
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self.open()
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, global_step=step)
 

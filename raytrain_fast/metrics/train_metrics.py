@@ -93,6 +93,15 @@ def peak_memory_gb(device: Any = "cpu") -> float:
     return _host_memory_gb()[0]
 
 
+def _writer_for(sinks: Sequence[MetricSink] | SinkWriter, config: MetricsConfig, *, logger: bool) -> SinkWriter | None:
+    """The logging rank's sink writer: one started during setup (its sinks already open), or a new one."""
+    if not logger:
+        return None
+    if isinstance(sinks, SinkWriter):
+        return sinks
+    return SinkWriter(sinks, max_queue=config.queue_size) if sinks else None
+
+
 class TrainMetrics:
     """Metrics of one worker's step loop. Construct it on every rank after setup (model, engine and
     data built: it freezes the heap for GC control), right before the first step.
@@ -130,7 +139,7 @@ class TrainMetrics:
         datasheet_peak_flops: float | None = None,
         measured_peak_flops: float | None = None,
         memory_budget_gb: float | None = None,
-        sinks: Sequence[MetricSink] = (),
+        sinks: Sequence[MetricSink] | SinkWriter = (),
         print_progress: bool = True,
         process_group: Any = None,
         niceness: int | None = None,
@@ -179,7 +188,7 @@ class TrainMetrics:
 
         self._is_logger = rank == 0
         self._print = print_progress and self._is_logger
-        self._writer = SinkWriter(sinks, max_queue=config.queue_size) if (self._is_logger and sinks) else None
+        self._writer = _writer_for(sinks, config, logger=self._is_logger)
         self._sink_cpu_at_window_start = 0.0
         self._dropped_at_window_start = 0
         self._detector = SlowdownDetector(
