@@ -40,7 +40,6 @@ from raytrain_fast.checkpoint.manifest import (
     verify_checkpoint,
     write_rank_manifest,
 )
-from raytrain_fast.checkpoint.resize import universal_cache_path
 from raytrain_fast.errors import CheckpointError
 
 DEEPSPEED_TAG = "deepspeed"
@@ -278,6 +277,8 @@ class Checkpointer:
                 self.filesystem.delete_dir(path)
                 self._best_cache.pop(path, None)
                 with contextlib.suppress(OSError):  # its universal form, if a resize made one
+                    from raytrain_fast.checkpoint.resize import universal_cache_path
+
                     self.filesystem.delete_dir(universal_cache_path(path))
 
     def _metric_of(self, path: str) -> float | None:
