@@ -336,8 +336,10 @@ class Checkpointer:
             try:
                 cache, seconds = ensure_universal(self.filesystem, chosen, local_checkpoint=self._restore_dir, step=step)
                 outcome = (cache, seconds, None)
-            except (CheckpointError, OSError) as error:  # every rank raises it, none waits forever
+            except CheckpointError as error:  # every rank raises it, none waits forever
                 outcome = (None, None, error)
+            except Exception as error:  # noqa: BLE001 - e.g. an upload error: sent as a picklable error
+                outcome = (None, None, CheckpointError(f"preparing the universal form of {self.uri(chosen)} failed: {error!r}"))
         cache, seconds, error = broadcast_from_rank_zero(outcome)
         if error is not None:
             self._discard_restore_dir()
