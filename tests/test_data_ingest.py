@@ -1,13 +1,14 @@
-"""Training-side ingest: manifest checks, the per-rank plan, and exact resume through Ray Data."""
+"""Training-side ingest: manifest checks, the world-size-free sequence shuffle, and exact resume through Ray Data."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from raytrain_fast.data import BatchIterator, DataPosition, check_manifest_matches, load_manifest, prepare_data
-from raytrain_fast.data.ingest import rank_plan, shard_order, usable_rows
+from raytrain_fast.data.ingest import SHUFFLE_WINDOW_SHARDS, EpochOrder, rank_stream, shard_order, usable_rows
 from raytrain_fast.errors import DataError
 
 SEQ_LEN = 8
@@ -55,29 +56,74 @@ def test_missing_manifest_says_how_to_prepare(tmp_path):
 
 
 def test_position_round_trips_through_json():
-    position = DataPosition(epoch=3, consumed=128, world_size=2)
+    position = DataPosition(epoch=3, consumed=128)
     assert DataPosition.from_dict(json.loads(json.dumps(position.to_dict()))) == position
     with pytest.raises(DataError):
         DataPosition.from_dict({"epoch": 1, "step": 2})
+    # An older checkpoint's per-rank position maps to the same share of its epoch, marked approximate.
+    legacy = DataPosition.from_dict({"epoch": 2, "consumed": 12, "world_size": 2})
+    assert (legacy.epoch, legacy.consumed, legacy.legacy_world_size) == (2, 24, 2)
 
 
-def test_plan_deals_each_sequence_to_one_rank_per_epoch(prepared):
+def stream_ids(prepared, *, seed, start, rank, world_size, micro_batch, batches, rows=None):
+    _, _, shards, in_shard = rank_stream(
+        rows or usable_rows(prepared), seed=seed, start=start, rank=rank, world_size=world_size,
+        micro_batch=micro_batch, batches=batches,
+    )
+    first = [s.first_seq_id for s in prepared.shards]
+    return [first[s] + r for s, r in zip(shards.tolist(), in_shard.tolist())]
+
+
+def test_shuffle_is_deterministic_per_seed_and_epoch_and_covers_every_sequence_once(prepared):
     rows = usable_rows(prepared)
-    for world_size in (1, 2, 3):
-        orders = set()
-        for epoch in range(3):
-            shares = []
-            for rank in range(world_size):
-                plan = rank_plan(rows, seed=7, epoch=epoch, rank=rank, world_size=world_size)
-                ids = [prepared.shards[s.shard].first_seq_id + i for s in plan for i in range(s.start, s.stop)]
-                shares.append(ids)
-            flat = [i for share in shares for i in share]
-            assert len(set(len(s) for s in shares)) == 1 and len(shares[0]) == NUM_SEQUENCES // world_size
-            assert len(flat) == len(set(flat)) == NUM_SEQUENCES - NUM_SEQUENCES % world_size
-            orders.add(tuple(flat))
-        assert len(orders) == 3  # a new shard order every epoch
+    orders = set()
+    for epoch in range(3):
+        order = EpochOrder(rows, seed=7, epoch=epoch)
+        shards, in_shard = order.locate(np.arange(NUM_SEQUENCES))
+        again = EpochOrder(rows, seed=7, epoch=epoch).locate(np.arange(NUM_SEQUENCES))
+        assert np.array_equal(shards, again[0]) and np.array_equal(in_shard, again[1])  # same (seed, epoch), same order
+        ids = [prepared.shards[s].first_seq_id + r for s, r in zip(shards.tolist(), in_shard.tolist())]
+        assert sorted(ids) == list(range(NUM_SEQUENCES))  # every sequence exactly once per epoch
+        orders.add(tuple(ids))
+    assert len(orders) == 3  # a new order every epoch
+    other_seed = EpochOrder(rows, seed=8, epoch=0).locate(np.arange(NUM_SEQUENCES))[1]
+    assert not np.array_equal(other_seed, EpochOrder(rows, seed=7, epoch=0).locate(np.arange(NUM_SEQUENCES))[1])
     assert shard_order(10, seed=1, epoch=0) == shard_order(10, seed=1, epoch=0) != shard_order(10, seed=2, epoch=0)
     assert usable_rows(prepared, max_sequences=10) == [7, 3] + [0] * 8
+    # Windows: with more shards than a window, sequences only move within their window.
+    many = [5] * (2 * SHUFFLE_WINDOW_SHARDS + 3)
+    order = EpochOrder(many, seed=1, epoch=0)
+    shards, _ = order.locate(np.arange(5 * SHUFFLE_WINDOW_SHARDS))
+    assert set(shards.tolist()) == set(shard_order(len(many), seed=1, epoch=0)[:SHUFFLE_WINDOW_SHARDS])
+
+
+def test_ranks_slice_one_stream_that_knows_no_world_size(prepared):
+    """Micro-batch k of rank r is stream[(k * W + r) * B : +B]: any W slices the same global stream,
+    and the epochs follow each other without dropping a sequence."""
+    start = DataPosition(epoch=0, consumed=0)
+    single = stream_ids(prepared, seed=3, start=start, rank=0, world_size=1, micro_batch=4, batches=40)
+    for world_size in (2, 3):
+        shares = [stream_ids(prepared, seed=3, start=start, rank=r, world_size=world_size, micro_batch=4, batches=6) for r in range(world_size)]
+        interleaved = [i for k in range(6) for r in range(world_size) for i in shares[r][k * 4 : (k + 1) * 4]]
+        assert interleaved == single[: len(interleaved)]
+    assert sorted(single[:64]) == sorted(single[64:128]) == list(range(64))
+    # A resize mid-epoch: 2 ranks take 3 rounds (24 sequences), then 3 ranks with micro-batch 2 go on.
+    taken = [i for r in range(2) for i in stream_ids(prepared, seed=3, start=start, rank=r, world_size=2, micro_batch=4, batches=3)]
+    resumed = DataPosition(epoch=0, consumed=24)
+    rest = [i for r in range(3) for i in stream_ids(prepared, seed=3, start=resumed, rank=r, world_size=3, micro_batch=2, batches=6)]
+    assert len(taken + rest) == len(set(taken + rest)) == 60  # none twice
+    assert set(taken + rest) == set(single[:60])
+
+
+def test_a_micro_batch_mixes_documents_and_files(prepared, ray_session):
+    """The corpus is 4 files of one repeated byte each (16 sequences per file). A shard-order stream
+    gave 16 consecutive sequences of one file; the sequence shuffle draws from all of them."""
+    with BatchIterator(prepared, rank=0, world_size=1, micro_batch=16, seed=0) as it:
+        for _ in range(4):
+            tokens, seq_ids = next(it)
+            files = {int(b) for b in tokens[:, :-1].flatten().tolist() if 97 <= b < 101}
+            assert len(files) >= 3, f"a batch of 16 drew from {len(files)} files only: {seq_ids.tolist()}"
+            assert len({i // 16 for i in seq_ids.tolist()}) >= 3
 
 
 def test_ranks_cover_every_sequence_once_per_epoch(prepared, ray_session):
@@ -85,11 +131,11 @@ def test_ranks_cover_every_sequence_once_per_epoch(prepared, ray_session):
     seen = {}
     for rank in (0, 1):
         with BatchIterator(prepared, rank=rank, world_size=2, micro_batch=MICRO_BATCH, seed=5, prefetch_batches=2) as it:
-            assert it.batches_per_epoch == per_epoch
             ids, positions = take(it, 2 * per_epoch)
-            assert positions[per_epoch - 2] == DataPosition(epoch=0, consumed=(per_epoch - 1) * MICRO_BATCH, world_size=2)
-            assert positions[per_epoch - 1] == DataPosition(epoch=1, consumed=0, world_size=2)
-            assert positions[2 * per_epoch - 1] == it.position == DataPosition(epoch=2, consumed=0, world_size=2)
+            assert positions[per_epoch - 2] == DataPosition(epoch=0, consumed=(per_epoch - 1) * MICRO_BATCH * 2)
+            assert positions[per_epoch - 1] == DataPosition(epoch=1, consumed=0)
+            assert positions[2 * per_epoch - 1] == it.position == DataPosition(epoch=2, consumed=0)
+        assert ids == stream_ids(prepared, seed=5, start=DataPosition(), rank=rank, world_size=2, micro_batch=MICRO_BATCH, batches=2 * per_epoch)
         seen[rank] = ids
     half = per_epoch * MICRO_BATCH
     for epoch in (0, 1):

@@ -17,6 +17,7 @@ Uploads go through our own `checkpoint_upload_fn` so that they are retried, time
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -54,10 +55,13 @@ class TrainState:
     tokens: int = 0
     """Tokens consumed across all workers."""
     world_size: int = 1
+    """Workers of the run that wrote it."""
+    global_batch: int = 0
+    """Sequences per optimizer step (kept when resuming on another worker count; 0: from before it was saved)."""
     zero_stage: int = 2
     precision: str = "bf16"
     data_position: dict[str, Any] | None = None
-    """This run's data position (per rank), see data/ingest.py."""
+    """The global data position (sequences of the epoch consumed by all ranks), see data/ingest.py."""
     coordinator: dict[str, Any] | None = None
     """Values measured once per run (FLOPs per token, peaks), so a resumed job does not measure again."""
     metrics: dict[str, float] = field(default_factory=dict)
@@ -86,14 +90,6 @@ def set_rng_states(states: dict[str, torch.Tensor] | torch.Tensor, device: Any) 
     torch.set_rng_state(states["cpu"])
     if "cuda" in states and torch.device(device).type == "cuda":
         torch.cuda.set_rng_state(states["cuda"], device)
-
-
-def world_size_message(uri: str, *, saved: int, now: int) -> str:
-    return (
-        f"checkpoint {uri} was saved by {saved} workers, this run has {now}. ZeRO optimizer shards are per "
-        f"worker: resume with resources.num_workers={saved}, or start a new run (another --name) from its "
-        f"model weights with --set checkpoint.init_from={uri}"
-    )
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -138,6 +134,9 @@ class Checkpointer:
         self._best_metric = "train/loss" if config.best_metric == "auto" else config.best_metric
         self._upload_delay_s = upload_delay_s
         self._saved = False
+        self.resized: dict[str, Any] | None = None
+        """Set by `restore_state` when the checkpoint was written by another worker count:
+        old and new worker count, conversion seconds (None: the cached conversion), the cache's URI."""
 
     # ------------------------------------------------------------------ cadence
     def due_by_steps(self, step: int, total_steps: int) -> bool:
@@ -277,6 +276,10 @@ class Checkpointer:
             if path not in keep:
                 self.filesystem.delete_dir(path)
                 self._best_cache.pop(path, None)
+                with contextlib.suppress(OSError):  # its universal form, if a resize made one
+                    from raytrain_fast.checkpoint.resize import universal_cache_path
+
+                    self.filesystem.delete_dir(universal_cache_path(path))
 
     def _metric_of(self, path: str) -> float | None:
         if path not in self._best_cache:
@@ -299,25 +302,50 @@ class Checkpointer:
         from ray.train.collective import broadcast_from_rank_zero
 
         self._restore_dir = tempfile.mkdtemp(prefix="raytrain-fast-restore-")
-        chosen = None
+        chosen, saved_world_size = None, None
         if self.rank == 0:
             chosen, skipped = find_resumable_checkpoint(self.filesystem, self.run_path, download_to=self._restore_dir)
             for path, reason in skipped:
                 print(f"Skipping checkpoint {self.uri(path)}: {reason}", flush=True)
-        chosen = broadcast_from_rank_zero(chosen)
+            if chosen is not None:
+                saved_world_size = TrainState.from_json(Path(self._restore_dir, STATE_FILE).read_text()).world_size
+        chosen, saved_world_size = broadcast_from_rank_zero((chosen, saved_world_size))
         if chosen is None:
             self._discard_restore_dir()
             return None
-        if self.rank != 0:
+        self.resized = None
+        if saved_world_size != self.world_size:
+            self._restore_universal(chosen, saved_world_size)  # written by another worker count (checkpoint/resize.py)
+        elif self.rank != 0:
             download_checkpoint(self.filesystem, chosen, self._restore_dir)
         state = TrainState.from_json(Path(self._restore_dir, STATE_FILE).read_text())
-        if state.world_size != self.world_size:
-            self._discard_restore_dir()
-            raise CheckpointError(
-                world_size_message(self.uri(chosen), saved=state.world_size, now=self.world_size)
-            )
         self._restored_from = chosen
         return state
+
+    def _restore_universal(self, chosen: str, saved_world_size: int) -> None:
+        """Rank 0 converts the checkpoint it downloaded to DeepSpeed's universal layout, or reuses the
+        cached conversion beside it; every rank then downloads the universal form (verified like a
+        checkpoint). The engine must be built with `load_universal` (see `resized`)."""
+        from ray.train.collective import broadcast_from_rank_zero
+
+        from raytrain_fast.checkpoint.resize import ensure_universal
+
+        outcome: tuple[str | None, float | None, BaseException | None] = (None, None, None)
+        if self.rank == 0:
+            step = TrainState.from_json(Path(self._restore_dir, STATE_FILE).read_text()).step
+            try:
+                cache, seconds = ensure_universal(self.filesystem, chosen, local_checkpoint=self._restore_dir, step=step)
+                outcome = (cache, seconds, None)
+            except CheckpointError as error:  # every rank raises it, none waits forever
+                outcome = (None, None, error)
+            except Exception as error:  # noqa: BLE001 - e.g. an upload error: sent as a picklable error
+                outcome = (None, None, CheckpointError(f"preparing the universal form of {self.uri(chosen)} failed: {error!r}"))
+        cache, seconds, error = broadcast_from_rank_zero(outcome)
+        if error is not None:
+            self._discard_restore_dir()
+            raise error
+        download_checkpoint(self.filesystem, cache, self._restore_dir)
+        self.resized = {"old": saved_world_size, "new": self.world_size, "seconds": seconds, "cache": self.uri(cache)}
 
     def load_into(self, engine: Any) -> None:
         """Load the checkpoint found by `restore_state` into the engine (model, optimizer, LR schedule, RNG)."""
@@ -330,6 +358,10 @@ class Checkpointer:
             rng_file = Path(self._restore_dir, f"rng_state_rank{self.rank}.pt")
             if rng_file.exists():
                 set_rng_states(torch.load(rng_file), engine.device)
+            elif self.resized is not None:  # a rank the checkpoint's run did not have: a stream of its own
+                from raytrain_fast.checkpoint.resize import rng_seed_for_new_rank
+
+                torch.manual_seed(rng_seed_for_new_rank(step=engine.global_steps, rank=self.rank))
             self._last_save = time.monotonic()
         finally:
             self._discard_restore_dir()

@@ -1,19 +1,26 @@
 """Training-side ingest: a per-rank, resumable stream of micro-batches from prepared shards.
 
-The plan is deterministic, so a resumed run continues exactly where it stopped:
-  - each epoch, the shards are put in an order drawn from (seed, epoch) and read as one stream;
-  - with N sequences and W ranks, rank r takes stream rows [r * N // W, (r + 1) * N // W), so every rank
-    has the same number of sequences per epoch (the N % W rows at the end of the stream wait for the
-    next epoch, where a different order puts other rows there);
-  - each rank drops the last partial micro-batch of its share.
-Every rank therefore sits at the same `DataPosition` (epoch, sequences consumed in it) after every
-step: one position, saved by rank 0, restores all of them.
+The plan is deterministic and knows no world size, so a resumed run continues exactly where it
+stopped, on the same or on another number of workers:
+  - each epoch is one global stream of every usable sequence, in an order drawn from (seed, epoch):
+    the shards are put in an order hashed from (seed, epoch), cut into shuffle windows of
+    `SHUFFLE_WINDOW_SHARDS` consecutive shards, and the sequences of each window are permuted by a
+    hash of (seed, epoch, window). A micro-batch therefore draws from many documents of many shards;
+  - the epochs follow each other in one endless stream (no sequence is dropped at an epoch's end);
+  - with W ranks and micro-batch B, rank r's k-th micro-batch since the start position P is
+    stream[P + (k * W + r) * B : P + (k * W + r + 1) * B].
+After every step all ranks have taken the same number of micro-batches, so one global position,
+`DataPosition(epoch, consumed)` = "sequences of the epoch consumed by all ranks together", saved by
+rank 0, restores every rank. A resize (another W or B) is a new slicing of the rest of the stream:
+no sequence of the epoch is seen twice and none is skipped.
 
-Reading goes through Ray Data: one small read task per shard segment (num_cpus=0, one at a time, on
-this node) feeds `iter_torch_batches(prefetch_batches=...)`, whose threads collate the next batches while
-the step runs; a producer thread starts the pipeline as soon as the iterator is built and hands batches
-over through a small queue, so the step loop only ever blocks on `queue.get()` (the loop times that
-wait itself: TrainMetrics' data wait).
+Reading goes through Ray Data: one small read task per (chunk, window) piece (num_cpus=0, one at a
+time, on this node) reads the window's shards whole (sequential Parquet reads, never single rows),
+keeps this rank's rows and puts them in stream order in memory; `iter_torch_batches(prefetch_batches=...)`
+collates the next batches while the step runs. A producer thread starts the pipeline as soon as the
+iterator is built and hands batches over through a small queue, so the step loop only ever blocks on
+`queue.get()` (the loop times that wait itself: TrainMetrics' data wait). Each rank decodes every
+shard of the windows it reads (W times the bytes over all ranks): the price of a world-size-free order.
 """
 
 from __future__ import annotations
@@ -21,10 +28,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import pickle
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,31 +45,44 @@ from raytrain_fast.storage import StorageConfig, resolve_filesystem
 
 logger = logging.getLogger("raytrain_fast")
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries its id under this label
-_SEGMENTS_PER_DATASET = 64  # epochs are chained into one Ray Dataset until it has this many segments
+SHUFFLE_WINDOW_SHARDS = 16
+"""Shards whose sequences are shuffled together (about 16M tokens at the default shard size)."""
+_WINDOWS_PER_DATASET = 2  # a Ray Dataset covers about this many windows' worth of micro-batches
+STREAM = "sequence-shuffle-v1"
+"""The stream a position belongs to; positions without it come from the older per-rank shard stream."""
 
 
 @dataclass(kw_only=True)
 class DataPosition:
-    """Where a rank's data stream stands: the next batch starts at sequence `consumed` of `epoch`."""
+    """Where the global stream stands: the next micro-batch starts at sequence `consumed` of `epoch`."""
 
     epoch: int = 0
     consumed: int = 0
-    """Sequences this rank has consumed in `epoch` (the same on every rank)."""
-    world_size: int | None = None
-    """World size the position was taken at; resuming on another world size is approximate."""
+    """Sequences of `epoch` consumed by all ranks together (the same value on every rank)."""
+    legacy_world_size: int | None = None
+    """Set only for a position read from a checkpoint of the older per-rank stream (see `from_dict`)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"epoch": self.epoch, "consumed": self.consumed, "stream": STREAM}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DataPosition:
-        unknown = set(data) - {"epoch", "consumed", "world_size"}
+        """A saved position. An older checkpoint's position ({epoch, consumed per rank, world_size},
+        no `stream`) belongs to a stream that no longer exists: it maps to the same share of its
+        epoch in the new stream (consumed x world_size sequences), and the iterator says that this
+        epoch's order is new (sequences may repeat or be skipped until the next epoch)."""
+        unknown = set(data) - {"epoch", "consumed", "world_size", "stream"}
         if unknown:
             raise DataError(f"data position has unknown keys {sorted(unknown)}: {data}")
-        position = cls(**data)
-        if position.epoch < 0 or position.consumed < 0:
-            raise DataError(f"data position must not be negative: {data}")
-        return position
+        epoch, consumed = data.get("epoch", 0), data.get("consumed", 0)
+        if not isinstance(epoch, int) or not isinstance(consumed, int) or epoch < 0 or consumed < 0:
+            raise DataError(f"data position must hold non-negative integers: {data}")
+        if data.get("stream") == STREAM:
+            return cls(epoch=epoch, consumed=consumed)
+        if data.get("stream") is not None:
+            raise DataError(f"data position of an unknown stream '{data['stream']}' (this version reads '{STREAM}')")
+        world_size = int(data.get("world_size") or 1)
+        return cls(epoch=epoch, consumed=consumed * world_size, legacy_world_size=world_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,16 +156,11 @@ def check_manifest_matches(
 
 
 # ---------------------------------------------------------------------------------------------
-# The deterministic plan
+# The deterministic, world-size-free order
 
 
-@dataclass(frozen=True)
-class Segment:
-    """Rows [start, stop) of shard `shard`."""
-
-    shard: int
-    start: int
-    stop: int
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def shard_order(num_shards: int, *, seed: int, epoch: int) -> list[int]:
@@ -156,6 +172,21 @@ def shard_order(num_shards: int, *, seed: int, epoch: int) -> list[int]:
     return sorted(range(num_shards), key=keys.__getitem__)
 
 
+def _splitmix64(values: np.ndarray) -> np.ndarray:
+    """A fixed 64-bit mixing function (SplitMix64's finalizer), vectorized: stable across library versions."""
+    z = values.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def window_permutation(length: int, *, seed: int, epoch: int, window: int) -> np.ndarray:
+    """Positions 0..length-1 of a window in their shuffled order, drawn from (seed, epoch, window)."""
+    with np.errstate(over="ignore"):
+        keys = _splitmix64(np.arange(length, dtype=np.uint64) ^ np.uint64(_hash64(f"{seed}:{epoch}:{window}")))
+    return np.argsort(keys, kind="stable")
+
+
 def usable_rows(manifest: Manifest, max_sequences: int | None = None) -> list[int]:
     """Rows of each shard that are used: all of them, or only those with seq_id < max_sequences."""
     if not max_sequences:
@@ -163,54 +194,79 @@ def usable_rows(manifest: Manifest, max_sequences: int | None = None) -> list[in
     return [max(0, min(s.num_rows, max_sequences - s.first_seq_id)) for s in manifest.shards]
 
 
-def rank_plan(shard_rows: list[int], *, seed: int, epoch: int, rank: int, world_size: int) -> list[Segment]:
-    """Rank `rank`'s share of `epoch`, in reading order: rows [r * N // W, (r + 1) * N // W) of the shuffled stream."""
-    per_rank = sum(shard_rows) // world_size
-    return _stream_slice(shard_rows, shard_order(len(shard_rows), seed=seed, epoch=epoch), rank * per_rank, (rank + 1) * per_rank)
+class EpochOrder:
+    """The global order of one epoch: stream offset -> (shard, row), windows computed on first use."""
+
+    def __init__(self, shard_rows: list[int], *, seed: int, epoch: int, window_shards: int = SHUFFLE_WINDOW_SHARDS) -> None:
+        self.seed, self.epoch = seed, epoch
+        order = [s for s in shard_order(len(shard_rows), seed=seed, epoch=epoch) if shard_rows[s] > 0]
+        self.order = np.asarray(order, dtype=np.int64)
+        rows = np.asarray([shard_rows[s] for s in order], dtype=np.int64)
+        self.shard_start = np.concatenate([[0], np.cumsum(rows)])  # stream offset of each ordered shard
+        self.window_start = self.shard_start[::window_shards]
+        if self.window_start[-1] != self.shard_start[-1]:
+            self.window_start = np.append(self.window_start, self.shard_start[-1])
+        self.window_shards = window_shards
+        self._permutations: dict[int, np.ndarray] = {}
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.shard_start[-1])
+
+    def windows_of(self, offsets: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.window_start, offsets, side="right") - 1
+
+    def locate(self, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, row) of the sequences at these stream offsets of the epoch."""
+        windows = self.windows_of(offsets)
+        source = np.empty_like(offsets)
+        for window in np.unique(windows):
+            mask = windows == window
+            start = int(self.window_start[window])
+            source[mask] = start + self._permutation(int(window))[offsets[mask] - start]
+        ordered = np.searchsorted(self.shard_start, source, side="right") - 1
+        return self.order[ordered], source - self.shard_start[ordered]
+
+    def _permutation(self, window: int) -> np.ndarray:
+        if window not in self._permutations:
+            length = int(self.window_start[window + 1] - self.window_start[window])
+            self._permutations[window] = window_permutation(length, seed=self.seed, epoch=self.epoch, window=window)
+        return self._permutations[window]
 
 
-def _stream_slice(shard_rows: list[int], order: list[int], lo: int, hi: int) -> list[Segment]:
-    segments, offset = [], 0
-    for shard in order:
-        rows = shard_rows[shard]
-        start, stop = max(lo, offset), min(hi, offset + rows)
-        if start < stop:
-            segments.append(Segment(shard, start - offset, stop - offset))
-        offset += rows
-        if offset >= hi:
-            break
-    return segments
-
-
-def _skip(segments: list[Segment], rows: int) -> list[Segment]:
-    out = []
-    for segment in segments:
-        length = segment.stop - segment.start
-        if rows >= length:
-            rows -= length
-            continue
-        out.append(Segment(segment.shard, segment.start + rows, segment.stop))
-        rows = 0
-    return out
-
-
-def _take(segments: list[Segment], rows: int) -> list[Segment]:
-    out = []
-    for segment in segments:
-        if rows <= 0:
-            break
-        length = min(rows, segment.stop - segment.start)
-        out.append(Segment(segment.shard, segment.start, segment.start + length))
-        rows -= length
-    return out
+def rank_stream(
+    shard_rows: list[int], *, seed: int, start: DataPosition, rank: int, world_size: int, micro_batch: int, batches: int,
+    first_batch: int = 0, orders: dict[int, EpochOrder] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(epochs, windows, shards, rows) of the sequences of rank `rank`'s micro-batches first_batch ..
+    first_batch + batches - 1 after `start`, in order. Pure: the ingest's plan, and what tests check.
+    `orders`: a cache of EpochOrder by epoch (the caller keeps it across calls)."""
+    total = sum(shard_rows)
+    orders = {} if orders is None else orders
+    base = start.epoch * total + start.consumed
+    k = np.arange(first_batch, first_batch + batches, dtype=np.int64)
+    absolute = (base + (k * world_size + rank) * micro_batch)[:, None] + np.arange(micro_batch, dtype=np.int64)[None, :]
+    absolute = absolute.ravel()
+    epochs, offsets = absolute // total, absolute % total
+    windows, shards, rows = np.empty_like(absolute), np.empty_like(absolute), np.empty_like(absolute)
+    for epoch in np.unique(epochs).tolist():
+        if epoch not in orders:
+            for old in [e for e in orders if e < epoch]:
+                del orders[old]  # the stream only moves forward
+            orders[epoch] = EpochOrder(shard_rows, seed=seed, epoch=epoch)
+        mask = epochs == epoch
+        windows[mask] = orders[epoch].windows_of(offsets[mask])
+        shards[mask], rows[mask] = orders[epoch].locate(offsets[mask])
+    return epochs, windows, shards, rows
 
 
 # ---------------------------------------------------------------------------------------------
 # Ray Data pieces (run in read tasks and in iter_torch_batches' threads)
 
 
-class _ReadSegments:
-    """map_batches function: rows of (path, start, stop) -> those rows of those Parquet shards."""
+class _ReadPieces:
+    """map_batches function: one pickled piece (shard paths, and which row of which shard, in stream
+    order) -> those rows, in that order. Shards are read whole: sequential reads, shuffled in memory."""
 
     def __init__(self, filesystem: pafs.FileSystem) -> None:
         self.filesystem = filesystem
@@ -219,9 +275,11 @@ class _ReadSegments:
         import pyarrow.parquet as pq
 
         tables = []
-        for path, start, stop in zip(batch["path"], batch["start"], batch["stop"]):
-            table = pq.read_table(str(path), filesystem=self.filesystem, columns=["seq_id", "tokens"])
-            tables.append(table.slice(int(start), int(stop) - int(start)))
+        for spec in batch["piece"]:
+            paths, which, rows = pickle.loads(spec)
+            read = [pq.read_table(path, filesystem=self.filesystem, columns=["seq_id", "tokens"]) for path in paths]
+            offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in read])])
+            tables.append(pa.concat_tables(read).take(pa.array(offsets[which] + rows)))
         return pa.concat_tables(tables)
 
 
@@ -250,12 +308,21 @@ class _Item:
     tokens: Any
     seq_ids: Any
     position: DataPosition
-    """Position after this batch."""
+    """Position after this batch (every rank has taken it)."""
 
 
 @dataclass
 class _Failure:
     error: BaseException
+
+
+@dataclass
+class _Chunk:
+    first_batch: int
+    batches: int
+    pieces: list[bytes]
+    seq_ids: np.ndarray
+    """The seq_ids the chunk's batches must hold, in order (the resume contract, checked)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +333,8 @@ class BatchIterator(Iterator):
     """(tokens, seq_ids) micro-batches for one rank, epoch after epoch, resumable at a `DataPosition`.
 
     tokens: (micro_batch, seq_len + 1) int64 on `device`; seq_ids: (micro_batch,) int64 on the CPU.
-    Every rank of a run must use the same manifest, seed, micro_batch and world_size.
+    Every rank of a run must use the same manifest, seed, micro_batch and world_size; the position
+    may come from a run with other ones.
     """
 
     def __init__(
@@ -293,17 +361,30 @@ class BatchIterator(Iterator):
         self.prefetch_batches = prefetch_batches
         self.device = torch.device(device)
         self.shard_rows = usable_rows(manifest, max_sequences)
-        self.sequences_per_epoch = sum(self.shard_rows) // world_size
-        """Sequences each rank owns per epoch (its last partial micro-batch is dropped)."""
-        self.batches_per_epoch = self.sequences_per_epoch // micro_batch
-        if self.batches_per_epoch == 0:
+        self.sequences_per_epoch = sum(self.shard_rows)
+        """Sequences in the global stream per epoch (all ranks together)."""
+        if self.sequences_per_epoch < micro_batch * world_size:
             raise DataError(
-                f"the prepared data at {manifest.root} has {sum(self.shard_rows):,} usable sequences: "
-                f"{self.sequences_per_epoch} per rank with {world_size} ranks, fewer than one micro-batch of {micro_batch}"
+                f"the prepared data at {manifest.root} has {self.sequences_per_epoch:,} usable sequences: "
+                f"{self.sequences_per_epoch // world_size} per rank with {world_size} ranks, fewer than one micro-batch of {micro_batch}"
             )
-        self._position = self._normalize(position or DataPosition())
+        position = position or DataPosition()
+        if position.legacy_world_size is not None:
+            logger.warning(
+                "this checkpoint's data position (epoch %d, %d sequences per rank on %d ranks) comes from the older "
+                "shard-order stream: continuing at the same share of epoch %d in the sequence-shuffled stream, whose "
+                "order is new (some sequences of this epoch may repeat or be skipped; later epochs are exact)",
+                position.epoch, position.consumed // position.legacy_world_size, position.legacy_world_size, position.epoch,
+            )
+        absolute = position.epoch * self.sequences_per_epoch + min(position.consumed, self.sequences_per_epoch)
+        self._start = DataPosition(epoch=absolute // self.sequences_per_epoch, consumed=absolute % self.sequences_per_epoch)
+        self._position = self._start
         self._filesystem, root_path = resolve_filesystem(manifest.root, storage or StorageConfig())
         self._paths = [f"{root_path.rstrip('/')}/{shard.path}" for shard in manifest.shards]
+        self._first_seq_id = np.asarray([shard.first_seq_id for shard in manifest.shards], dtype=np.int64)
+        window_rows = self.sequences_per_epoch * min(SHUFFLE_WINDOW_SHARDS, len(self.shard_rows)) / max(1, len(self.shard_rows))
+        self._batches_per_chunk = max(1, int(window_rows * _WINDOWS_PER_DATASET) // (micro_batch * world_size))
+        self._orders: dict[int, EpochOrder] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch_batches)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name=f"batches-rank{rank}", daemon=True)
@@ -311,8 +392,9 @@ class BatchIterator(Iterator):
 
     @property
     def position(self) -> DataPosition:
-        """Where the next batch starts. Save it with the checkpoint (same on every rank)."""
-        return DataPosition(epoch=self._position.epoch, consumed=self._position.consumed, world_size=self.world_size)
+        """Where the global stream stands after the batches taken so far (same on every rank at a step
+        boundary). Save it with the checkpoint."""
+        return DataPosition(epoch=self._position.epoch, consumed=self._position.consumed)
 
     def __next__(self) -> tuple[Any, Any]:
         item = self._queue.get()
@@ -348,36 +430,26 @@ class BatchIterator(Iterator):
 
     # -- plan -------------------------------------------------------------------------------
 
-    def _normalize(self, position: DataPosition) -> DataPosition:
-        consumed = position.consumed
-        if position.world_size is not None and position.world_size != self.world_size:
-            consumed = consumed * position.world_size // self.world_size
-            logger.warning(
-                "resuming the data stream on %d ranks from a position taken on %d: continuing at about the same "
-                "point of epoch %d, but not exactly (some sequences may repeat or be skipped in this epoch)",
-                self.world_size, position.world_size, position.epoch,
-            )
-        if consumed + self.micro_batch > self.sequences_per_epoch:
-            return DataPosition(epoch=position.epoch + 1, consumed=0)
-        return DataPosition(epoch=position.epoch, consumed=consumed)
+    def _position_after(self, batches: int) -> DataPosition:
+        absolute = self._start.epoch * self.sequences_per_epoch + self._start.consumed + batches * self.world_size * self.micro_batch
+        return DataPosition(epoch=absolute // self.sequences_per_epoch, consumed=absolute % self.sequences_per_epoch)
 
-    def _epoch_segments(self, epoch: int, skip: int) -> tuple[list[Segment], int]:
-        """(segments this rank reads in `epoch` after `skip` sequences, number of batches they make)."""
-        plan = rank_plan(self.shard_rows, seed=self.seed, epoch=epoch, rank=self.rank, world_size=self.world_size)
-        num_batches = (self.sequences_per_epoch - skip) // self.micro_batch
-        return _take(_skip(plan, skip), num_batches * self.micro_batch), num_batches
-
-    def _chunks(self) -> Iterator[list[tuple[int, int, int, list[Segment]]]]:
-        """Lists of (epoch, first consumed, batches, segments), chained until a dataset has enough segments."""
-        epoch, skip = self._position.epoch, self._position.consumed
-        while True:
-            chunk, count = [], 0
-            while count < _SEGMENTS_PER_DATASET:
-                segments, num_batches = self._epoch_segments(epoch, skip)
-                chunk.append((epoch, skip, num_batches, segments))
-                count += len(segments)
-                epoch, skip = epoch + 1, 0
-            yield chunk
+    def _chunk(self, first_batch: int) -> _Chunk:
+        """The next `_batches_per_chunk` micro-batches of this rank: read pieces, one per (epoch, window) run."""
+        count = self._batches_per_chunk
+        epochs, windows, shards, rows = rank_stream(
+            self.shard_rows, seed=self.seed, start=self._start, rank=self.rank, world_size=self.world_size,
+            micro_batch=self.micro_batch, batches=count, first_batch=first_batch, orders=self._orders,
+        )
+        # Split where the (epoch, window) changes: each piece reads one window's shards once.
+        keys = epochs * (1 << 32) + windows
+        cuts = np.flatnonzero(np.diff(keys)) + 1
+        pieces = []
+        for lo, hi in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(keys)]])):
+            unique, which = np.unique(shards[lo:hi], return_inverse=True)
+            paths = [self._paths[int(s)] for s in unique]
+            pieces.append(pickle.dumps((paths, which.astype(np.int64), rows[lo:hi].astype(np.int64))))
+        return _Chunk(first_batch=first_batch, batches=count, pieces=pieces, seq_ids=self._first_seq_id[shards] + rows)
 
     # -- producer thread --------------------------------------------------------------------
 
@@ -392,68 +464,55 @@ class BatchIterator(Iterator):
 
     def _produce(self) -> None:
         try:
-            for chunk in self._chunks():
+            first = 0
+            while not self._stop.is_set():
+                chunk = self._chunk(first)
                 if not self._produce_chunk(chunk):
                     return
+                first += chunk.batches
         except BaseException as error:  # handed to the caller's next()
             self._put(_Failure(error))
 
-    def _produce_chunk(self, chunk: list[tuple[int, int, int, list[Segment]]]) -> bool:
-        runs: list[tuple[int, int]] = []  # (first seq_id, count): what the batches must hold, in order
-        items = []
-        for _, _, _, segments in chunk:
-            for s in segments:
-                runs.append((self.manifest.shards[s.shard].first_seq_id + s.start, s.stop - s.start))
-                items.append({"path": self._paths[s.shard], "start": s.start, "stop": s.stop})
-        cursor = _RunCursor(runs)
-        batches = self._dataset(items).iter_torch_batches(
+    def _produce_chunk(self, chunk: _Chunk) -> bool:
+        batches = self._dataset(chunk.pieces).iter_torch_batches(
             batch_size=self.micro_batch,
             prefetch_batches=self.prefetch_batches,
             collate_fn=_collate_class(),
             device="cpu",  # moved in next(): seq_ids stay on the host for bookkeeping
             pin_memory=self.device.type == "cuda",
-            drop_last=False,  # every epoch's rows are already a multiple of micro_batch
+            drop_last=False,  # a chunk is a whole number of micro-batches
         )
-        planned = sum(num_batches for _, _, num_batches, _ in chunk)
-        epochs = iter(chunk)
-        epoch, skip, num_batches, _ = next(epochs)
-        in_epoch = produced = 0
+        produced = 0
         for batch in batches:
-            while in_epoch == num_batches:  # the previous batch ended its epoch
-                epoch, skip, num_batches, _ = next(epochs, (None, 0, 0, None))
-                in_epoch = 0
-                if epoch is None:
-                    raise DataError("internal: the data pipeline returned more batches than planned")
+            if produced == chunk.batches:
+                raise DataError("internal: the data pipeline returned more batches than planned")
             seq_ids = batch["seq_ids"]
-            if not np.array_equal(seq_ids.numpy(), cursor.take(self.micro_batch)):
+            expected = chunk.seq_ids[produced * self.micro_batch : (produced + 1) * self.micro_batch]
+            if not np.array_equal(seq_ids.numpy(), expected):
                 raise DataError(
-                    f"internal: the data pipeline returned sequences out of order (epoch {epoch}, rank {self.rank}); "
-                    "exact resume would break"
+                    f"internal: the data pipeline returned sequences out of order (rank {self.rank}, batch "
+                    f"{chunk.first_batch + produced} after {self._start}); exact resume would break"
                 )
-            in_epoch += 1
             produced += 1
-            if in_epoch == num_batches:
-                after = DataPosition(epoch=epoch + 1, consumed=0)
-            else:
-                after = DataPosition(epoch=epoch, consumed=skip + in_epoch * self.micro_batch)
+            after = self._position_after(chunk.first_batch + produced)
             if not self._put(_Item(tokens=batch["tokens"], seq_ids=seq_ids, position=after)):
                 return False
-        if produced != planned:
-            raise DataError(f"internal: the data pipeline returned {produced} batches, {planned} were planned")
+        if produced != chunk.batches:
+            raise DataError(f"internal: the data pipeline returned {produced} batches, {chunk.batches} were planned")
         return True
 
-    def _dataset(self, items: list[dict]):
+    def _dataset(self, pieces: list[bytes]):
         import ray
         import ray.data
 
-        dataset = ray.data.from_items(items, override_num_blocks=len(items))
+        dataset = ray.data.from_items([{"piece": piece} for piece in pieces], override_num_blocks=len(pieces))
         dataset = dataset.map_batches(
-            _ReadSegments(self._filesystem),
+            _ReadPieces(self._filesystem),
             batch_size=1,
             batch_format="numpy",
             compute=ray.data.TaskPoolStrategy(size=1),
             # The training workers hold every CPU of their node; a reader that asked for one would never
-            # be scheduled. Reading a shard is milliseconds of I/O and decoding, off the step's thread.
+            # be scheduled. Reading a window is milliseconds of I/O and decoding, off the step's thread.
             num_cpus=0,
             label_selector={NODE_ID_LABEL: ray.get_runtime_context().get_node_id()},  # read next to the trainer
         )
@@ -464,26 +523,7 @@ class BatchIterator(Iterator):
         return dataset
 
 
-class _RunCursor:
-    """Walks (first, count) runs of consecutive seq_ids, handing out the next n ids."""
-
-    def __init__(self, runs: list[tuple[int, int]]) -> None:
-        self.runs, self.index, self.offset = runs, 0, 0
-
-    def take(self, n: int) -> np.ndarray:
-        parts = []
-        while n > 0 and self.index < len(self.runs):
-            first, count = self.runs[self.index]
-            length = min(n, count - self.offset)
-            parts.append(np.arange(first + self.offset, first + self.offset + length, dtype=np.int64))
-            self.offset += length
-            n -= length
-            if self.offset == count:
-                self.index, self.offset = self.index + 1, 0
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
 __all__ = [
-    "BatchIterator", "DataPosition", "Segment", "check_manifest_matches", "load_manifest", "rank_plan",
-    "shard_order", "usable_rows",
+    "BatchIterator", "DataPosition", "EpochOrder", "check_manifest_matches", "load_manifest", "rank_stream",
+    "shard_order", "usable_rows", "window_permutation",
 ]

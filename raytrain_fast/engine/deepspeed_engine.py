@@ -86,10 +86,12 @@ def resolve_precision(precision: str, *, use_gpu: bool) -> tuple[str, str]:
 
 
 def build_deepspeed_config(
-    *, engine: EngineConfig, optim: OptimConfig, micro_batch: int, grad_accum: int, world_size: int
+    *, engine: EngineConfig, optim: OptimConfig, micro_batch: int, grad_accum: int, world_size: int,
+    load_universal: bool = False,
 ) -> dict[str, Any]:
     """The DeepSpeed JSON config. The batch sizes must already be consistent (validated earlier),
-    and `engine.precision` resolved to bf16 or fp32 (see `resolve_precision`)."""
+    and `engine.precision` resolved to bf16 or fp32 (see `resolve_precision`). `load_universal`: the
+    checkpoint to load is in DeepSpeed's universal layout (a resume on another worker count)."""
     precision = engine.precision
     if precision == "auto":
         raise ValueError("engine.precision must be resolved with resolve_precision() before building DeepSpeed")
@@ -117,6 +119,7 @@ def build_deepspeed_config(
         "wall_clock_breakdown": False,
         "timers": {"throughput": {"enabled": False, "synchronized": False}},
         "steps_per_print": 2**31 - 1,  # DeepSpeed's own per-step logging: never
+        **({"checkpoint": {"load_universal": True}} if load_universal else {}),
     }
 
 
@@ -200,6 +203,7 @@ def build_engine(
     grad_accum: int,
     world_size: int,
     total_steps: int,
+    load_universal: bool = False,
 ):
     """deepspeed.initialize on an already-initialised process group (TorchTrainer made it)."""
     if select_accelerator() == "cpu" and world_size == 1:
@@ -208,7 +212,8 @@ def build_engine(
 
     _clip_without_host_sync()
     ds_config = build_deepspeed_config(
-        engine=engine, optim=optim, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size
+        engine=engine, optim=optim, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
+        load_universal=load_universal,
     )
 
     def scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:

@@ -59,10 +59,10 @@ def _ensure_ray(env_vars: dict[str, str] | None = None) -> None:
 
 
 def check_resume_policy(config: Config):
-    """checkpoint.resume=must|never, and the worker count of the checkpoint to resume, decided from
-    storage before any worker starts (a mismatch inside the workers would be retried max_failures times).
+    """checkpoint.resume=must|never, decided from storage before any worker starts. A checkpoint of
+    another worker count is resumed (see `keep_checkpoint_batch` and checkpoint/resize.py).
     Returns the TrainState of the newest complete checkpoint (None when the run has none)."""
-    from raytrain_fast.checkpoint.checkpointing import STATE_FILE, TrainState, world_size_message
+    from raytrain_fast.checkpoint.checkpointing import STATE_FILE, TrainState
     from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs, verify_checkpoint
 
     policy = config.checkpoint.resume
@@ -73,10 +73,6 @@ def check_resume_policy(config: Config):
     if complete:
         with filesystem.open_input_stream(f"{complete[0]}/{STATE_FILE}") as stream:
             state = TrainState.from_json(stream.read().decode())
-        saved = state.world_size
-        if saved != config.resources.num_workers:
-            scheme = "s3://" if config.storage.uri.startswith("s3://") else ""
-            raise CheckpointError(world_size_message(f"{scheme}{complete[0]}", saved=saved, now=config.resources.num_workers))
     if policy == "must" and not complete:
         raise CheckpointError(
             f"--resume must: run '{config.name}' has no complete checkpoint under {config.storage.uri}. "
@@ -93,6 +89,7 @@ def check_resume_policy(config: Config):
 def check_before_ray(config: Config, *, create_bucket: bool = False):
     """Everything decided without a cluster: validation, storage reachable and writable, the
     resume policy. Returns (config with absolute local paths, TrainState of the checkpoint to resume or None)."""
+    config = keep_checkpoint_batch(config)  # before validation: a resize may need another micro_batch
     validate(config)
     config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, uri=storage_path(config.storage.uri)))
     if config.checkpoint.init_from:  # resolved here: the workers' working directory differs
@@ -102,6 +99,45 @@ def check_before_ray(config: Config, *, create_bucket: bool = False):
     check_storage(config.storage, create_bucket=create_bucket)  # reachable and writable, in seconds
     state = check_resume_policy(config)
     return keep_checkpoint_precision(config, state), state
+
+
+def keep_checkpoint_batch(config: Config) -> Config:
+    """Resuming on another worker count keeps the checkpoint's global batch: micro_batch x grad_accum
+    are recomputed for the new count (checkpoint/resize.py `fit_batch`), or a CheckpointError names
+    the counts that work. Reads the newest complete checkpoint's state; storage problems are left
+    to the checks that follow (this runs before them)."""
+    from raytrain_fast.checkpoint.checkpointing import STATE_FILE, TrainState
+    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs, verify_checkpoint
+    from raytrain_fast.checkpoint.resize import fit_batch, saved_global_batch
+
+    if config.checkpoint.resume == "never" or config.resources.num_workers < 1:
+        return config
+    try:
+        filesystem, root = resolve_filesystem(storage_path(config.storage.uri), config.storage)
+        run_path = f"{root.rstrip('/')}/{config.name}"
+        newest = next(
+            (p for _, p in list_checkpoint_dirs(filesystem, run_path) if verify_checkpoint(filesystem, p, checksums=False)[0]), None
+        )
+        if newest is None:
+            return config
+        with filesystem.open_input_stream(f"{newest}/{STATE_FILE}") as stream:
+            state = TrainState.from_json(stream.read().decode())
+    except Exception:  # noqa: BLE001 - reported with a clear message by check_storage / check_resume_policy
+        return config
+    workers, train = config.resources.num_workers, config.train
+    if state.world_size == workers:
+        return config
+    global_batch = saved_global_batch(state, seq_len=config.data.seq_len, default=train.global_batch)
+    if train.micro_batch == "auto":
+        fitted = dataclasses.replace(train, global_batch=global_batch, grad_accum=None)
+    else:
+        scheme = "s3://" if config.storage.uri.startswith("s3://") else ""
+        micro_batch, grad_accum = fit_batch(
+            global_batch=global_batch, micro_batch=int(train.micro_batch), num_workers=workers,
+            saved_workers=state.world_size, uri=f"{scheme}{newest}",
+        )
+        fitted = dataclasses.replace(train, global_batch=global_batch, micro_batch=micro_batch, grad_accum=grad_accum)
+    return dataclasses.replace(config, train=fitted)
 
 
 def keep_checkpoint_precision(config: Config, state) -> Config:

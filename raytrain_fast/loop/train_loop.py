@@ -163,6 +163,14 @@ def restore(worker: Worker) -> tuple[Checkpointer, TrainState, TrainState | None
     )
     if worker.rank == 0 and restored:
         print(f"Resumed from checkpoint at step {state.step} ({state.tokens:,} tokens seen).", flush=True)
+        if checkpointer.resized:
+            from raytrain_fast.checkpoint.resize import resize_line
+
+            r = checkpointer.resized
+            print(resize_line(step=state.step, old=r["old"], new=r["new"], seconds=r["seconds"], cache=r["cache"],
+                              micro_batch=int(config.train.micro_batch), grad_accum=worker.grad_accum), flush=True)
+    state.world_size = worker.world_size  # what the next checkpoint is written by (a resize changes it)
+    state.global_batch = int(config.train.micro_batch) * worker.grad_accum * worker.world_size
     return checkpointer, state, restored
 
 
@@ -235,6 +243,7 @@ def build_engine_for(worker: Worker, model: Any, checkpointer: Checkpointer, coo
     engine = build_engine(
         model, engine=config.engine, optim=config.optim, micro_batch=config.train.micro_batch,
         grad_accum=worker.grad_accum, world_size=worker.world_size, total_steps=config.train.steps,
+        load_universal=checkpointer.resized is not None,
     )
     if restored is not None:
         checkpointer.load_into(engine)
