@@ -3,10 +3,13 @@ real DeepSpeed ZeRO-2 in bf16:
 - on resume each rank reads from storage only what it loads: the files every rank loads (model
   states, train state, config, `latest`, every manifest) and its own optimizer shard and RNG
   states; the node's ranks share one download of the common files;
+- a checkpoint whose optimizer shard of rank 1 was altered in storage (same size: only rank 1's
+  checksum sees it) is skipped by every rank together, and the run resumes from the one before;
 - the W&B (offline) and TensorBoard files rank 0 writes in a node-local temp dir are copied into
   `<run>/` in storage, and after a restart (a new temp dir: another node, as far as files go) the
   new files land beside the old ones, so storage holds both attempts' scalars.
-One run of 4 steps and its resume to 6 serve every assertion (about a minute on 2 cores)."""
+One run of 4 steps (checkpoints at 2 and 4), its resume to 6 and a 1-step init_from run serve every
+assertion (about 2 minutes on 2 busy cores)."""
 
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ def resumed(ray_session, s3_server):
             [
                 "model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.max_seq_len=32",
                 "data.seq_len=32", "data.max_tokens=20000", "train.micro_batch=4", "train.global_batch=8",
-                "train.steps=4", "train.log_every=1", "checkpoint.every_steps=4", "optim.warmup_steps=1",
+                "train.steps=4", "train.log_every=1", "checkpoint.every_steps=2", "checkpoint.keep_last=3", "optim.warmup_steps=1",
                 "resources.num_workers=2", "engine.precision=bf16", "metrics.peak_measure_s=0.2", "eval.enabled=false",
                 "metrics.tensorboard=true", "metrics.tensorboard_flush_every_s=1", "metrics.wandb=true",
                 "metrics.wandb_mode=offline", f"storage.uri=s3://{bucket}/runs", f"storage.endpoint_url={s3_server.endpoint_url}",
@@ -44,6 +47,12 @@ def resumed(ray_session, s3_server):
             name="ckptio",
         )
         first = run(config)
+        # Alter rank 1's optimizer shard of the newest checkpoint, keeping its size.
+        client, prefix = s3_server.client(), "runs/ckptio/checkpoint_00000004/deepspeed/"
+        shard = f"{prefix}bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        body = bytearray(client.get_object(Bucket=bucket, Key=shard)["Body"].read())
+        body[-100:] = bytes(255 - b for b in body[-100:])
+        client.put_object(Bucket=bucket, Key=shard, Body=bytes(body))
         longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=6))
         second = run(longer)
         return config, first, second, bucket
@@ -58,16 +67,22 @@ def _objects(s3_server, bucket: str, prefix: str) -> dict[str, int]:
     return sizes
 
 
-def test_each_rank_downloads_only_what_it_loads(resumed, s3_server):
-    _, first, second, bucket = resumed
+def test_a_shard_altered_in_storage_makes_every_rank_take_the_previous_checkpoint(resumed):
+    _, first, second, _ = resumed
     assert first.checkpoint.endswith("checkpoint_00000004")
     saved = dict(second.checkpoints)[second.checkpoint]
-    assert saved["start_step"] == 4, "the second run did not resume from step 4"
+    assert saved["start_step"] == 2, "the resume did not skip the altered checkpoint at step 4 for the one at 2"
+
+
+def test_each_rank_downloads_only_what_it_loads(resumed, s3_server):
+    _, _, second, bucket = resumed
+    saved = dict(second.checkpoints)[second.checkpoint]
+    assert saved["start_step"] == 2
     downloaded = [saved[f"checkpoint/restore_download_bytes/rank{r}"] for r in range(2)]
     assert saved["checkpoint/restore_download_bytes_max"] == max(downloaded)
 
-    # What the checkpoint at step 4 holds (sizes from the manifests, checked against the listing).
-    prefix = "runs/ckptio/checkpoint_00000004/"
+    # What the checkpoint it resumed from (step 2) holds.
+    prefix = "runs/ckptio/checkpoint_00000002/"
     objects = _objects(s3_server, bucket, prefix)
     manifests = [
         RankManifest.from_json(s3_server.client().get_object(Bucket=bucket, Key=f"{prefix}manifest.rank{r}.json")["Body"].read())
