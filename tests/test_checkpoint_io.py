@@ -28,8 +28,12 @@ MARGIN_BYTES = 0  # the counter counts exactly the files a rank fetched: no slac
 
 @pytest.fixture(scope="module")
 def resumed(ray_session, s3_server):
-    """(config, first result, resumed result), W&B offline and TensorBoard on."""
+    """(config, first result, resumed result, bucket), W&B offline and TensorBoard on."""
+    import json as json_package
+    import os
+
     bucket = s3_server.make_bucket("ckptio-tests")
+    source = os.path.dirname(json_package.__file__)  # a few real text files: prepared in a second, not stdlib's 20 s
     with pytest.MonkeyPatch.context() as patch:
         for key, value in s3_server.env.items():
             patch.setenv(key, value)
@@ -42,7 +46,7 @@ def resumed(ray_session, s3_server):
                 "train.steps=4", "train.log_every=1", "checkpoint.every_steps=2", "checkpoint.keep_last=3", "optim.warmup_steps=1",
                 "resources.num_workers=2", "engine.precision=bf16", "metrics.peak_measure_s=0.2", "eval.enabled=false",
                 "metrics.tensorboard=true", "metrics.tensorboard_flush_every_s=1", "metrics.wandb=true",
-                "metrics.wandb_mode=offline", f"storage.uri=s3://{bucket}/runs", f"storage.endpoint_url={s3_server.endpoint_url}",
+                "metrics.wandb_mode=offline", f"data.source={source}", f"storage.uri=s3://{bucket}/runs", f"storage.endpoint_url={s3_server.endpoint_url}",
             ],
             name="ckptio",
         )
