@@ -80,6 +80,15 @@ CASES = [
          setup="blocking_file"),
     Case("s3-endpoint-unreachable", ["pretrain", *_s("storage.uri=s3://bkt/runs", f"storage.endpoint_url=http://admin:{SECRET}@127.0.0.1:{{port}}")],
          2, ["Cannot reach endpoint http://127.0.0.1:", "Check storage.endpoint_url"], env={"S3": "1"}),
+    # A local storage.uri / data.cache_dir on a Ray cluster of 2 nodes (ray.cluster_utils.Cluster): refused
+    # once Ray is joined, before any worker starts (see test_shared_storage_is_accepted_on_two_nodes).
+    Case("local-storage-multi-node", ["pretrain", *_s("storage.uri={tmp}/runs")], 2,
+         ["storage.uri '.*/runs' is a local directory, but the Ray cluster has 2 nodes", "s3://bucket/prefix",
+          "--set storage.shared=true"], env={"RAY_CLUSTER": "1"}),
+    Case("local-cache-multi-node", ["pretrain", "--create-bucket", *_s("storage.uri=s3://multi-node/runs", "storage.endpoint_url={s3}",
+                                                                         "data.cache_dir={tmp}/cache")], 2,
+         ["data.cache_dir '.*/cache' is a local directory, but the Ray cluster has 2 nodes", "--set storage.shared=true"],
+         env={"S3": "1", "RAY_CLUSTER": "1"}),
     Case("s3-no-credentials", ["pretrain", *_s("storage.uri=s3://bkt/runs", "storage.endpoint_url={s3}")], 2,
          ["No S3 credentials found for bucket 'bkt'", "AWS_ACCESS_KEY_ID", "storage.profile"]),
     Case("s3-half-credentials", ["pretrain", *_s("storage.uri=s3://bkt/runs", "storage.endpoint_url={s3}")], 2,
@@ -230,8 +239,10 @@ def test_bad_input(case: Case, isolated: Path, request, monkeypatch, capsys):
         if case.env.get("S3"):
             monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-access-key")
             monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    if case.env.get("RAY_CLUSTER"):
+        monkeypatch.setenv("RAY_ADDRESS", request.getfixturevalue("two_node_cluster"))
     for key, value in case.env.items():
-        if key != "S3":
+        if key not in ("S3", "RAY_CLUSTER"):
             monkeypatch.setenv(key, value)
     if case.setup:
         globals()[case.setup](isolated)
@@ -243,6 +254,10 @@ def test_bad_input(case: Case, isolated: Path, request, monkeypatch, capsys):
     except SystemExit as exit:  # argparse's own errors
         code = exit.code
     seconds = time.monotonic() - start
+    if case.env.get("RAY_CLUSTER"):
+        import ray
+
+        ray.shutdown()  # leave the cluster: the next test joins or starts its own Ray
     out, err = capsys.readouterr()
 
     assert code == case.code, f"exit {code}, expected {case.code}\nstdout: {out}\nstderr: {err}"
@@ -257,6 +272,45 @@ def test_bad_input(case: Case, isolated: Path, request, monkeypatch, capsys):
     for path in isolated.rglob("*"):
         if path.is_file():
             assert SECRET.encode() not in path.read_bytes(), f"{path} holds the planted secret"
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """The address of a real 2-node Ray cluster (ray.cluster_utils.Cluster, 1 CPU each). A Ray
+    instance this process had (the session's) is shut down meanwhile and started again after."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    had_ray = ray.is_initialized()
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        yield cluster.address
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if had_ray:  # as tests/conftest.py's ray_session started it
+            ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=True)
+
+
+def test_shared_storage_is_accepted_on_two_nodes(two_node_cluster, isolated, monkeypatch):
+    """storage.shared=true (an NFS mount, say) lifts both refusals of the table above."""
+    import ray
+
+    from raytrain_fast.config import load_config
+    from raytrain_fast.launch.trainer import resolve_resources
+
+    monkeypatch.setenv("RAY_ADDRESS", two_node_cluster)
+    config = load_config("tiny", [f"storage.uri={isolated}/runs", f"data.cache_dir={isolated}/cache", "storage.shared=true",
+                                   "engine.precision=fp32"])
+    try:
+        resolved = resolve_resources(config)
+        assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+    finally:
+        ray.shutdown()
+    assert resolved.storage.shared and resolved.resources.cpus_per_worker >= 1
 
 
 def test_the_table_in_the_docs_lists_every_case():

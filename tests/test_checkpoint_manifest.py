@@ -159,3 +159,38 @@ def test_list_runs_shows_steps_and_completeness(bucket_storage, tmp_path):
     assert any("checkpoint_00000020" in line and "complete (newest complete)" in line for line in lines)
     assert any(line.startswith("beta") and "checkpoint_00000005" in line for line in lines)
     assert "not-a-run" not in table
+
+
+def test_download_for_rank_reads_only_that_ranks_share_once_per_node(bucket_storage, tmp_path):
+    """Two ranks of one node (same base dir), in threads: each gets the common files and its own
+    shard only; the common files are fetched once; a rank whose own shard was altered fails, the
+    other does not (the caller's all-gather makes both move on)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from raytrain_fast.checkpoint.manifest import download_for_rank, file_rank
+
+    _, filesystem, root, server, bucket = bucket_storage
+    path = _save_checkpoint(tmp_path, filesystem, f"{root}/node-share", 100)
+    base = tmp_path / "node"
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda r: download_for_rank(filesystem, path, rank=r, base_dir=str(base)), range(WORLD_SIZE)))
+    assert got[0].local_dir == got[1].local_dir
+    names = {str(p.relative_to(got[0].local_dir)) for p in Path(got[0].local_dir).rglob("*") if p.is_file() and ".locks" not in p.parts}
+    sizes = {name: size for name, size in ((n, Path(got[0].local_dir, n).stat().st_size) for n in names)}
+    common = sum(size for name, size in sizes.items() if file_rank(name) is None)
+    own = {r: sum(size for name, size in sizes.items() if file_rank(name) == r) for r in range(WORLD_SIZE)}
+    assert own[0] == 300_000 and own[1] == 300_001  # both shards there: one per rank
+    assert sum(g.downloaded_bytes for g in got) == common + own[0] + own[1]  # the common files once
+    for rank in range(WORLD_SIZE):
+        assert got[rank].needed_bytes <= got[rank].downloaded_bytes + common
+        assert got[rank].downloaded_bytes <= common + own[rank]
+
+    key = f"{path.split('/', 1)[1]}/deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    body = bytearray(server.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[:8] = bytes(255 - b for b in body[:8])
+    server.client().put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    fresh = tmp_path / "other-node"
+    assert download_for_rank(filesystem, path, rank=0, base_dir=str(fresh)).downloaded_bytes == common + own[0]
+    with pytest.raises(IncompleteCheckpointError, match="zero_pp_rank_1_.* does not match its checksum"):
+        download_for_rank(filesystem, path, rank=1, base_dir=str(fresh))
+    assert not any(p.name.endswith(".partial") for p in fresh.rglob("*"))

@@ -34,8 +34,9 @@ import yaml
 from raytrain_fast.checkpoint.config import CheckpointConfig
 from raytrain_fast.checkpoint.manifest import (
     STATE_FILE,
+    IncompleteCheckpointError,
     download_checkpoint,
-    find_resumable_checkpoint,
+    download_for_rank,
     list_checkpoint_dirs,
     verify_checkpoint,
     write_rank_manifest,
@@ -137,6 +138,12 @@ class Checkpointer:
         self.resized: dict[str, Any] | None = None
         """Set by `restore_state` when the checkpoint was written by another worker count:
         old and new worker count, conversion seconds (None: the cached conversion), the cache's URI."""
+        try:
+            self.local_rank = ray.train.get_context().get_local_rank()
+        except Exception:  # local mode
+            self.local_rank = 0
+        self.restore_download_bytes: list[int] = []
+        """Bytes each rank read from storage when this attempt resumed (empty on a fresh start)."""
 
     # ------------------------------------------------------------------ cadence
     def due_by_steps(self, step: int, total_steps: int) -> bool:
@@ -167,6 +174,9 @@ class Checkpointer:
         try:
             engine.save_checkpoint(local_dir, tag=DEEPSPEED_TAG)
             torch.save(rng_states(engine.device), Path(local_dir, f"rng_state_rank{self.rank}.pt"))
+            if self.rank == 0 and self.restore_download_bytes:
+                metrics = {**metrics, "checkpoint/restore_download_bytes_max": max(self.restore_download_bytes),
+                           **{f"checkpoint/restore_download_bytes/rank{r}": b for r, b in enumerate(self.restore_download_bytes)}}
             if self.rank == 0:
                 state.metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
                 Path(local_dir, STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
@@ -295,67 +305,102 @@ class Checkpointer:
     def restore_state(self) -> TrainState | None:
         """Find and download the newest complete checkpoint; returns its TrainState (None if none).
 
-        Rank 0 picks it (skipping incomplete ones, with the reason printed); every rank downloads
-        and verifies it. Call `load_into(engine)` next. Split in two so that the data iterator can
-        start at the restored position while the engine is being built.
+        Rank 0 picks it from the manifests and sizes (skipping incomplete ones, with the reason
+        printed). Each rank then downloads only what it loads (`download_for_rank`: model states,
+        its own optimizer shard, the small files), ranks of one node sharing one download, every
+        byte checksummed; if any rank's files fail their checksums, every rank moves on to the
+        previous checkpoint. Call `load_into(engine)` next. Split in two so that the data iterator
+        can start at the restored position while the engine is being built.
         """
         from ray.train.collective import broadcast_from_rank_zero
 
-        self._restore_dir = tempfile.mkdtemp(prefix="raytrain-fast-restore-")
-        chosen, saved_world_size = None, None
+        rejected: set[str] = set()
+        while True:
+            chosen = self._pick_checkpoint(rejected) if self.rank == 0 else None
+            chosen = broadcast_from_rank_zero(chosen)
+            if chosen is None:
+                return None
+            download, problem = None, ""
+            try:
+                download = download_for_rank(self.filesystem, chosen, rank=self.rank)
+            except IncompleteCheckpointError as error:
+                problem = error.reason
+                print(f"Skipping checkpoint {self.uri(chosen)}: {problem} (found by rank {self.rank})", flush=True)
+            # One collective: who failed, and how many bytes each rank read (the resume line and metrics).
+            gathered = _all_gather_ints([int(bool(problem)), download.downloaded_bytes if download else 0], self.world_size)
+            if any(failed for failed, _ in gathered):
+                rejected.add(chosen)
+                if download is not None and self.local_rank == 0:  # every rank of the node is past it
+                    shutil.rmtree(download.local_dir, ignore_errors=True)
+                continue
+            break
+        self._restore_dir = download.local_dir
+        self.restore_download_bytes = [downloaded for _, downloaded in gathered]
         if self.rank == 0:
-            chosen, skipped = find_resumable_checkpoint(self.filesystem, self.run_path, download_to=self._restore_dir)
-            for path, reason in skipped:
-                print(f"Skipping checkpoint {self.uri(path)}: {reason}", flush=True)
-            if chosen is not None:
-                saved_world_size = TrainState.from_json(Path(self._restore_dir, STATE_FILE).read_text()).world_size
-        chosen, saved_world_size = broadcast_from_rank_zero((chosen, saved_world_size))
-        if chosen is None:
-            self._discard_restore_dir()
-            return None
-        self.resized = None
-        if saved_world_size != self.world_size:
-            self._restore_universal(chosen, saved_world_size)  # written by another worker count (checkpoint/resize.py)
-        elif self.rank != 0:
-            download_checkpoint(self.filesystem, chosen, self._restore_dir)
+            per_rank = ", ".join(f"{b / 1e6:.2f}" for b in self.restore_download_bytes)
+            print(
+                f"Checkpoint download: {max(self.restore_download_bytes) / 1e6:.2f} MB at most per rank "
+                f"(rank 0 needs {download.needed_bytes / 1e6:.2f} MB of the checkpoint's {download.checkpoint_bytes / 1e6:.2f} MB; "
+                f"MB read per rank: {per_rank})", flush=True,
+            )
         state = TrainState.from_json(Path(self._restore_dir, STATE_FILE).read_text())
+        self.resized, self._load_dir = None, self._restore_dir
+        if state.world_size != self.world_size:  # written by another worker count (checkpoint/resize.py)
+            self._restore_universal(chosen, state.world_size, step=state.step)
         self._restored_from = chosen
         return state
 
-    def _restore_universal(self, chosen: str, saved_world_size: int) -> None:
-        """Rank 0 converts the checkpoint it downloaded to DeepSpeed's universal layout, or reuses the
-        cached conversion beside it; every rank then downloads the universal form (verified like a
-        checkpoint). The engine must be built with `load_universal` (see `resized`)."""
+    def _restore_universal(self, chosen: str, saved_world_size: int, *, step: int) -> None:
+        """Rank 0 converts the checkpoint to DeepSpeed's universal layout (downloading all of it
+        for that: the conversion needs every shard), or reuses the cached conversion beside it; every
+        rank then downloads the universal form (verified like a checkpoint) into a directory of its
+        own. The engine must be built with `load_universal` (see `resized`)."""
         from ray.train.collective import broadcast_from_rank_zero
 
         from raytrain_fast.checkpoint.resize import ensure_universal
 
         outcome: tuple[str | None, float | None, BaseException | None] = (None, None, None)
         if self.rank == 0:
-            step = TrainState.from_json(Path(self._restore_dir, STATE_FILE).read_text()).step
+            full = tempfile.mkdtemp(prefix="raytrain-fast-resize-source-")
             try:
-                cache, seconds = ensure_universal(self.filesystem, chosen, local_checkpoint=self._restore_dir, step=step)
+                cache, seconds = ensure_universal(
+                    self.filesystem, chosen, local_checkpoint=lambda: download_checkpoint(self.filesystem, chosen, full), step=step
+                )
                 outcome = (cache, seconds, None)
             except CheckpointError as error:  # every rank raises it, none waits forever
                 outcome = (None, None, error)
             except Exception as error:  # noqa: BLE001 - e.g. an upload error: sent as a picklable error
                 outcome = (None, None, CheckpointError(f"preparing the universal form of {self.uri(chosen)} failed: {error!r}"))
+            finally:
+                shutil.rmtree(full, ignore_errors=True)
         cache, seconds, error = broadcast_from_rank_zero(outcome)
         if error is not None:
             self._discard_restore_dir()
             raise error
-        download_checkpoint(self.filesystem, cache, self._restore_dir)
+        self._load_dir = tempfile.mkdtemp(prefix="raytrain-fast-universal-")
+        download_checkpoint(self.filesystem, cache, self._load_dir)
         self.resized = {"old": saved_world_size, "new": self.world_size, "seconds": seconds, "cache": self.uri(cache)}
+
+    def _pick_checkpoint(self, rejected: set[str]) -> str | None:
+        """Rank 0: the newest checkpoint whose manifests and sizes check out (no file read but the manifests)."""
+        for _, path in list_checkpoint_dirs(self.filesystem, self.run_path):
+            if path in rejected:
+                continue
+            ok, reason = verify_checkpoint(self.filesystem, path, checksums=False)
+            if ok:
+                return path
+            print(f"Skipping checkpoint {self.uri(path)}: {reason}", flush=True)
+        return None
 
     def load_into(self, engine: Any) -> None:
         """Load the checkpoint found by `restore_state` into the engine (model, optimizer, LR schedule, RNG)."""
         try:
             load_path, _ = engine.load_checkpoint(
-                self._restore_dir, tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+                self._load_dir, tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
             )
             if load_path is None:
                 raise CheckpointError(f"DeepSpeed found no loadable state in {self._restored_from}")
-            rng_file = Path(self._restore_dir, f"rng_state_rank{self.rank}.pt")
+            rng_file = Path(self._load_dir, f"rng_state_rank{self.rank}.pt")
             if rng_file.exists():
                 set_rng_states(torch.load(rng_file), engine.device)
             elif self.resized is not None:  # a rank the checkpoint's run did not have: a stream of its own
@@ -363,6 +408,7 @@ class Checkpointer:
 
                 torch.manual_seed(rng_seed_for_new_rank(step=engine.global_steps, rank=self.rank))
             self._last_save = time.monotonic()
+            _barrier(self.world_size)  # the node's ranks share the directory: all have loaded before it goes
         finally:
             self._discard_restore_dir()
 
@@ -371,7 +417,12 @@ class Checkpointer:
         self._discard_restore_dir()
 
     def _discard_restore_dir(self) -> None:
-        shutil.rmtree(getattr(self, "_restore_dir", ""), ignore_errors=True)
+        """The restore directory is shared by the node's ranks: its local rank 0 removes it. A
+        universal download is this rank's own."""
+        if self.local_rank == 0:
+            shutil.rmtree(getattr(self, "_restore_dir", ""), ignore_errors=True)
+        if getattr(self, "_load_dir", None) not in (None, getattr(self, "_restore_dir", None)):
+            shutil.rmtree(self._load_dir, ignore_errors=True)
 
 
 def _barrier(world_size: int) -> None:
@@ -382,8 +433,50 @@ def _barrier(world_size: int) -> None:
         dist.barrier()
 
 
-def load_initial_weights(model: torch.nn.Module, uri: str, *, storage: Any) -> str:
-    """checkpoint.init_from: copy model weights (only) from a checkpoint directory into `model`."""
+def _all_gather_ints(values: list[int], world_size: int) -> list[list[int]]:
+    """Every rank's `values` (same length on every rank), in rank order; one collective."""
+    import torch.distributed as dist
+
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [list(values)]
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        from raytrain_fast.engine.deepspeed_engine import training_device
+
+        device = training_device()
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine)
+    return [t.tolist() for t in every]
+
+
+def load_initial_weights(model: torch.nn.Module, uri: str, *, storage: Any, rank: int = 0, world_size: int = 1) -> str:
+    """checkpoint.init_from: copy model weights (only) from a checkpoint directory into `model`.
+
+    Read once per job: rank 0 downloads and consolidates the checkpoint, then every parameter and
+    buffer goes to the other ranks through torch.distributed (a broadcast per tensor, over the
+    group Ray Train set up), so storage serves the checkpoint once, not once per rank."""
+    if world_size == 1:
+        return _read_initial_weights(model, uri, storage=storage)
+    import torch.distributed as dist
+    from ray.train.collective import broadcast_from_rank_zero
+
+    outcome: tuple[str, str] | None = None
+    if rank == 0:
+        try:
+            outcome = ("ok", _read_initial_weights(model, uri, storage=storage))
+        except CheckpointError as error:
+            outcome = ("error", str(error))
+    outcome = broadcast_from_rank_zero(outcome)
+    if outcome[0] == "error":  # every rank stops with rank 0's reason
+        raise CheckpointError(outcome[1])
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+    return outcome[1]
+
+
+def _read_initial_weights(model: torch.nn.Module, uri: str, *, storage: Any) -> str:
     from raytrain_fast.checkpoint.export import consolidated_state_dict
     from raytrain_fast.storage import resolve_filesystem
 

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -424,3 +425,130 @@ def download_checkpoint(filesystem: pafs.FileSystem, path: str, local_dir: str) 
         os.makedirs(local_dir)
         raise IncompleteCheckpointError(path, problems[0])
     return local_dir
+
+
+# ---------------------------------------------------------------- per-rank download (resume)
+
+# Files that belong to one rank: DeepSpeed's optimizer shard (and, under ZeRO-3, its model-state
+# part), our RNG states. A rank resuming at the same world size opens only its own (DeepSpeed
+# 0.19.8, engine._get_all_zero_checkpoint_state_dicts: without zero_optimization.elastic_checkpoint
+# it loads only the shard of its own data-parallel rank and passes None for the others; the other
+# names are only tested with os.path.exists, which tolerates their absence).
+_RANK_FILE_RES = (
+    re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt$"),
+    re.compile(r"(?:^|/)rng_state_rank(\d+)\.pt$"),
+)
+
+
+def file_rank(relative: str) -> int | None:
+    """The rank a checkpoint file belongs to, or None for a file every rank loads (model states,
+    train state, config, manifests, `latest`)."""
+    for pattern in _RANK_FILE_RES:
+        if match := pattern.search(relative):
+            return int(match.group(1))
+    return None
+
+
+def rank_needs(relative: str, rank: int) -> bool:
+    owner = file_rank(relative)
+    return owner is None or owner == rank
+
+
+@dataclass(kw_only=True)
+class RankDownload:
+    """What `download_for_rank` did on this rank."""
+
+    local_dir: str
+    """The node-local directory holding the files (shared by the node's ranks)."""
+    downloaded_bytes: int
+    """Bytes this rank read from storage (files another rank of the node fetched first are not counted)."""
+    needed_bytes: int
+    """Bytes of the files this rank loads (its share of the checkpoint)."""
+    checkpoint_bytes: int
+    """Bytes of the whole checkpoint (every rank's files): what each rank downloaded before."""
+
+
+def node_restore_dir(path: str, manifests: list[RankManifest], *, base: str | None = None) -> str:
+    """A directory on this node for one checkpoint, the same for every rank of the node: named
+    after the checkpoint's path and its manifests' creation times (a checkpoint rewritten under the
+    same name gets another directory)."""
+    import hashlib
+    import tempfile
+
+    key = path + "|" + ",".join(f"{m.rank}:{m.created_unix!r}" for m in manifests)
+    name = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return os.path.join(base or tempfile.gettempdir(), "raytrain-fast-restore", name)
+
+
+def download_for_rank(
+    filesystem: pafs.FileSystem, path: str, *, rank: int, status: CheckpointStatus | None = None, base_dir: str | None = None
+) -> RankDownload:
+    """Download what rank `rank` loads from the checkpoint `path` (the model states, its own
+    optimizer shard and RNG states, the small state files, every manifest) into a directory shared
+    by the ranks of this node, checksumming every byte as it streams.
+
+    Ranks of one node share one download: each file is fetched under a per-file lock (fcntl) by
+    the first rank that needs it and appears under its final name only once its checksum matched,
+    so the others find it there and read nothing. Raises IncompleteCheckpointError when a file
+    this rank needs is missing or altered (the partial file is removed; the directory is kept for
+    the node's other ranks and removed by `Checkpointer`).
+    """
+    import fcntl
+
+    path = path.rstrip("/")
+    if status is None:
+        status = inspect_checkpoint(filesystem, path, checksums=False)
+    if not status.complete:
+        raise IncompleteCheckpointError(path, status.reason)
+    local_dir = node_restore_dir(path, status.manifests, base=base_dir)
+    os.makedirs(os.path.join(local_dir, ".locks"), exist_ok=True)
+    jobs: dict[str, tuple[str, FileEntry | None]] = {}
+    for manifest in status.manifests:
+        jobs[manifest_name(manifest.rank)] = (manifest.algorithm, None)
+        for entry in manifest.files:
+            if rank_needs(entry.path, rank):
+                jobs[entry.path] = (manifest.algorithm, entry)
+    needed = sum(entry.size for _, entry in jobs.values() if entry is not None)
+    downloaded = 0
+    counter_lock = threading.Lock()
+
+    def fetch(item: tuple[str, tuple[str, FileEntry | None]]) -> str:
+        nonlocal downloaded
+        relative, (algorithm, entry) = item
+        target = Path(local_dir, relative)
+        if target.exists():
+            return ""
+        lock_path = Path(local_dir, ".locks", relative.replace("/", "__") + ".lock")
+        with open(lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if target.exists():  # another rank of the node fetched it while this one waited
+                    return ""
+                target.parent.mkdir(parents=True, exist_ok=True)
+                partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+                try:
+                    with filesystem.open_input_stream(f"{path}/{relative}") as stream, open(partial, "wb") as sink:
+                        size, checksum = _hash_stream(
+                            stream.read, algorithm=algorithm, chunk_bytes=REMOTE_CHUNK_BYTES, sink=sink
+                        )
+                    with counter_lock:
+                        downloaded += size
+                    if entry is not None and (size != entry.size or checksum != entry.checksum):
+                        return f"{relative} does not match its checksum (altered or corrupted after save)"
+                    os.replace(partial, target)  # whole and verified, or absent
+                finally:
+                    partial.unlink(missing_ok=True)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        return ""
+
+    try:
+        with ThreadPoolExecutor(NUM_IO_THREADS) as pool:
+            problems = [p for p in pool.map(fetch, jobs.items()) if p]
+    except OSError as error:
+        problems = [f"a file could not be read: {error}"]
+    if problems:
+        raise IncompleteCheckpointError(path, problems[0])
+    return RankDownload(
+        local_dir=local_dir, downloaded_bytes=downloaded, needed_bytes=needed, checkpoint_bytes=status.num_bytes
+    )

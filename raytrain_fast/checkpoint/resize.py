@@ -13,7 +13,7 @@ Three things change with the worker count, and each is handled here or next to i
   of the same stream.
 
 The conversion runs on rank 0 of the new worker group, inside `Checkpointer.restore_state`: rank 0
-has already downloaded the whole checkpoint there, it is the one place that sees every resize (a
+downloads the whole checkpoint for it (only when no cached conversion exists), it is the one place that sees every resize (a
 resumed job and an elastic restart of the worker group alike), and the other ranks have to wait for
 the state anyway. Its memory need is the full fp32 state (16 bytes per parameter), which a training
 node has.
@@ -29,6 +29,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from raytrain_fast.errors import CheckpointError
@@ -111,9 +112,12 @@ def convert_to_universal(checkpoint_dir: str, output_dir: str) -> float:
     return time.perf_counter() - start
 
 
-def ensure_universal(filesystem: Any, checkpoint_path: str, *, local_checkpoint: str, step: int) -> tuple[str, float | None]:
+def ensure_universal(
+    filesystem: Any, checkpoint_path: str, *, local_checkpoint: str | Callable[[], str], step: int
+) -> tuple[str, float | None]:
     """The universal form of the checkpoint at `checkpoint_path` in storage: reused from the cache
-    when complete there, else converted from `local_checkpoint` (its verified download) and uploaded.
+    when complete there, else converted from `local_checkpoint` (its verified download, or a function
+    that downloads it: called only when there is no cache) and uploaded.
     Returns (cache path, conversion seconds or None when reused). Rank 0 only."""
     import pyarrow.fs as pafs
 
@@ -123,7 +127,8 @@ def ensure_universal(filesystem: Any, checkpoint_path: str, *, local_checkpoint:
     if verify_checkpoint(filesystem, cache, checksums=False)[0]:
         return cache, None
     with tempfile.TemporaryDirectory(prefix="raytrain-fast-universal-") as local:
-        seconds = convert_to_universal(local_checkpoint, local)
+        source = local_checkpoint() if callable(local_checkpoint) else local_checkpoint
+        seconds = convert_to_universal(source, local)
         write_rank_manifest(local, rank=0, world_size=1, step=step)  # the cache verifies like a checkpoint
         with contextlib.suppress(OSError):
             filesystem.delete_dir(cache)  # a partial upload of an earlier attempt

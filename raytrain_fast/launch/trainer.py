@@ -12,7 +12,7 @@ from pathlib import Path
 
 from raytrain_fast.config import Config, validate
 from raytrain_fast.engine import resolve_precision
-from raytrain_fast.errors import CheckpointError
+from raytrain_fast.errors import CheckpointError, ConfigError
 from raytrain_fast.loop.evaluation import resolve_eval
 from raytrain_fast.loop.hooks import LoopHooks, WindowCallback
 from raytrain_fast.storage import check_storage, resolve_filesystem
@@ -167,6 +167,7 @@ def resolve_resources(config: Config, *, create_bucket: bool = False, checked: b
     if not checked:
         config, _ = check_before_ray(config, create_bucket=create_bucket)
     _ensure_ray(checksum_env(config.storage))
+    check_storage_on_cluster(config)
     cluster = ray.cluster_resources()
     cpus, gpus = cluster.get("CPU", 0.0), cluster.get("GPU", 0.0)
     validate(config, cluster_cpus=cpus, cluster_gpus=gpus)
@@ -192,6 +193,19 @@ def resolve_resources(config: Config, *, create_bucket: bool = False, checked: b
         resources=dataclasses.replace(resources, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker),
         engine=dataclasses.replace(config.engine, precision=precision),
     )
+
+
+def check_storage_on_cluster(config: Config) -> None:
+    """A local storage.uri or data.cache_dir on a Ray cluster of several nodes is refused (unless
+    storage.shared), before any worker starts: see storage.config.multi_node_storage_problems."""
+    import ray
+
+    from raytrain_fast.storage.config import multi_node_storage_problems
+
+    nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    problems = multi_node_storage_problems(config.storage, cache_dir=config.data.cache_dir, nodes=nodes)
+    if problems:
+        raise ConfigError(problems)
 
 
 def resolve_precision_on_a_worker(*, use_gpu: bool, cpus_per_worker: int) -> tuple[str, str]:

@@ -204,7 +204,9 @@ def build_model_and_measure(worker: Worker, state: TrainState, coordinator: Coor
     config, rank = worker.config, worker.rank
     model = build_model(config.model, worker.device)  # weights made on the device: no host copy first
     if restored is None and config.checkpoint.init_from:
-        source = load_initial_weights(model, config.checkpoint.init_from, storage=config.storage)
+        source = load_initial_weights(
+            model, config.checkpoint.init_from, storage=config.storage, rank=rank, world_size=worker.world_size
+        )
         if rank == 0:
             print(f"New run initialised from {config.checkpoint.init_from} ({source}).", flush=True)
     if rank == 0 and state.coordinator:

@@ -459,10 +459,74 @@ class TensorBoardSink:
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, global_step=step)
 
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+# --- W&B and TensorBoard files into the run's storage ----------------------------------------------
+
+
+class LocalDirSync:
+    """Copies the files W&B and TensorBoard write under rank 0's node-local `local_dir` into the
+    run's storage (`<run>/wandb/...`, `<run>/tensorboard/...`): at each checkpoint (the writer's
+    flush) and at the end (close; listed after those sinks, so their files are complete by then).
+
+    Only files that changed since the last copy go (size or mtime); symlinks (W&B's `latest-run`,
+    debug logs) are skipped; nothing in storage is ever deleted. A restart, on this node or another,
+    opens new files beside the old ones rather than appending to them: W&B (offline) starts a new
+    `offline-run-<time>-<id>` directory for the same run id (`wandb sync` takes them all, in order),
+    TensorBoard a new `events.out.tfevents.<time>.<host>...` file, and TensorBoard reads every
+    event file of a directory as one series. So storage holds the whole history without a download.
+    """
+
+    def __init__(
+        self, local_dir: str, run_uri: str, *, storage: StorageConfig | None = None, filesystem: pafs.FileSystem | None = None
+    ) -> None:
+        self.local_dir = os.path.abspath(local_dir)
+        self._fs, self._root = _filesystem(run_uri, storage, filesystem)
+        self._sent: dict[str, tuple[int, int]] = {}
+        self.files_copied = 0
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def flush(self) -> None:
+        self.sync()
+
+    def close(self) -> None:
+        self.sync()
+
+    def sync(self) -> int:
+        """Copy what changed; returns how many files went."""
+        import stat
+
+        copied = 0
+        for directory, subdirs, names in os.walk(self.local_dir):
+            subdirs.sort()
+            for name in sorted(names):
+                path = os.path.join(directory, name)
+                info = os.lstat(path)
+                if not stat.S_ISREG(info.st_mode):
+                    continue
+                relative = os.path.relpath(path, self.local_dir).replace(os.sep, "/")
+                key = (info.st_size, info.st_mtime_ns)
+                if self._sent.get(relative) == key:
+                    continue
+                target = f"{self._root}/{relative}"
+                self._fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+                with open(path, "rb") as source, self._fs.open_output_stream(target) as sink:
+                    while chunk := source.read(1 << 20):
+                        sink.write(chunk)
+                self._sent[relative] = key
+                copied += 1
+        self.files_copied += copied
+        return copied
 
 
 def build_sinks(
@@ -492,11 +556,14 @@ def build_sinks(
         )
     if config.tensorboard:
         sinks.append(TensorBoardSink(log_dir=os.path.join(local_dir, "tensorboard"), flush_every_s=config.tensorboard_flush_every_s))
+    if (config.wandb or config.tensorboard) and "://" in run_uri:  # local_dir is a node-local temp dir then
+        sinks.append(LocalDirSync(local_dir, run_uri, storage=storage))
     return sinks
 
 
 __all__ = [
     "JsonlSink",
+    "LocalDirSync",
     "MetricSink",
     "SinkWriter",
     "TensorBoardSink",

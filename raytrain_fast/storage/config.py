@@ -21,6 +21,10 @@ class StorageConfig:
     profile: str | None = None
     """Named AWS profile (~/.aws/credentials or ~/.aws/config) to take credentials from. null = the
     environment variables, then the default AWS chain (shared files, instance or container role)."""
+    shared: bool = False
+    """A local uri (and a local data.cache_dir) is on a filesystem every node of the Ray cluster
+    mounts at the same path (NFS, Lustre, ...). Without it, a local uri on a cluster of more than
+    one node is refused before workers start: each node would hold only its own ranks' files."""
     request_checksums: Literal["auto", "when_supported", "when_required"] = "auto"
     """S3 upload checksums. when_supported: the AWS SDK default, uploads sent aws-chunked with a trailing
     CRC, which some S3-compatible stores save as part of the object; when_required: plain request
@@ -52,3 +56,34 @@ def uri_problem(uri: str, *, setting: str) -> str | None:
     hint = (" For Google Cloud Storage use its S3-compatible API: s3://bucket/prefix with "
             "storage.endpoint_url=https://storage.googleapis.com and HMAC keys.") if scheme in ("gs", "gcs") else ""
     return f"{setting} '{uri}': scheme '{scheme}://' is not supported; use {SUPPORTED_URIS}.{hint}"
+
+
+def is_local_uri(uri: str) -> bool:
+    """A plain path or file://: storage that lives on one machine unless it is a shared mount."""
+    return "://" not in uri or uri.lower().startswith("file://")
+
+
+def multi_node_storage_problems(storage: StorageConfig, *, cache_dir: str | None, nodes: int) -> list[str]:
+    """Why local storage cannot serve a Ray cluster of `nodes` nodes (empty when it can).
+
+    A checkpoint is the merge of every rank's files; on a node-local directory each node keeps only
+    its own ranks' shards, so no node has a complete checkpoint and resume finds none. The same goes
+    for data prepared into a node-local cache_dir, which the other nodes' workers cannot read."""
+    if nodes <= 1 or storage.shared:
+        return []
+    fix = (
+        "use S3-compatible storage (s3://bucket/prefix, with storage.endpoint_url for MinIO and the like), or, if the "
+        "path is a filesystem every node mounts at the same place (NFS, Lustre), declare it with --set storage.shared=true"
+    )
+    problems = []
+    if is_local_uri(storage.uri):
+        problems.append(
+            f"storage.uri '{storage.uri}' is a local directory, but the Ray cluster has {nodes} nodes: each node would "
+            f"keep only its own workers' checkpoint files; {fix}"
+        )
+    if cache_dir is not None and is_local_uri(cache_dir):
+        problems.append(
+            f"data.cache_dir '{cache_dir}' is a local directory, but the Ray cluster has {nodes} nodes: the other nodes' "
+            f"workers could not read the prepared data; {fix}"
+        )
+    return problems
