@@ -208,7 +208,9 @@ def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...
 
 def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus: float | None = None) -> None:
     """Every check that can run before a worker starts. Raises one ConfigError listing all problems."""
-    problems: list[str] = []
+    problems: list[str] = _worker_range_problems(config.resources)
+    if problems:  # the checks below count workers: let them count one, the problem is already named
+        config = dataclasses.replace(config, resources=dataclasses.replace(config.resources, num_workers=1, min_workers=None))
     if config.name is not None and not _NAME_PATTERN.match(config.name):
         problems.append(f"name '{config.name}': use letters, digits, '.', '_' or '-' (it becomes a directory name)")
     for section, names in _POSITIVE.items():
@@ -366,6 +368,18 @@ def _batch_fixes(global_batch: int, micro_batch: int, num_workers: int, *, grad_
     return "; ".join(fixes)
 
 
+def _worker_range_problems(r: ResourcesConfig) -> list[str]:
+    """resources.num_workers: a positive int or an elastic range "MIN-MAX" with 1 <= MIN <= MAX."""
+    example = 'e.g. --set resources.num_workers=4, or --set resources.num_workers=1-4 for an elastic run (in YAML: num_workers: "1-4")'
+    if isinstance(r.num_workers, str):
+        return [f"resources.num_workers: expected a number of workers or a range MIN-MAX, got {r.num_workers!r}; {example}"]
+    if r.min_workers is not None and r.num_workers > 0 and not 1 <= r.min_workers <= r.num_workers:
+        return [
+            f"resources.num_workers: the range {r.min_workers}-{r.num_workers} must have 1 <= MIN <= MAX; {example}"
+        ]
+    return []
+
+
 def _resources_problems(config: Config, *, cluster_cpus: float | None, cluster_gpus: float | None) -> list[str]:
     """The resources section, and whether the Ray cluster (when known) can give them."""
     t, r = config.train, config.resources
@@ -382,8 +396,12 @@ def _resources_problems(config: Config, *, cluster_cpus: float | None, cluster_g
             "train.micro_batch=auto on CPU workers needs resources.memory_budget_gb (the memory one worker may use, "
             "e.g. --set resources.memory_budget_gb=8), or set train.micro_batch to a number"
         )
-    if r.max_failures < -1:
-        problems.append(f"resources.max_failures must be -1 (unlimited) or >= 0, got {r.max_failures}")
+    for name in ("max_failures", "max_preemption_failures"):
+        if getattr(r, name) < -1:
+            problems.append(f"resources.{name} must be -1 (unlimited) or >= 0, got {getattr(r, name)}")
+    for name in ("preemption_grace_s", "elastic_resize_interval_s"):
+        if getattr(r, name) < 0:
+            problems.append(f"resources.{name} must be >= 0 seconds, got {getattr(r, name)}")
     if r.use_gpu is True and cluster_gpus is not None and cluster_gpus < r.num_workers:
         problems.append(
             f"resources.use_gpu=true with {r.num_workers} workers, but the Ray cluster has {cluster_gpus:g} GPUs; "

@@ -73,8 +73,9 @@ def check_resume_policy(config: Config):
     if complete:
         with filesystem.open_input_stream(f"{complete[0]}/{STATE_FILE}") as stream:
             state = TrainState.from_json(stream.read().decode())
-        saved = state.world_size
-        if saved != config.resources.num_workers:
+        saved, resources = state.world_size, config.resources
+        low = resources.min_workers if resources.elastic else resources.num_workers
+        if not low <= saved <= resources.num_workers:  # an elastic run may resume at any size in its range
             scheme = "s3://" if config.storage.uri.startswith("s3://") else ""
             raise CheckpointError(world_size_message(f"{scheme}{complete[0]}", saved=saved, now=config.resources.num_workers))
     if policy == "must" and not complete:
@@ -245,7 +246,8 @@ def build_trainer(
         },
         torch_config=TorchConfig(backend="nccl" if resources.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=resources.num_workers,
+            num_workers=resources.scaling_workers(),  # (min, max): elastic, each resize a restart
+            elastic_resize_monitor_interval_s=resources.elastic_resize_interval_s,
             use_gpu=bool(resources.use_gpu),
             resources_per_worker={"CPU": resources.cpus_per_worker},
         ),
@@ -253,7 +255,12 @@ def build_trainer(
             name=config.name,
             storage_path=storage_root,
             storage_filesystem=filesystem,
-            failure_config=ray.train.FailureConfig(max_failures=resources.max_failures),
+            # A drained node (spot reclaim) restarts the run against its own budget: the loop saved
+            # a checkpoint on the notice (loop/preemption.py).
+            failure_config=ray.train.FailureConfig(
+                max_failures=resources.max_failures, max_preemption_failures=resources.max_preemption_failures,
+                preemption_grace_s=resources.preemption_grace_s,
+            ),
             # Retention (keep_last + keep_best) is ours: Ray's can do one or the other.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
             worker_runtime_env={"env_vars": env_vars},
@@ -332,7 +339,9 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
 
         config = resolve_micro_batch(config)  # measured in fresh processes (or cached), before any worker starts
     run_dir = f"{config.storage.uri.rstrip('/')}/{config.name}"
-    print(f"Run '{config.name}': {config.resources.num_workers} worker(s), storage {run_dir}", flush=True)
+    r = config.resources
+    workers = f"{r.min_workers}-{r.num_workers} workers (elastic)" if r.elastic else f"{r.num_workers} worker(s)"
+    print(f"Run '{config.name}': {workers}, storage {run_dir}", flush=True)
     import ray
 
     from raytrain_fast.coordinator import start_coordinator

@@ -29,6 +29,7 @@ from raytrain_fast.engine import build_engine, enable_tf32, select_accelerator, 
 from raytrain_fast.engine.compile import compile_blocks
 from raytrain_fast.loop.evaluation import Evaluator, resolve_eval
 from raytrain_fast.loop.hooks import LoopHooks, RankHooks, WindowCallback
+from raytrain_fast.loop.preemption import PreemptionNotice
 from raytrain_fast.metrics import TrainMetrics, build_sinks, mfu_inputs
 from raytrain_fast.metrics.host import run_at_normal_priority
 from raytrain_fast.model import build_model
@@ -38,6 +39,7 @@ from raytrain_fast.storage.filesystem import resolve_filesystem, use_shipped_s3_
 # Bit flags agreed across ranks on log steps (see TrainMetrics.log).
 _TIME_DUE = 1  # this rank's checkpoint.every_minutes timer is due
 _STOP = 2  # the driver got a stop notice (SIGTERM / Ctrl-C): save now and stop
+_PREEMPTED = 4  # Ray is draining a node of the run: save now and go on (loop/preemption.py)
 
 
 def train_step(engine: Any, data: Iterator[tuple[torch.Tensor, torch.Tensor]], metrics: TrainMetrics, *, grad_accum: int, on_batch=None) -> None:
@@ -99,6 +101,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         engine, mfu, compiled = build_model_and_engine(worker, state, coordinator, checkpointer, restored=restored)
         evaluator = build_evaluator(worker, engine)
         metrics = build_metrics(worker, state, engine, mfu)  # built last: it freezes the heap for GC control
+        note_resize(worker, restored, metrics)
         try:
             run_steps(
                 worker, engine=engine, data=data, metrics=metrics, evaluator=evaluator, checkpointer=checkpointer,
@@ -159,6 +162,16 @@ def restore(worker: Worker) -> tuple[Checkpointer, TrainState, TrainState | None
     if worker.rank == 0 and restored:
         print(f"Resumed from checkpoint at step {state.step} ({state.tokens:,} tokens seen).", flush=True)
     return checkpointer, state, restored
+
+
+def note_resize(worker: Worker, restored: TrainState | None, metrics: TrainMetrics) -> None:
+    """An elastic run (or a rerun on another worker count) resumed at a new size: one line, and a
+    record that the report draws as a marker at the step."""
+    if restored is None or restored.world_size == worker.world_size:
+        return
+    if worker.rank == 0:
+        print(f"Resized at step {restored.step}: {restored.world_size} -> {worker.world_size} workers.", flush=True)
+    metrics.emit(restored.step, {"resize/from_workers": float(restored.world_size), "resize/to_workers": float(worker.world_size)})
 
 
 def _say_nothing_to_do(worker: Worker, state: TrainState) -> None:
@@ -267,6 +280,7 @@ def run_steps(
     train, hooks = worker.config.train, worker.hooks
     batches = hooks.batches(data, current_step=lambda: state.step)
     start_step, last = state.step, {}
+    preemption = PreemptionNotice()
     compiling = compiled  # the first step compiles the blocks: timed apart (time/compile_s)
     while state.step < train.steps:
         with metrics.compile_timer(state.step + 1, active=compiling):
@@ -281,10 +295,13 @@ def run_steps(
         if logged:
             flags = (_TIME_DUE if checkpointer.due_by_time() else 0) | (
                 _STOP if worker.rank == 0 and coordinator.stop_requested() else 0
-            )
+            ) | (_PREEMPTED if preemption.flag() else 0)
             last = metrics.log(state.step, lr=engine.get_lr()[0], flags=flags)
             agreed = metrics.flags_any_rank
-        saving = save_checkpoints and (checkpointer.due_by_steps(state.step, train.steps) or bool(agreed))
+        on_notice = save_checkpoints and preemption.save_due(bool(agreed & _PREEMPTED))
+        saving = save_checkpoints and (
+            checkpointer.due_by_steps(state.step, train.steps) or bool(agreed & (_TIME_DUE | _STOP)) or on_notice
+        )
         if evaluator.due(state.step, logged=logged, saving=saving):
             last = {**last, **evaluator.run(engine, metrics, step=state.step)}
         if logged and on_window is not None:
@@ -295,6 +312,9 @@ def run_steps(
             blocked_s = checkpointer.save(
                 engine, state, metrics={"step": state.step, "tokens": state.tokens, "start_step": start_step, **last}
             )
+            if on_notice:  # the node may go at its deadline: this checkpoint must be in storage first
+                checkpointer.wait_for_upload()
+                _report_preemption_save(worker, preemption, metrics, step=state.step)
             metrics.record_checkpoint(blocked_s=blocked_s, upload_s=checkpointer.take_upload_s())
             metrics.flush_sinks()
         if agreed & _STOP:
@@ -307,3 +327,12 @@ def run_steps(
                 )
             return
     checkpointer.finish()
+
+
+def _report_preemption_save(worker: Worker, preemption: PreemptionNotice, metrics: TrainMetrics, *, step: int) -> None:
+    """The notice's checkpoint is in storage (this rank's part; rank 0's Ray report waited for every
+    rank's write): print the time it took from the notice, and log it."""
+    values = preemption.saved(step=step)
+    if worker.rank == 0:
+        print(preemption.message(step=step, metrics=values), flush=True)
+    metrics.emit(step, values)
