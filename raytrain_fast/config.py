@@ -390,7 +390,7 @@ def _resources_problems(config: Config, *, cluster_cpus: float | None, cluster_g
         problems.append(f"resources.memory_budget_gb must be > 0 (or null), got {r.memory_budget_gb}")
     if (
         t.micro_batch == "auto" and r.memory_budget_gb is None and cluster_gpus is not None
-        and not (r.use_gpu is True or (r.use_gpu == "auto" and cluster_gpus >= r.num_workers))
+        and not (r.use_gpu is True or (r.use_gpu == "auto" and cluster_gpus >= r.fewest_workers))
     ):
         problems.append(
             "train.micro_batch=auto on CPU workers needs resources.memory_budget_gb (the memory one worker may use, "
@@ -402,14 +402,14 @@ def _resources_problems(config: Config, *, cluster_cpus: float | None, cluster_g
     for name in ("preemption_grace_s", "elastic_resize_interval_s"):
         if getattr(r, name) < 0:
             problems.append(f"resources.{name} must be >= 0 seconds, got {getattr(r, name)}")
-    if r.use_gpu is True and cluster_gpus is not None and cluster_gpus < r.num_workers:
+    if r.use_gpu is True and cluster_gpus is not None and cluster_gpus < r.fewest_workers:
         problems.append(
-            f"resources.use_gpu=true with {r.num_workers} workers, but the Ray cluster has {cluster_gpus:g} GPUs; "
+            f"resources.use_gpu=true with {r.fewest_workers} workers, but the Ray cluster has {cluster_gpus:g} GPUs; "
             "set resources.use_gpu=false (or auto) or fewer workers"
         )
-    if cluster_cpus is not None and r.cpus_per_worker > 0 and r.cpus_per_worker * r.num_workers > cluster_cpus:
+    if cluster_cpus is not None and r.cpus_per_worker > 0 and r.cpus_per_worker * r.fewest_workers > cluster_cpus:
         problems.append(
-            f"resources.cpus_per_worker x num_workers = {r.cpus_per_worker * r.num_workers} CPUs, but the Ray cluster "
+            f"resources.cpus_per_worker x num_workers = {r.cpus_per_worker * r.fewest_workers} CPUs, but the Ray cluster "
             f"has {cluster_cpus:g}; the workers would wait forever. Lower one of them (0 = automatic)"
         )
     return problems

@@ -54,6 +54,11 @@ class ResourcesConfig:
     def elastic(self) -> bool:
         return isinstance(self.num_workers, int) and self.min_workers is not None and self.min_workers < self.num_workers
 
+    @property
+    def fewest_workers(self) -> int:
+        """What the cluster must hold for the run to start: min_workers for an elastic run."""
+        return self.min_workers if self.elastic else self.num_workers  # type: ignore[return-value]
+
     def scaling_workers(self) -> int | tuple[int, int]:
         """ScalingConfig(num_workers=...): an int, or (min, max) for an elastic run."""
         return (self.min_workers, self.num_workers) if self.elastic else self.num_workers

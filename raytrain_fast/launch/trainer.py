@@ -137,10 +137,11 @@ def resolve_resources(config: Config, *, create_bucket: bool = False, checked: b
     validate(config, cluster_cpus=cpus, cluster_gpus=gpus)
 
     resources = config.resources
-    use_gpu = gpus >= resources.num_workers if resources.use_gpu == "auto" else bool(resources.use_gpu)
-    if resources.use_gpu == "auto" and 0 < gpus < resources.num_workers:
+    needed = resources.fewest_workers  # an elastic run starts with what the cluster holds, from min_workers on
+    use_gpu = gpus >= needed if resources.use_gpu == "auto" else bool(resources.use_gpu)
+    if resources.use_gpu == "auto" and 0 < gpus < needed:
         print(
-            f"Warning: the cluster has {gpus:g} GPUs for {resources.num_workers} workers, so resources.use_gpu=auto "
+            f"Warning: the cluster has {gpus:g} GPUs for {needed} workers, so resources.use_gpu=auto "
             "trains on CPUs. Lower resources.num_workers to use the GPUs.", flush=True,
         )
     cpus_per_worker = resources.cpus_per_worker
