@@ -127,11 +127,23 @@ def cluster(monkeypatch):
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
     monkeypatch.setenv("RAY_worker_niceness", "0")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    cluster = Cluster()
     try:
+        _add_node(cluster, num_cpus=0, include_dashboard=False)  # the head
         yield cluster
     finally:
         cluster.shutdown()
+
+
+def _add_node(cluster, **node_args):
+    """cluster.add_node, tried twice: Ray gives a starting raylet 30 s to register, which a loaded
+    2-core machine can miss (a node that failed to start is killed when the test process exits)."""
+    try:
+        return cluster.add_node(**node_args)
+    except Exception as error:  # noqa: BLE001 - Ray raises a bare Exception for it
+        if "timed out during startup" not in str(error):
+            raise
+        return cluster.add_node(**node_args)
 
 
 class _Cli:
@@ -197,7 +209,7 @@ def _checkpoint_steps(run_dir: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_a_drained_node_yields_a_checkpoint_at_the_next_log_step_and_the_run_recovers(cluster, tmp_path):
-    node_a = cluster.add_node(num_cpus=1)
+    node_a = _add_node(cluster, num_cpus=1)
     cli = _Cli(
         tmp_path, cluster.address, "drained", "train.steps=120", "train.global_batch=4", "resources.num_workers=1",
         "checkpoint.every_steps=0",  # no step-based saves: a checkpoint before the end comes from the notice
@@ -205,7 +217,7 @@ def test_a_drained_node_yields_a_checkpoint_at_the_next_log_step_and_the_run_rec
     )
     try:
         cli.wait_for(r"step\s+6/120", timeout_s=240)
-        cluster.add_node(num_cpus=1)  # where the run goes once node A is gone
+        _add_node(cluster, num_cpus=1)  # where the run goes once node A is gone
         deadline_s = 8  # shorter than the rest of the run (>= 114 steps of >= 0.1 s): the restart comes first
         drained_at = time.monotonic()
         subprocess.run(
@@ -222,7 +234,8 @@ def test_a_drained_node_yields_a_checkpoint_at_the_next_log_step_and_the_run_rec
               f"step that saw it: {notice[2]} s; {notice[3]} s left before the node's deadline)")
         assert step % 2 == 0 and step < 120  # a log step, before the end
         assert saved_at - drained_at < deadline_s and int(notice[3]) >= 0  # in storage before the node goes
-        cli.wait_for(rf"Resumed from checkpoint at step {step}\b", timeout_s=120)
+        resumed_at, _ = cli.wait_for(rf"Resumed from checkpoint at step {step}\b", timeout_s=120)
+        print(f"deadline -> resumed on the other node: {resumed_at - drained_at - deadline_s:.1f} s")
         assert cli.finish(timeout_s=240) == 0, cli.output  # max_failures=0: the restart was charged to preemptions
     finally:
         cli.stop()
@@ -233,8 +246,8 @@ def test_a_drained_node_yields_a_checkpoint_at_the_next_log_step_and_the_run_rec
 @pytest.mark.slow
 @pytest.mark.xfail(reason="needs resume on another worker count (branch i16-resize)", strict=False)
 def test_an_elastic_run_goes_on_with_one_worker_when_a_node_goes_and_grows_back(cluster, tmp_path):
-    cluster.add_node(num_cpus=1)
-    node_b = cluster.add_node(num_cpus=1)
+    _add_node(cluster, num_cpus=1)
+    node_b = _add_node(cluster, num_cpus=1)
     cli = _Cli(
         tmp_path, cluster.address, "elastic", "train.steps=80", "train.global_batch=8", "resources.num_workers=1-2",
         "resources.elastic_resize_interval_s=2", "resources.max_failures=2", "checkpoint.every_steps=10",
@@ -248,7 +261,7 @@ def test_an_elastic_run_goes_on_with_one_worker_when_a_node_goes_and_grows_back(
         mismatch = r"was saved by \d+ workers, this run has \d+"
         _, shrunk = cli.wait_for(r"Resized at step (\d+): 2 -> 1 workers", timeout_s=150, fail_on=mismatch)
         assert int(shrunk[1]) >= 10
-        cluster.add_node(num_cpus=1)  # room for a second worker again: the monitor grows the run
+        _add_node(cluster, num_cpus=1)  # room for a second worker again: the monitor grows the run
         _, grown = cli.wait_for(r"Resized at step (\d+): 1 -> 2 workers", timeout_s=150, fail_on=mismatch)
         assert int(grown[1]) > int(shrunk[1])
         assert cli.finish(timeout_s=240) == 0, cli.output
