@@ -208,7 +208,9 @@ def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...
 
 def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus: float | None = None) -> None:
     """Every check that can run before a worker starts. Raises one ConfigError listing all problems."""
-    problems: list[str] = []
+    problems: list[str] = _worker_range_problems(config.resources)
+    if problems:  # the checks below count workers: let them count one, the problem is already named
+        config = dataclasses.replace(config, resources=dataclasses.replace(config.resources, num_workers=1, min_workers=None))
     if config.name is not None and not _NAME_PATTERN.match(config.name):
         problems.append(f"name '{config.name}': use letters, digits, '.', '_' or '-' (it becomes a directory name)")
     for section, names in _POSITIVE.items():
@@ -217,6 +219,7 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
     problems += _data_problems(config.data)
     problems += _optim_problems(config)
     problems += _batch_problems(config.train, config.resources)
+    problems += _elastic_batch_problems(config)
     problems += _resources_problems(config, cluster_cpus=cluster_cpus, cluster_gpus=cluster_gpus)
     problems += metrics_config_problems(config.metrics)
     problems += _checkpoint_problems(config.checkpoint)
@@ -314,6 +317,28 @@ def _optim_problems(config: Config) -> list[str]:
     return problems + _not_positive("engine", e, ("reduce_bucket_size", "allgather_bucket_size"))
 
 
+def _elastic_batch_problems(config: Config) -> list[str]:
+    """An elastic run keeps its global batch at every size in its range: each count must divide it."""
+    r, t = config.resources, config.train
+    if not r.elastic or t.micro_batch == "auto" or not isinstance(t.micro_batch, int) or t.micro_batch <= 0 or r.num_workers <= 0:
+        return []
+    try:
+        global_batch = t.micro_batch * config.grad_accum() * r.num_workers
+    except (ValueError, ZeroDivisionError):
+        return []
+    if global_batch != t.global_batch:  # the batch itself does not add up: _batch_problems names that
+        return []
+    misfits = [n for n in range(r.min_workers, r.num_workers + 1) if global_batch % n]
+    if not misfits:
+        return []
+    fits = [n for n in range(1, r.num_workers + 1) if global_batch % n == 0]
+    return [
+        f"resources.num_workers={r.min_workers}-{r.num_workers}: the global batch of {global_batch} sequences cannot be "
+        f"kept on {', '.join(map(str, misfits))} worker(s) (not a divisor). Use a range of counts that divide it "
+        f"(these do: {', '.join(map(str, fits))}), or a train.global_batch that every count in the range divides"
+    ]
+
+
 def _batch_problems(t: TrainConfig, r: ResourcesConfig) -> list[str]:
     """global_batch = micro_batch x grad_accum x num_workers, or what lets it be derived."""
     problems = []
@@ -366,6 +391,18 @@ def _batch_fixes(global_batch: int, micro_batch: int, num_workers: int, *, grad_
     return "; ".join(fixes)
 
 
+def _worker_range_problems(r: ResourcesConfig) -> list[str]:
+    """resources.num_workers: a positive int or an elastic range "MIN-MAX" with 1 <= MIN <= MAX."""
+    example = 'e.g. --set resources.num_workers=4, or --set resources.num_workers=1-4 for an elastic run (in YAML: num_workers: "1-4")'
+    if isinstance(r.num_workers, str):
+        return [f"resources.num_workers: expected a number of workers or a range MIN-MAX, got {r.num_workers!r}; {example}"]
+    if r.min_workers is not None and r.num_workers > 0 and not 1 <= r.min_workers <= r.num_workers:
+        return [
+            f"resources.num_workers: the range {r.min_workers}-{r.num_workers} must have 1 <= MIN <= MAX; {example}"
+        ]
+    return []
+
+
 def _resources_problems(config: Config, *, cluster_cpus: float | None, cluster_gpus: float | None) -> list[str]:
     """The resources section, and whether the Ray cluster (when known) can give them."""
     t, r = config.train, config.resources
@@ -376,22 +413,26 @@ def _resources_problems(config: Config, *, cluster_cpus: float | None, cluster_g
         problems.append(f"resources.memory_budget_gb must be > 0 (or null), got {r.memory_budget_gb}")
     if (
         t.micro_batch == "auto" and r.memory_budget_gb is None and cluster_gpus is not None
-        and not (r.use_gpu is True or (r.use_gpu == "auto" and cluster_gpus >= r.num_workers))
+        and not (r.use_gpu is True or (r.use_gpu == "auto" and cluster_gpus >= r.fewest_workers))
     ):
         problems.append(
             "train.micro_batch=auto on CPU workers needs resources.memory_budget_gb (the memory one worker may use, "
             "e.g. --set resources.memory_budget_gb=8), or set train.micro_batch to a number"
         )
-    if r.max_failures < -1:
-        problems.append(f"resources.max_failures must be -1 (unlimited) or >= 0, got {r.max_failures}")
-    if r.use_gpu is True and cluster_gpus is not None and cluster_gpus < r.num_workers:
+    for name in ("max_failures", "max_preemption_failures"):
+        if getattr(r, name) < -1:
+            problems.append(f"resources.{name} must be -1 (unlimited) or >= 0, got {getattr(r, name)}")
+    for name in ("preemption_grace_s", "elastic_resize_interval_s"):
+        if getattr(r, name) < 0:
+            problems.append(f"resources.{name} must be >= 0 seconds, got {getattr(r, name)}")
+    if r.use_gpu is True and cluster_gpus is not None and cluster_gpus < r.fewest_workers:
         problems.append(
-            f"resources.use_gpu=true with {r.num_workers} workers, but the Ray cluster has {cluster_gpus:g} GPUs; "
+            f"resources.use_gpu=true with {r.fewest_workers} workers, but the Ray cluster has {cluster_gpus:g} GPUs; "
             "set resources.use_gpu=false (or auto) or fewer workers"
         )
-    if cluster_cpus is not None and r.cpus_per_worker > 0 and r.cpus_per_worker * r.num_workers > cluster_cpus:
+    if cluster_cpus is not None and r.cpus_per_worker > 0 and r.cpus_per_worker * r.fewest_workers > cluster_cpus:
         problems.append(
-            f"resources.cpus_per_worker x num_workers = {r.cpus_per_worker * r.num_workers} CPUs, but the Ray cluster "
+            f"resources.cpus_per_worker x num_workers = {r.cpus_per_worker * r.fewest_workers} CPUs, but the Ray cluster "
             f"has {cluster_cpus:g}; the workers would wait forever. Lower one of them (0 = automatic)"
         )
     return problems

@@ -51,6 +51,8 @@ CASES = [
     Case("batch-arithmetic", ["pretrain", *_s("resources.num_workers=2")], 2,
          ["not a multiple of train.micro_batch x resources.num_workers", "train.micro_batch=8", "train.grad_accum=2",
           "train.global_batch=32"]),
+    Case("bad-worker-range", ["pretrain", *_s("resources.num_workers=4-1")], 2,
+         [r"resources.num_workers: the range 4-1 must have 1 <= MIN <= MAX", "--set resources.num_workers=1-4"]),
     Case("batch-with-grad-accum", ["pretrain", *_s("train.grad_accum=3")], 2,
          [r"!= micro_batch x grad_accum x num_workers", "train.grad_accum=1", "train.global_batch=48"]),
     Case("warmup-too-long", ["pretrain", *_s("train.steps=10")], 2, [r"optim.warmup_steps \(20\) exceeds train.steps \(10\)",

@@ -173,10 +173,11 @@ def resolve_resources(config: Config, *, create_bucket: bool = False, checked: b
     validate(config, cluster_cpus=cpus, cluster_gpus=gpus)
 
     resources = config.resources
-    use_gpu = gpus >= resources.num_workers if resources.use_gpu == "auto" else bool(resources.use_gpu)
-    if resources.use_gpu == "auto" and 0 < gpus < resources.num_workers:
+    needed = resources.fewest_workers  # an elastic run starts with what the cluster holds, from min_workers on
+    use_gpu = gpus >= needed if resources.use_gpu == "auto" else bool(resources.use_gpu)
+    if resources.use_gpu == "auto" and 0 < gpus < needed:
         print(
-            f"Warning: the cluster has {gpus:g} GPUs for {resources.num_workers} workers, so resources.use_gpu=auto "
+            f"Warning: the cluster has {gpus:g} GPUs for {needed} workers, so resources.use_gpu=auto "
             "trains on CPUs. Lower resources.num_workers to use the GPUs.", flush=True,
         )
     cpus_per_worker = resources.cpus_per_worker
@@ -295,7 +296,8 @@ def build_trainer(
         },
         torch_config=TorchConfig(backend="nccl" if resources.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=resources.num_workers,
+            num_workers=resources.scaling_workers(),  # (min, max): elastic, each resize a restart
+            elastic_resize_monitor_interval_s=resources.elastic_resize_interval_s,
             use_gpu=bool(resources.use_gpu),
             resources_per_worker={"CPU": resources.cpus_per_worker},
         ),
@@ -303,7 +305,12 @@ def build_trainer(
             name=config.name,
             storage_path=storage_root,
             storage_filesystem=filesystem,
-            failure_config=ray.train.FailureConfig(max_failures=resources.max_failures),
+            # A drained node (spot reclaim) restarts the run against its own budget: the loop saved
+            # a checkpoint on the notice (loop/preemption.py).
+            failure_config=ray.train.FailureConfig(
+                max_failures=resources.max_failures, max_preemption_failures=resources.max_preemption_failures,
+                preemption_grace_s=resources.preemption_grace_s,
+            ),
             # Retention (keep_last + keep_best) is ours: Ray's can do one or the other.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
             worker_runtime_env={"env_vars": env_vars},
@@ -382,7 +389,9 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
 
         config = resolve_micro_batch(config)  # measured in fresh processes (or cached), before any worker starts
     run_dir = f"{config.storage.uri.rstrip('/')}/{config.name}"
-    print(f"Run '{config.name}': {config.resources.num_workers} worker(s), storage {run_dir}", flush=True)
+    r = config.resources
+    workers = f"{r.min_workers}-{r.num_workers} workers (elastic)" if r.elastic else f"{r.num_workers} worker(s)"
+    print(f"Run '{config.name}': {workers}, storage {run_dir}", flush=True)
     import ray
 
     from raytrain_fast.coordinator import start_coordinator

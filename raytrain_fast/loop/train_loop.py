@@ -16,7 +16,7 @@ import os
 import random
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from raytrain_fast.engine import build_engine, enable_tf32, select_accelerator, 
 from raytrain_fast.engine.compile import compile_blocks
 from raytrain_fast.loop.evaluation import Evaluator, resolve_eval
 from raytrain_fast.loop.hooks import LoopHooks, RankHooks, WindowCallback
+from raytrain_fast.loop.preemption import PreemptionNotice
 from raytrain_fast.metrics import SinkWriter, TrainMetrics, build_sinks, mfu_inputs
 from raytrain_fast.metrics.host import run_at_normal_priority
 from raytrain_fast.model import build_model
@@ -38,6 +39,7 @@ from raytrain_fast.storage.filesystem import resolve_filesystem, use_shipped_s3_
 # Bit flags agreed across ranks on log steps (see TrainMetrics.log).
 _TIME_DUE = 1  # this rank's checkpoint.every_minutes timer is due
 _STOP = 2  # the driver got a stop notice (SIGTERM / Ctrl-C): save now and stop
+_PREEMPTED = 4  # Ray is draining a node of the run: save now and go on (loop/preemption.py)
 
 
 def train_step(engine: Any, data: Iterator[tuple[torch.Tensor, torch.Tensor]], metrics: TrainMetrics, *, grad_accum: int, on_batch=None) -> None:
@@ -102,6 +104,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         engine, compiled = build_engine_for(worker, model, checkpointer, coordinator, restored=restored)
         evaluator = build_evaluator(worker, engine)
         metrics = build_metrics(worker, state, engine, mfu, sinks)  # built last: it freezes the heap for GC control
+        note_resize(worker, restored, checkpointer, metrics)
         try:
             run_steps(
                 worker, engine=engine, data=data, metrics=metrics, evaluator=evaluator, checkpointer=checkpointer,
@@ -141,9 +144,31 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
     torch.manual_seed(config.train.seed)
     random.seed(config.train.seed)
     hooks: LoopHooks = loop_config.get("hooks") or LoopHooks()
+    world_size = context.get_world_size()
+    config = keep_global_batch(config, world_size)
     return Worker(
-        config=config, rank=rank, world_size=context.get_world_size(), grad_accum=config.grad_accum(),
+        config=config, rank=rank, world_size=world_size, grad_accum=config.grad_accum(),
         device=device, hooks=hooks.for_rank(rank), niceness=niceness, manifest=manifest,
+    )
+
+
+def keep_global_batch(config: Config, world_size: int) -> Config:
+    """An elastic run's worker group may be smaller than resources.num_workers (its MAX): the global
+    batch stays the configured one, with micro_batch x grad_accum refitted for the group's size (the
+    driver checked that every size of the range fits)."""
+    from raytrain_fast.checkpoint.resize import fit_batch
+
+    resources, train = config.resources, config.train
+    if world_size == resources.num_workers:
+        return config
+    global_batch = int(train.micro_batch) * config.grad_accum() * resources.num_workers
+    micro_batch, grad_accum = fit_batch(
+        global_batch=global_batch, micro_batch=int(train.micro_batch), num_workers=world_size,
+        saved_workers=resources.num_workers, uri=config.name or "run",
+    )
+    return replace(
+        config, train=replace(train, global_batch=global_batch, micro_batch=micro_batch, grad_accum=grad_accum),
+        resources=replace(resources, num_workers=world_size, min_workers=None),
     )
 
 
@@ -172,6 +197,15 @@ def restore(worker: Worker) -> tuple[Checkpointer, TrainState, TrainState | None
     state.world_size = worker.world_size  # what the next checkpoint is written by (a resize changes it)
     state.global_batch = int(config.train.micro_batch) * worker.grad_accum * worker.world_size
     return checkpointer, state, restored
+
+
+def note_resize(worker: Worker, restored: TrainState | None, checkpointer: Checkpointer, metrics: TrainMetrics) -> None:
+    """An elastic run (or a rerun on another worker count) resumed at a new size: one line, and a
+    record that the report draws as a marker at the step."""
+    if restored is None or not checkpointer.resized:  # restore() printed the line
+        return
+    old = checkpointer.resized["old"]
+    metrics.emit(restored.step, {"resize/from_workers": float(old), "resize/to_workers": float(worker.world_size)})
 
 
 def _say_nothing_to_do(worker: Worker, state: TrainState) -> None:
@@ -294,6 +328,7 @@ def run_steps(
     train, hooks = worker.config.train, worker.hooks
     batches = hooks.batches(data, current_step=lambda: state.step)
     start_step, last = state.step, {}
+    preemption = PreemptionNotice()
     compiling = compiled  # the first step compiles the blocks: timed apart (time/compile_s)
     while state.step < train.steps:
         with metrics.compile_timer(state.step + 1, active=compiling):
@@ -308,10 +343,13 @@ def run_steps(
         if logged:
             flags = (_TIME_DUE if checkpointer.due_by_time() else 0) | (
                 _STOP if worker.rank == 0 and coordinator.stop_requested() else 0
-            )
+            ) | (_PREEMPTED if preemption.flag() else 0)
             last = metrics.log(state.step, lr=engine.get_lr()[0], flags=flags)
             agreed = metrics.flags_any_rank
-        saving = save_checkpoints and (checkpointer.due_by_steps(state.step, train.steps) or bool(agreed))
+        on_notice = save_checkpoints and preemption.save_due(bool(agreed & _PREEMPTED))
+        saving = save_checkpoints and (
+            checkpointer.due_by_steps(state.step, train.steps) or bool(agreed & (_TIME_DUE | _STOP)) or on_notice
+        )
         if evaluator.due(state.step, logged=logged, saving=saving):
             last = {**last, **evaluator.run(engine, metrics, step=state.step)}
         if logged and on_window is not None:
@@ -322,6 +360,9 @@ def run_steps(
             blocked_s = checkpointer.save(
                 engine, state, metrics={"step": state.step, "tokens": state.tokens, "start_step": start_step, **last}
             )
+            if on_notice:  # the node may go at its deadline: this checkpoint must be in storage first
+                checkpointer.wait_for_upload()
+                _report_preemption_save(worker, preemption, metrics, step=state.step)
             metrics.record_checkpoint(blocked_s=blocked_s, upload_s=checkpointer.take_upload_s())
             metrics.flush_sinks()
         if agreed & _STOP:
@@ -334,3 +375,12 @@ def run_steps(
                 )
             return
     checkpointer.finish()
+
+
+def _report_preemption_save(worker: Worker, preemption: PreemptionNotice, metrics: TrainMetrics, *, step: int) -> None:
+    """The notice's checkpoint is in storage (this rank's part; rank 0's Ray report waited for every
+    rank's write): print the time it took from the notice, and log it."""
+    values = preemption.saved(step=step)
+    if worker.rank == 0:
+        print(preemption.message(step=step, metrics=values), flush=True)
+    metrics.emit(step, values)

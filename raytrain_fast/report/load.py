@@ -99,6 +99,14 @@ class RunMetrics:
         saves = [s for s in range(start, step) if s > 0 and s % every == 0] if isinstance(every, int) and every > 0 else []
         return saves or [start]
 
+    def resizes(self) -> list[tuple[int, int, int]]:
+        """(step, workers before, workers after) of each resize of an elastic run (or a resume on
+        another worker count), from the records the loop writes when it resumes at a new size."""
+        return [
+            (r["step"], int(r["resize/from_workers"]), int(r["resize/to_workers"]))
+            for r in self.records if isinstance(r.get("resize/to_workers"), (int, float))
+        ]
+
     def planned_saves(self) -> list[int]:
         """Every checkpoint.every_steps step up to the last logged step, and the last step itself
         when it is train.steps (the run's final save, which no later record times)."""

@@ -53,6 +53,7 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
             axis.grid(True, alpha=0.3)
             if run.warmup_steps > run.records[0]["step"]:
                 axis.axvspan(run.records[0]["step"], run.warmup_steps, color="0.85", alpha=0.5, zorder=0, label="warm-up (left out)")
+            _resize_markers(run, axis)
             handles, labels = [], []
             for ax in figure.axes:
                 h, l = ax.get_legend_handles_labels()
@@ -69,6 +70,14 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
         finally:
             plt.close(figure)
     return PlotResult(plots=plots, skipped=skipped)
+
+
+def _resize_markers(run: RunMetrics, axis) -> None:
+    """A dashed line at each resize of an elastic run, labelled with the worker counts."""
+    for i, (step, before, after) in enumerate(run.resizes()):
+        axis.axvline(step, color="tab:red", linestyle="--", linewidth=1, label="resize (workers)" if i == 0 else None)
+        axis.annotate(f"{before}→{after}", (step, 0.98), xycoords=("data", "axes fraction"), ha="left", va="top",
+                      fontsize="small", color="tab:red")
 
 
 @dataclass(kw_only=True)
