@@ -158,9 +158,14 @@ def _remote_class():
 def start_coordinator(run_name: str):
     """Launcher, before `fit()`: the run's coordinator actor (created, or the existing one).
 
-    Not detached: it lives as long as the driver, across worker-group restarts.
+    Not detached: it lives as long as the driver, across worker-group restarts. Placed on the
+    driver's node: a worker node can go away (preemption, an elastic shrink), and the actor with it.
     """
-    return _remote_class().options(name=coordinator_name(run_name), get_if_exists=True).remote(run_name)
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    return _remote_class().options(name=coordinator_name(run_name), get_if_exists=True, scheduling_strategy=here).remote(run_name)
 
 
 @dataclass(frozen=True, kw_only=True)

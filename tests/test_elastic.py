@@ -168,7 +168,8 @@ class _Cli:
     def __init__(self, tmp_path: Path, address: str, name: str, *settings: str, drills: tuple[str, ...] = ()) -> None:
         env = {**os.environ, "RAY_ADDRESS": address}
         args = [sys.executable, "-m", "raytrain_fast.cli", "pretrain", "--config", "tiny", "--name", name]
-        for value in (*MICRO, *settings, f"storage.uri={tmp_path / 'runs'}"):
+        # Every simulated node is this machine: the local directory is shared, as an NFS mount would be.
+        for value in (*MICRO, *settings, f"storage.uri={tmp_path / 'runs'}", "storage.shared=true"):
             args += ["--set", value]
         for drill in drills:
             args += ["--drill", drill]

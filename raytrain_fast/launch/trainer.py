@@ -101,6 +101,27 @@ def check_before_ray(config: Config, *, create_bucket: bool = False):
     return keep_checkpoint_precision(config, state), state
 
 
+def keep_ray_data_actors_on_this_node() -> None:
+    """Ray Data keeps cluster-wide detached actors (its stats actor, its autoscaling coordinator),
+    pinned to the node of the process that first needs them: without this, a training worker's node.
+    When that node goes (preemption, an elastic shrink), every later dataset fails with
+    ActorDiedError. Created here first, they live on the driver's node. Ray 2.60's private helpers;
+    where they are missing, a one-row dataset run here creates the same actors."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+        from ray.data._internal.stats import get_or_create_stats_actor
+
+        get_or_create_stats_actor()
+        get_or_create_autoscaling_coordinator()
+    except (ImportError, AttributeError):  # another Ray version
+        import ray.data
+
+        for _ in ray.data.range(1).iter_batches():
+            pass
+
+
 def keep_checkpoint_batch(config: Config) -> Config:
     """Resuming on another worker count keeps the checkpoint's global batch: micro_batch x grad_accum
     are recomputed for the new count (checkpoint/resize.py `fit_batch`), or a CheckpointError names
@@ -400,6 +421,7 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
     # One named actor per run, owned by this driver: it outlives worker-group restarts, so FLOPs
     # and the matmul peak are measured once per run. Kept referenced until fit() returns.
     coordinator = start_coordinator(config.name or "run")
+    keep_ray_data_actors_on_this_node()
     drop_ray_run_snapshot(config)
     with _StopOnSignal(coordinator) as stop:
         result = build_trainer(config, data_uri=data_uri, hooks=hooks).fit()
