@@ -262,7 +262,7 @@ def test_a_drained_node_yields_a_checkpoint_at_the_next_log_step_and_the_run_rec
 
 @pytest.mark.slow
 @pytest.mark.xfail(
-    reason="flaky in the full suite (passed 3 of 3 times alone, failed once in a full CI run): after the node "
+    reason="flaky in the full suite (passed both times it ran alone, failed in the one full CI run): after the node "
     "goes, the 1-worker group's training function sometimes fails with ActorDiedError from an actor that "
     "lived on the removed node, not yet identified (the run's coordinator and Ray Data's detached actors are "
     "already pinned to the driver's node). See docs/elastic.md, 'Known problem'.",
