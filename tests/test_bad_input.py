@@ -53,6 +53,8 @@ CASES = [
           "train.global_batch=32"]),
     Case("bad-worker-range", ["pretrain", *_s("resources.num_workers=4-1")], 2,
          [r"resources.num_workers: the range 4-1 must have 1 <= MIN <= MAX", "--set resources.num_workers=1-4"]),
+    Case("bad-worker-range", ["pretrain", *_s("resources.num_workers=2-x")], 2,
+         [r"resources.num_workers: expected a number of workers or a range MIN-MAX, got '2-x'", "--set resources.num_workers=1-4"]),
     Case("batch-with-grad-accum", ["pretrain", *_s("train.grad_accum=3")], 2,
          [r"!= micro_batch x grad_accum x num_workers", "train.grad_accum=1", "train.global_batch=48"]),
     Case("warmup-too-long", ["pretrain", *_s("train.steps=10")], 2, [r"optim.warmup_steps \(20\) exceeds train.steps \(10\)",

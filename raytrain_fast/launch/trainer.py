@@ -131,8 +131,9 @@ def keep_checkpoint_batch(config: Config) -> Config:
     from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs, verify_checkpoint
     from raytrain_fast.checkpoint.resize import fit_batch, saved_global_batch
 
-    if config.checkpoint.resume == "never" or config.resources.num_workers < 1:
-        return config
+    workers = config.resources.num_workers
+    if config.checkpoint.resume == "never" or not isinstance(workers, int) or workers < 1:
+        return config  # a malformed worker count is named by validate(), which runs next
     try:
         filesystem, root = resolve_filesystem(storage_path(config.storage.uri), config.storage)
         run_path = f"{root.rstrip('/')}/{config.name}"
