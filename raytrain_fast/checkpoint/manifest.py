@@ -386,6 +386,17 @@ class IncompleteCheckpointError(CheckpointError):
         return (IncompleteCheckpointError, (self.path, self.reason))
 
 
+def _download_verified(
+    filesystem: pafs.FileSystem, path: str, relative: str, target: Path, *, algorithm: str, entry: FileEntry | None
+) -> tuple[int, str]:
+    """Stream `path/relative` into `target`, hashing as it goes: (bytes read, "" or the problem)."""
+    with filesystem.open_input_stream(f"{path}/{relative}") as stream, open(target, "wb") as sink:
+        size, checksum = _hash_stream(stream.read, algorithm=algorithm, chunk_bytes=REMOTE_CHUNK_BYTES, sink=sink)
+    if entry is not None and (size != entry.size or checksum != entry.checksum):
+        return size, f"{relative} does not match its checksum (altered or corrupted after save)"
+    return size, ""
+
+
 def download_checkpoint(filesystem: pafs.FileSystem, path: str, local_dir: str) -> str:
     """Download the checkpoint `path` into `local_dir` (emptied first), verifying every file against
     its manifest while it streams (one read per byte). Returns local_dir.
@@ -409,11 +420,7 @@ def download_checkpoint(filesystem: pafs.FileSystem, path: str, local_dir: str) 
         relative, (algorithm, entry) = item
         target = Path(local_dir, relative)
         target.parent.mkdir(parents=True, exist_ok=True)
-        with filesystem.open_input_stream(f"{path}/{relative}") as stream, open(target, "wb") as sink:
-            size, checksum = _hash_stream(stream.read, algorithm=algorithm, chunk_bytes=REMOTE_CHUNK_BYTES, sink=sink)
-        if entry is not None and (size != entry.size or checksum != entry.checksum):
-            return f"{relative} does not match its checksum (altered or corrupted after save)"
-        return ""
+        return _download_verified(filesystem, path, relative, target, algorithm=algorithm, entry=entry)[1]
 
     try:
         with ThreadPoolExecutor(NUM_IO_THREADS) as pool:
@@ -527,14 +534,11 @@ def download_for_rank(
                 target.parent.mkdir(parents=True, exist_ok=True)
                 partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
                 try:
-                    with filesystem.open_input_stream(f"{path}/{relative}") as stream, open(partial, "wb") as sink:
-                        size, checksum = _hash_stream(
-                            stream.read, algorithm=algorithm, chunk_bytes=REMOTE_CHUNK_BYTES, sink=sink
-                        )
+                    size, problem = _download_verified(filesystem, path, relative, partial, algorithm=algorithm, entry=entry)
                     with counter_lock:
                         downloaded += size
-                    if entry is not None and (size != entry.size or checksum != entry.checksum):
-                        return f"{relative} does not match its checksum (altered or corrupted after save)"
+                    if problem:
+                        return problem
                     os.replace(partial, target)  # whole and verified, or absent
                 finally:
                     partial.unlink(missing_ok=True)
