@@ -158,13 +158,17 @@ def _remote_class():
 def start_coordinator(run_name: str):
     """Launcher, before `fit()`: the run's coordinator actor (created, or the existing one).
 
-    Not detached: it lives as long as the driver, across worker-group restarts. Placed on the
+    Not detached: it lives as long as the driver, across worker-group restarts. Pinned to the
     driver's node: a worker node can go away (preemption, an elastic shrink), and the actor with it.
+    The pin is hard (soft=False, as Ray Data pins its own coordinator): a soft pin spilled it onto a
+    worker node in about one creation of four when the driver's node has no CPUs (a head started
+    with --num-cpus=0), and a run then died with its first lost node. The driver's node going away
+    ends the run anyway.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     return _remote_class().options(name=coordinator_name(run_name), get_if_exists=True, scheduling_strategy=here).remote(run_name)
 
 
