@@ -103,3 +103,55 @@ def test_clipping_without_a_host_sync_matches_deepspeed(norm, loss_scale):
     patched._original(optimizer, expected_ours + expected_theirs, torch.tensor(norm))
     torch.testing.assert_close(ours, expected_ours, equal_nan=True)
     torch.testing.assert_close(theirs, expected_theirs, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("numel", [7, 1 << 16, (1 << 16) * 3 + 5])
+def test_sum_of_squares_is_fp64_accurate_without_an_fp64_copy(dtype, numel):
+    from raytrain_fast.engine.deepspeed_engine import sum_of_squares
+
+    tensor = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 1e-3).to(dtype)
+    expected = tensor.double().square().sum()
+    got = sum_of_squares(tensor.view(-1, 1) if numel % 2 else tensor)
+    assert got.dtype == torch.float64
+    assert abs(got.item() - expected.item()) <= 2e-5 * expected.item()
+    assert torch.isnan(sum_of_squares(torch.tensor([1.0, float("nan")]).to(dtype)))
+
+
+_GRAD_NORM_BOTH_WAYS = r"""
+import torch
+from raytrain_fast.autobatch import _single_process_group
+from raytrain_fast.engine import EngineConfig, OptimConfig, build_engine, select_accelerator
+from raytrain_fast.model import ModelConfig, build_model
+
+select_accelerator()
+_single_process_group("gloo")
+torch.manual_seed(0)
+model = build_model(ModelConfig(vocab_size=97, d_model=64, num_heads=2, num_layers=2, max_seq_len=16), torch.device("cpu"))
+engine = build_engine(model, engine=EngineConfig(precision="bf16"), optim=OptimConfig(grad_clip=1.0), micro_batch=2,
+                      grad_accum=1, world_size=1, total_steps=10)
+tokens = torch.randint(0, 97, (2, 17))
+engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+optimizer = engine.optimizer
+patched = type(optimizer).get_grad_norm_direct
+assert getattr(patched, "_raytrain_fast", False), "the norm is DeepSpeed's own"
+for group in range(len(optimizer.bit16_groups)):
+    ours = patched(optimizer, optimizer.averaged_gradients[group], optimizer.params_in_partition[group])
+    theirs = patched._original(optimizer, optimizer.averaged_gradients[group], optimizer.params_in_partition[group])
+    print("norms", ours.dtype, float(ours), theirs.dtype, float(theirs))
+"""
+
+
+def test_the_grad_norm_without_fp64_copies_matches_deepspeeds_on_a_bf16_engine():
+    import os
+    import subprocess
+    import sys
+
+    found = subprocess.run([sys.executable, "-c", _GRAD_NORM_BOTH_WAYS], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert found.returncode == 0, found.stderr[-3000:]
+    norms = [line.split() for line in found.stdout.splitlines() if line.startswith("norms ")]
+    assert norms, found.stdout
+    for _, our_dtype, ours, their_dtype, theirs in norms:
+        assert our_dtype == their_dtype == "torch.float32"
+        assert float(theirs) > 0 and abs(float(ours) - float(theirs)) <= 1e-5 * float(theirs)
