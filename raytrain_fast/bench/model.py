@@ -94,9 +94,9 @@ class ModelBenchSetup:
     """A preset name (or alias, e.g. gpt2-124m) or YAML file: its model, optimizer and engine settings."""
     seq_len: int = 256
     micro_batch: int = 4
-    steps: int = 6
+    steps: int = 12
     """Timed steps per variant in all, spread over the rounds (the same for every variant)."""
-    rounds: int = 3
+    rounds: int = 6
     warmup_steps: int = 2
     """Untimed steps first (allocation, kernel selection; a compiled variant compiles in the first)."""
     precision: str | None = None
@@ -642,8 +642,8 @@ def add_arguments(parser: Any) -> None:
     )
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per step (default: 4)")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per variant, spread over the rounds (default: 6)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds, order rotated each round (default: 3)")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per variant, spread over the rounds (default: 12)")
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds, order rotated each round (default: 6)")
     parser.add_argument(
         "--warmup-steps", type=int, default=2, help="untimed steps per variant first; compilation happens in the first (default: 2)",
     )
