@@ -209,3 +209,33 @@ def test_build_sinks_always_has_jsonl(tmp_path):
         local_dir=str(tmp_path / "local"),
     )
     assert [type(s).__name__ for s in sinks] == ["JsonlSink", "WandbSink", "TensorBoardSink"]
+
+
+def test_the_node_local_copy_is_removed_once_its_last_sync_went_through(tmp_path):
+    import pyarrow.fs as pafs
+
+    from raytrain_fast.metrics.sinks import LocalDirSync
+
+    local = tmp_path / "raytrain-fast-sinks-x"
+    (local / "tensorboard").mkdir(parents=True)
+    (local / "tensorboard" / "events.out.tfevents.1").write_bytes(b"first")
+    remote = tmp_path / "storage" / "run"
+    sync = LocalDirSync(str(local), str(remote), filesystem=pafs.LocalFileSystem())
+    writer = SinkWriter([sync])
+    writer.request_flush()
+    assert writer.flush(30) and (remote / "tensorboard" / "events.out.tfevents.1").read_bytes() == b"first"
+    assert local.exists()  # a checkpoint's sync keeps the files: W&B and TensorBoard go on writing
+    (local / "tensorboard" / "events.out.tfevents.1").write_bytes(b"first+last")
+    writer.close()
+    assert writer.errors == 0
+    assert (remote / "tensorboard" / "events.out.tfevents.1").read_bytes() == b"first+last"
+    assert not local.exists()
+
+    failing = tmp_path / "raytrain-fast-sinks-y"
+    failing.mkdir()
+    (failing / "kept").write_bytes(b"not copied")
+    (tmp_path / "blocked").write_bytes(b"a file where the run's directory should be")
+    broken = LocalDirSync(str(failing), str(tmp_path / "blocked" / "run"), filesystem=pafs.LocalFileSystem())
+    writer = SinkWriter([broken])
+    writer.close()
+    assert writer.errors == 1 and (failing / "kept").read_bytes() == b"not copied"  # nothing lost

@@ -260,7 +260,10 @@ def start_sinks(worker: Worker, state: TrainState) -> SinkWriter | None:
     if worker.rank != 0:
         return None
     config = worker.config
-    local_dir = worker.run_uri if "://" not in worker.run_uri else tempfile.mkdtemp(prefix="raytrain-fast-sinks-")
+    # W&B and TensorBoard write files on this node; with remote storage they go to a temp dir that
+    # metrics.sinks.LocalDirSync copies into the run's storage and removes at the end.
+    keeps_files = config.metrics.wandb or config.metrics.tensorboard
+    local_dir = tempfile.mkdtemp(prefix="raytrain-fast-sinks-") if keeps_files and "://" in worker.run_uri else worker.run_uri
     sinks = build_sinks(
         config.metrics, run_uri=worker.run_uri, run_name=config.name or "run", start_step=state.step,
         local_dir=local_dir, storage=config.storage, run_config=redact(config.to_dict()),

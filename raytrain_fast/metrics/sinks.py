@@ -483,6 +483,9 @@ class LocalDirSync:
     `offline-run-<time>-<id>` directory for the same run id (`wandb sync` takes them all, in order),
     TensorBoard a new `events.out.tfevents.<time>.<host>...` file, and TensorBoard reads every
     event file of a directory as one series. So storage holds the whole history without a download.
+
+    `local_dir` is a temporary copy (run_uri is remote): once close's last copy has gone through, it
+    is removed. If that copy fails, it stays, and the writer's warning names the sink.
     """
 
     def __init__(
@@ -500,7 +503,10 @@ class LocalDirSync:
         self.sync()
 
     def close(self) -> None:
-        self.sync()
+        import shutil
+
+        self.sync()  # raises on a failed copy: the local files stay
+        shutil.rmtree(self.local_dir, ignore_errors=True)
 
     def sync(self) -> int:
         """Copy what changed; returns how many files went."""
