@@ -286,6 +286,7 @@ def test_a_resumed_run_keeps_its_checkpoints_precision(capsys):
     assert keep_checkpoint_precision(_config("auto"), saved).engine.precision == "fp32"
     assert "Precision: fp32 (kept from the checkpoint at step 40)" in capsys.readouterr().out
     assert keep_checkpoint_precision(_config("fp32"), saved).engine.precision == "fp32"
+    assert "Precision: fp32 (kept from the checkpoint at step 40)" in capsys.readouterr().out  # set and kept: said too
     assert keep_checkpoint_precision(_config("auto"), None).engine.precision == "auto"  # a new run measures
     with pytest.raises(CheckpointError, match=r"engine.precision=bf16, but run 'kept' was checkpointed in fp32 \(step 40\).*engine.precision=fp32"):
         keep_checkpoint_precision(_config("bf16"), saved)

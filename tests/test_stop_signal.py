@@ -82,6 +82,7 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_continues(tmp_path):
     assert code == 128 + signal.SIGTERM, first.output
     saved = int(first.wait_for(r"saved a checkpoint at step (\d+) and stopped", timeout_s=1).group(1))
     assert "Stopped by SIGTERM" in first.output
+    assert re.findall(r"Precision: .*", first.output) == ["Precision: fp32 (engine.precision=fp32, set explicitly)"]
 
     [run] = [r for r in list_runs(str(tmp_path / "runs"), StorageConfig()) if r.name == "stopme"]
     assert [(c.step, c.complete) for c in run.checkpoints] == [(saved, True)]
@@ -90,4 +91,5 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_continues(tmp_path):
     second = _Cli(tmp_path, "--resume", "must", "--set", f"train.steps={saved + 2}")
     assert second.finish(timeout_s=240) == 0, second.output
     assert f"Resumed from checkpoint at step {saved}" in second.output
+    assert re.findall(r"Precision: .*", second.output) == [f"Precision: fp32 (kept from the checkpoint at step {saved})"]
     assert re.search(rf"step\s+{saved + 2}/{saved + 2}", second.output), second.output

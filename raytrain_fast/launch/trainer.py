@@ -169,7 +169,7 @@ def keep_checkpoint_precision(config: Config, state) -> Config:
     if state is None:
         return config
     saved, asked = state.precision, config.engine.precision
-    if asked == "auto":
+    if asked in ("auto", saved):
         print(f"Precision: {saved} (kept from the checkpoint at step {state.step})", flush=True)
         return dataclasses.replace(config, engine=dataclasses.replace(config.engine, precision=saved))
     if asked != saved:
@@ -181,9 +181,12 @@ def keep_checkpoint_precision(config: Config, state) -> Config:
     return config
 
 
-def resolve_resources(config: Config, *, create_bucket: bool = False, checked: bool = False) -> Config:
+def resolve_resources(
+    config: Config, *, create_bucket: bool = False, checked: bool = False, announce_precision: bool = True
+) -> Config:
     """Fill in `auto` values from the cluster, then validate everything before a worker starts.
-    checked: `check_before_ray` already ran on this config."""
+    checked: `check_before_ray` already ran on this config. announce_precision: print the
+    `Precision:` line (a resumed run's came from `keep_checkpoint_precision`)."""
     import ray
 
     if not checked:
@@ -211,6 +214,8 @@ def resolve_resources(config: Config, *, create_bucket: bool = False, checked: b
         precision, reason = resolve_precision_on_a_worker(use_gpu=use_gpu, cpus_per_worker=cpus_per_worker)
         logger.info("precision: %s (%s)", precision, reason)
         print(f"Precision: {precision} ({reason})", flush=True)
+    elif announce_precision:
+        print(f"Precision: {precision} (engine.precision={precision}, set explicitly)", flush=True)
     return dataclasses.replace(
         config,
         resources=dataclasses.replace(resources, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker),
@@ -405,7 +410,7 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
     config, resume_state = check_before_ray(config, create_bucket=create_bucket)
     if resume_state is not None and resume_state.step >= config.train.steps:
         return _nothing_to_do(config, resume_state)  # decided from storage: no Ray, no workers
-    config = resolve_resources(config, create_bucket=create_bucket, checked=True)
+    config = resolve_resources(config, create_bucket=create_bucket, checked=True, announce_precision=resume_state is None)
     if config.train.micro_batch == "auto":
         from raytrain_fast.autobatch import resolve_micro_batch
 
