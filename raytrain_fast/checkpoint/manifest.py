@@ -24,10 +24,11 @@ import shutil
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow.fs as pafs
 
@@ -386,6 +387,17 @@ class IncompleteCheckpointError(CheckpointError):
         return (IncompleteCheckpointError, (self.path, self.reason))
 
 
+def _first_problem(fetch: Callable[[Any], str], jobs: Mapping[str, Any]) -> str:
+    """`fetch` over every (relative path, job) on the I/O threads: the first problem any reported
+    ("" when none), or the OSError that stopped them."""
+    try:
+        with ThreadPoolExecutor(NUM_IO_THREADS) as pool:
+            problems = [p for p in pool.map(fetch, jobs.items()) if p]
+    except OSError as error:
+        problems = [f"a file could not be read: {error}"]
+    return problems[0] if problems else ""
+
+
 def _download_verified(
     filesystem: pafs.FileSystem, path: str, relative: str, target: Path, *, algorithm: str, entry: FileEntry | None
 ) -> tuple[int, str]:
@@ -422,15 +434,11 @@ def download_checkpoint(filesystem: pafs.FileSystem, path: str, local_dir: str) 
         target.parent.mkdir(parents=True, exist_ok=True)
         return _download_verified(filesystem, path, relative, target, algorithm=algorithm, entry=entry)[1]
 
-    try:
-        with ThreadPoolExecutor(NUM_IO_THREADS) as pool:
-            problems = [p for p in pool.map(fetch, jobs.items()) if p]
-    except OSError as error:
-        problems = [f"a file could not be read: {error}"]
-    if problems:
+    problem = _first_problem(fetch, jobs)
+    if problem:
         shutil.rmtree(local_dir, ignore_errors=True)
         os.makedirs(local_dir)
-        raise IncompleteCheckpointError(path, problems[0])
+        raise IncompleteCheckpointError(path, problem)
     return local_dir
 
 
@@ -546,13 +554,9 @@ def download_for_rank(
                 fcntl.flock(lock, fcntl.LOCK_UN)
         return ""
 
-    try:
-        with ThreadPoolExecutor(NUM_IO_THREADS) as pool:
-            problems = [p for p in pool.map(fetch, jobs.items()) if p]
-    except OSError as error:
-        problems = [f"a file could not be read: {error}"]
-    if problems:
-        raise IncompleteCheckpointError(path, problems[0])
+    problem = _first_problem(fetch, jobs)
+    if problem:
+        raise IncompleteCheckpointError(path, problem)
     return RankDownload(
         local_dir=local_dir, downloaded_bytes=downloaded, needed_bytes=needed, checkpoint_bytes=status.num_bytes
     )

@@ -172,13 +172,11 @@ def keep_checkpoint_precision(config: Config, state) -> Config:
     if asked in ("auto", saved):
         print(f"Precision: {saved} (kept from the checkpoint at step {state.step})", flush=True)
         return dataclasses.replace(config, engine=dataclasses.replace(config.engine, precision=saved))
-    if asked != saved:
-        raise CheckpointError(
-            f"engine.precision={asked}, but run '{config.name}' was checkpointed in {saved} (step {state.step}): "
-            f"its optimizer state is in {saved}'s layout. Resume with engine.precision={saved} (or auto), or start "
-            f"a new run (another --name) from its weights with --set checkpoint.init_from=<its checkpoint>"
-        )
-    return config
+    raise CheckpointError(
+        f"engine.precision={asked}, but run '{config.name}' was checkpointed in {saved} (step {state.step}): "
+        f"its optimizer state is in {saved}'s layout. Resume with engine.precision={saved} (or auto), or start "
+        f"a new run (another --name) from its weights with --set checkpoint.init_from=<its checkpoint>"
+    )
 
 
 def resolve_resources(
