@@ -118,7 +118,7 @@ def test_sum_of_squares_is_fp64_accurate_without_an_fp64_copy(dtype, numel):
     assert torch.isnan(sum_of_squares(torch.tensor([1.0, float("nan")]).to(dtype)))
 
 
-_GRAD_NORM_BOTH_WAYS = r"""
+_ONE_RANK_CPU_ENGINE = r"""
 import torch
 from raytrain_fast.autobatch import _single_process_group
 from raytrain_fast.engine import EngineConfig, OptimConfig, build_engine, select_accelerator
@@ -126,6 +126,10 @@ from raytrain_fast.model import ModelConfig, build_model
 
 select_accelerator()
 _single_process_group("gloo")
+"""
+"""The common start of the subprocess scripts below: DeepSpeed on CPU in a one-rank gloo group."""
+
+_GRAD_NORM_BOTH_WAYS = _ONE_RANK_CPU_ENGINE + r"""
 torch.manual_seed(0)
 model = build_model(ModelConfig(vocab_size=97, d_model=64, num_heads=2, num_layers=2, max_seq_len=16), torch.device("cpu"))
 engine = build_engine(model, engine=EngineConfig(precision="bf16"), optim=OptimConfig(grad_clip=1.0), micro_batch=2,
@@ -157,14 +161,7 @@ def test_the_grad_norm_without_fp64_copies_matches_deepspeeds_on_a_bf16_engine()
         assert float(theirs) > 0 and abs(float(ours) - float(theirs)) <= 1e-5 * float(theirs)
 
 
-_STEPS_BOTH_WAYS = r"""
-import torch
-from raytrain_fast.autobatch import _single_process_group
-from raytrain_fast.engine import EngineConfig, OptimConfig, build_engine, select_accelerator
-from raytrain_fast.model import ModelConfig, build_model
-
-select_accelerator()
-_single_process_group("gloo")
+_STEPS_BOTH_WAYS = _ONE_RANK_CPU_ENGINE + r"""
 PATCHES = ("_get_preflattened_grad_partition", "allreduce_and_copy")
 
 
