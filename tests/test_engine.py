@@ -105,6 +105,25 @@ def test_clipping_without_a_host_sync_matches_deepspeed(norm, loss_scale):
     torch.testing.assert_close(theirs, expected_theirs, equal_nan=True)
 
 
+def test_each_deepspeed_patch_is_installed_once_over_deepspeeds_own_and_only_where_its_names_exist():
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from raytrain_fast.engine import deepspeed_engine as engine
+
+    patches = [engine._clip_without_host_sync, engine._grad_norm_without_fp64_copies,
+               engine._fp32_grads_in_a_kept_buffer, engine._no_all_reduce_over_one_rank]
+    names = ["unscale_and_clip_grads", "get_grad_norm_direct", "_get_preflattened_grad_partition", "allreduce_and_copy"]
+    for install in patches + patches:
+        install()
+    for name in names:
+        ours = getattr(DeepSpeedZeroOptimizer, name)
+        assert getattr(ours, "_raytrain_fast", False), f"{name} is DeepSpeed's own"
+        assert not getattr(ours._original, "_raytrain_fast", False), f"{name} wraps our own replacement"
+    step = DeepSpeedZeroOptimizer.step
+    engine._replace_zero_method("step", lambda original: lambda self: None, needs=("no_such_name_in_deepspeed",))
+    assert DeepSpeedZeroOptimizer.step is step, "replaced although a name it needs is missing"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("numel", [7, 1 << 16, (1 << 16) * 3 + 5])
 def test_sum_of_squares_is_fp64_accurate_without_an_fp64_copy(dtype, numel):

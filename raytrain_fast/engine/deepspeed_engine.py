@@ -164,6 +164,25 @@ def _skip_shm_comm_build() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def _replace_zero_method(name: str, make, *, needs: tuple[str, ...] = ()) -> None:
+    """Set `make(original)` as DeepSpeedZeroOptimizer.<name>, once: only where DeepSpeed has the
+    method and every name in `needs` in its stage_1_and_2 module (the ones the replacement uses),
+    and not over a replacement already made. The replacement keeps DeepSpeed's own as `_original`,
+    which the tests compare against."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    optimizer_cls = stage_1_and_2.DeepSpeedZeroOptimizer
+    original = getattr(optimizer_cls, name, None)
+    if original is None or getattr(original, "_raytrain_fast", False):
+        return
+    if not all(hasattr(stage_1_and_2, needed) for needed in needs):
+        return
+    replacement = make(original)
+    replacement._raytrain_fast = True
+    replacement._original = original
+    setattr(optimizer_cls, name, replacement)
+
+
 def _clip_without_host_sync() -> None:
     """DeepSpeed 0.19's ZeRO-1/2 `unscale_and_clip_grads` calls `is_invalid_grad_norm(norm)`, a
     `bool()` of a device tensor, on every optimizer step with gradient clipping on: a host sync
@@ -171,27 +190,21 @@ def _clip_without_host_sync() -> None:
     clipping norm when the norm is inf/NaN or DeepSpeed's -1 sentinel (which zeroes the update);
     this does the same arithmetic on the device with `torch.where`. Applied once, only where the
     method is the one we read (tests/test_host_reads.py catches a DeepSpeed that changed it)."""
-    from deepspeed.runtime.zero import stage_1_and_2
+    def make(original):
+        def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
+            if self.clip_grad <= 0.0 or not isinstance(total_norm, torch.Tensor):
+                return original(self, grad_groups_flat, total_norm)
+            invalid = ~torch.isfinite(total_norm) | (total_norm < 0)
+            clip_norm = torch.where(invalid, torch.full_like(total_norm, math.inf), total_norm)
+            clip = torch.clamp(((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad, min=1.0)
+            combined_scale = clip * self.loss_scale
+            for grad in grad_groups_flat:
+                for part in grad if isinstance(grad, list) else [grad]:
+                    part.data.mul_(1.0 / combined_scale)
 
-    optimizer_cls = stage_1_and_2.DeepSpeedZeroOptimizer
-    original = optimizer_cls.unscale_and_clip_grads
-    if getattr(original, "_raytrain_fast", False) or not hasattr(stage_1_and_2, "is_invalid_grad_norm"):
-        return
+        return unscale_and_clip_grads
 
-    def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
-        if self.clip_grad <= 0.0 or not isinstance(total_norm, torch.Tensor):
-            return original(self, grad_groups_flat, total_norm)
-        invalid = ~torch.isfinite(total_norm) | (total_norm < 0)
-        clip_norm = torch.where(invalid, torch.full_like(total_norm, math.inf), total_norm)
-        clip = torch.clamp(((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad, min=1.0)
-        combined_scale = clip * self.loss_scale
-        for grad in grad_groups_flat:
-            for part in grad if isinstance(grad, list) else [grad]:
-                part.data.mul_(1.0 / combined_scale)
-
-    unscale_and_clip_grads._raytrain_fast = True  # type: ignore[attr-defined]
-    unscale_and_clip_grads._original = original  # type: ignore[attr-defined]
-    optimizer_cls.unscale_and_clip_grads = unscale_and_clip_grads
+    _replace_zero_method("unscale_and_clip_grads", make, needs=("is_invalid_grad_norm",))
 
 
 _NORM_ROW = 1 << 16
@@ -233,29 +246,24 @@ def _grad_norm_without_fp64_copies() -> None:
     pipeline parallelism is replaced; anything else goes to DeepSpeed's own."""
     from deepspeed.runtime.zero import stage_1_and_2
 
-    optimizer_cls = stage_1_and_2.DeepSpeedZeroOptimizer
-    original = optimizer_cls.get_grad_norm_direct
-    needed = ("mask_nan_or_inf_with_val_inplace", "PIPE_REPLICATED")
-    if getattr(original, "_raytrain_fast", False) or not all(hasattr(stage_1_and_2, name) for name in needed):
-        return
+    def make(original):
+        def get_grad_norm_direct(self, gradients, params, norm_type=2):
+            if float(norm_type) != 2.0 or self.model_parallel_rank != 0 or stage_1_and_2.pg_utils.is_parallel(self.model_parallel_group):
+                return original(self, gradients, params, norm_type)
+            pairs = zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
+            squares = [sum_of_squares(g) for g, p in pairs if not getattr(p, stage_1_and_2.PIPE_REPLICATED, False)]
+            if squares:
+                total = torch.stack(squares).sum().float()
+            else:
+                total = torch.tensor(0.0, dtype=torch.float32).to(self.device)
+            stage_1_and_2.dist.all_reduce(total, op=stage_1_and_2.dist.ReduceOp.SUM, group=self.dp_process_group)
+            total = total.pow(0.5)
+            stage_1_and_2.mask_nan_or_inf_with_val_inplace(total, device=self.device)
+            return total
 
-    def get_grad_norm_direct(self, gradients, params, norm_type=2):
-        if float(norm_type) != 2.0 or self.model_parallel_rank != 0 or stage_1_and_2.pg_utils.is_parallel(self.model_parallel_group):
-            return original(self, gradients, params, norm_type)
-        pairs = zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
-        squares = [sum_of_squares(g) for g, p in pairs if not getattr(p, stage_1_and_2.PIPE_REPLICATED, False)]
-        if squares:
-            total = torch.stack(squares).sum().float()
-        else:
-            total = torch.tensor(0.0, dtype=torch.float32).to(self.device)
-        stage_1_and_2.dist.all_reduce(total, op=stage_1_and_2.dist.ReduceOp.SUM, group=self.dp_process_group)
-        total = total.pow(0.5)
-        stage_1_and_2.mask_nan_or_inf_with_val_inplace(total, device=self.device)
-        return total
+        return get_grad_norm_direct
 
-    get_grad_norm_direct._raytrain_fast = True  # type: ignore[attr-defined]
-    get_grad_norm_direct._original = original  # type: ignore[attr-defined]
-    optimizer_cls.get_grad_norm_direct = get_grad_norm_direct
+    _replace_zero_method("get_grad_norm_direct", make, needs=("mask_nan_or_inf_with_val_inplace", "PIPE_REPLICATED"))
 
 
 def _fp32_grads_in_a_kept_buffer() -> None:
@@ -275,42 +283,38 @@ def _fp32_grads_in_a_kept_buffer() -> None:
     and wherever DeepSpeed already has a pre-flattened partition, nothing changes."""
     from deepspeed.runtime.zero import stage_1_and_2
 
-    optimizer_cls = stage_1_and_2.DeepSpeedZeroOptimizer
-    original = getattr(optimizer_cls, "_get_preflattened_grad_partition", None)
-    if original is None or getattr(original, "_raytrain_fast", False):
-        return
+    def make(original):
+        def _get_preflattened_grad_partition(self, group_idx):
+            found = original(self, group_idx)
+            grads = self.averaged_gradients[group_idx]
+            if found is not None or self.cpu_offload or not isinstance(grads, list) or not grads:
+                return found
+            if grads[0].device.type != "cpu":
+                return None
+            size = int(self.partition_size[group_idx])
+            dtype = self.single_partition_of_fp32_groups[group_idx].dtype
+            kept = self.__dict__.setdefault("_raytrain_fast_grad_buffers", {})
+            buffer = kept.get(group_idx)
+            if buffer is None or buffer.numel() != size or buffer.dtype != dtype:
+                buffer = kept[group_idx] = torch.empty(size, dtype=dtype, device=grads[0].device)
+            offset = 0
+            for grad in grads:
+                count = grad.numel()
+                if offset + count > size:
+                    return None  # not a partition: DeepSpeed's own flatten (and its assertion)
+                buffer.narrow(0, offset, count).view_as(grad).copy_(grad)
+                offset += count
+            group = self.real_dp_process_group[group_idx]
+            last = stage_1_and_2.dist.get_rank(group=group) == stage_1_and_2.dist.get_world_size(group=group) - 1
+            if offset < size:
+                if not last:
+                    return None  # only the last partition is padded (flatten_dense_tensors_aligned)
+                buffer.narrow(0, offset, size - offset).zero_()
+            return buffer
 
-    def _get_preflattened_grad_partition(self, group_idx):
-        found = original(self, group_idx)
-        grads = self.averaged_gradients[group_idx]
-        if found is not None or self.cpu_offload or not isinstance(grads, list) or not grads:
-            return found
-        if grads[0].device.type != "cpu":
-            return None
-        size = int(self.partition_size[group_idx])
-        dtype = self.single_partition_of_fp32_groups[group_idx].dtype
-        kept = self.__dict__.setdefault("_raytrain_fast_grad_buffers", {})
-        buffer = kept.get(group_idx)
-        if buffer is None or buffer.numel() != size or buffer.dtype != dtype:
-            buffer = kept[group_idx] = torch.empty(size, dtype=dtype, device=grads[0].device)
-        offset = 0
-        for grad in grads:
-            count = grad.numel()
-            if offset + count > size:
-                return None  # not a partition: DeepSpeed's own flatten (and its assertion)
-            buffer.narrow(0, offset, count).view_as(grad).copy_(grad)
-            offset += count
-        group = self.real_dp_process_group[group_idx]
-        last = stage_1_and_2.dist.get_rank(group=group) == stage_1_and_2.dist.get_world_size(group=group) - 1
-        if offset < size:
-            if not last:
-                return None  # only the last partition is padded (flatten_dense_tensors_aligned)
-            buffer.narrow(0, offset, size - offset).zero_()
-        return buffer
+        return _get_preflattened_grad_partition
 
-    _get_preflattened_grad_partition._raytrain_fast = True  # type: ignore[attr-defined]
-    _get_preflattened_grad_partition._original = original  # type: ignore[attr-defined]
-    optimizer_cls._get_preflattened_grad_partition = _get_preflattened_grad_partition
+    _replace_zero_method("_get_preflattened_grad_partition", make)
 
 
 _WIDER_OR_SAME = {
@@ -330,28 +334,24 @@ def _no_all_reduce_over_one_rank() -> None:
     buffers to add into, and a communication dtype that holds every gradient's exactly."""
     from deepspeed.runtime.zero import stage_1_and_2
 
-    optimizer_cls = stage_1_and_2.DeepSpeedZeroOptimizer
-    original = getattr(optimizer_cls, "allreduce_and_copy", None)
-    if original is None or getattr(original, "_raytrain_fast", False):
-        return
+    def make(original):
+        def allreduce_and_copy(self, small_bucket, communication_data_type, rank=None, log=None, divide=True,
+                               process_group=None, output_bucket=None):
+            group = self.dp_process_group if process_group is None else process_group
+            if (
+                stage_1_and_2.dist.get_world_size(group=group) == 1
+                and getattr(self, "sequence_parallel_size", 1) == 1
+                and not getattr(stage_1_and_2, "pg_correctness_test", True)
+                and (output_bucket is None or all(output is None for output in output_bucket))
+                and all(communication_data_type in _WIDER_OR_SAME.get(t.dtype, ()) for t in small_bucket)
+            ):
+                return None
+            return original(self, small_bucket, communication_data_type, rank=rank, log=log, divide=divide,
+                            process_group=process_group, output_bucket=output_bucket)
 
-    def allreduce_and_copy(self, small_bucket, communication_data_type, rank=None, log=None, divide=True,
-                           process_group=None, output_bucket=None):
-        group = self.dp_process_group if process_group is None else process_group
-        if (
-            stage_1_and_2.dist.get_world_size(group=group) == 1
-            and getattr(self, "sequence_parallel_size", 1) == 1
-            and not getattr(stage_1_and_2, "pg_correctness_test", True)
-            and (output_bucket is None or all(output is None for output in output_bucket))
-            and all(communication_data_type in _WIDER_OR_SAME.get(t.dtype, ()) for t in small_bucket)
-        ):
-            return None
-        return original(self, small_bucket, communication_data_type, rank=rank, log=log, divide=divide,
-                        process_group=process_group, output_bucket=output_bucket)
+        return allreduce_and_copy
 
-    allreduce_and_copy._raytrain_fast = True  # type: ignore[attr-defined]
-    allreduce_and_copy._original = original  # type: ignore[attr-defined]
-    optimizer_cls.allreduce_and_copy = allreduce_and_copy
+    _replace_zero_method("allreduce_and_copy", make)
 
 
 def build_engine(
