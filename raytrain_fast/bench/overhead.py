@@ -68,9 +68,11 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 SIZE_DEFAULTS: dict[str, dict[str, int]] = {
     # log_every divides warmup_steps and steps: the window holds whole log windows.
     "tiny": {"warmup_steps": 10, "steps": 30, "log_every": 10, "repeats": 3},
-    "large": {"warmup_steps": 5, "steps": 10, "log_every": 5, "repeats": 2},
+    "large": {"warmup_steps": 5, "steps": 30, "log_every": 5, "repeats": 3},
 }
-"""`raytrain-fast bench overhead` defaults per size (a large step is ~20x a tiny one on 2 CPU cores)."""
+"""`raytrain-fast bench overhead` defaults per size (a large step is ~20x a tiny one on 2 CPU cores).
+The large window is 30 steps (about 45 s on 2 cores): with 10 its rounds spread as much as the gap
+being measured, and the one 350 MB checkpoint inside it was 7% of the window."""
 
 VARIANTS = (
     "bare", "bare_deepspeed", "bare_in_ray_worker", "raytrain_fast_memory", "raytrain_fast", "typical_no_report",

@@ -27,10 +27,10 @@ def add_parser(commands: Any) -> None:
     overhead.add_argument("--d-model", type=int, default=None, help="override the model width (the size becomes `custom`)")
     overhead.add_argument("--layers", type=int, default=None, help="override the number of layers (the size becomes `custom`)")
     overhead.add_argument("--heads", type=int, default=None, help="override the attention heads (the size becomes `custom`)")
-    overhead.add_argument("--steps", type=int, default=None, help="timed steps per variant and repeat (default: tiny 30, large 10)")
+    overhead.add_argument("--steps", type=int, default=None, help="timed steps per variant and repeat (default: tiny 30, large 30)")
     overhead.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first (default: tiny 10, large 5)")
     overhead.add_argument("--log-every", type=int, default=None, help="our loop's log window (default: tiny 10, large 5)")
-    overhead.add_argument("--repeats", type=int, default=None, help="rounds of all variants (default: tiny 3, large 2)")
+    overhead.add_argument("--repeats", type=int, default=None, help="rounds of all variants (default: 3)")
     overhead.add_argument(
         "--checkpoint-every", type=int, default=None,
         help="our loop's checkpoint.every_steps (default: the timed steps, so one checkpoint falls in the window; 0: none in it)",
