@@ -72,6 +72,7 @@ ONE_STEP = textwrap.dedent("""
     print(json.dumps({"compiled": compiled, "line": line, "reads": reads_in_steps,
                       "losses": [float(l) for l in losses], "dtype": str(next(engine.module.parameters()).dtype),
                       "peak_gb": torch.cuda.max_memory_reserved(device) / 1e9}))
+    torch.distributed.destroy_process_group()
 """)
 
 
