@@ -48,7 +48,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -271,23 +270,13 @@ def bare(setup: OverheadSetup) -> dict[str, Any]:
     return _measurement(setup, seconds=seconds, precision=setup.precision, threads=threads, niceness=os.nice(0))
 
 
-def _one_rank_process_group(backend: str) -> None:
-    """A one-rank process group of this process (DeepSpeed needs one), on a free local port."""
-    import torch.distributed as dist
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-
-
 def bare_deepspeed(setup: OverheadSetup) -> dict[str, Any]:
     """The bare loop through our DeepSpeed engine (the run's engine and optim config), no Ray.
     Makes a process group: call it in a fresh process (`in_fresh_process`)."""
     import torch
     import torch.distributed as dist
 
+    from raytrain_fast.autobatch import _single_process_group
     from raytrain_fast.engine import build_engine, select_accelerator, training_device
     from raytrain_fast.model import build_model
 
@@ -296,7 +285,7 @@ def bare_deepspeed(setup: OverheadSetup) -> dict[str, Any]:
     device = training_device()
     _set_threads(setup, device)
     config = run_config(setup)
-    _one_rank_process_group("nccl" if device.type == "cuda" else "gloo")
+    _single_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         torch.manual_seed(setup.seed)
         model = build_model(config.model, device)
