@@ -7,6 +7,7 @@ import os
 import pytest
 
 from tests.s3_server import S3Server
+from tests.shared_ray import start_shared_ray
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # faster reports in tests
@@ -44,14 +45,25 @@ def s3_server():
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A real local Ray instance with 2 CPUs, shared by every test that needs one."""
+    """A real local Ray instance with 2 CPUs, shared by every test that needs one. A test that runs a
+    cluster of its own sets it aside meanwhile (tests/shared_ray.py); `_shared_ray_is_up` brings it back
+    for the next test that asks for it."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    start_shared_ray()
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _shared_ray_is_up(request):
+    if "ray_session" in request.fixturenames:
+        import ray
+
+        if not ray.is_initialized():
+            start_shared_ray()
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import pytest
 
 from raytrain_fast.cli import main
 from tests.s3_server import free_port
+from tests.shared_ray import without_shared_ray
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "planted-Secret-0123456789abcdef"
@@ -281,22 +282,17 @@ def test_bad_input(case: Case, isolated: Path, request, monkeypatch, capsys):
 @pytest.fixture(scope="module")
 def two_node_cluster():
     """The address of a real 2-node Ray cluster (ray.cluster_utils.Cluster, 1 CPU each). A Ray
-    instance this process had (the session's) is shut down meanwhile and started again after."""
-    import ray
+    instance this process had (the session's) is set aside meanwhile (tests/shared_ray.py)."""
     from ray.cluster_utils import Cluster
 
-    had_ray = ray.is_initialized()
-    ray.shutdown()
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    try:
-        cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        yield cluster.address
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        if had_ray:  # as tests/conftest.py's ray_session started it
-            ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    with without_shared_ray():
+        cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        try:
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            yield cluster.address
+        finally:
+            cluster.shutdown()
 
 
 def test_shared_storage_is_accepted_on_two_nodes(two_node_cluster, isolated, monkeypatch):

@@ -18,6 +18,7 @@ import pytest
 
 from raytrain_fast.config import Config, validate
 from raytrain_fast.errors import ConfigError
+from tests.shared_ray import without_shared_ray
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -143,12 +144,13 @@ def cluster(monkeypatch):
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
     monkeypatch.setenv("RAY_worker_niceness", "0")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    cluster = Cluster()
-    try:
-        _add_node(cluster, num_cpus=0, include_dashboard=False)  # the head
-        yield cluster
-    finally:
-        cluster.shutdown()
+    with without_shared_ray():  # this process holds no other Ray instance meanwhile (issue 32)
+        cluster = Cluster()
+        try:
+            _add_node(cluster, num_cpus=0, include_dashboard=False)  # the head
+            yield cluster
+        finally:
+            cluster.shutdown()
 
 
 def _add_node(cluster, **node_args):
@@ -291,6 +293,40 @@ def test_the_coordinator_lives_on_the_drivers_node_even_when_it_has_no_cpus(clus
     assert len(driver) == 1 and len(placed) == 8, found.stdout
     assert driver[0] == cluster.head_node.node_id
     assert set(placed) == {driver[0]}
+
+
+_WHICH_CLUSTER_THE_JOB_SEES = r"""
+import ray
+from raytrain_fast.launch.trainer import _ensure_ray
+
+_ensure_ray()
+
+@ray.remote(num_cpus=0)
+def resolved():  # what the state API in Ray Train's placement-group cleaner does: no address given
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+    return canonicalize_bootstrap_address_or_die(None)
+
+print("driver", ray.get_runtime_context().gcs_address)
+print("job", ray.get(resolved.remote()))
+"""
+
+
+def test_every_process_of_the_job_resolves_the_cluster_the_run_joined_when_another_is_newer(cluster):
+    """Two Ray instances on one machine: the run joins the first (RAY_ADDRESS); a second, started
+    later, is the one /tmp/ray/ray_current_cluster names. A process of the job that looks a cluster up
+    by itself (Ray Train's placement-group cleaner does, every second) must still find the first."""
+    from ray.cluster_utils import Cluster
+
+    _add_node(cluster, num_cpus=1)
+    newer = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        found = subprocess.run([sys.executable, "-c", _WHICH_CLUSTER_THE_JOB_SEES], capture_output=True, text=True,
+                               timeout=180, env={**os.environ, "RAY_ADDRESS": cluster.address})
+    finally:
+        newer.shutdown()
+    assert found.returncode == 0, found.stderr[-2000:]
+    seen = dict(line.split() for line in found.stdout.splitlines() if line.startswith(("driver ", "job ")))
+    assert seen == {"driver": cluster.address, "job": cluster.address}, (seen, newer.address)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from pathlib import Path
 from raytrain_fast.config import Config, validate
 from raytrain_fast.engine import resolve_precision
 from raytrain_fast.errors import CheckpointError, ConfigError
+from raytrain_fast.launch.ray_address import cluster_address, job_env
 from raytrain_fast.loop.evaluation import resolve_eval
 from raytrain_fast.loop.hooks import LoopHooks, WindowCallback
 from raytrain_fast.storage import check_storage, resolve_filesystem
@@ -54,8 +55,12 @@ def _ensure_ray(env_vars: dict[str, str] | None = None) -> None:
         # started here runs them at 0 (no effect when joining a running cluster).
         os.environ.setdefault("RAY_worker_niceness", "0")
         # Joins RAY_ADDRESS (a cluster, or the job's cluster under `ray job submit`), else starts a
-        # local instance. env_vars reach every process of the job (Ray Train's controller too).
-        ray.init(log_to_driver=True, configure_logging=False, runtime_env={"env_vars": env_vars} if env_vars else None)
+        # local instance. env_vars reach every process of the job (Ray Train's controller too), and
+        # so does the joined cluster's address (see launch/ray_address.py).
+        address = cluster_address()
+        env_vars = job_env(env_vars, address)
+        ray.init(address=address, log_to_driver=True, configure_logging=False,
+                 runtime_env={"env_vars": env_vars} if env_vars else None)
 
 
 def check_resume_policy(config: Config):

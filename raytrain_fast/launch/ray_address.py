@@ -1,0 +1,40 @@
+"""Which Ray cluster a run joins, pinned for every process of the job.
+
+`ray.init()` with no address joins RAY_ADDRESS, else the latest `ray start` cluster recorded on this
+machine, else starts a local instance. Processes that Ray starts for the job do not inherit that
+choice: Ray Train's placement-group cleaner, for one, asks the state API for "the latest cluster"
+every second. With two Ray instances on one machine (a test's simulated cluster beside the suite's
+own, two users' runs on a shared box) that lookup can name the other one. Resolving the address once
+here and handing it to the job's runtime environment as RAY_ADDRESS makes every such lookup name the
+run's own cluster.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Ray 2.60's resolver (ray/_private/services.py): RAY_ADDRESS, "auto", then the recorded cluster.
+# Where it is missing (another Ray version), nothing is pinned and Ray resolves as before.
+try:
+    from ray._private.services import canonicalize_bootstrap_address as _canonicalize
+except ImportError:  # pragma: no cover - another Ray version
+    _canonicalize = None
+
+
+def cluster_address() -> str | None:
+    """The GCS address (host:port) that `ray.init()` would join, or None where it would start a new
+    local instance. A Ray Client address (ray://) is left to Ray: its processes live elsewhere."""
+    address = os.environ.get("RAY_ADDRESS") or None
+    if _canonicalize is None or (address is not None and "://" in address):
+        return None
+    try:
+        return _canonicalize(address)
+    except (ConnectionError, ValueError):  # nothing to join at "auto", or a malformed value: ray.init says which
+        return None
+
+
+def job_env(env_vars: dict[str, str] | None, address: str | None) -> dict[str, str] | None:
+    """The job's runtime-environment variables, with RAY_ADDRESS pinned to the joined cluster."""
+    if address is None:
+        return env_vars or None
+    return {**(env_vars or {}), "RAY_ADDRESS": address}

@@ -1,0 +1,48 @@
+"""The suite's one shared local Ray instance, and a way to set it aside while a test runs a cluster of
+its own (`ray.cluster_utils.Cluster`, `ray start`).
+
+Why set it aside: a process that holds two Ray instances is not what a user runs, and Ray resolves a
+cluster by "the latest one on this machine" in places we do not control (the state API inside
+Ray Train's placement-group cleaner, `ray.init(address="auto")`). The elastic grow-back test failed
+only in full runs, where the shared instance was up beside its cluster (issue 32). While a cluster
+test runs, this process holds no other instance and none of the environment `ray.init` left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+_ENV_SET_BY_RAY_INIT: dict[str, str] = {}
+
+
+def start_shared_ray() -> None:
+    """A new local instance with 2 CPUs. address="local": never a cluster that RAY_ADDRESS or
+    /tmp/ray/ray_current_cluster (written by `ray start` and ray.cluster_utils) happens to name."""
+    import ray
+
+    before = dict(os.environ)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    _ENV_SET_BY_RAY_INIT.update({k: v for k, v in os.environ.items() if before.get(k) != v})
+
+
+@contextlib.contextmanager
+def without_shared_ray() -> Iterator[None]:
+    """Shut the shared instance down (if this process holds it) and take back the environment
+    variables `ray.init` set (RAY_AUTH_MODE, say), so that a cluster the test starts sees this process
+    as a fresh one would be; start the shared instance again afterwards."""
+    import ray
+
+    held = ray.is_initialized()
+    if held:
+        ray.shutdown()
+    taken = {key: os.environ.pop(key) for key in list(_ENV_SET_BY_RAY_INIT) if key in os.environ}
+    try:
+        yield
+    finally:
+        if ray.is_initialized():  # the test's own driver connection
+            ray.shutdown()
+        os.environ.update(taken)
+        if held:
+            start_shared_ray()
