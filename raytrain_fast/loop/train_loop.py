@@ -250,6 +250,8 @@ def build_model_and_measure(worker: Worker, state: TrainState, coordinator: Coor
         sample_tokens=torch.randint(0, config.model.vocab_size, (1, config.data.seq_len), device=worker.device),
     )
     state.coordinator = coordinator.export_state()
+    if rank == 0 and (line := mfu.peak_line()):
+        print(line, flush=True)
     return model, mfu
 
 
