@@ -8,6 +8,7 @@ descriptor cannot be reached from here.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
@@ -31,6 +32,11 @@ NOISE = (
     "Progress bars disabled. To enable",  # Ray Data, once per worker
 )
 """Substrings of lines that are dropped from the console (they stay in Ray's log files)."""
+
+
+def add_command(commands: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
+    """A subcommand whose own --help opens with the summary the command list shows."""
+    return commands.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
 
 
 def _on_terminal(stream) -> bool:
