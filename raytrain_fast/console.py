@@ -53,16 +53,27 @@ class ConsoleStream:
     def __init__(self, stream) -> None:
         self._stream = stream
         self._colour = _on_terminal(stream)
+        self._dropped_open_line = False
 
     def write(self, text: str) -> int:
         from raytrain_fast.storage.redact import redact_text
 
+        written = len(text)
+        # print(line) writes the line and its "\n" in two calls: when the line was dropped as noise,
+        # its newline goes too, or every dropped line left a blank one behind.
+        if self._dropped_open_line and text.startswith("\n"):
+            text = text[1:]
+        self._dropped_open_line = False
         if any(noise in text for noise in NOISE):
-            text = "".join(line for line in text.splitlines(keepends=True) if not any(n in line for n in NOISE))
+            lines = text.splitlines(keepends=True)
+            kept = [line for line in lines if not any(n in line for n in NOISE)]
+            self._dropped_open_line = bool(lines) and lines[-1] not in kept and not lines[-1].endswith("\n")
+            text = "".join(kept)
         if not self._colour:
             text = _ANSI.sub("", text)
-        self._stream.write(redact_text(text))
-        return len(text)
+        if text:
+            self._stream.write(redact_text(text))
+        return written
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)

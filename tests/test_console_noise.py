@@ -28,3 +28,37 @@ def test_prepare_data_over_other_data_names_the_flag_not_the_python_argument(tmp
     assert main(["prepare-data", "--input", str(tmp_path / "b.txt"), "--output", out, "--seq-len", "8"]) == 2
     err = capsys.readouterr().err
     assert "--overwrite" in err and "overwrite=True" not in err, err
+
+
+def test_ray_data_execution_summary_stays_off_the_console(ray_session, capfd):
+    import ray.data
+
+    from raytrain_fast.data.ingest import hide_execution_summaries
+
+    def run() -> str:
+        capfd.readouterr()
+        dataset = ray.data.range(8, override_num_blocks=2)
+        dataset.context.enable_progress_bars = False
+        assert sum(len(b["id"]) for b in dataset.iter_batches(batch_size=4)) == 8
+        captured = capfd.readouterr()
+        return captured.out + captured.err
+
+    assert "execution finished" in run()  # what a training epoch printed: the test can see it
+    hide_execution_summaries()
+    assert "execution finished" not in run()
+
+
+def test_a_dropped_noise_line_leaves_no_blank_line():
+    import io
+
+    from raytrain_fast.console import ConsoleStream
+
+    out = io.StringIO()
+    stream = ConsoleStream(out)
+    print("Eval: off", file=stream)
+    print("Started a local Ray instance. View the dashboard at http://127.0.0.1:8265", file=stream)  # Ray: line, then "\n"
+    print("Usage stats collection is enabled", file=stream)
+    stream.write("Connected to Ray cluster\nstep 1/2  loss 5.0\n")
+    print("", file=stream)  # a blank line the program means stays
+    print("Done.", file=stream)
+    assert out.getvalue() == "Eval: off\nstep 1/2  loss 5.0\n\nDone.\n"
