@@ -159,6 +159,9 @@ def pretrain(args: argparse.Namespace) -> int:
     if hooks.active():
         print(f"Drills on: {hooks.active()}", flush=True)
     result = run(config, create_bucket=args.create_bucket, hooks=hooks)
+    from raytrain_fast.console import wait_for_quiet
+
+    wait_for_quiet()  # the workers' last lines first, then the closing block
     if result.stopped_by:
         print(f"\nStopped by {result.stopped_by}. Run directory: {result.run_dir}")
         print(f"Latest checkpoint: {result.checkpoint or 'none'}")

@@ -12,6 +12,7 @@ import argparse
 import os
 import re
 import sys
+import time
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 NOISE = (
@@ -30,6 +31,9 @@ NOISE = (
     # than one Ray instance ("Found multiple active Ray instances"); training is not affected.
     "(PlacementGroupCleaner pid=",
     "Progress bars disabled. To enable",  # Ray Data, once per worker
+    # DeepSpeed on loading a universal checkpoint (a resize): ZeRO-2 here has no tensor parallelism,
+    # so tp size 1 is exactly right and the user can do nothing about it.
+    "MPU is not provided, setting tp size to 1",
 )
 """Substrings of lines that are dropped from the console (they stay in Ray's log files)."""
 
@@ -46,6 +50,21 @@ def _on_terminal(stream) -> bool:
         return False
 
 
+_last_write = [0.0]  # time.monotonic() of the latest write through any ConsoleStream
+
+
+def wait_for_quiet(*, quiet_s: float = 1.0, max_s: float = 5.0) -> None:
+    """Wait until nothing was written for `quiet_s` (at most `max_s`). Ray forwards the workers'
+    lines to the driver asynchronously, so after fit() returns some (rank 1's last lines) may still
+    be on the way; the closing `Done.` block should come after them, not between them."""
+    deadline = time.monotonic() + max_s
+    while (now := time.monotonic()) < deadline:
+        left = _last_write[0] + quiet_s - now
+        if left <= 0:
+            return
+        time.sleep(min(left, deadline - now))
+
+
 class ConsoleStream:
     """A text stream that writes `redact_text(text)` to `stream`, without ANSI colour codes when it
     is not a terminal and without the lines in NOISE."""
@@ -59,6 +78,7 @@ class ConsoleStream:
         from raytrain_fast.storage.redact import redact_text
 
         written = len(text)
+        _last_write[0] = time.monotonic()
         # print(line) writes the line and its "\n" in two calls: when the line was dropped as noise,
         # its newline goes too, or every dropped line left a blank one behind.
         if self._dropped_open_line and text.startswith("\n"):

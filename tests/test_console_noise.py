@@ -62,3 +62,38 @@ def test_a_dropped_noise_line_leaves_no_blank_line():
     print("", file=stream)  # a blank line the program means stays
     print("Done.", file=stream)
     assert out.getvalue() == "Eval: off\nstep 1/2  loss 5.0\n\nDone.\n"
+
+
+def test_wait_for_quiet_returns_after_the_last_forwarded_line():
+    import io
+    import threading
+    import time
+
+    from raytrain_fast.console import ConsoleStream, wait_for_quiet
+
+    out = io.StringIO()
+    stream = ConsoleStream(out)
+
+    def rank_1() -> None:  # Ray forwarding a worker's last lines after fit() returned
+        for i in range(4):
+            print(f"(RayTrainWorker pid=2) line {i}", file=stream)
+            time.sleep(0.1)
+
+    writer = threading.Thread(target=rank_1)
+    writer.start()
+    time.sleep(0.05)
+    wait_for_quiet(quiet_s=0.3, max_s=3.0)
+    print("Done.", file=stream)
+    writer.join()
+    assert out.getvalue().splitlines()[-1] == "Done.", out.getvalue()
+
+
+def test_deepspeed_tp_size_notice_is_dropped():
+    import io
+
+    from raytrain_fast.console import ConsoleStream
+
+    out = io.StringIO()
+    print("(RayTrainWorker pid=1) [WARNING] [base_optimizer.py:343] MPU is not provided, setting tp size to 1 in checkpoint loading.",
+          file=ConsoleStream(out))
+    assert out.getvalue() == ""
