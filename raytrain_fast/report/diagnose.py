@@ -266,11 +266,19 @@ def _memory_underused(run: RunMetrics) -> Finding | str | None:
     micro = run.setting("train", "micro_batch")
     if micro is not None:
         evidence.append(f"train.micro_batch is {micro}")
-    advice = [
-        "use a larger micro-batch with less gradient accumulation at the same global batch: set "
-        "`train.micro_batch: auto` to pick the fastest that fits, or compare settings with "
-        "`raytrain-fast sweep --micro-batch 4,8,16` before a long run",
-    ]
+    if micro is not None and micro == run.auto_micro_batch:
+        evidence[-1] += ", the fastest that fits by `train.micro_batch: auto`'s measurement"
+        advice = [
+            "`auto` already measured the larger micro-batches that divide the global batch as slower or not fitting; "
+            "the spare memory is headroom. To use it, raise train.global_batch (larger micro-batches become possible) "
+            "or train a larger model",
+        ]
+    else:
+        advice = [
+            "use a larger micro-batch with less gradient accumulation at the same global batch: set "
+            "`train.micro_batch: auto` to pick the fastest that fits, or compare settings with "
+            "`raytrain-fast sweep --micro-batch 4,8,16` before a long run",
+        ]
     return Finding(
         key="memory_underused", title=f"Memory under-used: the peak is only {_pct(peak_frac)} of the memory available",
         evidence=evidence, advice=advice, numbers={"peak_frac": peak_frac},
@@ -709,7 +717,23 @@ def run_facts(run: RunMetrics) -> dict[str, str]:
     if times:
         fmt = lambda t: datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")  # noqa: E731
         facts["logged"] = f"{fmt(min(times))} to {fmt(max(times))}"
+        first = run.records[0]
+        # The first record closes the first window: the run started that window's steps earlier.
+        start = min(times) - float(first.get("time/step_s", 0.0)) * run.window_steps()[first["step"]]
+        resumes = f", {len(run.restart_steps)} resume(s) and the pauses before them included" if run.restart_steps else ""
+        facts["duration"] = f"{_duration(max(times) - start)} from the first step to the last record{resumes}"
     return facts
+
+
+def _saves_timed(run: RunMetrics, num_windows: int) -> str:
+    """How many of the run's saves the blocked times cover: a final save (or one on a stop signal)
+    comes after the last record, so no window times it."""
+    saves = run.planned_saves()
+    untimed = [s for s in saves if s >= run.last_step]
+    timed = f"{num_windows} window(s) timing a save"
+    if not saves:
+        return timed
+    return f"{len(saves)} saves; {timed}" + (f"; the save at step {untimed[0]} is after the last record" if untimed else "")
 
 
 def summarize(run: RunMetrics) -> dict[str, str]:
@@ -737,7 +761,7 @@ def summarize(run: RunMetrics) -> dict[str, str]:
     add("data wait (median)", "time/data_wait_frac", _pct)
     _, blocked = run.series("checkpoint/blocked_s")
     if blocked:
-        summary["checkpoint blocked"] = f"median {_duration(median(blocked))}, worst {_duration(max(blocked))} ({len(blocked)} windows with a save)"
+        summary["checkpoint blocked"] = f"median {_duration(median(blocked))}, worst {_duration(max(blocked))} ({_saves_timed(run, len(blocked))})"
     _, peak = run.series("memory/peak_gb")
     if peak:
         summary["peak memory"] = f"{max(peak):.2f} GB"
