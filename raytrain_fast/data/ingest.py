@@ -396,6 +396,12 @@ class BatchIterator(Iterator):
         boundary). Save it with the checkpoint."""
         return DataPosition(epoch=self._position.epoch, consumed=self._position.consumed)
 
+    @property
+    def epochs(self) -> float:
+        """Epochs of the global stream taken so far (2.5 = two whole passes and half of the third):
+        plain arithmetic on the position, no device work."""
+        return self._position.epoch + self._position.consumed / self.sequences_per_epoch
+
     def __next__(self) -> tuple[Any, Any]:
         item = self._queue.get()
         if isinstance(item, _Failure):

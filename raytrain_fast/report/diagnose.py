@@ -78,7 +78,7 @@ SWAP_GROWTH_GB = 0.1
 class Finding:
     key: str
     """data_bound, sink_backlog, memory_underused, slowdown, checkpoint_stall, straggler, stall,
-    host_contention, memory_pressure or overfitting."""
+    host_contention, memory_pressure, overfitting or corpus_repeated."""
     title: str
     evidence: list[str]
     """The numbers the finding rests on, in words."""
@@ -131,7 +131,7 @@ def diagnose(run: RunMetrics) -> Diagnosis:
     for rule in (
         _data_bound, _sink_backlog, _memory_underused, _slowdown, _checkpoint_stall, _straggler,
         _stall, _host_contention, _memory_pressure,
-        _overfitting,
+        _overfitting, _corpus_repeated,
     ):
         result = rule(run)
         if isinstance(result, Finding):
@@ -596,6 +596,30 @@ def _stall(run: RunMetrics) -> Finding | str | None:
         key="stall", title=f"Stalls: {len(stalls)} log window{'s' if len(stalls) > 1 else ''} far slower than the rest, likely cause: {STALL_CAUSES[causes[0]]}",
         evidence=evidence, advice=[_STALL_ADVICE[c] for c in causes],
         numbers={"lost_s": lost, "lost_share": share, "windows": float(len(stalls)), "first_step": float(stalls[0].step), "last_step": float(stalls[-1].step)},
+    )
+
+
+def _corpus_repeated(run: RunMetrics) -> Finding | str | None:
+    """The run went through its corpus more than MANY_EPOCHS times (train/epoch at its last record)."""
+    from raytrain_fast.data.corpus import MANY_EPOCHS
+
+    _, epochs = run.series("train/epoch")
+    if not epochs:
+        return "corpus repetition: train/epoch was not recorded"
+    if epochs[-1] <= MANY_EPOCHS:
+        return None
+    evidence = [f"the run took {epochs[-1]:,.1f} epochs of its training data by step {run.last_step:,} (train/epoch; threshold {MANY_EPOCHS:g})"]
+    _, val = run.series("val/loss")
+    if not val:
+        evidence.append("no val/loss was recorded, so nothing shows whether the falling loss is memorisation")
+    return Finding(
+        key="corpus_repeated", title=f"Small corpus: every sequence was seen about {epochs[-1]:,.0f} times",
+        evidence=evidence,
+        advice=[
+            "train on more data (data.source) or for fewer steps; a loss reached by repeating a small corpus is memorisation",
+            "keep a validation split (prepare-data --val-fraction) so val/loss shows when the model stops generalising",
+        ],
+        numbers={"epochs": epochs[-1]},
     )
 
 
