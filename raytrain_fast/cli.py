@@ -143,6 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _settle_worker_output() -> None:
+    """The workers' last lines before the closing block, not after it: Ray forwards them
+    asynchronously and holds repeated lines back (log deduplication) until it disconnects, which
+    would be at exit. So wait for the stream to go quiet, then disconnect now: that prints what was
+    held back."""
+    from raytrain_fast.console import wait_for_quiet
+
+    wait_for_quiet()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 def pretrain(args: argparse.Namespace) -> int:
     from raytrain_fast.config import load_config
     from raytrain_fast.launch.trainer import run
@@ -159,9 +172,7 @@ def pretrain(args: argparse.Namespace) -> int:
     if hooks.active():
         print(f"Drills on: {hooks.active()}", flush=True)
     result = run(config, create_bucket=args.create_bucket, hooks=hooks)
-    from raytrain_fast.console import wait_for_quiet
-
-    wait_for_quiet()  # the workers' last lines first, then the closing block
+    _settle_worker_output()
     if result.stopped_by:
         print(f"\nStopped by {result.stopped_by}. Run directory: {result.run_dir}")
         print(f"Latest checkpoint: {result.checkpoint or 'none'}")
@@ -191,6 +202,7 @@ def sweep(args: argparse.Namespace) -> int:
         name=args.sweep_name, best_config_out=args.best_out,
     )
     result = run_sweep(config, spec, create_bucket=args.create_bucket)
+    _settle_worker_output()
     print(f"\nSweep '{result.name}' ({result.max_concurrent_trials} trial(s) at a time):\n{result.table}")
     print(f"Results: {', '.join(result.files.values())}")
     if result.best is None:

@@ -36,6 +36,14 @@ NOISE = (
     "MPU is not provided, setting tp size to 1",
 )
 """Substrings of lines that are dropped from the console (they stay in Ray's log files)."""
+NOISE_WITH_TRACEBACK = (
+    # Ray Train's controller when a sweep frees the workers of a trial it stopped early: the workers
+    # are gone by design ("expected if one of the workers has crashed"), with an ActorDiedError traceback.
+    "Graceful shutdown of backend failed",
+)
+"""Like NOISE, and the traceback lines that follow from the same process go too."""
+_TRACEBACK_LINE = re.compile(r"^(Traceback |  |During handling|The above exception|[\w.]+(Error|Exception)\b|$)")
+_PREFIX = re.compile(r"^(\(\S+ pid=\S+?\) )")
 
 
 def add_command(commands: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
@@ -73,6 +81,20 @@ class ConsoleStream:
         self._stream = stream
         self._colour = _on_terminal(stream)
         self._dropped_open_line = False
+        self._traceback_of: str | None = None
+        """The line prefix ("(TrainController pid=1) " or "") whose traceback lines are being dropped."""
+
+    def _is_noise(self, line: str) -> bool:
+        match = _PREFIX.match(line)
+        prefix = match.group(1) if match else ""
+        if self._traceback_of is not None:
+            if prefix == self._traceback_of and _TRACEBACK_LINE.match(line[len(prefix):].rstrip("\n")):
+                return True
+            self._traceback_of = None
+        if any(n in line for n in NOISE_WITH_TRACEBACK):
+            self._traceback_of = prefix
+            return True
+        return any(n in line for n in NOISE)
 
     def write(self, text: str) -> int:
         from raytrain_fast.storage.redact import redact_text
@@ -84,9 +106,9 @@ class ConsoleStream:
         if self._dropped_open_line and text.startswith("\n"):
             text = text[1:]
         self._dropped_open_line = False
-        if any(noise in text for noise in NOISE):
+        if self._traceback_of is not None or any(noise in text for noise in NOISE + NOISE_WITH_TRACEBACK):
             lines = text.splitlines(keepends=True)
-            kept = [line for line in lines if not any(n in line for n in NOISE)]
+            kept = [line for line in lines if not self._is_noise(line)]
             self._dropped_open_line = bool(lines) and lines[-1] not in kept and not lines[-1].endswith("\n")
             text = "".join(kept)
         if not self._colour:

@@ -97,3 +97,23 @@ def test_deepspeed_tp_size_notice_is_dropped():
     print("(RayTrainWorker pid=1) [WARNING] [base_optimizer.py:343] MPU is not provided, setting tp size to 1 in checkpoint loading.",
           file=ConsoleStream(out))
     assert out.getvalue() == ""
+
+
+def test_an_expected_backend_shutdown_traceback_is_dropped_whole():
+    import io
+
+    from raytrain_fast.console import ConsoleStream
+
+    out = io.StringIO()
+    stream = ConsoleStream(out)
+    p = "(TrainController pid=7) "
+    stream.write(
+        f"{p}Graceful shutdown of backend failed. This is expected if one of the workers has crashed.\n"
+        f"{p}Traceback (most recent call last):\n"
+        f'{p}  File "backend_setup.py", line 27, in before_execution_group_shutdown\n'
+        f"{p}    self._backend.on_shutdown(execution_group, self._backend_config)\n"
+        f"{p}ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.\n"
+        "(RayTrainWorker pid=8) step 4/6  loss 3.1\n"
+    )
+    print(f"{p}Traceback (most recent call last):", file=stream)  # another process's traceback is kept
+    assert out.getvalue() == f"(RayTrainWorker pid=8) step 4/6  loss 3.1\n{p}Traceback (most recent call last):\n", out.getvalue()
