@@ -13,8 +13,10 @@ trial at a time, which also keeps one trial's timing free of another's load).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -200,6 +202,9 @@ def _prepare(config: Config, spec: SweepSpec, *, first_micro_batch: int, create_
     )
     resolved = resolve_resources(_trial_config(base, spec), create_bucket=create_bucket)
     data_uri = prepare_training_data(resolved)
+    # The trials read the prepared data; naming it keeps their own checks off the user's relative
+    # data.source, which a trial (in Tune's working directory) would not find.
+    resolved = dataclasses.replace(resolved, data=dataclasses.replace(resolved.data, source=data_uri))
     cluster = ray.cluster_resources()
     concurrency = max_concurrent_trials(resolved, cluster_cpus=cluster.get("CPU", 0.0), cluster_gpus=cluster.get("GPU", 0.0))
     filesystem, root = resolve_filesystem(resolved.storage.uri, resolved.storage)
@@ -288,7 +293,30 @@ def _run_trials(sweep: _Sweep, spec: SweepSpec, micro_batches: list[int]):
             storage_filesystem=sweep.filesystem if sweep.remote else None, verbose=0, callbacks=[_release_stopped_trial()],
         ),
     )
-    return tuner.fit()
+    with _quiet_tune():
+        return tuner.fit()
+
+
+@contextlib.contextmanager
+def _quiet_tune():
+    """Tune's own console output off while the trials run: its experiment banner, results path and
+    TensorBoard hint (the new output engine prints them even at verbose=0; the old one, chosen by
+    RAY_AIR_NEW_OUTPUT=0, is silent at 0) and its per-trial error tracebacks (logged by ray.tune;
+    each reason is in the results table, the full error in Tune's error.txt under tune/)."""
+    import logging
+
+    tune_logger = logging.getLogger("ray.tune")
+    saved_env, saved_level = os.environ.get("RAY_AIR_NEW_OUTPUT"), tune_logger.level
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    tune_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        tune_logger.setLevel(saved_level)
+        if saved_env is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = saved_env
 
 
 def _trial_rows(sweep: _Sweep, grid, accum: dict[int, int]) -> list[SweepRow]:
