@@ -40,6 +40,8 @@ NOISE_WITH_TRACEBACK = (
     # Ray Train's controller when a sweep frees the workers of a trial it stopped early: the workers
     # are gone by design ("expected if one of the workers has crashed"), with an ActorDiedError traceback.
     "Graceful shutdown of backend failed",
+    # Ray Train's controller on an overloaded CPU: "safe to ignore", it retries; with a GetTimeoutError traceback.
+    "Failed to send resource request for train-",
 )
 """Like NOISE, and the traceback lines that follow from the same process go too."""
 _TRACEBACK_LINE = re.compile(r"^(Traceback |  |During handling|The above exception|[\w.]+(Error|Exception)\b|$)")
