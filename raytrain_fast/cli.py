@@ -1,4 +1,6 @@
-"""`raytrain-fast` command line."""
+"""Fast, fault-tolerant GPT pretraining on Ray Train + DeepSpeed ZeRO-2: train (resuming where a run
+stopped), list runs and their checkpoints, export weights, report on a run, prepare data, sweep
+micro-batches and benchmark. `raytrain-fast <command> --help` shows a command's options."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import signal
 import sys
 import traceback
 
+from raytrain_fast.console import add_command
 from raytrain_fast.errors import RaytrainFastError
 
 EXIT_OK = 0
@@ -21,24 +24,28 @@ EXIT_INTERRUPTED = 130
 """Ctrl-C outside a training run (the shell's 128 + SIGINT)."""
 
 
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
+def _add_config_args(parser: argparse.ArgumentParser, *, name_help: str) -> None:
     parser.add_argument("--config", default=None, help="preset name (tiny, gpt-124m, gpt-350m, gpt-1.3b) or YAML file; default: tiny")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="override one config value, e.g. --set train.steps=500 (repeatable)",
     )
-    parser.add_argument("--name", default=None, help="run name; the same name resumes the run (default: the preset's name)")
+    parser.add_argument("--name", default=None, help=name_help)
 
 
 def _add_storage_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage", required=True, help="storage URI: a local directory or s3://bucket/prefix")
     parser.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
-    parser.add_argument("--region", default=None, help="S3 region")
-    parser.add_argument("--profile", default=None, help="named AWS profile for credentials")
+    parser.add_argument("--region", default=None, help=REGION_HELP)
+    parser.add_argument("--profile", default=None, help=PROFILE_HELP)
     parser.add_argument(
         "--request-checksums", choices=("auto", "when_supported", "when_required"), default="auto",
         help="S3 upload checksums (storage.request_checksums); auto = when_required with --endpoint-url",
     )
+
+
+REGION_HELP = "S3 region (default: the AWS profile's or AWS_REGION)"
+PROFILE_HELP = "named AWS profile for credentials (default: the usual AWS chain: environment, ~/.aws, instance role)"
 
 
 def _storage_config(args: argparse.Namespace):
@@ -66,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"raytrain-fast {version('raytrain_fast')}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (any position)")
     commands = parser.add_subparsers(dest="command", required=True)
-    pretrain = commands.add_parser("pretrain", help="train a GPT on Ray (local by default; resumes a run of the same name)")
-    _add_config_args(pretrain)
+    pretrain = add_command(commands, "pretrain", "train a GPT on Ray (local by default; resumes a run of the same name)")
+    _add_config_args(pretrain, name_help="run name; the same name resumes the run (default: the preset's name)")
     pretrain.add_argument(
         "--resume", choices=("auto", "must", "never"), default=None,
         help="auto: continue the run if it has a complete checkpoint (default); must: fail if none; never: fail if one exists",
@@ -79,11 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(names: fail_once_at, record_sequences, slow_data, slow_step, slow_sink, slow_upload, cpu_burn, hold_memory; see docs/development.md#drills)",
     )
 
-    runs = commands.add_parser("runs", help="list the runs under a storage URI, their checkpoints, steps and completeness")
+    runs = add_command(commands, "runs", "list the runs under a storage URI, their checkpoints, steps and completeness")
     _add_storage_args(runs)
     runs.add_argument("--checksums", action="store_true", help="also verify every file's checksum (reads every byte)")
 
-    export = commands.add_parser("export", help="write a checkpoint's consolidated model weights (safetensors) and model config")
+    export = add_command(commands, "export", "write a checkpoint's consolidated model weights (safetensors) and model config")
     _add_storage_args(export)
     export.add_argument("--name", required=True, help="run name")
     export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
@@ -92,12 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weights dtype (both spellings: the config's fp32/bf16 and torch's float32/bfloat16)")
     export.add_argument("--overwrite", action="store_true", help="replace an export already in --out")
 
-    report = commands.add_parser("report", help="plots, an HTML page and a plain-language diagnosis of a run's metrics")
+    report = add_command(commands, "report", "plots, an HTML page and a plain-language diagnosis of a run's metrics")
     _add_storage_args(report)
     report.add_argument("--name", required=True, help="run name")
     report.add_argument("--out", default=None, help="local output directory (default: ./<name>-report)")
 
-    prepare = commands.add_parser("prepare-data", help="tokenize and pack text files into Parquet shards plus a manifest")
+    prepare = add_command(commands, "prepare-data", "tokenize and pack text files into Parquet shards plus a manifest")
     prepare.add_argument("--input", nargs="+", required=True, metavar="PATH_OR_GLOB", help="text/JSONL files, directories, globs or s3:// URIs")
     prepare.add_argument("--output", required=True, help="output directory or s3:// URI")
     prepare.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence (rows hold seq_len + 1)")
@@ -109,16 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prepare.add_argument("--val-input", nargs="+", default=None, metavar="PATH_OR_GLOB", help="a separate validation corpus instead of --val-fraction")
     prepare.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// inputs/outputs")
-    prepare.add_argument("--region", default=None)
-    prepare.add_argument("--profile", default=None)
+    prepare.add_argument("--region", default=None, help=REGION_HELP)
+    prepare.add_argument("--profile", default=None, help=PROFILE_HELP)
 
     from raytrain_fast.bench.run import add_parser as add_bench_parser
 
     add_bench_parser(commands)
-    sweep = commands.add_parser(
-        "sweep", help="Ray Tune sweep of micro-batch x grad accumulation at the config's global batch; writes the best config",
+    sweep = add_command(
+        commands, "sweep", "Ray Tune sweep of micro-batch x grad accumulation at the config's global batch; writes the best config",
     )
-    _add_config_args(sweep)
+    _add_config_args(sweep, name_help="run name of the best config it writes; results go to <name>-sweep unless --sweep-name (default: the preset's name)")
     sweep.add_argument("--micro-batch", required=True, metavar="M1,M2,...", help="micro-batches per worker to try, e.g. 1,2,4,8,16")
     sweep.add_argument(
         "--activation-checkpointing", default=None, metavar="V1,V2,...",
@@ -130,10 +137,23 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--sweep-name", default=None, help="directory of the results under storage.uri (default: <run name>-sweep)")
     sweep.add_argument("--best-out", default=None, help="local file for the best config (default: in the results when storage is local, else ./<sweep>-best.yaml)")
     sweep.add_argument("--create-bucket", action="store_true", help="create the S3 bucket of storage.uri if it is missing")
-    show = commands.add_parser("show-config", help="print the resolved config as YAML, without running")
-    _add_config_args(show)
+    show = add_command(commands, "show-config", "print the resolved config as YAML, without running")
+    _add_config_args(show, name_help="run name to show in the config, as pretrain --name sets it (default: the preset's name)")
     show.add_argument("--reference", action="store_true", help="print the reference of every config key (Markdown) instead")
     return parser
+
+
+def _settle_worker_output() -> None:
+    """The workers' last lines before the closing block, not after it: Ray forwards them
+    asynchronously and holds repeated lines back (log deduplication) until it disconnects, which
+    would be at exit. So wait for the stream to go quiet, then disconnect now: that prints what was
+    held back."""
+    from raytrain_fast.console import wait_for_quiet
+
+    wait_for_quiet()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def pretrain(args: argparse.Namespace) -> int:
@@ -152,6 +172,7 @@ def pretrain(args: argparse.Namespace) -> int:
     if hooks.active():
         print(f"Drills on: {hooks.active()}", flush=True)
     result = run(config, create_bucket=args.create_bucket, hooks=hooks)
+    _settle_worker_output()
     if result.stopped_by:
         print(f"\nStopped by {result.stopped_by}. Run directory: {result.run_dir}")
         print(f"Latest checkpoint: {result.checkpoint or 'none'}")
@@ -181,6 +202,7 @@ def sweep(args: argparse.Namespace) -> int:
         name=args.sweep_name, best_config_out=args.best_out,
     )
     result = run_sweep(config, spec, create_bucket=args.create_bucket)
+    _settle_worker_output()
     print(f"\nSweep '{result.name}' ({result.max_concurrent_trials} trial(s) at a time):\n{result.table}")
     print(f"Results: {', '.join(result.files.values())}")
     if result.best is None:

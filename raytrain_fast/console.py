@@ -8,9 +8,11 @@ descriptor cannot be reached from here.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
+import time
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 NOISE = (
@@ -29,8 +31,26 @@ NOISE = (
     # than one Ray instance ("Found multiple active Ray instances"); training is not affected.
     "(PlacementGroupCleaner pid=",
     "Progress bars disabled. To enable",  # Ray Data, once per worker
+    # DeepSpeed on loading a universal checkpoint (a resize): ZeRO-2 here has no tensor parallelism,
+    # so tp size 1 is exactly right and the user can do nothing about it.
+    "MPU is not provided, setting tp size to 1",
 )
 """Substrings of lines that are dropped from the console (they stay in Ray's log files)."""
+NOISE_WITH_TRACEBACK = (
+    # Ray Train's controller when a sweep frees the workers of a trial it stopped early: the workers
+    # are gone by design ("expected if one of the workers has crashed"), with an ActorDiedError traceback.
+    "Graceful shutdown of backend failed",
+    # Ray Train's controller on an overloaded CPU: "safe to ignore", it retries; with a GetTimeoutError traceback.
+    "Failed to send resource request for train-",
+)
+"""Like NOISE, and the traceback lines that follow from the same process go too."""
+_TRACEBACK_LINE = re.compile(r"^(Traceback |  |During handling|The above exception|[\w.]+(Error|Exception)\b|$)")
+_PREFIX = re.compile(r"^(\(\S+ pid=\S+?\) )")
+
+
+def add_command(commands: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
+    """A subcommand whose own --help opens with the summary the command list shows."""
+    return commands.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
 
 
 def _on_terminal(stream) -> bool:
@@ -40,6 +60,21 @@ def _on_terminal(stream) -> bool:
         return False
 
 
+_last_write = [0.0]  # time.monotonic() of the latest write through any ConsoleStream
+
+
+def wait_for_quiet(*, quiet_s: float = 1.0, max_s: float = 5.0) -> None:
+    """Wait until nothing was written for `quiet_s` (at most `max_s`). Ray forwards the workers'
+    lines to the driver asynchronously, so after fit() returns some (rank 1's last lines) may still
+    be on the way; the closing `Done.` block should come after them, not between them."""
+    deadline = time.monotonic() + max_s
+    while (now := time.monotonic()) < deadline:
+        left = _last_write[0] + quiet_s - now
+        if left <= 0:
+            return
+        time.sleep(min(left, deadline - now))
+
+
 class ConsoleStream:
     """A text stream that writes `redact_text(text)` to `stream`, without ANSI colour codes when it
     is not a terminal and without the lines in NOISE."""
@@ -47,16 +82,42 @@ class ConsoleStream:
     def __init__(self, stream) -> None:
         self._stream = stream
         self._colour = _on_terminal(stream)
+        self._dropped_open_line = False
+        self._traceback_of: str | None = None
+        """The line prefix ("(TrainController pid=1) " or "") whose traceback lines are being dropped."""
+
+    def _is_noise(self, line: str) -> bool:
+        match = _PREFIX.match(line)
+        prefix = match.group(1) if match else ""
+        if self._traceback_of is not None:
+            if prefix == self._traceback_of and _TRACEBACK_LINE.match(line[len(prefix):].rstrip("\n")):
+                return True
+            self._traceback_of = None
+        if any(n in line for n in NOISE_WITH_TRACEBACK):
+            self._traceback_of = prefix
+            return True
+        return any(n in line for n in NOISE)
 
     def write(self, text: str) -> int:
         from raytrain_fast.storage.redact import redact_text
 
-        if any(noise in text for noise in NOISE):
-            text = "".join(line for line in text.splitlines(keepends=True) if not any(n in line for n in NOISE))
+        written = len(text)
+        _last_write[0] = time.monotonic()
+        # print(line) writes the line and its "\n" in two calls: when the line was dropped as noise,
+        # its newline goes too, or every dropped line left a blank one behind.
+        if self._dropped_open_line and text.startswith("\n"):
+            text = text[1:]
+        self._dropped_open_line = False
+        if self._traceback_of is not None or any(noise in text for noise in NOISE + NOISE_WITH_TRACEBACK):
+            lines = text.splitlines(keepends=True)
+            kept = [line for line in lines if not self._is_noise(line)]
+            self._dropped_open_line = bool(lines) and lines[-1] not in kept and not lines[-1].endswith("\n")
+            text = "".join(kept)
         if not self._colour:
             text = _ANSI.sub("", text)
-        self._stream.write(redact_text(text))
-        return len(text)
+        if text:
+            self._stream.write(redact_text(text))
+        return written
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)

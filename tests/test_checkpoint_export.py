@@ -141,3 +141,11 @@ def test_export_without_optimizer_shards_uses_module_weights(trained_checkpoint,
     assert master_state.keys() == module_state.keys()
     for key in master_state:  # fp32 training: the module weights ARE the master weights
         torch.testing.assert_close(module_state[key], master_state[key], atol=0.0, rtol=0.0)
+
+
+def test_export_draws_no_progress_bar(trained_checkpoint, tmp_path, capfd):
+    _, local = trained_checkpoint
+    capfd.readouterr()
+    export_local_checkpoint(str(local), str(tmp_path / "quiet"))
+    captured = capfd.readouterr()
+    assert "checkpoint shards" not in captured.err + captured.out, captured.err  # DeepSpeed's tqdm bar

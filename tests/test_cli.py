@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +76,33 @@ def test_version_and_debug_flags(capsys):
     assert exit.value.code == 0 and capsys.readouterr().out.startswith("raytrain-fast ")
     assert main(["show-config", "--debug", "--set", "engine.precision=bfloat16"]) == 0  # --debug anywhere
     assert yaml.safe_load(capsys.readouterr().out)["engine"]["precision"] == "bf16"  # torch's spelling accepted
+
+
+def _parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """Every parser of the command line with its command path, sub-commands included."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*path, name))
+
+
+def test_every_command_and_option_has_help():
+    from raytrain_fast.cli import build_parser
+
+    parser = build_parser()
+    assert "Ray" in parser.description and "command line." not in parser.description
+    missing = []
+    for path, sub in _parsers(parser):
+        if path and not (sub.description or "").strip():
+            missing.append(f"{' '.join(path)}: no description")
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction) or not action.option_strings:
+                continue
+            if not (action.help or "").strip():
+                missing.append(f"{' '.join(path)} {action.option_strings[0]}: no help")
+    assert not missing, missing
+    names = {path: sub for path, sub in _parsers(parser)}
+    for command in (("sweep",), ("show-config",)):
+        name_help = next(a.help for a in names[command]._actions if "--name" in a.option_strings)
+        assert "resumes" not in name_help, (command, name_help)  # only pretrain resumes a run

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -60,3 +62,54 @@ def test_metrics_config_problems_name_the_field():
     assert any("metrics.queue_size" in p for p in problems)
     assert any("metrics.slowdown_threshold" in p for p in problems)
     assert any("metrics.profile_every" in p for p in problems)
+
+
+def test_two_peak_measurements_on_one_machine_agree_within_10_percent():
+    """The median of several short samples repeats; one best-of sample swung 366-927 GFLOP/s between runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        first, second = (measure_matmul_peak(device="cpu", dtype="fp32", seconds=0.6, size=192) for _ in range(2))
+    finally:
+        torch.set_num_threads(threads)
+    gap = abs(first - second) / max(first, second)
+    load = os.getloadavg()[0]
+    if gap >= 0.10 and load > (os.cpu_count() or 1):
+        # No measurement repeats while more runnable threads than cores share the machine (a load of 9
+        # on 2 cores swung single 1-thread bursts 0.2-25 GFLOP/s); the per-host cache is what keeps
+        # runs comparable there. On a quiet machine this must hold.
+        pytest.skip(f"machine busy (load {load:.1f} on {os.cpu_count()} cores): {first / 1e9:.1f} vs {second / 1e9:.1f} GFLOP/s")
+    assert gap < 0.10, (first, second)
+
+
+def test_measured_peak_is_cached_per_host_dtype_and_threads(tmp_path):
+    from raytrain_fast.metrics.peak import cached_matmul_peak, peak_cache_key
+
+    cache = str(tmp_path / "cache" / "matmul_peak.json")
+    calls: list[str] = []
+
+    def peak(dtype: str, seconds: float = 1.0, value: float = 5e9):
+        def measure() -> float:
+            calls.append(dtype)
+            return value
+
+        return cached_matmul_peak(device="cpu", dtype=dtype, seconds=seconds, cache_path=cache, measure=measure)
+
+    first = peak("fp32")
+    assert not first.cached and first.flops == 5e9 and calls == ["fp32"]
+    again = peak("fp32", value=9e9)  # reused: the second figure is never measured
+    assert again.cached and again.flops == 5e9 and again.measured_at == first.measured_at and calls == ["fp32"]
+    assert peak("bf16", value=1e8).flops == 1e8 and calls == ["fp32", "bf16"]  # keyed by dtype
+    assert peak("fp32", seconds=3.0, value=6e9).flops == 6e9  # a longer measurement than the cached one: measured again
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert not peak("fp32", value=7e9).cached  # keyed by thread count
+    finally:
+        torch.set_num_threads(threads)
+    import json
+    import socket
+
+    keys = json.loads(open(cache, encoding="utf-8").read())
+    assert all(key.startswith(socket.gethostname() + "|") for key in keys)
+    assert peak_cache_key("cpu", "fp32") in keys and len(keys) == 3

@@ -10,15 +10,17 @@ import shutil
 import tempfile
 from typing import Any
 
+from raytrain_fast.console import add_command
+
 
 def add_parser(commands: Any) -> None:
-    bench = commands.add_parser("bench", help="measure speed against a baseline in the same run (prints JSON with --json)")
+    bench = add_command(commands, "bench", "measure speed against a baseline in the same run (prints JSON with --json)")
     kinds = bench.add_subparsers(dest="bench", required=True)
-    data = kinds.add_parser("data", help="data wait of the Ray Data ingest path vs a DataLoader(num_workers=0)")
-    data.add_argument("--steps", type=int, default=300)
-    data.add_argument("--rounds", type=int, default=3)
-    overhead = kinds.add_parser(
-        "overhead", help="tokens/s of the full loop vs a bare PyTorch loop, the loops between them and a typical Ray Train loop",
+    data = add_command(kinds, "data", "data wait of the Ray Data ingest path vs a DataLoader(num_workers=0)")
+    data.add_argument("--steps", type=int, default=300, help="steps per path and round (default: 300)")
+    data.add_argument("--rounds", type=int, default=3, help="interleaved rounds of both paths (default: 3)")
+    overhead = add_command(
+        kinds, "overhead", "tokens/s of the full loop vs a bare PyTorch loop, the loops between them and a typical Ray Train loop",
     )
     overhead.add_argument(
         "--model", default="tiny", choices=["tiny", "large"],
@@ -42,18 +44,18 @@ def add_parser(commands: Any) -> None:
         help="comma-separated subset of bare,bare_deepspeed,bare_in_ray_worker,raytrain_fast_memory,raytrain_fast,"
         "typical_no_report,typical_ray_train (default: all)",
     )
-    checkpoint = kinds.add_parser("checkpoint", help="time training is blocked per checkpoint, async vs sync upload")
+    checkpoint = add_command(kinds, "checkpoint", "time training is blocked per checkpoint, async vs sync upload")
     checkpoint.add_argument("--storage", default=None, help="s3://bucket/prefix (default: a loopback S3 server started here)")
-    checkpoint.add_argument("--endpoint-url", default=None)
-    checkpoint.add_argument("--checkpoint-mb", type=float, default=200.0)
-    checkpoint.add_argument("--num-workers", type=int, default=2)
+    checkpoint.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint of --storage")
+    checkpoint.add_argument("--checkpoint-mb", type=float, default=200.0, help="size of each checkpoint in MB (default: 200)")
+    checkpoint.add_argument("--num-workers", type=int, default=2, help="ranks that each write their part (default: 2)")
     checkpoint.add_argument("--checkpoints", type=int, default=3, help="checkpoints per mode (the median is reported)")
     checkpoint.add_argument(
         "--seconds-between", type=float, default=20.0,
         help="training time between checkpoints; async only helps when the upload fits into it",
     )
-    model = kinds.add_parser(
-        "model", help="tokens/s, MFU and peak memory of the engine (eager/compiled x AC off/full) vs a bare PyTorch loop",
+    model = add_command(
+        kinds, "model", "tokens/s, MFU and peak memory of the engine (eager/compiled x AC off/full) vs a bare PyTorch loop",
     )
     from raytrain_fast.bench.model import add_arguments as add_model_arguments
 

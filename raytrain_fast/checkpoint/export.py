@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import io
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -68,6 +69,15 @@ def _deepspeed_dir(local_dir: str) -> tuple[str, str]:
     return local_dir, tag
 
 
+def _pass_on_without_progress_bars(text: str) -> None:
+    """Write `text` to stderr without tqdm's bar redraws (lines of \\r-separated frames with '|')."""
+    import sys
+
+    for line in text.replace("\r", "\n").splitlines():
+        if line.strip() and not re.search(r"\d+%\|", line):
+            print(line, file=sys.stderr)
+
+
 def consolidated_state_dict(local_dir: str) -> tuple[dict[str, Any], str]:
     """(full fp32 state dict, where the weights came from) from a downloaded checkpoint."""
     import torch
@@ -80,8 +90,11 @@ def consolidated_state_dict(local_dir: str) -> tuple[dict[str, Any], str]:
         select_accelerator()  # DeepSpeed reads DS_ACCELERATOR once, at its first import
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per parameter group
+        # It prints a line per parameter group and draws tqdm bars ("Loading checkpoint shards") on
+        # stderr; anything else it writes there (a warning) is passed on.
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
             state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
+        _pass_on_without_progress_bars(err.getvalue())
         source = "fp32 master weights from the ZeRO optimizer shards"
     else:
         model_file = ds_dir / "mp_rank_00_model_states.pt"

@@ -396,6 +396,12 @@ class BatchIterator(Iterator):
         boundary). Save it with the checkpoint."""
         return DataPosition(epoch=self._position.epoch, consumed=self._position.consumed)
 
+    @property
+    def epochs(self) -> float:
+        """Epochs of the global stream taken so far (2.5 = two whole passes and half of the third):
+        plain arithmetic on the position, no device work."""
+        return self._position.epoch + self._position.consumed / self.sequences_per_epoch
+
     def __next__(self) -> tuple[Any, Any]:
         item = self._queue.get()
         if isinstance(item, _Failure):
@@ -520,7 +526,30 @@ class BatchIterator(Iterator):
         context.enable_progress_bars = False
         context.print_on_execution_start = False
         context.execution_options.preserve_order = True  # the plan's order is the resume contract
+        hide_execution_summaries()
         return dataset
+
+
+class _HideExecutionSummary(logging.Filter):
+    """Marks Ray Data's "Dataset ... execution finished in N seconds" record hidden: Ray Data's
+    console handler drops hidden records (HiddenRecordFilter, Ray 2.60) and its file handler keeps
+    them in ray-data.log. The ingest runs one short Dataset per couple of windows, so the console
+    got one such line per epoch or more."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "execution finished in" in str(record.msg):
+            record.hide = True
+        return True
+
+
+_EXECUTOR_LOGGER = "ray.data._internal.execution.streaming_executor"
+
+
+def hide_execution_summaries() -> None:
+    """Install _HideExecutionSummary once in this process (idempotent)."""
+    executor_logger = logging.getLogger(_EXECUTOR_LOGGER)
+    if not any(isinstance(f, _HideExecutionSummary) for f in executor_logger.filters):
+        executor_logger.addFilter(_HideExecutionSummary())
 
 
 __all__ = [

@@ -53,6 +53,8 @@ class SourceFile:
 class Skipped:
     path: str
     reason: str
+    partial: bool = False
+    """True: the file was used; only some of its JSONL records were skipped (the reason says which)."""
 
 
 @dataclass(kw_only=True)

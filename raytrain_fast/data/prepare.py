@@ -522,13 +522,25 @@ def _hash_inputs(listing: _Listing, filesystems: dict[str, pafs.FileSystem]) -> 
 
 
 def _summarize_skipped(skipped: list[Skipped], limit: int = 10) -> str:
+    """One line (limit=0) or a line and up to `limit` paths: inputs skipped whole, and apart from
+    them the records skipped inside inputs that were used (those files are not skipped)."""
     if not skipped:
         return ""
-    counts = Counter(s.reason.split(" (")[0].split(":")[0] for s in skipped)
-    lines = [f"skipped {len(skipped)} input(s): " + ", ".join(f"{n} {reason}" for reason, n in counts.most_common())]
+    whole = [s for s in skipped if not s.partial]
+    partial = [s for s in skipped if s.partial]
+    heads = []
+    if whole:
+        counts = Counter(s.reason.split(" (")[0].split(":")[0] for s in whole)
+        heads.append(f"skipped {len(whole)} input(s): " + ", ".join(f"{n} {reason}" for reason, n in counts.most_common()))
+    if len(partial) == 1:
+        count, _, detail = partial[0].reason.partition(": ")
+        heads.append(f"used {partial[0].path}; {count} in it: {detail}")
+    elif partial:
+        heads.append(f"used {len(partial)} JSONL inputs without some of their records")
+    head = "; ".join(heads)
     if limit == 0:  # one summary line; the paths are in the manifest
-        return f"{lines[0]} (each listed under 'skipped' in {MANIFEST_NAME})"
-    lines += [f"  {s.path}: {s.reason}" for s in skipped[:limit]]
+        return f"{head} (each listed under 'skipped' in {MANIFEST_NAME})"
+    lines = [head, *(f"  {s.path}: {s.reason}" for s in skipped[:limit])]
     if len(skipped) > limit:
         lines.append(f"  ... and {len(skipped) - limit} more (all listed under 'skipped' in {MANIFEST_NAME})")
     return "\n".join(lines)
@@ -611,7 +623,7 @@ def prepare_data(
     with out.filesystem.open_output_stream(join_uri(out.root, MANIFEST_NAME)) as stream:  # written last: marks completion
         stream.write(manifest.to_json().encode())
     if verbose:
-        progress.update(len(listing.sources), num_tokens, len(skipped), force=True)
+        progress.update(len(listing.sources), num_tokens, sum(not s.partial for s in skipped), force=True)
         _print_summary(manifest, seconds=time.perf_counter() - started, parallel=parallel)
     return manifest
 
@@ -756,7 +768,7 @@ def _holds_this_data(
     if not overwrite:
         raise DataError(
             f"output '{output}' already holds prepared data made differently ({'; '.join(differences)}). "
-            "Choose another output, or pass overwrite=True (--overwrite) to replace it."
+            "Choose another output, or pass --overwrite to replace it."
         )
     return False
 
@@ -804,7 +816,7 @@ def _pack(results, listing: _Listing, writer: _ShardWriter, progress: _Progress,
                 skipped.append(Skipped(path=source.uri, reason=result.skip_reason))
             else:
                 if result.partial_reason:
-                    skipped.append(Skipped(path=source.uri, reason=result.partial_reason))
+                    skipped.append(Skipped(path=source.uri, reason=result.partial_reason, partial=True))
                 writer.add(result.tokens)
                 val.add(result, source)
                 num_tokens += len(result.tokens) + (0 if result.val_tokens is None else len(result.val_tokens))
@@ -814,7 +826,7 @@ def _pack(results, listing: _Listing, writer: _ShardWriter, progress: _Progress,
                     mtime_ns=source.mtime_ns,
                 )
                 (val.sources if source.val_fraction >= 1.0 else used).append(entry)
-            progress.update(done, num_tokens, len(skipped))
+            progress.update(done, num_tokens, sum(not s.partial for s in skipped))
         dropped = writer.finish()
         val.finish()
     except BaseException:

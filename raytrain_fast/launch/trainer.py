@@ -283,6 +283,10 @@ def prepare_training_data(config: Config) -> str:
     _, notes = resolve_eval(config, manifest)  # the workers resolve it the same way; errors surface here, before them
     used = min(manifest.num_sequences, max_sequences(config) or manifest.num_sequences)
     print(f"Data: {used:,} sequences of {config.data.seq_len + 1} tokens from {uri}", flush=True)
+    from raytrain_fast.data.corpus import repetition_warning
+
+    if warning := repetition_warning(sequences_per_epoch=used, steps=config.train.steps, global_batch=config.train.global_batch):
+        print(warning, flush=True)
     for note in notes:
         print(note, flush=True)
     return uri

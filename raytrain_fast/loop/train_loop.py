@@ -250,6 +250,8 @@ def build_model_and_measure(worker: Worker, state: TrainState, coordinator: Coor
         sample_tokens=torch.randint(0, config.model.vocab_size, (1, config.data.seq_len), device=worker.device),
     )
     state.coordinator = coordinator.export_state()
+    if rank == 0 and (line := mfu.peak_line()):
+        print(line, flush=True)
     return model, mfu
 
 
@@ -347,7 +349,7 @@ def run_steps(
             flags = (_TIME_DUE if checkpointer.due_by_time() else 0) | (
                 _STOP if worker.rank == 0 and coordinator.stop_requested() else 0
             ) | (_PREEMPTED if preemption.flag() else 0)
-            last = metrics.log(state.step, lr=engine.get_lr()[0], flags=flags)
+            last = metrics.log(state.step, lr=engine.get_lr()[0], flags=flags, epoch=getattr(data, "epochs", None))
             agreed = metrics.flags_any_rank
         on_notice = save_checkpoints and preemption.save_due(bool(agreed & _PREEMPTED))
         saving = save_checkpoints and (

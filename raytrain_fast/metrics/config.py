@@ -37,7 +37,7 @@ class MetricsConfig:
     gc_every: int = 200
     """After setup, freeze the heap, turn off Python's automatic full collections and run one timed full collection every this many steps. 0 = leave Python's GC alone."""
     peak_measure_s: float = 3.0
-    """Seconds of large matrix products that measure the achievable matmul peak, once per run, device type and dtype (for throughput/mfu_measured_peak). 0 = skip."""
+    """Seconds of large matrix products that measure the achievable matmul peak (median of 5 samples; cached per host, device, threads and dtype in ~/.cache/raytrain_fast and reused) for throughput/mfu_measured_peak. 0 = skip."""
     coordinator_timeout_s: float = 600.0
     """How long a rank waits for a value another rank measures (FLOPs per token, peak) before failing with an error."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 METRICS: dict[str, str] = {
     "train/loss": "Mean training loss over the log window (all micro-batches of all ranks).",
     "train/lr": "Learning rate at the log step.",
+    "train/epoch": "Epochs of the training split taken so far (all ranks together), from the data position: 2.5 = two passes and half of the third.",
     "train/grad_norm": "Mean global gradient norm (before clipping) over the window's optimizer steps.",
     "throughput/tokens_per_sec": "Tokens trained per second across all ranks, over the window's wall time (checkpoint stalls included).",
     "throughput/mfu": "Model FLOPs utilisation against the datasheet peak of the device and dtype; absent where the peak is unknown (CPUs, unlisted GPUs).",

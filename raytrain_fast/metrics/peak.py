@@ -8,17 +8,25 @@ CPUs included, and shows how close the loop gets to what this device really sust
 
 from __future__ import annotations
 
+import datetime
 import functools
+import json
+import logging
+import os
 import platform
 import re
+import socket
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
 TERA = 1e12
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,19 +160,29 @@ def device_key(device: torch.device | str) -> str:
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "tf32": "float32"}
 
 
-def measure_matmul_peak(
-    *, device: torch.device | str, dtype: str, seconds: float = 3.0, size: int | None = None
-) -> float:
-    """Achievable dense matmul FLOP/s of one device in `dtype`: the best of several timed bursts of
-    square (size x size) products over about `seconds`.
+PEAK_SAMPLES = 5
+"""Samples per measured peak: their median is the figure (one sample swung 366-927 GFLOP/s between runs)."""
 
-    Measure in the dtype training uses: on CPUs without native bf16, bf16 matmuls run ~50x slower
-    than fp32. `tf32` means fp32 tensors with TF32 allowed (the caller's torch settings decide).
+
+def measure_matmul_peak(
+    *, device: torch.device | str, dtype: str, seconds: float = 3.0, size: int | None = None, samples: int = PEAK_SAMPLES
+) -> float:
+    """Achievable dense matmul FLOP/s of one device in `dtype`: the median of `samples` short samples
+    over about `seconds` in all, each sample the best of a few timed bursts of square (size x size)
+    products.
+
+    Best-of within a sample drops a burst that lost the cores for a moment; the median across samples
+    drops a whole sample taken while a neighbour held them. One long best-of (what this was) swung
+    2.5x between runs on one busy machine. Measure in the dtype training uses: on CPUs without native
+    bf16, bf16 matmuls run ~50x slower than fp32. `tf32` means fp32 tensors with TF32 allowed (the
+    caller's torch settings decide).
     """
     import torch
 
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_TORCH_DTYPES)}, got {dtype!r}")
+    if samples < 1:
+        raise ValueError(f"samples must be at least 1, got {samples}")
     device = torch.device(device)
     torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
     is_cuda = device.type == "cuda"
@@ -184,17 +202,84 @@ def measure_matmul_peak(
         for _ in range(count):
             torch.mm(a, b)
         sync()
-        return time.perf_counter() - start
+        return max(time.perf_counter() - start, 1e-9)
 
     burst(1)  # warm-up: kernel selection, first-touch allocation
-    # Size the bursts to ~1/5 of the budget so a few of them fit and the best one is kept.
-    one = max(burst(1), 1e-6)
-    count = max(1, int(seconds / 5 / one))
-    best = flops_per_product / one
-    deadline = time.perf_counter() + max(0.0, seconds - one)
-    while time.perf_counter() < deadline:
-        best = max(best, count * flops_per_product / burst(count))
-    return best
+    one = burst(1)
+    per_sample = max(0.0, seconds - 2 * one) / samples
+    count = max(1, int(per_sample / 3 / one))  # ~3 bursts per sample
+    results = []
+    for _ in range(samples):
+        deadline = time.perf_counter() + per_sample
+        best = count * flops_per_product / burst(count)
+        while time.perf_counter() < deadline:
+            best = max(best, count * flops_per_product / burst(count))
+        results.append(best)
+    return statistics.median(results)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeakFigure:
+    """A measured matmul peak and where it came from."""
+
+    flops: float
+    cached: bool
+    """True when read from the per-host cache instead of measured by this call."""
+    measured_at: str
+    """When it was measured (UTC, ISO 8601)."""
+    seconds: float
+    cache_path: str
+
+
+def peak_cache_path() -> str:
+    """The per-user cache of measured peaks: $RAYTRAIN_FAST_CACHE_DIR, else $XDG_CACHE_HOME/raytrain_fast,
+    else ~/.cache/raytrain_fast; the file is matmul_peak.json."""
+    root = os.environ.get("RAYTRAIN_FAST_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "raytrain_fast"
+    )
+    return os.path.join(root, "matmul_peak.json")
+
+
+def peak_cache_key(device: torch.device | str, dtype: str) -> str:
+    """Host, device kind (with the thread count on CPUs) and dtype: what the peak depends on."""
+    return f"{socket.gethostname()}|{device_key(device)}|{dtype}"
+
+
+def _read_cache(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as file:
+            entries = json.load(file)
+    except (OSError, ValueError):  # absent or damaged: measure, and write it anew
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def cached_matmul_peak(
+    *, device: torch.device | str, dtype: str, seconds: float, cache_path: str | None = None,
+    measure: Callable[[], float] | None = None,
+) -> PeakFigure:
+    """The measured peak for this host, device kind, thread count and dtype: from the cache when it
+    holds one measured for at least `seconds`, else measured now (`measure`, default
+    `measure_matmul_peak`) and cached, so runs on one machine share one denominator for MFU."""
+    path = cache_path or peak_cache_path()
+    key = peak_cache_key(device, dtype)
+    entries = _read_cache(path)
+    entry = entries.get(key)
+    if isinstance(entry, dict) and float(entry.get("seconds", 0)) >= seconds and float(entry.get("flops", 0)) > 0:
+        return PeakFigure(flops=float(entry["flops"]), cached=True, measured_at=str(entry.get("measured_at", "?")),
+                          seconds=float(entry["seconds"]), cache_path=path)
+    flops = float(measure() if measure is not None else measure_matmul_peak(device=device, dtype=dtype, seconds=seconds))
+    measured_at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    entries[key] = {"flops": flops, "seconds": seconds, "samples": PEAK_SAMPLES, "measured_at": measured_at}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        temp = f"{path}.{os.getpid()}.tmp"
+        with open(temp, "w", encoding="utf-8") as file:
+            json.dump(entries, file, indent=1, sort_keys=True)
+        os.replace(temp, path)  # atomic: two runs starting together never see half a file
+    except OSError as error:  # a read-only home must not stop training; the next run measures again
+        logger.warning("could not cache the measured peak in %s (%s); the next run measures it again", path, error)
+    return PeakFigure(flops=flops, cached=False, measured_at=measured_at, seconds=seconds, cache_path=path)
 
 
 def mfu(*, tokens_per_sec: float, flops_per_token: float | None, peak_flops: float | None, num_devices: int) -> float | None:
@@ -205,10 +290,13 @@ def mfu(*, tokens_per_sec: float, flops_per_token: float | None, peak_flops: flo
 
 
 __all__ = [
+    "PeakFigure",
+    "cached_matmul_peak",
     "datasheet_peak_flops",
     "device_key",
     "device_name",
     "matmul_dtype",
     "measure_matmul_peak",
     "mfu",
+    "peak_cache_path",
 ]

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from raytrain_fast.coordinator import Coordinator
+    from raytrain_fast.metrics.peak import PeakFigure
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +29,14 @@ class MfuInputs:
     device_name: str
     dtype: str
     """The matmul dtype the peaks are for (bf16, fp16, tf32 or fp32)."""
+    peak_source: str | None = None
+    """Where measured_peak_flops came from (measured now, the per-host cache, this run); None where not measured here."""
+
+    def peak_line(self) -> str | None:
+        """The `Measured peak:` line rank 0 prints, so a run says which denominator its % of peak uses."""
+        if self.measured_peak_flops is None or self.peak_source is None:
+            return None
+        return f"Measured peak: {self.measured_peak_flops / 1e9:,.0f} GFLOP/s per device in {self.dtype} ({self.peak_source})"
 
 
 def mfu_inputs(
@@ -68,14 +77,9 @@ def mfu_inputs(
     name = device_name(device)
     if measure_peak is None:
         measure_peak = rank == 0
-    measured = None
+    measured, source = None, None
     if measure_peak and config.peak_measure_s > 0:
-        from raytrain_fast.metrics.peak import device_key, measure_matmul_peak
-
-        measured = coordinator.achievable_peak(
-            device_key=device_key(device), dtype=dtype, seconds=config.peak_measure_s,
-            measure=lambda: measure_matmul_peak(device=device, dtype=dtype, seconds=config.peak_measure_s),
-        )
+        measured, source = _measured_peak(coordinator, config, device=device, dtype=dtype)
     return MfuInputs(
         flops_per_token=flops.for_mfu,
         counted_flops_per_token=flops.counted,
@@ -83,4 +87,27 @@ def mfu_inputs(
         measured_peak_flops=measured,
         device_name=name,
         dtype=dtype,
+        peak_source=source,
     )
+
+
+def _measured_peak(coordinator: Coordinator, config: MetricsConfig, *, device: torch.device | str, dtype: str) -> tuple[float, str]:
+    """The achievable peak, once per run through the coordinator; the measurement itself goes through
+    the per-host cache, so runs on one machine share one figure. Returns (FLOP/s, where it came from)."""
+    from raytrain_fast.metrics.peak import PEAK_SAMPLES, cached_matmul_peak, device_key
+
+    figures: list[PeakFigure] = []
+
+    def measure() -> float:
+        figures.append(cached_matmul_peak(device=device, dtype=dtype, seconds=config.peak_measure_s))
+        return figures[-1].flops
+
+    flops = coordinator.achievable_peak(
+        device_key=device_key(device), dtype=dtype, seconds=config.peak_measure_s, measure=measure
+    )
+    if not figures:  # a restarted worker group, or a resumed run: the coordinator held it
+        return flops, "kept from this run's first measurement"
+    figure = figures[0]
+    if figure.cached:
+        return flops, f"cached for this host on {figure.measured_at}; delete {figure.cache_path} to measure again"
+    return flops, f"median of {PEAK_SAMPLES} samples over {figure.seconds:g} s, cached in {figure.cache_path}"

@@ -334,7 +334,7 @@ class TrainMetrics:
 
     # --- log steps -----------------------------------------------------------------------------
 
-    def log(self, step: int, *, lr: float | None = None, flags: int = 0) -> dict[str, float]:
+    def log(self, step: int, *, lr: float | None = None, flags: int = 0, epoch: float | None = None) -> dict[str, float]:
         """Drain the window. Every rank must call it at the same step (it is a collective).
 
         `flags` (small non-negative int bit flags) ride along for free: afterwards `flags_any_rank`
@@ -361,6 +361,8 @@ class TrainMetrics:
         values = drained.tolist()  # HOST SYNC: the one per log window; waits for all queued work
         now = time.perf_counter()
         metrics = self._compute(step, values, now=now, gc_s=gc_s, lr=lr)
+        if epoch is not None:  # from the data position: host arithmetic, no sync
+            metrics["train/epoch"] = epoch
         self._start_window(step, now)
         if self._is_logger:
             self._emit(step, metrics)
@@ -560,6 +562,8 @@ class TrainMetrics:
         """The progress line rank 0 prints on log steps."""
         width = len(str(self.total_steps))
         parts = [f"step {step:>{width}}/{self.total_steps}"]
+        if "train/epoch" in metrics:
+            parts.append(f"epoch {metrics['train/epoch']:.2f}")
         if "train/loss" in metrics:
             parts.append(f"loss {metrics['train/loss']:.4f}")
         if "train/lr" in metrics:

@@ -78,7 +78,7 @@ SWAP_GROWTH_GB = 0.1
 class Finding:
     key: str
     """data_bound, sink_backlog, memory_underused, slowdown, checkpoint_stall, straggler, stall,
-    host_contention, memory_pressure or overfitting."""
+    host_contention, memory_pressure, overfitting or corpus_repeated."""
     title: str
     evidence: list[str]
     """The numbers the finding rests on, in words."""
@@ -131,7 +131,7 @@ def diagnose(run: RunMetrics) -> Diagnosis:
     for rule in (
         _data_bound, _sink_backlog, _memory_underused, _slowdown, _checkpoint_stall, _straggler,
         _stall, _host_contention, _memory_pressure,
-        _overfitting,
+        _overfitting, _corpus_repeated,
     ):
         result = rule(run)
         if isinstance(result, Finding):
@@ -266,11 +266,19 @@ def _memory_underused(run: RunMetrics) -> Finding | str | None:
     micro = run.setting("train", "micro_batch")
     if micro is not None:
         evidence.append(f"train.micro_batch is {micro}")
-    advice = [
-        "use a larger micro-batch with less gradient accumulation at the same global batch: set "
-        "`train.micro_batch: auto` to pick the fastest that fits, or compare settings with "
-        "`raytrain-fast sweep --micro-batch 4,8,16` before a long run",
-    ]
+    if micro is not None and micro == run.auto_micro_batch:
+        evidence[-1] += ", the fastest that fits by `train.micro_batch: auto`'s measurement"
+        advice = [
+            "`auto` already measured the larger micro-batches that divide the global batch as slower or not fitting; "
+            "the spare memory is headroom. To use it, raise train.global_batch (larger micro-batches become possible) "
+            "or train a larger model",
+        ]
+    else:
+        advice = [
+            "use a larger micro-batch with less gradient accumulation at the same global batch: set "
+            "`train.micro_batch: auto` to pick the fastest that fits, or compare settings with "
+            "`raytrain-fast sweep --micro-batch 4,8,16` before a long run",
+        ]
     return Finding(
         key="memory_underused", title=f"Memory under-used: the peak is only {_pct(peak_frac)} of the memory available",
         evidence=evidence, advice=advice, numbers={"peak_frac": peak_frac},
@@ -591,6 +599,30 @@ def _stall(run: RunMetrics) -> Finding | str | None:
     )
 
 
+def _corpus_repeated(run: RunMetrics) -> Finding | str | None:
+    """The run went through its corpus more than MANY_EPOCHS times (train/epoch at its last record)."""
+    from raytrain_fast.data.corpus import MANY_EPOCHS
+
+    _, epochs = run.series("train/epoch")
+    if not epochs:
+        return "corpus repetition: train/epoch was not recorded"
+    if epochs[-1] <= MANY_EPOCHS:
+        return None
+    evidence = [f"the run took {epochs[-1]:,.1f} epochs of its training data by step {run.last_step:,} (train/epoch; threshold {MANY_EPOCHS:g})"]
+    _, val = run.series("val/loss")
+    if not val:
+        evidence.append("no val/loss was recorded, so nothing shows whether the falling loss is memorisation")
+    return Finding(
+        key="corpus_repeated", title=f"Small corpus: every sequence was seen about {epochs[-1]:,.0f} times",
+        evidence=evidence,
+        advice=[
+            "train on more data (data.source) or for fewer steps; a loss reached by repeating a small corpus is memorisation",
+            "keep a validation split (prepare-data --val-fraction) so val/loss shows when the model stops generalising",
+        ],
+        numbers={"epochs": epochs[-1]},
+    )
+
+
 def stall_factor(run: RunMetrics) -> float:
     return float(run.setting("metrics", "stall_factor", DEFAULT_STALL_FACTOR))
 
@@ -709,7 +741,23 @@ def run_facts(run: RunMetrics) -> dict[str, str]:
     if times:
         fmt = lambda t: datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")  # noqa: E731
         facts["logged"] = f"{fmt(min(times))} to {fmt(max(times))}"
+        first = run.records[0]
+        # The first record closes the first window: the run started that window's steps earlier.
+        start = min(times) - float(first.get("time/step_s", 0.0)) * run.window_steps()[first["step"]]
+        resumes = f", {len(run.restart_steps)} resume(s) and the pauses before them included" if run.restart_steps else ""
+        facts["duration"] = f"{_duration(max(times) - start)} from the first step to the last record{resumes}"
     return facts
+
+
+def _saves_timed(run: RunMetrics, num_windows: int) -> str:
+    """How many of the run's saves the blocked times cover: a final save (or one on a stop signal)
+    comes after the last record, so no window times it."""
+    saves = run.planned_saves()
+    untimed = [s for s in saves if s >= run.last_step]
+    timed = f"{num_windows} window(s) timing a save"
+    if not saves:
+        return timed
+    return f"{len(saves)} saves; {timed}" + (f"; the save at step {untimed[0]} is after the last record" if untimed else "")
 
 
 def summarize(run: RunMetrics) -> dict[str, str]:
@@ -737,7 +785,7 @@ def summarize(run: RunMetrics) -> dict[str, str]:
     add("data wait (median)", "time/data_wait_frac", _pct)
     _, blocked = run.series("checkpoint/blocked_s")
     if blocked:
-        summary["checkpoint blocked"] = f"median {_duration(median(blocked))}, worst {_duration(max(blocked))} ({len(blocked)} windows with a save)"
+        summary["checkpoint blocked"] = f"median {_duration(median(blocked))}, worst {_duration(max(blocked))} ({_saves_timed(run, len(blocked))})"
     _, peak = run.series("memory/peak_gb")
     if peak:
         summary["peak memory"] = f"{max(peak):.2f} GB"

@@ -36,6 +36,11 @@ class RunMetrics:
     """Records at or below this step are warm-up and left out of the judgements."""
     restart_steps: list[int] = field(default_factory=list)
     """Log steps whose window began with a resume (also left out)."""
+    auto_micro_batch: int | None = None
+    """The micro-batch `train.micro_batch: auto` chose for this run's model, batch and workers (from
+    its cache in the storage), so advice never suggests `auto` where it picked the run's setting."""
+    saved_steps: list[int] = field(default_factory=list)
+    """Steps of the checkpoints the run's directory holds now (retention may have removed older ones)."""
 
     @property
     def steady(self) -> list[dict[str, Any]]:
@@ -108,13 +113,15 @@ class RunMetrics:
         ]
 
     def planned_saves(self) -> list[int]:
-        """Every checkpoint.every_steps step up to the last logged step, and the last step itself
-        when it is train.steps (the run's final save, which no later record times)."""
+        """Every checkpoint.every_steps step up to the last logged step, the last step itself when it
+        is train.steps (the run's final save, which no later record times), and every checkpoint the
+        run's directory holds (a save on a stop signal, or at the end of an earlier train.steps)."""
         every, total = self.setting("checkpoint", "every_steps"), self.setting("train", "steps")
-        saves = list(range(every, self.last_step + 1, every)) if isinstance(every, int) and every > 0 else []
-        if total == self.last_step and self.last_step not in saves:
-            saves.append(self.last_step)
-        return saves
+        saves = set(range(every, self.last_step + 1, every)) if isinstance(every, int) and every > 0 else set()
+        if total == self.last_step:
+            saves.add(self.last_step)
+        saves.update(s for s in self.saved_steps if s <= self.last_step)
+        return sorted(saves)
 
 
 def load_run(storage_uri: str, name: str, *, storage: StorageConfig | None = None) -> RunMetrics:
@@ -137,7 +144,59 @@ def load_run(storage_uri: str, name: str, *, storage: StorageConfig | None = Non
             f"run '{name}' has no metrics under {uri}/metrics/. Check --storage and --name "
             f"(`raytrain-fast runs --storage {storage_uri}` lists the runs there)."
         )
-    return from_records(records, name=name, uri=uri, config=_newest_config(uri, storage))
+    run = from_records(records, name=name, uri=uri, config=_newest_config(uri, storage))
+    run.saved_steps = _saved_steps(uri, storage)
+    run.auto_micro_batch = _auto_micro_batch(storage_uri, storage, run.config)
+    return run
+
+
+def _saved_steps(run_uri: str, storage: StorageConfig) -> list[int]:
+    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs
+    from raytrain_fast.storage import resolve_filesystem
+
+    try:
+        filesystem, path = resolve_filesystem(run_uri, storage)
+        return sorted(step for step, _ in list_checkpoint_dirs(filesystem, path))
+    except (FileNotFoundError, OSError):
+        return []
+
+
+def _auto_micro_batch(storage_uri: str, storage: StorageConfig, config: dict[str, Any] | None) -> int | None:
+    """The micro-batch `auto` chose for this run's inputs, from the choices autobatch caches under
+    <storage>/_autobatch/ (key_inputs: model, batch, workers, precision, memory budget). The model's
+    activation_checkpointing is left out of the match: the choice itself may have turned it on."""
+    import json
+
+    import pyarrow.fs as pafs
+
+    from raytrain_fast.autobatch import CACHE_DIR
+    from raytrain_fast.storage import resolve_filesystem
+
+    if not config:
+        return None
+    section = lambda name: config.get(name) or {}  # noqa: E731
+    wanted = {
+        "seq_len": section("data").get("seq_len"), "world_size": section("resources").get("num_workers"),
+        "zero_stage": section("engine").get("zero_stage"), "precision": section("engine").get("precision"),
+        "global_batch": section("train").get("global_batch"), "memory_budget_gb": section("resources").get("memory_budget_gb"),
+        "cpus_per_worker": section("resources").get("cpus_per_worker"),
+    }
+    model = {k: v for k, v in section("model").items() if k != "activation_checkpointing"}
+    try:
+        filesystem, root = resolve_filesystem(storage_uri, storage)
+        infos = filesystem.get_file_info(pafs.FileSelector(f"{root.rstrip('/')}/{CACHE_DIR}", allow_not_found=True))
+        for info in infos:
+            if not info.path.endswith(".json"):
+                continue
+            with filesystem.open_input_stream(info.path) as stream:
+                cached = json.loads(stream.read())
+            inputs = cached.get("key_inputs") or {}
+            cached_model = {k: v for k, v in (inputs.get("model") or {}).items() if k != "activation_checkpointing"}
+            if cached_model == model and all(inputs.get(k) == v for k, v in wanted.items()):
+                return int(cached["micro_batch"])
+    except (OSError, ValueError, KeyError, TypeError):  # an unreadable cache: no claim either way
+        return None
+    return None
 
 
 def from_records(records: list[dict[str, Any]], *, name: str = "run", uri: str = "", config: dict[str, Any] | None = None) -> RunMetrics:

@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from raytrain_fast.metrics.slowdown import StallDetector
 from raytrain_fast.report.diagnose import CHECKPOINT_MAX_BLOCK_S, DATA_WAIT_FRAC, MEMORY_UNDERUSED_FRAC, run_stalls, stall_factor
 from raytrain_fast.report.load import RunMetrics, median
 
@@ -53,6 +54,7 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
             axis.grid(True, alpha=0.3)
             if run.warmup_steps > run.records[0]["step"]:
                 axis.axvspan(run.records[0]["step"], run.warmup_steps, color="0.85", alpha=0.5, zorder=0, label="warm-up (left out)")
+            _resume_spans(run, axis)
             _resize_markers(run, axis)
             handles, labels = [], []
             for ax in figure.axes:
@@ -70,6 +72,14 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
         finally:
             plt.close(figure)
     return PlotResult(plots=plots, skipped=skipped)
+
+
+def _resume_spans(run: RunMetrics, axis) -> None:
+    """The first window after each resume, shaded: a warm-up again, left out of the judgements."""
+    steps = [r["step"] for r in run.records]
+    for i, step in enumerate(run.restart_steps):
+        before = max((s for s in steps if s < step), default=step - run.log_every)
+        axis.axvspan(before, step, color="tab:blue", alpha=0.12, zorder=0, label="first window after a resume (left out)" if i == 0 else None)
 
 
 def _resize_markers(run: RunMetrics, axis) -> None:
@@ -187,7 +197,7 @@ def _step_time(run: RunMetrics, axis) -> str | None:
     # startup) never flattens the baseline: what is above the scale is drawn at its top, with its value.
     steady = [v for s, v in zip(steps, ms) if s > run.warmup_steps and s not in stalls]
     steady += [g for s, g in zip(spread_steps, gaps) if s > run.warmup_steps]
-    top = max(1.25 * max(steady, default=0.0), 1.15 * stall_factor(run) * baseline if baseline else 0.0)
+    top = max(1.25 * max(steady, default=0.0), 1.15 * max((t for _, t in _stall_thresholds(run)), default=0.0) if baseline else 0.0)
     above = [(s, v) for s, v in zip(steps, ms) if v > top]
     if top > 0 and (above or max(gaps, default=0.0) > top):
         axis.set_ylim(0, top)
@@ -219,9 +229,35 @@ def _baseline_band(run: RunMetrics, axis) -> float | None:
     threshold = float(run.setting("metrics", "slowdown_threshold", 0.10) or 0.10)
     axis.axhspan(baseline, baseline * (1 + threshold), color="tab:green", alpha=0.15, zorder=0,
                  label=f"baseline {baseline:,.0f} ms to +{threshold:.0%} (slowdown alert above)")
-    axis.axhline(baseline * stall_factor(run), color="tab:purple", linestyle=":", linewidth=1,
-                 label=f"stall threshold ({stall_factor(run):.1f}x)")
+    _stall_threshold(run, axis)
     return baseline
+
+
+def _stall_thresholds(run: RunMetrics) -> list[tuple[int, float]]:
+    """(step, ms) of the stall threshold as the detector applies it: per window, stall_factor x the
+    median of the windows before it that were not stalls (the last num_windows, at least 3). A flat
+    line at the baseline would claim a threshold no detector uses."""
+    from collections import deque
+
+    stalls = {stall.step for stall in run_stalls(run)}
+    num_windows = StallDetector().num_windows
+    recent: deque[float] = deque(maxlen=num_windows)
+    points = []
+    for record in run.steady:
+        if "time/step_s" not in record:
+            continue
+        if len(recent) >= min(3, num_windows):
+            points.append((record["step"], 1e3 * stall_factor(run) * median(list(recent))))
+        if record["step"] not in stalls:
+            recent.append(record["time/step_s"])
+    return points
+
+
+def _stall_threshold(run: RunMetrics, axis) -> None:
+    points = _stall_thresholds(run)
+    if points:
+        axis.plot([p for p, _ in points], [t for _, t in points], drawstyle="steps-pre", color="tab:purple", linestyle=":",
+                  linewidth=1, label=f"stall threshold ({stall_factor(run):.1f}x the median of the {StallDetector().num_windows} windows before)")
 
 
 def _checkpoint(run: RunMetrics, axis) -> str | None:
@@ -296,7 +332,7 @@ _SPECS = [
         caption="Wall time per optimizer step. The green band runs from the baseline (the first windows after warm-up) to the "
         "slowdown threshold: a run without alerts stays near it. Red dots are windows where the slowdown detector was on, "
         "labelled with its cause; purple triangles are stalls (a window far slower than the ones before it), drawn at the top "
-        "with their value when off the scale; grey, when present, is how much later the slowest rank reached the log step.",
+        "with their value when off the scale, and the dotted purple steps are the stall threshold each window was held to; grey, when present, is how much later the slowest rank reached the log step.",
         draw=_step_time, legend_loc="below",
     ),
     _Spec(

@@ -1,5 +1,5 @@
-"""Ray Tune sweeps over micro-batch x gradient accumulation at a fixed global batch: ASHA early
-stopping, concurrency derived from the resources a trial needs, a failed trial (out of memory,
+"""Ray Tune sweeps over micro-batch x gradient accumulation at a fixed global batch: early
+stopping of trials clearly behind (beyond timing noise), concurrency derived from the resources a trial needs, a failed trial (out of memory,
 over budget, invalid) recorded with its reason while the sweep goes on."""
 
 from raytrain_fast.sweep.results import SweepRow, format_table

@@ -32,7 +32,7 @@ class SweepRow:
     """The trial's model.activation_checkpointing; empty on a skipped micro-batch's one row when the
     sweep tried several values (it is skipped for all of them)."""
     status: str
-    """ok, stopped (ASHA stopped it early: slower than the others at a rung), failed, or skipped."""
+    """ok, stopped (stopped early: clearly behind the best trial at the same window), failed, or skipped."""
     reason: str = ""
     """Why it is not ok; for failed one line in the `microbatch.classify_error` forms ("out of memory: ...",
     "over memory budget: ...", "<ErrorType>: ...")."""
@@ -81,7 +81,7 @@ def row_from_reports(*, micro_batch: int, grad_accum: int, reports: list[dict[st
         status = "ok"
     return SweepRow(
         micro_batch=micro_batch, grad_accum=grad_accum, activation_checkpointing=activation_checkpointing, status=status,
-        reason=error or ("by ASHA at a rung: behind the other trials there" if status == "stopped" else ""),
+        reason=error or ("early: more than 10% behind the best trial at the same window" if status == "stopped" else ""),
         tokens_per_sec=_median(series("throughput/tokens_per_sec", steady)),
         mfu=_median(series("throughput/mfu", steady)),
         mfu_measured_peak=_median(series("throughput/mfu_measured_peak", steady)),

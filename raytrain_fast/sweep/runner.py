@@ -5,16 +5,18 @@ accumulation = global_batch / (m x num_workers); combinations that don't divide 
 the reason (one rule for both: raytrain_fast.microbatch). The others are Tune trials (grid
 search; with `activation_checkpointing`, over micro-batch x model.activation_checkpointing), each a
 short TorchTrainer run through the package's normal path (see sweep/trial.py)
-reporting every log window; ASHA stops trials that are slower (or, objective=loss, worse) than
-the others at a rung. At most `max_concurrent_trials` run at once, derived from what one trial's
-workers need, so trials never wait on each other's placement groups (on a CPU machine that is one
+reporting every log window; a trial more than timing noise slower (or, objective=loss, worse)
+than the best before it stops early (sweep/stopping.py). At most `max_concurrent_trials` run at
+once, derived from what one trial's workers need, so trials never wait on each other's placement groups (on a CPU machine that is one
 trial at a time, which also keeps one trial's timing free of another's load).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -97,7 +99,7 @@ def max_concurrent_trials(config: Config, *, cluster_cpus: float, cluster_gpus: 
 def _trial_config(config: Config, spec: SweepSpec) -> Config:
     """The short, checkpoint-free run each trial makes (micro_batch filled in per trial)."""
     log_every = max(1, spec.steps // max(1, spec.num_reports))
-    # val_loss: an evaluation in every reported window (ASHA compares trials on it at each rung), and
+    # val_loss: an evaluation in every reported window (trials are compared on it window by window), and
     # an error before any trial when the data has no validation split; other objectives need none.
     evaluation = dataclasses.replace(config.eval, enabled=spec.objective == "val_loss", every_steps=log_every)
     return dataclasses.replace(
@@ -200,16 +202,45 @@ def _prepare(config: Config, spec: SweepSpec, *, first_micro_batch: int, create_
     )
     resolved = resolve_resources(_trial_config(base, spec), create_bucket=create_bucket)
     data_uri = prepare_training_data(resolved)
+    # The trials read the prepared data; naming it keeps their own checks off the user's relative
+    # data.source, which a trial (in Tune's working directory) would not find.
+    resolved = dataclasses.replace(resolved, data=dataclasses.replace(resolved.data, source=data_uri))
     cluster = ray.cluster_resources()
     concurrency = max_concurrent_trials(resolved, cluster_cpus=cluster.get("CPU", 0.0), cluster_gpus=cluster.get("GPU", 0.0))
     filesystem, root = resolve_filesystem(resolved.storage.uri, resolved.storage)
     path = f"{root.rstrip('/')}/{name}"
     remote = resolved.storage.uri.startswith("s3://")
+    uri = f"s3://{path}" if remote else path
+    if replace_previous_results(filesystem, path):
+        print(f"Sweep '{name}' ran before: its earlier trials and results in {uri} are replaced by this run's.", flush=True)
     filesystem.create_dir(path, recursive=True)
     return _Sweep(
         name=name, config=config, resolved=resolved, data_uri=data_uri, concurrency=concurrency,
-        filesystem=filesystem, path=path, uri=f"s3://{path}" if remote else path, remote=remote,
+        filesystem=filesystem, path=path, uri=uri, remote=remote,
     )
+
+
+SWEEP_OUTPUTS = ("trials", "tune", "results.csv", "results.json", "best.yaml")
+"""What a sweep writes in its directory; a rerun of the same sweep replaces all of it."""
+
+
+def replace_previous_results(filesystem: Any, path: str) -> bool:
+    """Delete an earlier run's outputs of this sweep (SWEEP_OUTPUTS under `path`), so a rerun's
+    trial folders do not pile up beside the old ones and every file read afterwards is from one run.
+    True when there was something to delete."""
+    import pyarrow.fs as pafs
+
+    found = False
+    for name in SWEEP_OUTPUTS:
+        info = filesystem.get_file_info(f"{path}/{name}")
+        if info.type == pafs.FileType.Directory:
+            filesystem.delete_dir(info.path)
+        elif info.type == pafs.FileType.File:
+            filesystem.delete_file(info.path)
+        else:
+            continue
+        found = True
+    return found
 
 
 def _announce(sweep: _Sweep, spec: SweepSpec, runnable: list[tuple[int, int]], skipped: list[SweepRow]) -> None:
@@ -229,17 +260,15 @@ def _announce(sweep: _Sweep, spec: SweepSpec, runnable: list[tuple[int, int]], s
 
 def _run_trials(sweep: _Sweep, spec: SweepSpec, micro_batches: list[int]):
     """One Tune trial per micro-batch (and activation checkpointing setting, when the spec names
-    them: grid search over both), ASHA stopping the ones behind at a rung."""
+    them: grid search over both), sweep.stopping stopping the ones clearly behind."""
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
 
+    from raytrain_fast.sweep.stopping import NoiseAwareStopper, grace_windows
     from raytrain_fast.sweep.trial import run_trial
 
     resolved = sweep.resolved
     metric, mode = OBJECTIVES[spec.objective]
-    # One more than the reports a trial makes: a trial that runs to the end returns from fit() by
-    # itself (its Train run then frees its workers), instead of being stopped by ASHA at max_t.
-    max_t = math.ceil(resolved.train.steps / resolved.train.log_every) + 1
+    num_windows = math.ceil(resolved.train.steps / resolved.train.log_every)
     trainable = tune.with_resources(
         tune.with_parameters(
             run_trial, base_config=resolved.to_dict(), data_uri=sweep.data_uri,
@@ -257,14 +286,37 @@ def _run_trials(sweep: _Sweep, spec: SweepSpec, micro_batches: list[int]):
         param_space=param_space,
         tune_config=tune.TuneConfig(
             metric=metric, mode=mode, max_concurrent_trials=sweep.concurrency,
-            scheduler=ASHAScheduler(time_attr="training_iteration", max_t=max_t, grace_period=min(2, max_t - 1), reduction_factor=2),
+            scheduler=NoiseAwareStopper(metric=metric, mode=mode, grace=grace_windows(num_windows)),
         ),
         run_config=tune.RunConfig(
             name="tune", storage_path=sweep.path,
             storage_filesystem=sweep.filesystem if sweep.remote else None, verbose=0, callbacks=[_release_stopped_trial()],
         ),
     )
-    return tuner.fit()
+    with _quiet_tune():
+        return tuner.fit()
+
+
+@contextlib.contextmanager
+def _quiet_tune():
+    """Tune's own console output off while the trials run: its experiment banner, results path and
+    TensorBoard hint (the new output engine prints them even at verbose=0; the old one, chosen by
+    RAY_AIR_NEW_OUTPUT=0, is silent at 0) and its per-trial error tracebacks (logged by ray.tune;
+    each reason is in the results table, the full error in Tune's error.txt under tune/)."""
+    import logging
+
+    tune_logger = logging.getLogger("ray.tune")
+    saved_env, saved_level = os.environ.get("RAY_AIR_NEW_OUTPUT"), tune_logger.level
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    tune_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        tune_logger.setLevel(saved_level)
+        if saved_env is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = saved_env
 
 
 def _trial_rows(sweep: _Sweep, grid, accum: dict[int, int]) -> list[SweepRow]:
@@ -321,7 +373,7 @@ def _write_results(
 
 def _release_stopped_trial():
     """A Tune callback that frees the placement group of a trial's training workers when the trial
-    ends. When ASHA stops a trial, Tune ends the trial's actor and with it the Train controller;
+    ends. When the scheduler stops a trial, Tune ends the trial's actor and with it the Train controller;
     Ray Train's own cleaner then frees the workers' placement group only where it can reach Ray's
     state API (the dashboard). Without this, the next trial could wait forever for those CPUs/GPUs.
     Trials that ran to the end have freed it already (removing it again does nothing)."""

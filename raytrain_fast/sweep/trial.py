@@ -94,7 +94,7 @@ def run_trial(params: dict[str, Any], *, base_config: dict[str, Any], data_uri: 
         raise TrialFailed(f"{FAILED_MARK}invalid: {' '.join(str(error).split())[:300]}") from None
     coordinator = start_coordinator(config.name or "trial")
     try:
-        # A short measurement run: every log window goes to Tune (ASHA needs intermediate
+        # A short measurement run: every log window goes to Tune (early stopping needs intermediate
         # results), no checkpoints.
         build_trainer(
             config, data_uri=data_uri, save_checkpoints=False, callbacks=[TuneReportCallback()],

@@ -1,0 +1,49 @@
+"""Epochs (issue 33's trial): a counter on the progress line, a warning at start and a report finding
+when a small corpus is repeated many times."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from raytrain_fast.data.corpus import MANY_EPOCHS, repetition_warning
+from raytrain_fast.report import diagnose, from_records
+from tests.test_report import CONFIG, records
+
+
+def test_epochs_come_from_the_data_position():
+    from raytrain_fast.data.ingest import BatchIterator, DataPosition
+
+    at = lambda epoch, consumed: BatchIterator.epochs.fget(  # noqa: E731
+        SimpleNamespace(_position=DataPosition(epoch=epoch, consumed=consumed), sequences_per_epoch=94)
+    )
+    assert at(0, 0) == 0.0 and at(2, 47) == 2.5 and at(53, 0) == 53.0
+
+
+def test_progress_line_shows_the_epoch():
+    from raytrain_fast.metrics.train_metrics import TrainMetrics
+
+    metrics = {"train/loss": 1.5, "train/lr": 1e-3, "train/epoch": 2.5, "time/step_s": 0.1,
+               "throughput/tokens_per_sec": 1000.0, "time/data_wait_frac": 0.01}
+    line = TrainMetrics.format_line(SimpleNamespace(total_steps=40), 10, metrics)
+    assert line.startswith("step 10/40  epoch 2.50  loss 1.5000"), line
+
+
+def test_warning_when_the_corpus_would_be_repeated_many_times():
+    # The trial: 94 sequences (an 11 KB file), 300 steps of 16: ~51 passes.
+    warning = repetition_warning(sequences_per_epoch=94, steps=300, global_batch=16)
+    assert warning is not None and "51 times" in warning and "data.source" in warning
+    assert repetition_warning(sequences_per_epoch=94 * 100, steps=300, global_batch=16) is None  # ~0.5 epochs
+    assert repetition_warning(sequences_per_epoch=1200, steps=300, global_batch=16) is None  # exactly 4: allowed
+
+
+def test_report_finds_a_corpus_repeated_many_times():
+    def epochs(factor):
+        def tweak(i, r):
+            r["train/epoch"] = factor * (i + 1)
+        return tweak
+
+    repeated = diagnose(from_records(records(tweak=epochs(3.3)), config=CONFIG))  # 16 windows: ~53 epochs
+    finding = next(f for f in repeated.findings if f.key == "corpus_repeated")
+    assert finding.numbers["epochs"] > 50 and "53" in finding.title
+    few = diagnose(from_records(records(tweak=epochs(MANY_EPOCHS / 16)), config=CONFIG))
+    assert all(f.key != "corpus_repeated" for f in few.findings)
