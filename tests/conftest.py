@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -14,6 +16,14 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # faster repo
 # Ray starts worker processes at niceness 15: on 2 cores, pytest itself, the S3 server or a test's
 # driver would win the CPU from the training workers and swing every timing a test reads.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# The measured matmul peak is cached per user (metrics/peak.py): the suite keeps its own, removed at
+# the end, so it neither reads a figure from the user's runs nor leaves one in their home.
+_CACHE_DIR = tempfile.mkdtemp(prefix="raytrain-fast-test-cache-")
+os.environ.setdefault("RAYTRAIN_FAST_CACHE_DIR", _CACHE_DIR)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
 def _has_gpu() -> bool:
