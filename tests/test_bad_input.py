@@ -144,6 +144,10 @@ CASES = [
     Case("manifest-corrupted-by-store", ["prepare-data", "--input", "{tmp}/in.txt", "--output", "{tmp}/data", "--seq-len", "8"], 2,
          ["manifest.json is not valid JSON", "corrupted by the store .it starts with aws-chunked", "storage.request_checksums=when_required"],
          setup="framed_manifest"),
+    Case("data-seq-len-differs", ["pretrain", *_s("data.source={tmp}/data")], 2,
+         ["data.seq_len is 128 but .*/data was prepared with seq_len 8", "set data.seq_len=8"], setup="prepared"),
+    Case("data-fewer-than-a-batch", ["pretrain", *_s("data.source={tmp}/data", "data.seq_len=8", "data.max_tokens=50")], 2,
+         [r"has 5 sequences to use: 5 per worker, fewer than one micro-batch of 16", "lower train.micro_batch"], setup="prepared"),
     # ---- command line
     Case("unknown-command", ["pretrian"], 2, ["invalid choice: 'pretrian'"]),
     Case("missing-required-flag", ["runs"], 2, ["the following arguments are required: --storage"]),
@@ -270,6 +274,8 @@ def test_bad_input(case: Case, isolated: Path, request, monkeypatch, capsys):
     for pattern in case.says:
         assert re.search(pattern, text_out), f"{pattern!r} not in:\n{text_out}"
     if code != 0:
+        # Refused before anything was measured or started: no precision, no run line.
+        assert not re.search(r"^(Precision:|Run '|Data:)", out, flags=re.M), out
         # argparse names the subcommand: "raytrain-fast runs: error: ..."
         assert re.search(r"^raytrain-fast( [\w-]+)?: error: ", err, flags=re.M) and "Traceback" not in text_out
     assert SECRET not in text_out
