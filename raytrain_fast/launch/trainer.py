@@ -91,6 +91,7 @@ def check_before_ray(config: Config, *, create_bucket: bool = False):
     resume policy. Returns (config with absolute local paths, TrainState of the checkpoint to resume or None)."""
     config = keep_checkpoint_batch(config)  # before validation: a resize may need another micro_batch
     validate(config)
+    check_data_matches_model(config)  # before anything is printed, measured or started
     config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, uri=storage_path(config.storage.uri)))
     if config.checkpoint.init_from:  # resolved here: the workers' working directory differs
         config = dataclasses.replace(
@@ -99,6 +100,33 @@ def check_before_ray(config: Config, *, create_bucket: bool = False):
     check_storage(config.storage, create_bucket=create_bucket)  # reachable and writable, in seconds
     state = check_resume_policy(config)
     return keep_checkpoint_precision(config, state), state
+
+
+def check_data_matches_model(config: Config) -> None:
+    """Data-versus-model problems in a second, before Ray starts: a prepared data.source's manifest
+    (seq_len, vocabulary, sequences per worker) against the config, or, for a source prepared on the
+    fly, the tokenizer's vocabulary against model.vocab_size. `prepare_training_data` checks the
+    prepared corpus again once it exists (a source prepared on the fly has no manifest before)."""
+    from raytrain_fast.data import check_manifest_matches, load_manifest
+    from raytrain_fast.data.cache import STDLIB, _is_prepared
+    from raytrain_fast.data.tokenizer import load_tokenizer
+
+    data, model = config.data, config.model
+    if data.source != STDLIB and _is_prepared(data.source, config.storage):
+        micro_batch = config.train.micro_batch if isinstance(config.train.micro_batch, int) else None
+        problems = check_manifest_matches(
+            load_manifest(data.source, config.storage), seq_len=data.seq_len, vocab_size=model.vocab_size,
+            micro_batch=micro_batch, world_size=config.resources.num_workers if micro_batch else None,
+            max_sequences=max_sequences(config),
+        )
+    else:
+        vocab = load_tokenizer(data.tokenizer, config.storage).info.vocab_size
+        problems = [] if vocab <= model.vocab_size else [
+            f"model.vocab_size ({model.vocab_size}) is smaller than data.tokenizer's vocabulary ({vocab} tokens); "
+            f"set model.vocab_size >= {vocab} (a multiple of 64 is fastest: {-(-vocab // 64) * 64})"
+        ]
+    if problems:
+        raise ConfigError(problems)
 
 
 def keep_ray_data_actors_on_this_node() -> None:
@@ -294,8 +322,7 @@ def build_trainer(
     (a sweep trial's Tune report). `save_checkpoints=False`: a short measurement run.
     `callbacks`: Ray Train run callbacks (a sweep trial's TuneReportCallback)."""
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
-
+    from ray.train.torch import TorchConfig
 
     resources = config.resources
     # Built from config and passed explicitly: pyarrow ignores AWS_ENDPOINT_URL, so a bare
@@ -310,7 +337,7 @@ def build_trainer(
         "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
         **checksum_env(config.storage),  # S3 clients built in the workers upload as the driver's do
     }
-    return TorchTrainer(
+    return _trainer_class()(
         _train_loop_without_result_dumps,
         train_loop_config={
             "config": config.to_dict(), "data_uri": data_uri, "max_sequences": max_sequences(config),
@@ -344,6 +371,23 @@ def build_trainer(
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
     )
+
+
+def _trainer_class() -> type:
+    """TorchTrainer without Ray Train's own SIGINT handler.
+
+    fit() installs a handler (Ray 2.60 `DataParallelTrainer._register_sigint_handler`) that replaces
+    `_StopOnSignal`'s and aborts the controller on Ctrl-C: no checkpoint, exit 1. With it off, Ctrl-C
+    takes the SIGTERM path: save at the next log step, stop, exit 130. A second Ctrl-C still stops
+    at once (`_StopOnSignal` restores the previous handler and raises KeyboardInterrupt).
+    tests/test_stop_signal.py notices a Ray version that installs its handler another way."""
+    from ray.train.torch import TorchTrainer
+
+    class Trainer(TorchTrainer):
+        def _register_sigint_handler(self, controller) -> None:  # noqa: ARG002 - Ray's signature
+            return None
+
+    return Trainer
 
 
 def _train_loop_without_result_dumps(loop_config: dict) -> None:
