@@ -474,6 +474,11 @@ def _checkpoint_problems(c: CheckpointConfig) -> list[str]:
         problems.append(f"checkpoint.keep_best must be >= 0, got {c.keep_best}")
     if c.upload_attempts < 1:
         problems.append(f"checkpoint.upload_attempts must be >= 1, got {c.upload_attempts}")
+    if isinstance(c.resume, int) and (isinstance(c.resume, bool) or c.resume < 0):
+        problems.append(f"checkpoint.resume must be auto, must, never or a step >= 0, got {c.resume}")
+    from raytrain_fast.launch.run_changes import allowed_groups
+
+    problems += allowed_groups(c.allow_changes)[1]
     return problems
 
 

@@ -122,6 +122,13 @@ CASES = [
     Case("runs-unsupported-scheme", ["runs", "--storage", "gs://bucket/runs"], 2, ["scheme 'gs://' is not supported"]),
     Case("runs-unreachable-endpoint", ["runs", "--storage", "s3://bkt/runs", "--endpoint-url", "http://127.0.0.1:{port}"], 2,
          ["Cannot read s3://bkt/runs", "Check storage.endpoint_url"], env={"S3": "1"}),
+    Case("resume-with-other-data", ["pretrain", *_s("storage.uri={tmp}/runs")], 2,
+         [r"run 'tiny' was checkpointed at step 300 with other data settings than this command's "
+          r"\(data.source: '/elsewhere/corpus' -> 'stdlib'\)", "another --name", "checkpoint.init_from=.*checkpoint_00000300",
+          "--set checkpoint.allow_changes=data"], setup="checkpoint_of_other_data"),
+    Case("resume-step-missing", ["pretrain", *_s("storage.uri={tmp}/runs", "checkpoint.resume=200")], 2,
+         [r"checkpoint.resume=200: run 'tiny' has no complete checkpoint at step 200 .*complete ones: 300\)",
+          "checkpoint.resume=auto"], setup="complete_checkpoint"),
     Case("runs-incomplete-checkpoint", ["runs", "--storage", "{tmp}/runs"], 3,
          ["INCOMPLETE: it has no manifest", "incomplete or corrupt .exit code 3.", "resumes from its newest complete one"],
          setup="incomplete_checkpoint"),
@@ -191,6 +198,18 @@ def complete_checkpoint(tmp: Path) -> None:
     checkpoint.mkdir(parents=True)
     (checkpoint / "train_state.json").write_text('{"step": 300, "world_size": 1, "metrics": {"train/loss": 2.5}}')
     write_rank_manifest(str(checkpoint), rank=0, world_size=1, step=300)
+
+
+def checkpoint_of_other_data(tmp: Path) -> None:
+    """complete_checkpoint, with the run config it was saved with: another data.source."""
+    import yaml
+
+    from raytrain_fast.config import load_config
+
+    complete_checkpoint(tmp)
+    saved = load_config("tiny").to_dict()
+    saved["data"]["source"] = "/elsewhere/corpus"
+    (tmp / "runs" / "tiny" / "checkpoint_00000300" / "config.yaml").write_text(yaml.safe_dump(saved))
 
 
 def earlier_export(tmp: Path) -> None:

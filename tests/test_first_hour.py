@@ -4,12 +4,18 @@ validation split `pretrain` can ask for, and the checkpoint saved / resume-from-
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
+import yaml
 
+from raytrain_fast.checkpoint import list_runs
+from raytrain_fast.cli import main
 from raytrain_fast.config import load_config, presets, validate
 from raytrain_fast.errors import ConfigError
+from raytrain_fast.storage import StorageConfig
 
 
 def _problems(config_name: str, overrides: list[str]) -> str:
@@ -37,3 +43,49 @@ def test_elastic_and_batch_problems_come_in_one_message():
     message = _problems("tiny", ["resources.num_workers=1-4"])
     assert "(2 problems)" in message
     assert "16 x 4 = 64" in message and "cannot be kept on 3 worker(s)" in message
+
+
+def _complete_checkpoints(run: Path, steps: list[int], *, saved_config: dict) -> None:
+    from raytrain_fast.checkpoint.manifest import write_rank_manifest
+
+    for step in steps:
+        checkpoint = run / f"checkpoint_{step:08d}"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "train_state.json").write_text(json.dumps({"step": step, "world_size": 1, "precision": "fp32"}))
+        (checkpoint / "config.yaml").write_text(yaml.safe_dump(saved_config))
+        write_rank_manifest(str(checkpoint), rank=0, world_size=1, step=step)
+
+
+def test_resume_from_a_step_sets_the_later_checkpoints_aside(tmp_path, monkeypatch, capsys):
+    """checkpoint.resume=<step>: that checkpoint is the one resumed; the later ones are moved out of
+    the run's checkpoint list (so retention and a restart never mix them with the new saves), kept."""
+    monkeypatch.chdir(tmp_path)
+    saved = load_config("tiny").to_dict()
+    _complete_checkpoints(tmp_path / "runs" / "tiny", [100, 200, 300], saved_config=saved)
+    code = main(["pretrain", "--set", "storage.uri=runs", "--set", "checkpoint.resume=100", "--set", "train.steps=100",
+                 "--set", "optim.warmup_steps=10"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert re.search(r"checkpoint.resume=100: moved the 2 later checkpoint\(s\) \(steps 200, 300\) to .*set-aside-", out)
+    assert "checkpoint at step 100" in out
+    [run] = [r for r in list_runs(str(tmp_path / "runs"), StorageConfig()) if r.name == "tiny"]
+    assert [c.step for c in run.checkpoints] == [100]
+    [aside] = (tmp_path / "runs" / "tiny").glob("set-aside-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoint_00000200", "checkpoint_00000300"]
+    assert (aside / "checkpoint_00000300" / "train_state.json").is_file()
+
+
+def test_model_and_tokenizer_changes_are_listed_and_can_be_allowed(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    saved = load_config("tiny").to_dict()
+    saved["model"]["num_layers"], saved["model"]["activation_checkpointing"] = 2, "full"  # the latter may change
+    saved["data"]["tokenizer"] = "/old/tokenizer.json"
+    _complete_checkpoints(tmp_path / "runs" / "tiny", [300], saved_config=saved)
+    assert main(["pretrain", "--set", "storage.uri=runs"]) == 2
+    err = capsys.readouterr().err
+    assert "other tokenizer and model settings" in err
+    assert "data.tokenizer: '/old/tokenizer.json' -> 'byte'" in err and "model.num_layers: 2 -> 4" in err
+    assert "activation_checkpointing" not in err and "checkpoint.allow_changes=tokenizer,model" in err
+    assert main(["pretrain", "--set", "storage.uri=runs", "--set", "checkpoint.allow_changes=tokenizer,model"]) == 0
+    out = capsys.readouterr().out
+    assert "Resuming with changed model settings (checkpoint.allow_changes): model.num_layers: 2 -> 4" in out

@@ -23,8 +23,12 @@ class CheckpointConfig:
     auto = val/loss when evaluation is on (eval section), else train/loss."""
     best_mode: Literal["min", "max"] = "min"
     """Whether lower (min) or higher (max) best_metric is better."""
-    resume: Literal["auto", "must", "never"] = "auto"
-    """auto: continue the run if it has a complete checkpoint; must: fail if it has none; never: fail if it has one."""
+    resume: Literal["auto", "must", "never"] | int = "auto"
+    """auto: continue the run if it has a complete checkpoint; must: fail if it has none; never: fail if it has one;
+    a step (e.g. 200): continue from that checkpoint, its later ones moved aside, kept (docs/checkpoints.md#resume-from-a-step)."""
+    allow_changes: str = ""
+    """A resume whose data, tokenizer or model settings differ from the checkpoint's run config is refused;
+    name what may change, comma-separated: data, tokenizer, model (e.g. `--set checkpoint.allow_changes=data`)."""
     init_from: str | None = None
     """Start a NEW run from the model weights (not optimizer or step) of this checkpoint directory
     (local path or s3:// URI of a `checkpoint_<step>` dir). Only used when the run has no checkpoint yet."""
