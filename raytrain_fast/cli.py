@@ -267,7 +267,10 @@ def prepare_data(args: argparse.Namespace) -> int:
     )
     held_out = f" (+ {manifest.validation.num_sequences:,} held out for validation)" if manifest.validation else " (no validation split)"
     print(f"Prepared {manifest.num_sequences:,} sequences of {args.seq_len + 1} tokens in {args.output}{held_out}")
-    print(f"Train on it: raytrain-fast pretrain --set data.source={args.output} --set data.seq_len={args.seq_len}")
+    # A run of its own: under an existing run's name the command would resume that run (and be
+    # refused, since its data differs).
+    name = "".join(c if c.isalnum() or c in "._-" else "-" for c in args.output.rstrip("/").rsplit("/", 1)[-1]).strip("-.") or "data"
+    print(f"Train on it: raytrain-fast pretrain --name {name}-run --set data.source={args.output} --set data.seq_len={args.seq_len}")
     return 0
 
 

@@ -234,7 +234,7 @@ def _uri_problems(config: Config) -> list[str]:
     `s3:/bucket` would otherwise become a local folder, another scheme hang without a timeout)."""
     locations = {
         "storage.uri": config.storage.uri, "data.source": config.data.source,
-        "data.cache_dir": config.data.cache_dir, "checkpoint.init_from": config.checkpoint.init_from,
+        "data.cache_dir": config.data.cache_dir, "data.val_input": config.data.val_input, "checkpoint.init_from": config.checkpoint.init_from,
     }
     found = (uri_problem(value, setting=setting) for setting, value in locations.items() if isinstance(value, str))
     return [problem for problem in found if problem]
@@ -289,6 +289,12 @@ def _data_problems(d: DataConfig) -> list[str]:
         problems.append(
             f"data.source '{d.source}' does not exist; give a text file, directory or glob, a prepare-data output, or 'stdlib'"
         )
+    if d.val_fraction is not None and not 0.0 < d.val_fraction <= 0.5:
+        problems.append(f"data.val_fraction must be in (0, 0.5] (the share of documents held out for validation), got {d.val_fraction}")
+    if d.val_fraction is not None and d.val_input is not None:
+        problems.append("set either data.val_fraction (a share of data.source) or data.val_input (a separate corpus), not both")
+    if d.val_input is not None and "://" not in d.val_input and not any(c in d.val_input for c in "*?[") and not Path(d.val_input).expanduser().exists():
+        problems.append(f"data.val_input '{d.val_input}' does not exist; give a text file, directory or glob")
     if d.tokenizer != "byte" and "://" not in d.tokenizer and not Path(d.tokenizer).expanduser().is_file():
         problems.append(
             f"data.tokenizer '{d.tokenizer}' is neither 'byte' nor an existing tokenizer.json file; "

@@ -89,3 +89,43 @@ def test_model_and_tokenizer_changes_are_listed_and_can_be_allowed(tmp_path, mon
     assert main(["pretrain", "--set", "storage.uri=runs", "--set", "checkpoint.allow_changes=tokenizer,model"]) == 0
     out = capsys.readouterr().out
     assert "Resuming with changed model settings (checkpoint.allow_changes): model.num_layers: 2 -> 4" in out
+
+
+def test_pretrain_can_ask_for_the_validation_split_its_warning_names(tmp_path, capsys):
+    """A corpus of one document prepared on the fly: the default share holds nothing out, and the
+    warning names pretrain's own keys; data.val_fraction or data.val_input then give a split."""
+    from raytrain_fast.data import ensure_prepared_corpus, load_manifest
+
+    one = tmp_path / "one.txt"
+    one.write_text("A single document, repeated. " * 40)
+    plain = ensure_prepared_corpus(str(one), seq_len=16, cache_dir=str(tmp_path / "cache"))
+    assert load_manifest(plain).validation is None
+    warning = capsys.readouterr().err
+    assert "Data: warning:" in warning and "raise data.val_fraction" in warning and "set data.val_input" in warning
+    assert "--val-fraction" not in warning
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(12):  # the content decides which documents are held out: fixed here
+        (corpus / f"doc{i}.txt").write_text(f"Document number {i} of a small corpus, line {i * 7}. " * 10)
+    config = load_config("tiny", [f"data.source={corpus}", "data.seq_len=16", "data.val_fraction=0.5"])
+    validate(config)
+    split = ensure_prepared_corpus(str(corpus), seq_len=16, cache_dir=str(tmp_path / "cache"), val_fraction=config.data.val_fraction)
+    validation = load_manifest(split).validation
+    assert validation is not None and validation.fraction == 0.5 and validation.num_documents >= 3
+
+    config = load_config("tiny", [f"data.source={one}", "data.seq_len=16", f"data.val_input={corpus}/doc0.txt"])
+    validate(config)
+    separate = ensure_prepared_corpus(str(one), seq_len=16, cache_dir=str(tmp_path / "cache"), val_input=config.data.val_input)
+    assert separate != plain and load_manifest(separate).validation.method == "inputs"
+
+
+def test_prepare_data_suggests_a_run_of_its_own(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("Some text to train on. " * 40)
+    assert main(["prepare-data", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "my data"), "--seq-len", "16"]) == 0
+    hint = re.search(r"Train on it: raytrain-fast (pretrain .*)", capsys.readouterr().out).group(1)
+    assert "--name my-data-run" in hint
+    from raytrain_fast.cli import build_parser
+
+    args = build_parser().parse_args(hint.split(" --set data.source")[0].split() + ["--set", f"data.source={tmp_path}/my data"])
+    assert args.name == "my-data-run"

@@ -196,6 +196,11 @@ def check_data_matches_model(config: Config) -> None:
             micro_batch=micro_batch, world_size=config.resources.num_workers if micro_batch else None,
             max_sequences=max_sequences(config),
         )
+        problems += [
+            f"data.{key} applies to a source prepared on the fly, but {data.source} is already prepared: run "
+            f"`raytrain-fast prepare-data` again with --{key.replace('_', '-')}, or leave data.{key} unset"
+            for key in ("val_fraction", "val_input") if getattr(data, key) is not None
+        ]
     else:
         vocab = load_tokenizer(data.tokenizer, config.storage).info.vocab_size
         problems = [] if vocab <= model.vocab_size else [
@@ -367,6 +372,7 @@ def prepare_training_data(config: Config) -> str:
     uri = ensure_prepared_corpus(
         config.data.source, seq_len=config.data.seq_len, cache_dir=cache_dir,
         tokenizer=config.data.tokenizer, storage=config.storage,
+        val_fraction=config.data.val_fraction, val_input=config.data.val_input,
     )
     manifest = load_manifest(uri, config.storage)
     problems = check_manifest_matches(
