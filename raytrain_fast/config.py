@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from raytrain_fast._dataclass_yaml import from_dict, to_dict
-from raytrain_fast.checkpoint.config import CheckpointConfig
+from raytrain_fast.checkpoint.config import CheckpointConfig, allowed_groups
 from raytrain_fast.data.config import BYTE_VOCAB_SIZE, DataConfig
 from raytrain_fast.engine.config import EngineConfig, OptimConfig
 from raytrain_fast.errors import ConfigError
@@ -482,8 +482,6 @@ def _checkpoint_problems(c: CheckpointConfig) -> list[str]:
         problems.append(f"checkpoint.upload_attempts must be >= 1, got {c.upload_attempts}")
     if isinstance(c.resume, int) and (isinstance(c.resume, bool) or c.resume < 0):
         problems.append(f"checkpoint.resume must be auto, must, never or a step >= 0, got {c.resume}")
-    from raytrain_fast.launch.run_changes import allowed_groups
-
     problems += allowed_groups(c.allow_changes)[1]
     return problems
 

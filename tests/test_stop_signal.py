@@ -108,6 +108,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
     assert code == 130, cli.output
     saved = int(cli.wait_for(r"saved a checkpoint at step (\d+) and stopped", timeout_s=1).group(1))
     assert "Stopped by SIGINT" in cli.output
+    assert re.search(rf"Saved checkpoint at step {saved} \([\d.]+ MB, uploaded in [\d.]+ s\)", cli.output), cli.output
     [run] = [r for r in list_runs(str(tmp_path / "runs"), StorageConfig()) if r.name == "stopme"]
     assert [(c.step, c.complete) for c in run.checkpoints] == [(saved, True)]
     assert 6 <= saved < 100000

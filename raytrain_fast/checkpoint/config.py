@@ -4,6 +4,21 @@ from dataclasses import dataclass
 from typing import Literal
 
 
+CHANGE_GROUPS = ("data", "tokenizer", "model")
+"""What checkpoint.allow_changes can name (the keys of each: launch/run_changes.py)."""
+
+
+def allowed_groups(allow_changes: str) -> tuple[set[str], list[str]]:
+    """checkpoint.allow_changes as a set of groups, and the problems with it (unknown names)."""
+    names = {n.strip() for n in allow_changes.split(",") if n.strip() and n.strip() != "none"}
+    unknown = sorted(names - set(CHANGE_GROUPS))
+    problems = [
+        f"checkpoint.allow_changes: unknown {', '.join(map(repr, unknown))}; use a comma-separated list of "
+        f"{', '.join(CHANGE_GROUPS)} (e.g. --set checkpoint.allow_changes=data)"
+    ] if unknown else []
+    return names & set(CHANGE_GROUPS), problems
+
+
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """When checkpoints are written, how they are uploaded, how many are kept, and resume policy."""

@@ -54,6 +54,15 @@ def _read_info(uri: str, storage: StorageConfig) -> dict:
         return {}
 
 
+def _cache_key(canonical: dict, *, seq_len: int, tokenizer: object, val_fraction: float | None, val_inputs: list[str]) -> str:
+    # The split settings only when set, so that corpora cached with the default split keep their key.
+    split = {**({"val_fraction": val_fraction} if val_fraction is not None else {}), **({"val_inputs": val_inputs} if val_inputs else {})}
+    return hashlib.sha256(
+        # "split": a corpus cached before validation splits existed is prepared again, with one.
+        json.dumps({**canonical, **split, "seq_len": seq_len, "tokenizer": tokenizer, "split": "val-v1"}, sort_keys=True).encode()
+    ).hexdigest()[:16]
+
+
 def ensure_prepared_corpus(
     source: str = STDLIB,
     *,
@@ -90,12 +99,7 @@ def ensure_prepared_corpus(
         slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in os.path.basename(inputs[0].rstrip("/")))[:40] or "corpus"
         canonical = {"source": inputs[0]}
     val_inputs = [_canonical_input(val_input)] if val_input else []
-    # Only when set, so that corpora cached with the default split keep their key.
-    split = {**({"val_fraction": val_fraction} if val_fraction is not None else {}), **({"val_inputs": val_inputs} if val_inputs else {})}
-    key = hashlib.sha256(
-        # "split": a corpus cached before validation splits existed is prepared again, with one.
-        json.dumps({**canonical, **split, "seq_len": seq_len, "tokenizer": spec.info.identity(), "split": "val-v1"}, sort_keys=True).encode()
-    ).hexdigest()[:16]
+    key = _cache_key(canonical, seq_len=seq_len, tokenizer=spec.info.identity(), val_fraction=val_fraction, val_inputs=val_inputs)
     target = join_uri(cache_dir.rstrip("/") if "://" in cache_dir else os.path.abspath(os.path.expanduser(cache_dir)), f"{slug}-seq{seq_len}-{key}")
     fingerprint = _fingerprint(inputs + val_inputs, storage)
     if _is_prepared(target, storage) and _read_info(target, storage).get("fingerprint") == fingerprint:

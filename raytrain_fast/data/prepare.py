@@ -570,10 +570,8 @@ def prepare_data(
         VAL_MAX_TOKENS. With the default, a split that comes out empty (a corpus of a few documents)
         is left out with a warning; asked for explicitly, it is an error.
     val_inputs: a separate validation corpus (same forms as `inputs`) instead of a hashed split.
-    split_names: the two settings above as the caller's user writes them, for messages.
-    """
-    started = time.perf_counter()
-    storage = storage or StorageConfig()
+    split_names: the two settings above as the caller's user writes them (flags or data.* keys), for messages."""
+    started, storage = time.perf_counter(), storage or StorageConfig()
     _check_arguments(inputs, seq_len=seq_len, rows_per_shard=rows_per_shard, num_shards_hint=num_shards_hint)
     split = _SplitRequest.of(val_fraction, val_inputs, split_names)
     spec = load_tokenizer(tokenizer, storage)

@@ -11,12 +11,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from raytrain_fast.checkpoint.config import CHANGE_GROUPS, allowed_groups
+
 GROUPS: dict[str, tuple[str, ...]] = {
     "data": ("data.source", "data.seq_len", "data.max_tokens", "data.shuffle_seed", "data.val_fraction", "data.val_input"),
     "tokenizer": ("data.tokenizer",),
     "model": ("model.*",),
 }
 """checkpoint.allow_changes names -> the config keys they cover ("section.*": every key of it)."""
+assert tuple(GROUPS) == CHANGE_GROUPS  # one list of names: validation reads it without this module
 
 NOT_COMPARED = {"model.activation_checkpointing", "model.activation_checkpointing_n", "model.chunked_loss"}
 """How the model is computed, not what it is: free to change on a resume."""
@@ -61,17 +64,6 @@ def run_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, lis
             if not _same(key, old, new):
                 changes.setdefault(group, []).append((key, old, new))
     return changes
-
-
-def allowed_groups(allow_changes: str) -> tuple[set[str], list[str]]:
-    """checkpoint.allow_changes as a set of groups, and the problems with it (unknown names)."""
-    names = {n.strip() for n in allow_changes.split(",") if n.strip() and n.strip() != "none"}
-    unknown = sorted(names - set(GROUPS))
-    problems = [
-        f"checkpoint.allow_changes: unknown {', '.join(map(repr, unknown))}; use a comma-separated list of "
-        f"{', '.join(GROUPS)} (e.g. --set checkpoint.allow_changes=data)"
-    ] if unknown else []
-    return names & set(GROUPS), problems
 
 
 def describe(changes: list[tuple[str, Any, Any]]) -> str:
