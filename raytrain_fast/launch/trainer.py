@@ -162,7 +162,6 @@ def check_before_ray(config: Config, *, create_bucket: bool = False):
     resume policy. Returns (config with absolute local paths, TrainState of the checkpoint to resume or None)."""
     config = keep_checkpoint_batch(config)  # before validation: a resize may need another micro_batch
     validate(config)
-    check_data_matches_model(config)  # before anything is printed, measured or started
     config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, uri=storage_path(config.storage.uri)))
     if config.data.source != "stdlib" and "://" not in config.data.source:  # so is a saved run config's source
         config = dataclasses.replace(
@@ -173,6 +172,7 @@ def check_before_ray(config: Config, *, create_bucket: bool = False):
             config, checkpoint=dataclasses.replace(config.checkpoint, init_from=storage_path(config.checkpoint.init_from))
         )
     check_storage(config.storage, create_bucket=create_bucket)  # reachable and writable, in seconds
+    check_data_matches_model(config)  # after the storage probe (an s3:// source is read), before anything is printed
     state = check_resume_policy(config)
     config = keep_checkpoint_precision(config, state)
     set_aside_later_checkpoints(config)  # the last step: every check passed
