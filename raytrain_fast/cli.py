@@ -59,6 +59,12 @@ def _readable_storage(args: argparse.Namespace):
     return storage
 
 
+def _resume_policy(value: str) -> str:
+    if value in ("auto", "must", "never") or value.isdigit():
+        return value
+    raise argparse.ArgumentTypeError(f"expected auto, must, never or a checkpoint's step, got {value!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
@@ -69,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain = commands.add_parser("pretrain", help="train a GPT on Ray (local by default; resumes a run of the same name)")
     _add_config_args(pretrain)
     pretrain.add_argument(
-        "--resume", choices=("auto", "must", "never"), default=None,
-        help="auto: continue the run if it has a complete checkpoint (default); must: fail if none; never: fail if one exists",
+        "--resume", type=_resume_policy, default=None, metavar="{auto,must,never,STEP}",
+        help="auto: continue the run if it has a complete checkpoint (default); must: fail if none; never: fail if one exists; "
+        "STEP: continue from that step's checkpoint, the later ones set aside (checkpoint.resume)",
     )
     pretrain.add_argument("--create-bucket", action="store_true", help="create the S3 bucket of storage.uri if it is missing")
     pretrain.add_argument(

@@ -62,7 +62,7 @@ def test_resume_from_a_step_sets_the_later_checkpoints_aside(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     saved = load_config("tiny").to_dict()
     _complete_checkpoints(tmp_path / "runs" / "tiny", [100, 200, 300], saved_config=saved)
-    code = main(["pretrain", "--set", "storage.uri=runs", "--set", "checkpoint.resume=100", "--set", "train.steps=100",
+    code = main(["pretrain", "--set", "storage.uri=runs", "--resume", "100", "--set", "train.steps=100",
                  "--set", "optim.warmup_steps=10"])
     out = capsys.readouterr().out
     assert code == 0, out
