@@ -41,6 +41,8 @@ class _Cli:
              *[item for value in MICRO for item in ("--set", value)], "--set", f"storage.uri={tmp_path / 'runs'}"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
             start_new_session=terminal,
+            # A terminal's job starts with Ctrl-C at its default; a child of pytest may inherit it ignored.
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if terminal else None,
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
