@@ -66,6 +66,12 @@ def _readable_storage(args: argparse.Namespace):
     return storage
 
 
+def _resume_policy(value: str) -> str:
+    if value in ("auto", "must", "never") or value.isdigit():
+        return value
+    raise argparse.ArgumentTypeError(f"expected auto, must, never or a checkpoint's step, got {value!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
@@ -76,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain = add_command(commands, "pretrain", "train a GPT on Ray (local by default; resumes a run of the same name)")
     _add_config_args(pretrain, name_help="run name; the same name resumes the run (default: the preset's name)")
     pretrain.add_argument(
-        "--resume", choices=("auto", "must", "never"), default=None,
-        help="auto: continue the run if it has a complete checkpoint (default); must: fail if none; never: fail if one exists",
+        "--resume", type=_resume_policy, default=None, metavar="{auto,must,never,STEP}",
+        help="auto: continue the run if it has a complete checkpoint (default); must: fail if none; never: fail if one exists; "
+        "STEP: continue from that step's checkpoint, the later ones set aside (checkpoint.resume)",
     )
     pretrain.add_argument("--create-bucket", action="store_true", help="create the S3 bucket of storage.uri if it is missing")
     pretrain.add_argument(
@@ -289,7 +296,10 @@ def prepare_data(args: argparse.Namespace) -> int:
     )
     held_out = f" (+ {manifest.validation.num_sequences:,} held out for validation)" if manifest.validation else " (no validation split)"
     print(f"Prepared {manifest.num_sequences:,} sequences of {args.seq_len + 1} tokens in {args.output}{held_out}")
-    print(f"Train on it: raytrain-fast pretrain --set data.source={args.output} --set data.seq_len={args.seq_len}")
+    # A run of its own: under an existing run's name the command would resume that run (and be
+    # refused, since its data differs).
+    name = "".join(c if c.isalnum() or c in "._-" else "-" for c in args.output.rstrip("/").rsplit("/", 1)[-1]).strip("-.") or "data"
+    print(f"Train on it: raytrain-fast pretrain --name {name}-run --set data.source={args.output} --set data.seq_len={args.seq_len}")
     return 0
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from raytrain_fast._dataclass_yaml import from_dict, to_dict
-from raytrain_fast.checkpoint.config import CheckpointConfig
+from raytrain_fast.checkpoint.config import CheckpointConfig, allowed_groups
 from raytrain_fast.data.config import BYTE_VOCAB_SIZE, DataConfig
 from raytrain_fast.engine.config import EngineConfig, OptimConfig
 from raytrain_fast.errors import ConfigError
@@ -208,7 +208,7 @@ def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...
 
 def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus: float | None = None) -> None:
     """Every check that can run before a worker starts. Raises one ConfigError listing all problems."""
-    problems: list[str] = _worker_range_problems(config.resources)
+    problems: list[str] = _worker_range_problems(config)
     if problems:  # the checks below count workers: let them count one, the problem is already named
         config = dataclasses.replace(config, resources=dataclasses.replace(config.resources, num_workers=1, min_workers=None))
     if config.name is not None and not _NAME_PATTERN.match(config.name):
@@ -234,7 +234,7 @@ def _uri_problems(config: Config) -> list[str]:
     `s3:/bucket` would otherwise become a local folder, another scheme hang without a timeout)."""
     locations = {
         "storage.uri": config.storage.uri, "data.source": config.data.source,
-        "data.cache_dir": config.data.cache_dir, "checkpoint.init_from": config.checkpoint.init_from,
+        "data.cache_dir": config.data.cache_dir, "data.val_input": config.data.val_input, "checkpoint.init_from": config.checkpoint.init_from,
     }
     found = (uri_problem(value, setting=setting) for setting, value in locations.items() if isinstance(value, str))
     return [problem for problem in found if problem]
@@ -289,6 +289,12 @@ def _data_problems(d: DataConfig) -> list[str]:
         problems.append(
             f"data.source '{d.source}' does not exist; give a text file, directory or glob, a prepare-data output, or 'stdlib'"
         )
+    if d.val_fraction is not None and not 0.0 < d.val_fraction <= 0.5:
+        problems.append(f"data.val_fraction must be in (0, 0.5] (the share of documents held out for validation), got {d.val_fraction}")
+    if d.val_fraction is not None and d.val_input is not None:
+        problems.append("set either data.val_fraction (a share of data.source) or data.val_input (a separate corpus), not both")
+    if d.val_input is not None and "://" not in d.val_input and not any(c in d.val_input for c in "*?[") and not Path(d.val_input).expanduser().exists():
+        problems.append(f"data.val_input '{d.val_input}' does not exist; give a text file, directory or glob")
     if d.tokenizer != "byte" and "://" not in d.tokenizer and not Path(d.tokenizer).expanduser().is_file():
         problems.append(
             f"data.tokenizer '{d.tokenizer}' is neither 'byte' nor an existing tokenizer.json file; "
@@ -317,26 +323,49 @@ def _optim_problems(config: Config) -> list[str]:
     return problems + _not_positive("engine", e, ("reduce_bucket_size", "allgather_bucket_size"))
 
 
-def _elastic_batch_problems(config: Config) -> list[str]:
-    """An elastic run keeps its global batch at every size in its range: each count must divide it."""
+def _elastic_batch_problems(config: Config, *, suggest: bool = True) -> list[str]:
+    """An elastic run keeps its global batch at every size in its range: each count must divide it.
+    Checked on train.global_batch alone, so that this problem is named in the same message as any
+    batch arithmetic of the largest size (`_batch_problems`), not only once that is fixed."""
     r, t = config.resources, config.train
-    if not r.elastic or t.micro_batch == "auto" or not isinstance(t.micro_batch, int) or t.micro_batch <= 0 or r.num_workers <= 0:
+    if not r.elastic or t.global_batch <= 0 or r.num_workers <= 0:
         return []
-    try:
-        global_batch = t.micro_batch * config.grad_accum() * r.num_workers
-    except (ValueError, ZeroDivisionError):
-        return []
-    if global_batch != t.global_batch:  # the batch itself does not add up: _batch_problems names that
-        return []
-    misfits = [n for n in range(r.min_workers, r.num_workers + 1) if global_batch % n]
+    misfits = [n for n in range(r.min_workers, r.num_workers + 1) if t.global_batch % n]
     if not misfits:
         return []
-    fits = [n for n in range(1, r.num_workers + 1) if global_batch % n == 0]
+    fits = [n for n in range(1, r.num_workers + 1) if t.global_batch % n == 0]
+    example = f"; e.g. {_worker_suggestion(config, r.min_workers, r.num_workers)}" if suggest else ""
     return [
-        f"resources.num_workers={r.min_workers}-{r.num_workers}: the global batch of {global_batch} sequences cannot be "
+        f"resources.num_workers={r.min_workers}-{r.num_workers}: the global batch of {t.global_batch} sequences cannot be "
         f"kept on {', '.join(map(str, misfits))} worker(s) (not a divisor). Use a range of counts that divide it "
-        f"(these do: {', '.join(map(str, fits))}), or a train.global_batch that every count in the range divides"
+        f"(these do: {', '.join(map(str, fits))}{example}), "
+        "or a train.global_batch that every count in the range divides"
     ]
+
+
+def _worker_suggestion(config: Config, low: int, high: int) -> str:
+    """A `--set resources.num_workers=...` (with the micro_batch it needs) that validates for this
+    config: the range as asked (MIN and MAX in order), else the widest smaller range, else a
+    fixed count. A suggestion that itself fails is worse than none."""
+    low, high = sorted((max(1, low), max(1, high)))
+    # Elastic ranges first (the widest, then from the top count down), fixed counts last.
+    elastic = [(a, b) for b in range(high, 1, -1) for a in range(1, b) if (a, b) != (low, high)]
+    candidates = [(low, high), *elastic, *((b, b) for b in range(high, 0, -1))]
+    for a, b in candidates:
+        workers: int | str = f"{a}-{b}" if a < b else b
+        trial = dataclasses.replace(config, resources=dataclasses.replace(config.resources, num_workers=workers, min_workers=None))
+        fix = ""
+        t = trial.train
+        if isinstance(t.micro_batch, int) and t.grad_accum is None and t.micro_batch > 0 and t.global_batch % (t.micro_batch * b):
+            per_worker, remainder = divmod(t.global_batch, b)
+            fitting = [m for m in range(min(t.micro_batch, per_worker), 0, -1) if per_worker % m == 0] if not remainder else []
+            if not fitting:
+                continue
+            fix = f" --set train.micro_batch={fitting[0]}"
+            trial = dataclasses.replace(trial, train=dataclasses.replace(t, micro_batch=fitting[0]))
+        if not (_batch_problems(trial.train, trial.resources) or _elastic_batch_problems(trial, suggest=False)):
+            return f"--set resources.num_workers={workers}{fix}"
+    return "--set resources.num_workers=1"
 
 
 def _batch_problems(t: TrainConfig, r: ResourcesConfig) -> list[str]:
@@ -391,14 +420,19 @@ def _batch_fixes(global_batch: int, micro_batch: int, num_workers: int, *, grad_
     return "; ".join(fixes)
 
 
-def _worker_range_problems(r: ResourcesConfig) -> list[str]:
-    """resources.num_workers: a positive int or an elastic range "MIN-MAX" with 1 <= MIN <= MAX."""
-    example = 'e.g. --set resources.num_workers=4, or --set resources.num_workers=1-4 for an elastic run (in YAML: num_workers: "1-4")'
+def _worker_range_problems(config: Config) -> list[str]:
+    """resources.num_workers: a positive int or an elastic range "MIN-MAX" with 1 <= MIN <= MAX.
+    The example given is one that validates for this config (see `_worker_suggestion`)."""
+    r = config.resources
     if isinstance(r.num_workers, str):
-        return [f"resources.num_workers: expected a number of workers or a range MIN-MAX, got {r.num_workers!r}; {example}"]
+        digits = [int(n) for n in re.findall(r"\d+", r.num_workers)] or [1, 4]
+        example = f"e.g. {_worker_suggestion(config, min(digits), max(digits))}"
+        return [f"resources.num_workers: expected a number of workers or a range MIN-MAX (in YAML quoted: \"1-4\"), "
+                f"got {r.num_workers!r}; {example}"]
     if r.min_workers is not None and r.num_workers > 0 and not 1 <= r.min_workers <= r.num_workers:
         return [
-            f"resources.num_workers: the range {r.min_workers}-{r.num_workers} must have 1 <= MIN <= MAX; {example}"
+            f"resources.num_workers: the range {r.min_workers}-{r.num_workers} must have 1 <= MIN <= MAX; "
+            f"e.g. {_worker_suggestion(config, r.min_workers, r.num_workers)} (this one fits the batch settings)"
         ]
     return []
 
@@ -446,6 +480,9 @@ def _checkpoint_problems(c: CheckpointConfig) -> list[str]:
         problems.append(f"checkpoint.keep_best must be >= 0, got {c.keep_best}")
     if c.upload_attempts < 1:
         problems.append(f"checkpoint.upload_attempts must be >= 1, got {c.upload_attempts}")
+    if isinstance(c.resume, int) and (isinstance(c.resume, bool) or c.resume < 0):
+        problems.append(f"checkpoint.resume must be auto, must, never or a step >= 0, got {c.resume}")
+    problems += allowed_groups(c.allow_changes)[1]
     return problems
 
 

@@ -53,9 +53,12 @@ CASES = [
          ["not a multiple of train.micro_batch x resources.num_workers", "train.micro_batch=8", "train.grad_accum=2",
           "train.global_batch=32"]),
     Case("bad-worker-range", ["pretrain", *_s("resources.num_workers=4-1")], 2,
-         [r"resources.num_workers: the range 4-1 must have 1 <= MIN <= MAX", "--set resources.num_workers=1-4"]),
+         [r"resources.num_workers: the range 4-1 must have 1 <= MIN <= MAX", "--set resources.num_workers=1-2 --set train.micro_batch=8"]),
     Case("bad-worker-range", ["pretrain", *_s("resources.num_workers=2-x")], 2,
-         [r"resources.num_workers: expected a number of workers or a range MIN-MAX, got '2-x'", "--set resources.num_workers=1-4"]),
+         [r"resources.num_workers: expected a number of workers or a range MIN-MAX .*got '2-x'", "--set resources.num_workers=2 --set train.micro_batch=8"]),
+    Case("elastic-batch", ["pretrain", *_s("resources.num_workers=1-4")], 2,  # both problems in one message
+         [r"\(2 problems\)", r"not a multiple of train.micro_batch x resources.num_workers \(16 x 4 = 64\)",
+          r"cannot be kept on 3 worker\(s\) \(not a divisor\)", "--set resources.num_workers=1-2 --set train.micro_batch=8"]),
     Case("batch-with-grad-accum", ["pretrain", *_s("train.grad_accum=3")], 2,
          [r"!= micro_batch x grad_accum x num_workers", "train.grad_accum=1", "train.global_batch=48"]),
     Case("warmup-too-long", ["pretrain", *_s("train.steps=10")], 2, [r"optim.warmup_steps \(20\) exceeds train.steps \(10\)",
@@ -120,6 +123,13 @@ CASES = [
     Case("runs-unsupported-scheme", ["runs", "--storage", "gs://bucket/runs"], 2, ["scheme 'gs://' is not supported"]),
     Case("runs-unreachable-endpoint", ["runs", "--storage", "s3://bkt/runs", "--endpoint-url", "http://127.0.0.1:{port}"], 2,
          ["Cannot read s3://bkt/runs", "Check storage.endpoint_url"], env={"S3": "1"}),
+    Case("resume-with-other-data", ["pretrain", *_s("storage.uri={tmp}/runs")], 2,
+         [r"run 'tiny' was checkpointed at step 300 with other data settings than this command's "
+          r"\(data.source: '/elsewhere/corpus' -> 'stdlib'\)", "another --name", "checkpoint.init_from=.*checkpoint_00000300",
+          "--set checkpoint.allow_changes=data"], setup="checkpoint_of_other_data"),
+    Case("resume-step-missing", ["pretrain", *_s("storage.uri={tmp}/runs", "checkpoint.resume=200")], 2,
+         [r"checkpoint.resume=200: run 'tiny' has no complete checkpoint at step 200 .*complete ones: 300\)",
+          "checkpoint.resume=auto"], setup="complete_checkpoint"),
     Case("runs-incomplete-checkpoint", ["runs", "--storage", "{tmp}/runs"], 3,
          ["INCOMPLETE: it has no manifest", "incomplete or corrupt .exit code 3.", "resumes from its newest complete one"],
          setup="incomplete_checkpoint"),
@@ -145,6 +155,10 @@ CASES = [
     Case("manifest-corrupted-by-store", ["prepare-data", "--input", "{tmp}/in.txt", "--output", "{tmp}/data", "--seq-len", "8"], 2,
          ["manifest.json is not valid JSON", "corrupted by the store .it starts with aws-chunked", "storage.request_checksums=when_required"],
          setup="framed_manifest"),
+    Case("data-seq-len-differs", ["pretrain", *_s("data.source={tmp}/data")], 2,
+         ["data.seq_len is 128 but .*/data was prepared with seq_len 8", "set data.seq_len=8"], setup="prepared"),
+    Case("data-fewer-than-a-batch", ["pretrain", *_s("data.source={tmp}/data", "data.seq_len=8", "data.max_tokens=50")], 2,
+         [r"has 5 sequences to use: 5 per worker, fewer than one micro-batch of 16", "lower train.micro_batch"], setup="prepared"),
     # ---- command line
     Case("unknown-command", ["pretrian"], 2, ["invalid choice: 'pretrian'"]),
     Case("missing-required-flag", ["runs"], 2, ["the following arguments are required: --storage"]),
@@ -185,6 +199,18 @@ def complete_checkpoint(tmp: Path) -> None:
     checkpoint.mkdir(parents=True)
     (checkpoint / "train_state.json").write_text('{"step": 300, "world_size": 1, "metrics": {"train/loss": 2.5}}')
     write_rank_manifest(str(checkpoint), rank=0, world_size=1, step=300)
+
+
+def checkpoint_of_other_data(tmp: Path) -> None:
+    """complete_checkpoint, with the run config it was saved with: another data.source."""
+    import yaml
+
+    from raytrain_fast.config import load_config
+
+    complete_checkpoint(tmp)
+    saved = load_config("tiny").to_dict()
+    saved["data"]["source"] = "/elsewhere/corpus"
+    (tmp / "runs" / "tiny" / "checkpoint_00000300" / "config.yaml").write_text(yaml.safe_dump(saved))
 
 
 def earlier_export(tmp: Path) -> None:
@@ -271,6 +297,8 @@ def test_bad_input(case: Case, isolated: Path, request, monkeypatch, capsys):
     for pattern in case.says:
         assert re.search(pattern, text_out), f"{pattern!r} not in:\n{text_out}"
     if code != 0:
+        # Refused before anything was measured or started: no precision, no run line.
+        assert not re.search(r"^(Precision:|Run '|Data:)", out, flags=re.M), out
         # argparse names the subcommand: "raytrain-fast runs: error: ..."
         assert re.search(r"^raytrain-fast( [\w-]+)?: error: ", err, flags=re.M) and "Traceback" not in text_out
     assert SECRET not in text_out

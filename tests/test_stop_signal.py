@@ -32,12 +32,17 @@ MICRO = [
 class _Cli:
     """`raytrain-fast pretrain` in its own process (and its own local Ray), output collected live."""
 
-    def __init__(self, tmp_path: Path, *args: str) -> None:
+    def __init__(self, tmp_path: Path, *args: str, terminal: bool = False) -> None:
+        """terminal: started as a shell starts a foreground job, in a process group (and here a
+        session) of its own, so that a Ctrl-C can be sent as the terminal sends it: to the group."""
         env = {**os.environ, "RAY_ADDRESS": "local"}  # a fresh local instance, never a running cluster
         self.process = subprocess.Popen(
             [sys.executable, "-m", "raytrain_fast.cli", "pretrain", "--config", "tiny", "--name", "stopme", *args,
              *[item for value in MICRO for item in ("--set", value)], "--set", f"storage.uri={tmp_path / 'runs'}"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+            start_new_session=terminal,
+            # A terminal's job starts with Ctrl-C at its default; a child of pytest may inherit it ignored.
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if terminal else None,
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -93,3 +98,19 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_continues(tmp_path):
     assert f"Resumed from checkpoint at step {saved}" in second.output
     assert re.findall(r"Precision: .*", second.output) == [f"Precision: fp32 (kept from the checkpoint at step {saved})"]
     assert re.search(rf"step\s+{saved + 2}/{saved + 2}", second.output), second.output
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
+    """Ctrl-C as a terminal sends it: SIGINT to the whole foreground process group (the driver and
+    the Ray processes it started). Ray Train's own SIGINT handler would abort the run unsaved."""
+    cli = _Cli(tmp_path, "--set", "train.steps=100000", terminal=True)
+    cli.wait_for(r"step\s+6/100000", timeout_s=240)
+    os.killpg(cli.process.pid, signal.SIGINT)
+    code = cli.finish(timeout_s=120)
+    assert code == 130, cli.output
+    saved = int(cli.wait_for(r"saved a checkpoint at step (\d+) and stopped", timeout_s=1).group(1))
+    assert "Stopped by SIGINT" in cli.output
+    assert re.search(rf"Saved checkpoint at step {saved} \([\d.]+ MB, uploaded in [\d.]+ s\)", cli.output), cli.output
+    [run] = [r for r in list_runs(str(tmp_path / "runs"), StorageConfig()) if r.name == "stopme"]
+    assert [(c.step, c.complete) for c in run.checkpoints] == [(saved, True)]
+    assert 6 <= saved < 100000

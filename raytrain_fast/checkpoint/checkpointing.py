@@ -238,10 +238,19 @@ class Checkpointer:
                     time.sleep(min(2.0**attempt, 10.0))
             self.last_upload_s = time.perf_counter() - start
             if self.rank == 0:
+                self._say_saved(checkpoint.path, dir_name)
                 self._prune()
         finally:
             self._upload_idle.set()
         return ray.train.Checkpoint(destination, self.filesystem)
+
+    def _say_saved(self, local_dir: str, dir_name: str) -> None:
+        """Rank 0's line for each checkpoint, from the upload thread (off the step loop): its own files'
+        size (the others' optimizer shards are about as large) and the upload's seconds."""
+        size = sum(p.stat().st_size for p in Path(local_dir).rglob("*") if p.is_file())
+        ranks = "" if self.world_size == 1 else " from rank 0"
+        step = int(dir_name.rsplit("_", 1)[-1]) if dir_name.rsplit("_", 1)[-1].isdigit() else dir_name
+        print(f"Saved checkpoint at step {step} ({size / 1e6:.1f} MB{ranks}, uploaded in {self.last_upload_s:.1f} s)", flush=True)
 
     def take_upload_s(self) -> float | None:
         """Duration of the last finished upload, once (None if none finished since the last call)."""

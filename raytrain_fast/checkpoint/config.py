@@ -4,6 +4,21 @@ from dataclasses import dataclass
 from typing import Literal
 
 
+CHANGE_GROUPS = ("data", "tokenizer", "model")
+"""What checkpoint.allow_changes can name (the keys of each: launch/run_changes.py)."""
+
+
+def allowed_groups(allow_changes: str) -> tuple[set[str], list[str]]:
+    """checkpoint.allow_changes as a set of groups, and the problems with it (unknown names)."""
+    names = {n.strip() for n in allow_changes.split(",") if n.strip() and n.strip() != "none"}
+    unknown = sorted(names - set(CHANGE_GROUPS))
+    problems = [
+        f"checkpoint.allow_changes: unknown {', '.join(map(repr, unknown))}; use a comma-separated list of "
+        f"{', '.join(CHANGE_GROUPS)} (e.g. --set checkpoint.allow_changes=data)"
+    ] if unknown else []
+    return names & set(CHANGE_GROUPS), problems
+
+
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """When checkpoints are written, how they are uploaded, how many are kept, and resume policy."""
@@ -23,8 +38,12 @@ class CheckpointConfig:
     auto = val/loss when evaluation is on (eval section), else train/loss."""
     best_mode: Literal["min", "max"] = "min"
     """Whether lower (min) or higher (max) best_metric is better."""
-    resume: Literal["auto", "must", "never"] = "auto"
-    """auto: continue the run if it has a complete checkpoint; must: fail if it has none; never: fail if it has one."""
+    resume: Literal["auto", "must", "never"] | int = "auto"
+    """auto: continue the run if it has a complete checkpoint; must: fail if it has none; never: fail if it has one;
+    a step (e.g. 200): continue from that checkpoint, its later ones moved aside, kept (docs/checkpoints.md#resume-from-a-step)."""
+    allow_changes: str = ""
+    """A resume whose data, tokenizer or model settings differ from the checkpoint's run config is refused;
+    name what may change, comma-separated: data, tokenizer, model (e.g. `--set checkpoint.allow_changes=data`)."""
     init_from: str | None = None
     """Start a NEW run from the model weights (not optimizer or step) of this checkpoint directory
     (local path or s3:// URI of a `checkpoint_<step>` dir). Only used when the run has no checkpoint yet."""

@@ -3,6 +3,7 @@ through `prepare_data` into a cache directory keyed by (source, seq_len, tokeniz
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -53,6 +54,15 @@ def _read_info(uri: str, storage: StorageConfig) -> dict:
         return {}
 
 
+def _cache_key(canonical: dict, *, seq_len: int, tokenizer: object, val_fraction: float | None, val_inputs: list[str]) -> str:
+    # The split settings only when set, so that corpora cached with the default split keep their key.
+    split = {**({"val_fraction": val_fraction} if val_fraction is not None else {}), **({"val_inputs": val_inputs} if val_inputs else {})}
+    return hashlib.sha256(
+        # "split": a corpus cached before validation splits existed is prepared again, with one.
+        json.dumps({**canonical, **split, "seq_len": seq_len, "tokenizer": tokenizer, "split": "val-v1"}, sort_keys=True).encode()
+    ).hexdigest()[:16]
+
+
 def ensure_prepared_corpus(
     source: str = STDLIB,
     *,
@@ -61,6 +71,8 @@ def ensure_prepared_corpus(
     tokenizer: str = "byte",
     storage: StorageConfig | None = None,
     verbose: bool = True,
+    val_fraction: float | None = None,
+    val_input: str | None = None,
 ) -> str:
     """The manifest directory (URI) of `source`, prepared on first use and reused afterwards.
 
@@ -69,6 +81,7 @@ def ensure_prepared_corpus(
     cache_dir: local directory or s3:// URI under which prepared corpora are kept. Workers on other
         nodes must be able to read it: use shared storage or a bucket on a multi-node cluster.
     A cached corpus is prepared again when its files changed (path, size or modification time).
+    val_fraction / val_input: its validation split (data.val_fraction / data.val_input); part of the cache key.
     """
     storage = storage or StorageConfig()
     if source != STDLIB and _is_prepared(source, storage):
@@ -85,20 +98,22 @@ def ensure_prepared_corpus(
             raise DataError(f"data source '{source}' does not exist; give a text file, a directory, a glob or 'stdlib'")
         slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in os.path.basename(inputs[0].rstrip("/")))[:40] or "corpus"
         canonical = {"source": inputs[0]}
-    key = hashlib.sha256(
-        # "split": a corpus cached before validation splits existed is prepared again, with one.
-        json.dumps({**canonical, "seq_len": seq_len, "tokenizer": spec.info.identity(), "split": "val-v1"}, sort_keys=True).encode()
-    ).hexdigest()[:16]
+    val_inputs = [_canonical_input(val_input)] if val_input else []
+    key = _cache_key(canonical, seq_len=seq_len, tokenizer=spec.info.identity(), val_fraction=val_fraction, val_inputs=val_inputs)
     target = join_uri(cache_dir.rstrip("/") if "://" in cache_dir else os.path.abspath(os.path.expanduser(cache_dir)), f"{slug}-seq{seq_len}-{key}")
-    fingerprint = _fingerprint(inputs, storage)
+    fingerprint = _fingerprint(inputs + val_inputs, storage)
     if _is_prepared(target, storage) and _read_info(target, storage).get("fingerprint") == fingerprint:
         return target
 
     if verbose:
         print(f"Preparing '{source}' (seq_len {seq_len}, tokenizer {spec.info.name}) once into {target}", file=sys.stderr, flush=True)
+    prepare = functools.partial(
+        prepare_data, inputs=inputs, seq_len=seq_len, tokenizer=tokenizer, storage=storage, overwrite=True, verbose=verbose,
+        val_fraction=val_fraction, val_inputs=val_inputs or None, split_names=("data.val_fraction", "data.val_input"),
+    )
     info = json.dumps({"source": source, "seq_len": seq_len, "tokenizer": spec.info.name, "fingerprint": fingerprint}).encode()
     if "://" in target:
-        prepare_data(inputs=inputs, output=target, seq_len=seq_len, tokenizer=tokenizer, storage=storage, overwrite=True, verbose=verbose)
+        prepare(output=target)
         filesystem, path = resolve_filesystem(target, storage)
         with filesystem.open_output_stream(join_uri(path, _CACHE_INFO)) as stream:
             stream.write(info)
@@ -110,7 +125,7 @@ def ensure_prepared_corpus(
     staging = f"{target}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        prepare_data(inputs=inputs, output=staging, seq_len=seq_len, tokenizer=tokenizer, storage=storage, overwrite=True, verbose=verbose)
+        prepare(output=staging)
         with open(os.path.join(staging, _CACHE_INFO), "wb") as file:
             file.write(info)
         if os.path.exists(target):

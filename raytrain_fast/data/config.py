@@ -23,6 +23,12 @@ class DataConfig:
     (needs `pip install tokenizers`); used when source is prepared on the fly."""
     cache_dir: str | None = None
     """Where sources are prepared on the fly; null = `<storage.uri>/_prepared`. Must be readable by every node."""
+    val_fraction: float | None = None
+    """Share of documents held out for validation when source is prepared on the fly, in (0, 0.5]
+    (prepare-data's --val-fraction); null = 0.005, capped at ~8M tokens."""
+    val_input: str | None = None
+    """A separate validation corpus (file, directory or glob) for a source prepared on the fly,
+    instead of val_fraction (prepare-data's --val-input)."""
     max_tokens: int = 0
     """Use at most this many tokens of the prepared data (0 = all of it). Handy for quick runs."""
     prefetch_batches: int = 2

@@ -560,6 +560,7 @@ def prepare_data(
     verbose: bool = True,
     val_fraction: float | None = None,
     val_inputs: list[str] | None = None,
+    split_names: tuple[str, str] = ("--val-fraction", "--val-input"),
 ) -> Manifest:
     """Tokenize and pack `inputs` into Parquet shards plus `manifest.json` under `output`.
 
@@ -581,11 +582,10 @@ def prepare_data(
         VAL_MAX_TOKENS. With the default, a split that comes out empty (a corpus of a few documents)
         is left out with a warning; asked for explicitly, it is an error.
     val_inputs: a separate validation corpus (same forms as `inputs`) instead of a hashed split.
-    """
-    started = time.perf_counter()
-    storage = storage or StorageConfig()
+    split_names: the two settings above as the caller's user writes them (flags or data.* keys), for messages."""
+    started, storage = time.perf_counter(), storage or StorageConfig()
     _check_arguments(inputs, seq_len=seq_len, rows_per_shard=rows_per_shard, num_shards_hint=num_shards_hint)
-    split = _SplitRequest.of(val_fraction, val_inputs)
+    split = _SplitRequest.of(val_fraction, val_inputs, split_names)
     spec = load_tokenizer(tokenizer, storage)
     canonical = [_canonical_input(item) for item in inputs]
     filesystems: dict[str, pafs.FileSystem] = {"local": pafs.LocalFileSystem()}
@@ -659,19 +659,22 @@ class _SplitRequest:
     """Asked for on the command line (an empty split is then an error, not a warning)."""
     inputs: list[str]
     """Canonical --val-input items (empty: a hashed split)."""
+    names: tuple[str, str] = ("--val-fraction", "--val-input")
+    """How the caller spells the two settings in messages: prepare-data's flags, or pretrain's data.* keys."""
 
     @classmethod
-    def of(cls, val_fraction: float | None, val_inputs: list[str] | None) -> _SplitRequest:
+    def of(cls, val_fraction: float | None, val_inputs: list[str] | None,
+           names: tuple[str, str] = ("--val-fraction", "--val-input")) -> _SplitRequest:
         if val_fraction is not None and val_inputs:
-            raise DataError("pass either --val-fraction (a share of --input) or --val-input (a separate corpus), not both")
+            raise DataError(f"pass either {names[0]} (a share of the input) or {names[1]} (a separate corpus), not both")
         if val_fraction is not None and not 0.0 < val_fraction <= 0.5:
             raise DataError(
-                f"--val-fraction must be in (0, 0.5], got {val_fraction}: it is the share of documents held out "
+                f"{names[0]} must be in (0, 0.5], got {val_fraction}: it is the share of documents held out "
                 f"for validation (default {DEFAULT_VAL_FRACTION})"
             )
         inputs = [_canonical_input(item) for item in val_inputs or []]
         fraction = 1.0 if inputs else (val_fraction if val_fraction is not None else DEFAULT_VAL_FRACTION)
-        return cls(fraction=fraction, explicit=val_fraction is not None or bool(inputs), inputs=inputs)
+        return cls(fraction=fraction, explicit=val_fraction is not None or bool(inputs), inputs=inputs, names=names)
 
     def recipe(self) -> dict[str, Any]:
         return {"val_inputs": self.inputs} if self.inputs else {"val_fraction": self.fraction}
@@ -704,15 +707,17 @@ class _SplitRequest:
     def result(self, val: _ValPacker, *, verbose: bool) -> ValidationSplit | None:
         """The split for the manifest; None (with a warning) when the default share chose nothing."""
         if not val.writer.num_rows:
+            fraction, separate = self.names
             fix = (
-                "add documents to --val-input" if self.inputs else
-                f"raise --val-fraction (now {self.fraction}; a corpus of few large files holds few documents) or pass --val-input"
+                f"add documents to {separate}" if self.inputs else
+                f"raise {fraction} (now {self.fraction}; a corpus of few large files holds few documents) or set {separate}"
             )
             message = f"the validation split came out empty ({val.writer.tokens_added:,} tokens, fewer than one sequence); {fix}"
             if self.explicit:
                 raise DataError(message)
             if verbose:
-                print(f"prepare-data: warning: {message}. Prepared without one: evaluation will be off.", file=sys.stderr, flush=True)
+                who = "prepare-data: warning" if fraction.startswith("--") else "Data: warning"
+                print(f"{who}: {message}. Prepared without one: evaluation will be off.", file=sys.stderr, flush=True)
             return None
         return ValidationSplit(
             method="inputs" if self.inputs else "hash", fraction=self.fraction, max_tokens=val.max_tokens,

@@ -63,21 +63,44 @@ def _ensure_ray(env_vars: dict[str, str] | None = None) -> None:
                  runtime_env={"env_vars": env_vars} if env_vars else None)
 
 
-def check_resume_policy(config: Config):
-    """checkpoint.resume=must|never, decided from storage before any worker starts. A checkpoint of
-    another worker count is resumed (see `keep_checkpoint_batch` and checkpoint/resize.py).
-    Returns the TrainState of the newest complete checkpoint (None when the run has none)."""
-    from raytrain_fast.checkpoint.checkpointing import STATE_FILE, TrainState
+def _resume_candidates(config: Config) -> tuple[object, str, list[tuple[int, str]], list[tuple[int, str]]]:
+    """(filesystem, run path, complete checkpoints newest first, later ones to set aside) for the
+    checkpoint this run resumes from: the newest complete one, or with checkpoint.resume=<step>
+    that step's (every checkpoint above it is set aside, see `set_aside_later_checkpoints`)."""
     from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs, verify_checkpoint
 
-    policy = config.checkpoint.resume
-    filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
+    filesystem, root = resolve_filesystem(storage_path(config.storage.uri), config.storage)
     run_path = f"{root.rstrip('/')}/{config.name}"
-    complete = [path for _, path in list_checkpoint_dirs(filesystem, run_path) if verify_checkpoint(filesystem, path, checksums=False)[0]]
+    listed = list_checkpoint_dirs(filesystem, run_path)
+    resume = config.checkpoint.resume
+    later = [(step, path) for step, path in listed if isinstance(resume, int) and step > resume]
+    complete = [(step, path) for step, path in listed if (step, path) not in later
+                and verify_checkpoint(filesystem, path, checksums=False)[0]]
+    return filesystem, run_path, complete, later
+
+
+def check_resume_policy(config: Config):
+    """checkpoint.resume=must|never|<step>, decided from storage before any worker starts. A
+    checkpoint of another worker count is resumed (see `keep_checkpoint_batch` and checkpoint/resize.py);
+    one whose data, tokenizer or model settings differ is refused (launch/run_changes.py).
+    Returns the TrainState of the checkpoint to resume (None when the run has none)."""
+    from raytrain_fast.checkpoint.checkpointing import CONFIG_FILE, STATE_FILE, TrainState
+
+    policy = config.checkpoint.resume
+    filesystem, _, complete, _ = _resume_candidates(config)
+    if isinstance(policy, int) and (not complete or complete[0][0] != policy):
+        steps = [step for step, _ in _resume_candidates(dataclasses.replace(
+            config, checkpoint=dataclasses.replace(config.checkpoint, resume="auto")))[2]]
+        raise CheckpointError(
+            f"checkpoint.resume={policy}: run '{config.name}' has no complete checkpoint at step {policy} under "
+            f"{config.storage.uri} (complete ones: {', '.join(map(str, reversed(steps))) or 'none'}). Pick one of "
+            "those steps, or checkpoint.resume=auto for the newest."
+        )
     state = None
     if complete:
-        with filesystem.open_input_stream(f"{complete[0]}/{STATE_FILE}") as stream:
+        with filesystem.open_input_stream(f"{complete[0][1]}/{STATE_FILE}") as stream:
             state = TrainState.from_json(stream.read().decode())
+        _check_run_unchanged(config, filesystem, f"{complete[0][1]}/{CONFIG_FILE}", step=state.step)
     if policy == "must" and not complete:
         raise CheckpointError(
             f"--resume must: run '{config.name}' has no complete checkpoint under {config.storage.uri}. "
@@ -91,19 +114,106 @@ def check_resume_policy(config: Config):
     return state
 
 
+def _check_run_unchanged(config: Config, filesystem, config_file: str, *, step: int) -> None:
+    """The checkpoint's saved run config against this command's (launch/run_changes.py)."""
+    import yaml
+
+    from raytrain_fast.launch.run_changes import check_run_unchanged
+    from raytrain_fast.storage import redact
+
+    try:
+        with filesystem.open_input_stream(config_file) as stream:
+            saved = yaml.safe_load(stream.read().decode()) or {}
+    except FileNotFoundError:
+        return  # a checkpoint written without its config: nothing to compare
+    scheme = "s3://" if config.storage.uri.startswith("s3://") else ""
+    for line in check_run_unchanged(
+        saved, redact(config.to_dict()), allow_changes=config.checkpoint.allow_changes, name=config.name or "",
+        step=step, checkpoint=f"{scheme}{config_file.rsplit('/', 1)[0]}",
+    ):
+        print(line, flush=True)
+
+
+def set_aside_later_checkpoints(config: Config) -> None:
+    """checkpoint.resume=<step>: move the run's checkpoints above that step into
+    `<run>/set-aside-<time>/`, where retention and resume never look, so that this run's own saves
+    are its newest (a restart resumes from them, retention prunes among them). Nothing is deleted."""
+    import time
+
+    import pyarrow.fs as pafs
+
+    filesystem, run_path, _, later = _resume_candidates(config)
+    if not later:
+        return
+    aside = f"{run_path}/set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
+    for _, path in later:
+        target = f"{aside}/{path.rstrip('/').rsplit('/', 1)[1]}"
+        filesystem.create_dir(aside, recursive=True)
+        try:
+            filesystem.move(path, target)
+        except (OSError, NotImplementedError):  # S3 moves no directories: copy, then delete
+            pafs.copy_files(path, target, source_filesystem=filesystem, destination_filesystem=filesystem)
+            filesystem.delete_dir(path)
+    scheme = "s3://" if config.storage.uri.startswith("s3://") else ""
+    steps = ", ".join(str(step) for step, _ in reversed(later))
+    print(
+        f"checkpoint.resume={config.checkpoint.resume}: moved the {len(later)} later checkpoint(s) (steps {steps}) "
+        f"to {scheme}{aside}; they are kept, and not resumed from or pruned (see docs/checkpoints.md)", flush=True,
+    )
+
+
 def check_before_ray(config: Config, *, create_bucket: bool = False):
     """Everything decided without a cluster: validation, storage reachable and writable, the
     resume policy. Returns (config with absolute local paths, TrainState of the checkpoint to resume or None)."""
     config = keep_checkpoint_batch(config)  # before validation: a resize may need another micro_batch
     validate(config)
     config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, uri=storage_path(config.storage.uri)))
+    if config.data.source != "stdlib" and "://" not in config.data.source:  # so is a saved run config's source
+        config = dataclasses.replace(
+            config, data=dataclasses.replace(config.data, source=os.path.abspath(os.path.expanduser(config.data.source)))
+        )
     if config.checkpoint.init_from:  # resolved here: the workers' working directory differs
         config = dataclasses.replace(
             config, checkpoint=dataclasses.replace(config.checkpoint, init_from=storage_path(config.checkpoint.init_from))
         )
     check_storage(config.storage, create_bucket=create_bucket)  # reachable and writable, in seconds
+    check_data_matches_model(config)  # after the storage probe (an s3:// source is read), before anything is printed
     state = check_resume_policy(config)
-    return keep_checkpoint_precision(config, state), state
+    config = keep_checkpoint_precision(config, state)
+    set_aside_later_checkpoints(config)  # the last step: every check passed
+    return config, state
+
+
+def check_data_matches_model(config: Config) -> None:
+    """Data-versus-model problems in a second, before Ray starts: a prepared data.source's manifest
+    (seq_len, vocabulary, sequences per worker) against the config, or, for a source prepared on the
+    fly, the tokenizer's vocabulary against model.vocab_size. `prepare_training_data` checks the
+    prepared corpus again once it exists (a source prepared on the fly has no manifest before)."""
+    from raytrain_fast.data import check_manifest_matches, load_manifest
+    from raytrain_fast.data.cache import STDLIB, _is_prepared
+    from raytrain_fast.data.tokenizer import load_tokenizer
+
+    data, model = config.data, config.model
+    if data.source != STDLIB and _is_prepared(data.source, config.storage):
+        micro_batch = config.train.micro_batch if isinstance(config.train.micro_batch, int) else None
+        problems = check_manifest_matches(
+            load_manifest(data.source, config.storage), seq_len=data.seq_len, vocab_size=model.vocab_size,
+            micro_batch=micro_batch, world_size=config.resources.num_workers if micro_batch else None,
+            max_sequences=max_sequences(config),
+        )
+        problems += [
+            f"data.{key} applies to a source prepared on the fly, but {data.source} is already prepared: run "
+            f"`raytrain-fast prepare-data` again with --{key.replace('_', '-')}, or leave data.{key} unset"
+            for key in ("val_fraction", "val_input") if getattr(data, key) is not None
+        ]
+    else:
+        vocab = load_tokenizer(data.tokenizer, config.storage).info.vocab_size
+        problems = [] if vocab <= model.vocab_size else [
+            f"model.vocab_size ({model.vocab_size}) is smaller than data.tokenizer's vocabulary ({vocab} tokens); "
+            f"set model.vocab_size >= {vocab} (a multiple of 64 is fastest: {-(-vocab // 64) * 64})"
+        ]
+    if problems:
+        raise ConfigError(problems)
 
 
 def keep_ray_data_actors_on_this_node() -> None:
@@ -133,20 +243,16 @@ def keep_checkpoint_batch(config: Config) -> Config:
     the counts that work. Reads the newest complete checkpoint's state; storage problems are left
     to the checks that follow (this runs before them)."""
     from raytrain_fast.checkpoint.checkpointing import STATE_FILE, TrainState
-    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs, verify_checkpoint
     from raytrain_fast.checkpoint.resize import fit_batch, saved_global_batch
 
     workers = config.resources.num_workers
     if config.checkpoint.resume == "never" or not isinstance(workers, int) or workers < 1:
         return config  # a malformed worker count is named by validate(), which runs next
     try:
-        filesystem, root = resolve_filesystem(storage_path(config.storage.uri), config.storage)
-        run_path = f"{root.rstrip('/')}/{config.name}"
-        newest = next(
-            (p for _, p in list_checkpoint_dirs(filesystem, run_path) if verify_checkpoint(filesystem, p, checksums=False)[0]), None
-        )
-        if newest is None:
+        filesystem, _, complete, _ = _resume_candidates(config)
+        if not complete:
             return config
+        newest = complete[0][1]
         with filesystem.open_input_stream(f"{newest}/{STATE_FILE}") as stream:
             state = TrainState.from_json(stream.read().decode())
     except Exception:  # noqa: BLE001 - reported with a clear message by check_storage / check_resume_policy
@@ -271,6 +377,7 @@ def prepare_training_data(config: Config) -> str:
     uri = ensure_prepared_corpus(
         config.data.source, seq_len=config.data.seq_len, cache_dir=cache_dir,
         tokenizer=config.data.tokenizer, storage=config.storage,
+        val_fraction=config.data.val_fraction, val_input=config.data.val_input,
     )
     manifest = load_manifest(uri, config.storage)
     problems = check_manifest_matches(
@@ -303,8 +410,7 @@ def build_trainer(
     (a sweep trial's Tune report). `save_checkpoints=False`: a short measurement run.
     `callbacks`: Ray Train run callbacks (a sweep trial's TuneReportCallback)."""
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
-
+    from ray.train.torch import TorchConfig
 
     resources = config.resources
     # Built from config and passed explicitly: pyarrow ignores AWS_ENDPOINT_URL, so a bare
@@ -319,7 +425,7 @@ def build_trainer(
         "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
         **checksum_env(config.storage),  # S3 clients built in the workers upload as the driver's do
     }
-    return TorchTrainer(
+    return _trainer_class()(
         _train_loop_without_result_dumps,
         train_loop_config={
             "config": config.to_dict(), "data_uri": data_uri, "max_sequences": max_sequences(config),
@@ -353,6 +459,23 @@ def build_trainer(
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
     )
+
+
+def _trainer_class() -> type:
+    """TorchTrainer without Ray Train's own SIGINT handler.
+
+    fit() installs a handler (Ray 2.60 `DataParallelTrainer._register_sigint_handler`) that replaces
+    `_StopOnSignal`'s and aborts the controller on Ctrl-C: no checkpoint, exit 1. With it off, Ctrl-C
+    takes the SIGTERM path: save at the next log step, stop, exit 130. A second Ctrl-C still stops
+    at once (`_StopOnSignal` restores the previous handler and raises KeyboardInterrupt).
+    tests/test_stop_signal.py notices a Ray version that installs its handler another way."""
+    from ray.train.torch import TorchTrainer
+
+    class Trainer(TorchTrainer):
+        def _register_sigint_handler(self, controller) -> None:  # noqa: ARG002 - Ray's signature
+            return None
+
+    return Trainer
 
 
 def _train_loop_without_result_dumps(loop_config: dict) -> None:

@@ -43,7 +43,8 @@ def resolve_eval(config: Config, manifest: Manifest) -> tuple[Config, list[str]]
     if e.enabled == "auto" and split is None:
         notes.append(
             f"Eval: off: {where} has no validation split (prepared before splits existed, or too few documents); "
-            "prepare it again to get val/loss."
+            "prepare it again to get val/loss (prepare-data --val-fraction, or for a source prepared on the fly "
+            "--set data.val_fraction=0.1 or data.val_input=<files>)."
         )
     sequences = e.sequences
     if enabled and split is not None and sequences > split.num_sequences:

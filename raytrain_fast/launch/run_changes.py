@@ -1,0 +1,93 @@
+"""What a resume may not change silently: the settings that define the token stream (data), the
+tokenizer and the model. Compared between the checkpoint's saved run config (`config.yaml`, as
+redacted when it was written) and this command's config, before any worker starts.
+
+Optimizer settings are not compared here: a resumed run applies a changed optim.* (see the engine).
+To extend: add a group to `GROUPS`, or a key to one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from raytrain_fast.checkpoint.config import CHANGE_GROUPS, allowed_groups
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "data": ("data.source", "data.seq_len", "data.max_tokens", "data.shuffle_seed", "data.val_fraction", "data.val_input"),
+    "tokenizer": ("data.tokenizer",),
+    "model": ("model.*",),
+}
+"""checkpoint.allow_changes names -> the config keys they cover ("section.*": every key of it)."""
+assert tuple(GROUPS) == CHANGE_GROUPS  # one list of names: validation reads it without this module
+
+NOT_COMPARED = {"model.activation_checkpointing", "model.activation_checkpointing_n", "model.chunked_loss"}
+"""How the model is computed, not what it is: free to change on a resume."""
+
+
+def _get(config: dict[str, Any], key: str) -> Any:
+    section, _, name = key.partition(".")
+    return (config.get(section) or {}).get(name)
+
+
+def _keys(group: str, saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    keys = []
+    for pattern in GROUPS[group]:
+        if pattern.endswith(".*"):
+            section = pattern[:-2]
+            names = dict.fromkeys([*(saved.get(section) or {}), *(current.get(section) or {})])
+            keys += [f"{section}.{name}" for name in names if f"{section}.{name}" not in NOT_COMPARED]
+        else:
+            keys.append(pattern)
+    return keys
+
+
+def _same(key: str, old: Any, new: Any) -> bool:
+    if old == new:
+        return True
+    if key == "data.source" and isinstance(old, str) and isinstance(new, str) and "://" not in old + new:
+        # A run saved before sources were made absolute holds the path as typed.
+        return os.path.abspath(os.path.expanduser(old)) == os.path.abspath(os.path.expanduser(new))
+    return False
+
+
+def run_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, list[tuple[str, Any, Any]]]:
+    """{group: [(key, saved value, this command's value), ...]} for every group with a difference.
+    A key the saved config lacks (written by an older version) counts as unchanged."""
+    changes: dict[str, list[tuple[str, Any, Any]]] = {}
+    for group in GROUPS:
+        for key in _keys(group, saved, current):
+            section = saved.get(key.partition(".")[0]) or {}
+            if key.partition(".")[2] not in section:
+                continue
+            old, new = _get(saved, key), _get(current, key)
+            if not _same(key, old, new):
+                changes.setdefault(group, []).append((key, old, new))
+    return changes
+
+
+def describe(changes: list[tuple[str, Any, Any]]) -> str:
+    return "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes)
+
+
+def check_run_unchanged(saved: dict[str, Any], current: dict[str, Any], *, allow_changes: str, name: str, step: int,
+                        checkpoint: str) -> list[str]:
+    """Raises CheckpointError listing every refused difference (old -> new) and the ways on.
+    Returns the lines to print for the differences allowed by checkpoint.allow_changes."""
+    from raytrain_fast.errors import CheckpointError
+
+    changes = run_changes(saved, current)
+    allowed, _ = allowed_groups(allow_changes)
+    refused = {group: items for group, items in changes.items() if group not in allowed}
+    if refused:
+        listed = "; ".join(describe(items) for items in refused.values())
+        raise CheckpointError(
+            f"run '{name}' was checkpointed at step {step} with other {' and '.join(refused)} settings than this "
+            f"command's ({listed}): resuming would mix both into one run's metrics. Start a new run "
+            f"with another --name (its weights: --set checkpoint.init_from={checkpoint}), put the old values back, "
+            f"or resume anyway with --set checkpoint.allow_changes={','.join(refused)}"
+        )
+    return [
+        f"Resuming with changed {group} settings (checkpoint.allow_changes): {describe(items)}"
+        for group, items in changes.items()
+    ]
