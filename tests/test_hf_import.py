@@ -83,3 +83,14 @@ def test_a_model_that_differs_is_refused_before_any_worker_with_every_field(tmp_
     assert "model.num_kv_heads: run 4, checkpoint 2" in message  # 0 = num_heads, compared as derived
     assert "model.d_model" not in message and "model.mlp_hidden" not in message  # equal: not listed
     assert "3 field(s)" in message and "--set model.num_layers=2" in message and "--set model.num_kv_heads=2" in message
+
+
+def test_a_llama_with_biases_is_refused_naming_them(tmp_path):
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=1, num_attention_heads=4,
+        attention_bias=True,
+    ))
+    model.save_pretrained(str(tmp_path))
+    config = load_config("llama-tiny", [*RUN_MODEL, "model.num_layers=1"])
+    (problem,) = init_from_problems(str(tmp_path), config.model, StorageConfig())
+    assert "with biases" in problem and "model.architecture=llama" in problem

@@ -16,7 +16,7 @@ import pyarrow.fs as pafs
 
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.model import ModelConfig
-from raytrain_fast.model.hf import from_hf_llama, model_differences, model_fields_from_hf
+from raytrain_fast.model.hf import from_hf_llama, model_differences, model_fields_from_hf, to_hf_state_dict
 
 HF_CONFIG = "config.json"
 HF_INDEX = "model.safetensors.index.json"
@@ -81,6 +81,11 @@ def read_hf_weights(filesystem: pafs.FileSystem, path: str, config: ModelConfig)
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint.init_from={path}: {name} is missing (only safetensors weights are read)") from None
     try:
-        return from_hf_llama(hf_state, config)
+        state = from_hf_llama(hf_state, config)
     except KeyError as error:
         raise CheckpointError(f"checkpoint.init_from={path}: the weights have no {error}") from None
+    # A weight we would not read (a bias, another layer) means another model: refuse, never drop it.
+    unread = sorted(set(hf_state) - set(to_hf_state_dict(state, config)) - {"lm_head.weight"})
+    if unread:
+        raise CheckpointError(f"checkpoint.init_from={path}: weights our llama has no place for: {unread[:5]}")
+    return state

@@ -141,12 +141,15 @@ def _to_gpt2(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, t
 def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """Our model.* values that a Llama-family config.json fixes (for `checkpoint.init_from`), or
     raises ValueError saying why the config is not one we can load."""
-    if hf.get("model_type") not in ("llama", "mistral", "qwen2") or hf.get("attention_bias") or hf.get("mlp_bias"):
+    # qwen2 is left out: its q/k/v projections always have biases, which our llama does not.
+    if hf.get("model_type") not in ("llama", "mistral") or hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError(
             f"model_type '{hf.get('model_type')}'"
             + (" with biases" if hf.get("attention_bias") or hf.get("mlp_bias") else "")
-            + " is not a Llama-family model without biases (llama, mistral or qwen2 without attention biases)"
+            + " is not a Llama-family model without biases (model_type llama or mistral, no attention or MLP biases)"
         )
+    if hf.get("sliding_window"):
+        raise ValueError(f"sliding_window {hf['sliding_window']}: our attention is full causal attention")
     if hf.get("hidden_act", "silu") != "silu" or (hf.get("rope_scaling") or {}).get("rope_type", "default") != "default":
         raise ValueError("only hidden_act silu and plain rotary (no rope_scaling) are supported")
     width, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
