@@ -22,7 +22,7 @@ EXIT_INTERRUPTED = 130
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="preset name (tiny, gpt-124m, gpt-350m, gpt-1.3b) or YAML file; default: tiny")
+    parser.add_argument("--config", default=None, help="preset name (tiny, gpt-124m, gpt-350m, gpt-1.3b, llama-tiny, llama-150m, llama-1b, llama-3b, llama-8b) or YAML file; default: tiny")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="override one config value, e.g. --set train.steps=500 (repeatable)",
