@@ -176,3 +176,26 @@ def test_gpt_is_still_the_default_and_bad_llama_fields_are_named():
     assert type(build_model(load_config("tiny").model)) is GPT
     with pytest.raises(ConfigError, match=r"model.num_kv_heads \(3\) must divide model.num_heads \(4\)"):
         validate(load_config("llama-tiny", ["model.num_kv_heads=3"]))
+
+
+def test_a_bpe_tokenizer_exports_with_the_ids_prepare_data_makes(tmp_path):
+    """A run's own tokenizer.json (trained here: nothing downloaded), with a post-processor that adds
+    a BOS: the export gives AutoTokenizer the training ids, which never had one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    from raytrain_fast.checkpoint.hf_export import run_tokenizer
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train_from_iterator(["def main(): return 1", "class Model: pass"] * 50,
+                            trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    bpe.save(str(tmp_path / "bpe.json"))
+    spec = run_tokenizer({"data": {"source": "stdlib", "tokenizer": str(tmp_path / "bpe.json")}}, None)
+    out = tmp_path / "export"
+    write_hf_export(Llama(LLAMA).state_dict(), LLAMA, str(out), tokenizer=spec, dtype="float32")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    text = "def main(): pass"
+    trained_on = spec.encode_documents([text.encode()]).tolist()
+    assert tokenizer(text)["input_ids"] + [tokenizer.eos_token_id] == trained_on and tokenizer.eos_token == "</s>"
+    assert bpe.encode(text).ids[0] == 1  # the file itself adds the BOS

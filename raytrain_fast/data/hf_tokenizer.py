@@ -39,12 +39,20 @@ def byte_tokenizer_json() -> str:
 
 
 def hf_tokenizer_files(spec: TokenizerSpec, *, model_max_length: int) -> dict[str, str]:
-    """{file name: text} for the tokenizer `spec` (the byte tokenizer or a tokenizers JSON file)."""
+    """{file name: text} for the tokenizer `spec` (the byte tokenizer or a tokenizers JSON file), so
+    that `AutoTokenizer(text)` gives the ids the data was made with (its end-of-document token as
+    eos_token, no post-processor)."""
     from tokenizers import Tokenizer
 
     json_text = spec.json_text if spec.json_text is not None else byte_tokenizer_json()
+    data = json.loads(json_text)
+    # prepare-data encodes with add_special_tokens=False: no post-processor ran on the training
+    # tokens, so none may run on the exported tokenizer's either (a BOS the model never saw).
+    if data.get("post_processor") is not None:
+        data["post_processor"] = None
+        json_text = json.dumps(data, ensure_ascii=False)
     eod = Tokenizer.from_str(json_text).id_to_token(spec.info.eod_id)
-    special = {"eos_token": eod, "bos_token": eod, "unk_token": eod}
+    special = {"eos_token": eod}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False, **special,
