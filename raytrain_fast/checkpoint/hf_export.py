@@ -63,6 +63,8 @@ def write_hf_export(
     if refusal:
         raise CheckpointError(f"cannot export in the Hugging Face format: {refusal}")
     os.makedirs(out_dir, exist_ok=True)
+    for stale in [*Path(out_dir).glob("model*.safetensors"), Path(out_dir, "model.safetensors.index.json")]:
+        stale.unlink(missing_ok=True)  # an --overwrite with another shard count must not leave old shards
     eod = tokenizer.info.eod_id
     written = _write_weights(to_hf_state_dict(state, config), out_dir, max_shard_bytes)
     files: dict[str, str] = {
