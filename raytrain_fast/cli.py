@@ -25,7 +25,7 @@ EXIT_INTERRUPTED = 130
 
 
 def _add_config_args(parser: argparse.ArgumentParser, *, name_help: str) -> None:
-    parser.add_argument("--config", default=None, help="preset name (tiny, gpt-124m, gpt-350m, gpt-1.3b) or YAML file; default: tiny")
+    parser.add_argument("--config", default=None, help="preset name (tiny, gpt-124m, gpt-350m, gpt-1.3b, llama-tiny, llama-150m, llama-1b, llama-3b, llama-8b) or YAML file; default: tiny")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="override one config value, e.g. --set train.steps=500 (repeatable)",
@@ -72,6 +72,22 @@ def _resume_policy(value: str) -> str:
     raise argparse.ArgumentTypeError(f"expected auto, must, never or a checkpoint's step, got {value!r}")
 
 
+def _add_export_args(export: argparse.ArgumentParser) -> None:
+    export.add_argument("--name", required=True, help="run name")
+    export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
+    export.add_argument("--out", required=True, help="local output directory")
+    export.add_argument("--dtype", choices=("float32", "fp32", "bfloat16", "bf16"), default="float32",
+                        help="weights dtype (both spellings: the config's fp32/bf16 and torch's float32/bfloat16)")
+    export.add_argument("--overwrite", action="store_true", help="replace an export already in --out")
+    export.add_argument("--format", choices=("auto", "hf", "native"), default="auto",
+                        help="hf: config.json, safetensors and tokenizer files for transformers' from_pretrained; "
+                             "native: model.safetensors + config.yaml for load_exported; auto (default): hf for llama, native for gpt")
+    export.add_argument("--tokenizer", default=None,
+                        help="(hf) export this tokenizer.json instead of the one the run's data was tokenized with")
+    export.add_argument("--max-shard-gb", type=float, default=5.0,
+                        help="(hf) split the weights into shards of at most this many GB, with model.safetensors.index.json")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
@@ -99,12 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = add_command(commands, "export", "write a checkpoint's consolidated model weights (safetensors) and model config")
     _add_storage_args(export)
-    export.add_argument("--name", required=True, help="run name")
-    export.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
-    export.add_argument("--out", required=True, help="local output directory")
-    export.add_argument("--dtype", choices=("float32", "fp32", "bfloat16", "bf16"), default="float32",
-                        help="weights dtype (both spellings: the config's fp32/bf16 and torch's float32/bfloat16)")
-    export.add_argument("--overwrite", action="store_true", help="replace an export already in --out")
+    _add_export_args(export)
 
     report = add_command(commands, "report", "plots, an HTML page and a plain-language diagnosis of a run's metrics")
     _add_storage_args(report)
@@ -259,13 +270,19 @@ def export(args: argparse.Namespace) -> int:
 
     out = export_checkpoint(
         storage_uri=args.storage, storage=_readable_storage(args), name=args.name, step=args.step,
-        out_dir=args.out, dtype=args.dtype, overwrite=args.overwrite,
+        out_dir=args.out, dtype=args.dtype, overwrite=args.overwrite, format=args.format,
+        tokenizer=args.tokenizer, max_shard_bytes=int(args.max_shard_gb * 10**9),
     )
     info = yaml.safe_load(Path(out, "config.yaml").read_text())["export"]
-    print(f"Exported run '{args.name}' at step {info['step']} to {out} (model.safetensors, config.yaml).")
+    files = ", ".join(info.get("files", ["model.safetensors", "config.yaml"]))
+    print(f"Exported run '{args.name}' at step {info['step']} to {out} ({files}).")
     for skipped in info.get("skipped", []):
         print(f"Skipped the newer {skipped['checkpoint']}: {skipped['reason']}")
-    print("Load it with: from raytrain_fast.checkpoint import load_exported; model = load_exported(" + repr(out) + ")")
+    if info.get("format") == "hf":
+        print(f"Load it with: from transformers import AutoModelForCausalLM, AutoTokenizer; "
+              f"model = AutoModelForCausalLM.from_pretrained({out!r}); tokenizer = AutoTokenizer.from_pretrained({out!r})")
+    else:
+        print("Load it with: from raytrain_fast.checkpoint import load_exported; model = load_exported(" + repr(out) + ")")
     return 0
 
 

@@ -268,15 +268,31 @@ def _model_problems(m: ModelConfig, d: DataConfig) -> list[str]:
             f"model.d_model ({m.d_model}) must be divisible by model.num_heads ({m.num_heads}); "
             f"e.g. --set model.num_heads={heads}"
         )
-    elif m.positions == "rotary" and m.num_heads > 0 and (m.d_model // m.num_heads) % 2:
-        problems.append("model.positions=rotary needs an even head size (d_model / num_heads)")
+    elif (m.positions == "rotary" or m.architecture == "llama") and m.num_heads > 0 and (m.d_model // m.num_heads) % 2:
+        problems.append("rotary positions (model.positions=rotary, model.architecture=llama) need an even head size (d_model / num_heads)")
+    problems += _llama_problems(m)
     if not 0.0 <= m.dropout < 1.0:
         problems.append(f"model.dropout must be in [0, 1), got {m.dropout}")
     if d.tokenizer == "byte" and m.vocab_size < BYTE_VOCAB_SIZE:
         problems.append(f"model.vocab_size ({m.vocab_size}) is smaller than the byte tokenizer's {BYTE_VOCAB_SIZE} tokens")
-    if d.seq_len > m.max_seq_len and m.positions == "learned":
+    if d.seq_len > m.max_seq_len and m.positions == "learned" and m.architecture == "gpt":
         problems.append(
             f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); raise model.max_seq_len or lower data.seq_len"
+        )
+    return problems
+
+
+def _llama_problems(m: ModelConfig) -> list[str]:
+    problems = []
+    if min(m.num_kv_heads, m.mlp_hidden) < 0 or m.mlp_multiple_of <= 0 or m.rope_theta <= 0 or m.norm_eps <= 0:
+        problems.append(
+            "model.num_kv_heads and model.mlp_hidden must be >= 0 (0 = derived), "
+            "model.mlp_multiple_of, model.rope_theta and model.norm_eps > 0"
+        )
+    elif m.architecture == "llama" and m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads:
+        fits = [h for h in range(1, m.num_heads + 1) if m.num_heads % h == 0]
+        problems.append(
+            f"model.num_kv_heads ({m.num_kv_heads}) must divide model.num_heads ({m.num_heads}); one of {fits}"
         )
     return problems
 

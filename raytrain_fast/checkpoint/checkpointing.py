@@ -460,7 +460,8 @@ def _all_gather_ints(values: list[int], world_size: int) -> list[list[int]]:
 
 
 def load_initial_weights(model: torch.nn.Module, uri: str, *, storage: Any, rank: int = 0, world_size: int = 1) -> str:
-    """checkpoint.init_from: copy model weights (only) from a checkpoint directory into `model`.
+    """checkpoint.init_from: copy model weights (only) from a checkpoint directory, or a Hugging Face
+    Llama-family directory (checkpoint/hf_import.py), into `model`.
 
     Read once per job: rank 0 downloads and consolidates the checkpoint, then every parameter and
     buffer goes to the other ranks through torch.distributed (a broadcast per tensor, over the
@@ -490,6 +491,11 @@ def _read_initial_weights(model: torch.nn.Module, uri: str, *, storage: Any) -> 
     from raytrain_fast.storage import resolve_filesystem
 
     filesystem, path = resolve_filesystem(uri, storage)
+    from raytrain_fast.checkpoint.hf_import import read_hf_config, read_hf_weights
+
+    if read_hf_config(filesystem, path) is not None:  # a Hugging Face directory (checked on the driver)
+        model.load_state_dict(read_hf_weights(filesystem, path, model.config), strict=True)
+        return "Hugging Face weights"
     local_dir = tempfile.mkdtemp(prefix="raytrain-fast-init-")
     try:
         download_checkpoint(filesystem, path, local_dir)

@@ -1,4 +1,5 @@
-"""Export a run's checkpoint as plain model weights: `model.safetensors` + `config.yaml`.
+"""Export a run's checkpoint as plain model weights: `model.safetensors` + `config.yaml` (format
+native), or the Hugging Face format (format hf: checkpoint/hf_export.py).
 
 The weights come from the fp32 master copy in the ZeRO optimizer shards when present (DeepSpeed's
 zero_to_fp32 consolidates them across ranks), else from rank 0's module weights (ZeRO stage 0,
@@ -28,7 +29,7 @@ import yaml
 from raytrain_fast.checkpoint.checkpointing import CONFIG_FILE, DEEPSPEED_TAG, STATE_FILE
 from raytrain_fast.checkpoint.manifest import download_checkpoint, find_resumable_checkpoint, list_checkpoint_dirs
 from raytrain_fast.errors import CheckpointError
-from raytrain_fast.model import GPT, ModelConfig
+from raytrain_fast.model import GPT, ModelConfig, model_class
 from raytrain_fast.storage.config import StorageConfig
 from raytrain_fast.storage.filesystem import resolve_filesystem
 
@@ -113,6 +114,15 @@ def consolidated_state_dict(local_dir: str) -> tuple[dict[str, Any], str]:
     return cleaned, source
 
 
+def export_format(config: ModelConfig, format: str) -> Literal["native", "hf"]:
+    """`auto` resolved: hf for llama, native (model.safetensors + config.yaml) for the GPT."""
+    if format not in ("auto", "native", "hf"):
+        raise CheckpointError(f"--format '{format}': use auto, native or hf")
+    if format == "auto":
+        return "hf" if config.architecture == "llama" else "native"
+    return format  # type: ignore[return-value]
+
+
 def export_local_checkpoint(
     local_dir: str,
     out_dir: str,
@@ -120,10 +130,17 @@ def export_local_checkpoint(
     model_config: ModelConfig | None = None,
     dtype: Literal["float32", "bfloat16"] = "float32",
     metadata: dict[str, Any] | None = None,
+    format: Literal["auto", "native", "hf"] = "auto",
+    storage: StorageConfig | None = None,
+    tokenizer: str | None = None,
+    max_shard_bytes: int | None = None,
 ) -> str:
-    """Write model.safetensors + config.yaml into out_dir from an already downloaded checkpoint.
+    """Write model.safetensors + config.yaml (format native), or the Hugging Face files (format hf,
+    see checkpoint/hf_export.py; config.yaml then records the export only), into out_dir from an
+    already downloaded checkpoint. auto = hf for llama, native for the GPT.
 
-    dtype: float32 / fp32 or bfloat16 / bf16 (the config's spelling)."""
+    dtype: float32 / fp32 or bfloat16 / bf16 (the config's spelling). tokenizer: the tokenizer.json
+    to export instead of the run's (hf only)."""
     import torch
     from safetensors.torch import save_model
 
@@ -133,8 +150,15 @@ def export_local_checkpoint(
             f"the checkpoint has no {CONFIG_FILE} with the model config (saved by an older version?): "
             "pass model_config= with the run's model settings"
         )
+    chosen = export_format(config, format)
+    if chosen == "hf":
+        from raytrain_fast.checkpoint.hf_export import hf_refusal, run_tokenizer
+
+        if hf_refusal(config):
+            raise CheckpointError(f"cannot export in the Hugging Face format: {hf_refusal(config)}")
+        spec = run_tokenizer(_run_config(local_dir), storage, tokenizer)  # before the slow part: it can refuse
     state, source = consolidated_state_dict(local_dir)
-    model = GPT(config)
+    model = model_class(config)(config)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as error:
@@ -145,14 +169,30 @@ def export_local_checkpoint(
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     os.makedirs(out_dir, exist_ok=True)
-    info = {"weights": source, "dtype": dtype, **(metadata or {}), **_losses_at_save(local_dir)}
+    info = {"weights": source, "dtype": dtype, "format": chosen, **(metadata or {}), **_losses_at_save(local_dir)}
     config_path, weights_path = Path(out_dir, CONFIG_FILE), Path(out_dir, WEIGHTS_FILE)
+    if chosen == "hf":
+        from raytrain_fast.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, write_hf_export
+
+        info["files"] = write_hf_export(
+            model.state_dict(), config, out_dir, tokenizer=spec, dtype=dtype,
+            max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
+        )
+        info["tokenizer"] = spec.info.name
+        config_path.write_text(yaml.safe_dump({"model": dataclasses.asdict(config), "export": info}, sort_keys=False))
+        return out_dir
     # safetensors' header metadata holds strings only; config.yaml keeps the types (step: 300).
     save_model(model, str(weights_path), metadata={k: str(v) for k, v in info.items() if not isinstance(v, (list, dict))})
     config_path.write_text(yaml.safe_dump({"model": dataclasses.asdict(config), "export": info}, sort_keys=False))
     # safetensors creates its file 0600; give it config.yaml's mode (the umask's), so both read alike.
     os.chmod(weights_path, stat.S_IMODE(config_path.stat().st_mode))
     return out_dir
+
+
+def _run_config(local_dir: str) -> dict[str, Any]:
+    path = Path(local_dir, CONFIG_FILE)
+    data = yaml.safe_load(path.read_text()) if path.exists() else None
+    return data if isinstance(data, dict) else {}
 
 
 def _losses_at_save(local_dir: str) -> dict[str, float]:
@@ -177,15 +217,21 @@ def export_checkpoint(
     model_config: ModelConfig | None = None,
     dtype: Literal["float32", "bfloat16", "fp32", "bf16"] = "float32",
     overwrite: bool = False,
+    format: Literal["auto", "native", "hf"] = "auto",
+    tokenizer: str | None = None,
+    max_shard_bytes: int | None = None,
 ) -> str:
     """Export run `name`'s checkpoint at `step` (None = the newest complete one) to out_dir (local).
 
-    Returns out_dir, which then holds model.safetensors and config.yaml (see load_exported); the
+    Returns out_dir, which then holds model.safetensors and config.yaml (format native, see
+    load_exported) or the Hugging Face files (format hf, see export_local_checkpoint); the
     config's `export` section records the step (an int) and every newer checkpoint skipped, with why.
     Raises CheckpointError when the run has no such checkpoint or it is incomplete, and when out_dir
     already holds an export, unless overwrite.
     """
-    existing = [f for f in (WEIGHTS_FILE, CONFIG_FILE) if Path(out_dir, f).exists()]
+    from raytrain_fast.checkpoint.hf_export import HF_FILES
+
+    existing = [f for f in dict.fromkeys((WEIGHTS_FILE, CONFIG_FILE, *HF_FILES)) if Path(out_dir, f).exists()]
     if existing and not overwrite:
         raise CheckpointError(
             f"{out_dir} already holds {' and '.join(existing)}: pass --overwrite to replace them, or choose another --out"
@@ -214,7 +260,8 @@ def export_checkpoint(
             download_checkpoint(filesystem, path, local_dir)
         checkpoint_step = int(path.rstrip("/").rsplit("_", 1)[-1])
         return export_local_checkpoint(
-            local_dir, out_dir, model_config=model_config, dtype=dtype,
+            local_dir, out_dir, model_config=model_config, dtype=dtype, format=format, storage=storage,
+            tokenizer=tokenizer, max_shard_bytes=max_shard_bytes,
             metadata={
                 "run": name, "step": checkpoint_step, "checkpoint": path,
                 "skipped": [{"checkpoint": p.rsplit("/", 1)[-1], "reason": r} for p, r in skipped],
@@ -225,13 +272,19 @@ def export_checkpoint(
 
 
 def load_exported(out_dir: str, *, device: str = "cpu") -> GPT:
-    """The GPT saved by export_checkpoint, in eval mode (tied embeddings tied again)."""
+    """The model (GPT or Llama) saved by export_checkpoint with format native, in eval mode (tied
+    embeddings tied again)."""
     from safetensors.torch import load_model
 
     config_path = Path(out_dir, CONFIG_FILE)
     if not config_path.exists():
         raise CheckpointError(f"{out_dir} has no {CONFIG_FILE}: not an exported model")
-    config = _model_config_from_dict(yaml.safe_load(config_path.read_text()), source=str(config_path))
-    model = GPT(config)
+    data = yaml.safe_load(config_path.read_text())
+    config = _model_config_from_dict(data, source=str(config_path))
+    if (data.get("export") or {}).get("format") == "hf":
+        raise CheckpointError(
+            f"{out_dir} is a Hugging Face export: load it with transformers' AutoModelForCausalLM.from_pretrained({out_dir!r})"
+        )
+    model = model_class(config)(config)
     load_model(model, str(Path(out_dir, WEIGHTS_FILE)), strict=True, device=device)
     return model.to(device).eval()

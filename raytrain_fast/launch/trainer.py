@@ -176,6 +176,11 @@ def check_before_ray(config: Config, *, create_bucket: bool = False):
         config = dataclasses.replace(
             config, checkpoint=dataclasses.replace(config.checkpoint, init_from=storage_path(config.checkpoint.init_from))
         )
+        from raytrain_fast.checkpoint.hf_import import init_from_problems
+
+        problems = init_from_problems(config.checkpoint.init_from, config.model, config.storage)  # a Hugging Face dir
+        if problems:
+            raise ConfigError(problems)
     check_storage(config.storage, create_bucket=create_bucket)  # reachable and writable, in seconds
     check_data_matches_model(config)  # after the storage probe (an s3:// source is read), before anything is printed
     state = check_resume_policy(config)

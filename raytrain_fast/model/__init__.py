@@ -1,7 +1,7 @@
-"""The GPT model and its FLOPs formula."""
+"""The decoder-only models (GPT, Llama family) and their FLOPs formula."""
 
 from raytrain_fast.model.config import ModelConfig
-from raytrain_fast.model.gpt import GPT, build_model, flops_per_token
+from raytrain_fast.model.gpt import GPT, build_model, flops_per_token, model_class
 from raytrain_fast.model.loss import chunked_cross_entropy
 
-__all__ = ["GPT", "ModelConfig", "build_model", "chunked_cross_entropy", "flops_per_token"]
+__all__ = ["GPT", "ModelConfig", "build_model", "chunked_cross_entropy", "flops_per_token", "model_class"]

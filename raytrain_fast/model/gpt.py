@@ -18,16 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from raytrain_fast.model.config import ModelConfig
+from raytrain_fast.model.config import ModelConfig, kv_heads, llama_mlp_hidden
 from raytrain_fast.model.loss import chunked_cross_entropy
 
 CHUNKED_LOSS_MIN_VOCAB = 8192
 """`chunked_loss: auto` turns on from this vocabulary size."""
 
 
-def _rotary_tables(seq_len: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    # RoPE (Su et al. 2021): rotate channel pairs by position * theta_i, theta_i = 10000^(-2i/head_dim).
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+def _rotary_tables(seq_len: int, head_dim: int, device: torch.device, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    # RoPE (Su et al. 2021): rotate channel pairs by position * theta_i, theta_i = base^(-2i/head_dim).
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
     return angles.cos(), angles.sin()
 
@@ -92,12 +92,10 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.token_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = (
-            nn.Embedding(config.max_seq_len, config.d_model) if config.positions == "learned" else None
-        )
+        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if self._learned_positions() else None
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.norm_out = nn.LayerNorm(config.d_model)
+        self.blocks = nn.ModuleList(self._make_block(config) for _ in range(config.num_layers))
+        self.norm_out = self._make_norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.token_emb.weight
@@ -111,6 +109,19 @@ class GPT(nn.Module):
         """Recompute checkpointed blocks in backward (training only); off while FLOPs are counted."""
         chunked = config.chunked_loss
         self.chunked_loss = chunked == "on" or (chunked == "auto" and config.vocab_size >= CHUNKED_LOSS_MIN_VOCAB)
+
+    # The parts a subclass (model/llama.py) replaces; forward, checkpointing and the loss are shared.
+    def _learned_positions(self) -> bool:
+        return self.config.positions == "learned"
+
+    def _make_block(self, config: ModelConfig) -> nn.Module:
+        return Block(config)
+
+    def _make_norm(self, config: ModelConfig) -> nn.Module:
+        return nn.LayerNorm(config.d_model)
+
+    def _make_rotary_tables(self, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rotary_tables(seq, self.config.d_model // self.config.num_heads, device, self.config.rope_theta)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -148,7 +159,7 @@ class GPT(nn.Module):
         every block of every step (they were rebuilt in each block before)."""
         key = (seq, x.device, x.dtype)
         if key not in self._rotary_cache:
-            cos, sin = _rotary_tables(seq, self.config.d_model // self.config.num_heads, x.device)
+            cos, sin = self._make_rotary_tables(seq, x.device)
             self._rotary_cache[key] = (cos.to(x.dtype), sin.to(x.dtype))
         return self._rotary_cache[key]
 
@@ -170,30 +181,48 @@ class GPT(nn.Module):
         return flops_per_token(self.config, seq_len)
 
 
+def model_class(config: ModelConfig) -> type[GPT]:
+    """The module class of `model.architecture`: GPT or Llama (a GPT subclass)."""
+    if config.architecture == "llama":
+        from raytrain_fast.model.llama import Llama
+
+        return Llama
+    return GPT
+
+
 def build_model(config: ModelConfig, device: torch.device | str | None = None) -> GPT:
-    """The model with its weights created and initialised on `device` directly: no fp32 host copy
-    per rank (5.3 GB for a 1.3B model) before moving it. Same init distributions as on the CPU (the
-    values differ: each device has its own random stream)."""
+    """The model of `config.architecture` with its weights created and initialised on `device`
+    directly: no fp32 host copy per rank (5.3 GB for a 1.3B model) before moving it. Same init
+    distributions as on the CPU (the values differ: each device has its own random stream)."""
+    cls = model_class(config)
     if device is None:
-        return GPT(config)
+        return cls(config)
     with torch.device(device):
-        return GPT(config)
+        return cls(config)
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * N_matmul + 12 * L * d * T.
+    """Training FLOPs per token: 6 * N_matmul + 12 * L * d * T (GPT and llama).
 
     Source: Kaplan et al. 2020 (Scaling Laws, sec. 2.1) and PaLM (Chowdhury et al. 2022, app. B).
     - N_matmul: weights used in matrix products per token: per block 4*d^2 (qkv + out proj)
-      + 2*r*d^2 (MLP), plus V*d for the output projection (counted even when tied, since the
+      + 2*r*d^2 (MLP) for the GPT, 2*d^2 + 2*d*d_kv + 3*d*h (grouped-query attention, SwiGLU of
+      hidden width h) for llama, plus V*d for the output projection (counted even when tied, since the
       product is computed; the embedding lookup itself is a gather, 0 FLOPs).
     - 6 = 2 FLOPs per multiply-add in the forward pass x 3 (backward costs twice the forward).
     - 12*L*d*T: attention scores QK^T and the weighted sum AV, 2*T*d FLOPs each per token and
       layer forward, x3 for backward. Counted for the full T x T square, as FlopCounterMode and
       the usual MFU convention do, although causal kernels skip half of it.
-    Norms, softmax, GELU and rotary are elementwise and left out. FlopCounterMode counts a bit
+    Norms, softmax, GELU, SiLU and rotary are elementwise and left out. FlopCounterMode counts a bit
     more (+2% on the tiny preset): its attention backward includes recomputing the scores.
     """
     d, num_layers = config.d_model, config.num_layers
-    n_matmul = num_layers * (4 + 2 * config.mlp_ratio) * d * d + config.vocab_size * d
+    if config.architecture == "llama":
+        # llama: q and o projections d^2 each, k and v d * kv_width each (grouped-query), and the
+        # SwiGLU MLP's three matrices (gate, up, down) of d * hidden.
+        kv_width = kv_heads(config) * (d // config.num_heads)
+        per_block = 2 * d * d + 2 * d * kv_width + 3 * d * llama_mlp_hidden(config)
+    else:
+        per_block = (4 + 2 * config.mlp_ratio) * d * d
+    n_matmul = num_layers * per_block + config.vocab_size * d
     return 6.0 * n_matmul + 12.0 * num_layers * d * seq_len
