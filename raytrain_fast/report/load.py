@@ -36,6 +36,8 @@ class RunMetrics:
     """Records at or below this step are warm-up and left out of the judgements."""
     restart_steps: list[int] = field(default_factory=list)
     """Log steps whose window began with a resume (also left out)."""
+    hangs: list[dict[str, Any]] = field(default_factory=list)
+    """The hang watchdog's records (`<run>/hangs/hang-*.json`, watchdog/stacks.py), oldest first."""
 
     @property
     def steady(self) -> list[dict[str, Any]]:
@@ -137,7 +139,9 @@ def load_run(storage_uri: str, name: str, *, storage: StorageConfig | None = Non
             f"run '{name}' has no metrics under {uri}/metrics/. Check --storage and --name "
             f"(`raytrain-fast runs --storage {storage_uri}` lists the runs there)."
         )
-    return from_records(records, name=name, uri=uri, config=_newest_config(uri, storage))
+    run = from_records(records, name=name, uri=uri, config=_newest_config(uri, storage))
+    run.hangs = _hang_records(uri, storage)
+    return run
 
 
 def from_records(records: list[dict[str, Any]], *, name: str = "run", uri: str = "", config: dict[str, Any] | None = None) -> RunMetrics:
@@ -192,6 +196,27 @@ def _newest_config(run_uri: str, storage: StorageConfig) -> dict[str, Any] | Non
     except (FileNotFoundError, OSError):
         pass
     return None
+
+
+def _hang_records(run_uri: str, storage: StorageConfig) -> list[dict[str, Any]]:
+    """The hang watchdog's records of the run (none when it never acted)."""
+    import json
+
+    import pyarrow.fs as pafs
+
+    from raytrain_fast.storage import resolve_filesystem
+
+    try:
+        filesystem, path = resolve_filesystem(run_uri, storage)
+        infos = filesystem.get_file_info(pafs.FileSelector(f"{path}/hangs", allow_not_found=True))
+        records = []
+        for info in sorted(infos, key=lambda i: i.path):
+            if info.base_name.startswith("hang-") and info.base_name.endswith(".json"):
+                with filesystem.open_input_stream(info.path) as stream:
+                    records.append(json.loads(stream.read()))
+        return records
+    except (OSError, ValueError):
+        return []
 
 
 def median(values: list[float]) -> float:

@@ -1,0 +1,93 @@
+"""Each worker's side of the hang watchdog: a daemon thread that reads the step counter the loop
+already keeps and sends it to the run's coordinator actor every `interval_s`. Nothing runs on the
+training thread (no call, no host sync); a frozen process stops beating, which the watchdog uses."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from raytrain_fast.watchdog.hang import WATCHED_PHASE
+
+logger = logging.getLogger("raytrain_fast.watchdog")
+
+
+class Heartbeat:
+    """Sends (rank, step, phase) to the coordinator actor from a daemon thread."""
+
+    def __init__(
+        self, actor: Any, *, rank: int, world_size: int, read_step: Callable[[], int], last_step: int, interval_s: float
+    ) -> None:
+        import ray
+
+        self._actor = actor
+        self._rank, self._world_size = rank, world_size
+        self._read_step, self._last_step = read_step, last_step
+        self._start_step = read_step()  # the step it starts (or resumes) at: the first step after it compiles, not watched
+        self._paused_at: int | None = None
+        self.interval_s = interval_s
+        self._phase = WATCHED_PHASE
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raytrain-fast-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def pause(self, phase: str) -> None:
+        """Not watched until the next step completes (a checkpoint save, and after the last one the
+        wait for its upload: their time depends on the storage). No call: one attribute set."""
+        self._paused_at = self._read_step()
+        self._phase = phase
+
+    def _current_phase(self, step: int) -> str:
+        if self._phase != WATCHED_PHASE and step != self._paused_at:
+            self._phase = WATCHED_PHASE
+        return self._phase
+
+    def _run(self) -> None:
+        import ray
+
+        pid = os.getpid()
+        while not self._stop.wait(self.interval_s):
+            step = self._read_step()
+            if step >= self._last_step:  # the run's last step is done: what follows (the final upload) is not watched
+                break
+            try:
+                ray.get(self._actor.beat.remote(
+                    rank=self._rank, world_size=self._world_size, pid=pid, node_id=self._node_id,
+                    step=step, start_step=self._start_step, phase=self._current_phase(step),
+                ), timeout=max(10.0, 5 * self.interval_s))
+            except Exception as error:  # noqa: BLE001 - the driver (and its actor) is gone: Ray ends us anyway
+                if not self._stop.is_set():
+                    logger.warning("hang watchdog: heartbeat to the coordinator failed, no longer beating: %s", error)
+                return
+        self._end()
+
+    def _end(self) -> None:
+        import ray
+
+        try:
+            ray.get(self._actor.beat_end.remote(rank=self._rank, pid=os.getpid()), timeout=10)
+        except Exception:  # noqa: BLE001 - nothing left to watch either way
+            pass
+
+    def close(self) -> None:
+        """Stop beating and tell the watchdog this rank left the loop (a finished run is no hang)."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._end()
+
+
+class NoHeartbeat:
+    """The watchdog is off (watchdog.hang_timeout_s=0)."""
+
+    def pause(self, phase: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
