@@ -53,7 +53,9 @@ class Heartbeat:
         import ray
 
         pid = os.getpid()
-        while not self._stop.wait(self.interval_s):
+        wait_s = 0.0  # the first beat at once: a rank that froze before its first beat would never be watched
+        while not self._stop.wait(wait_s):
+            wait_s = self.interval_s
             step = self._read_step()
             if step >= self._last_step:  # the run's last step is done: what follows (the final upload) is not watched
                 break
