@@ -11,10 +11,8 @@ import sys
 from raytrain_fast.metrics.host import compute_thread_wait
 
 _PLANTED = r"""
-import json, os, subprocess, sys, threading, time
+import hashlib, json, os, subprocess, sys, threading, time
 os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core for this process and its child
-import torch
-torch.set_num_threads(1)
 from raytrain_fast.metrics.host import HostSampler
 
 def own_wait_s():
@@ -22,10 +20,10 @@ def own_wait_s():
         return int(stats.read().split()[1]) / 1e9
 
 stop = threading.Event()
-def compute():  # a torch thread: matmuls without the GIL, as torch's OpenMP threads run them
-    a = torch.randn(192, 192)
+def compute():  # hashing releases the GIL, as torch's OpenMP threads compute without it
+    data = os.urandom(1 << 20)
     while not stop.is_set():
-        a @ a
+        hashlib.sha256(data).digest()
 threading.Thread(target=compute, daemon=True).start()
 sampler = HostSampler(compute_threads=1)
 busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # inherits the one-core affinity
@@ -33,7 +31,7 @@ try:
     time.sleep(0.5)
     sampler.window()
     before, started = own_wait_s(), time.perf_counter()
-    time.sleep(2.0)  # the training thread waits for the compute thread, off the CPU
+    time.sleep(1.5)  # the training thread waits for the compute thread, off the CPU
     window = sampler.window()
     own = (own_wait_s() - before) / (time.perf_counter() - started)
 finally:
@@ -47,8 +45,10 @@ def test_a_starved_torch_thread_is_seen_when_the_training_thread_is_not():
     done = subprocess.run([sys.executable, "-c", _PLANTED], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     measured = json.loads(done.stdout.strip().splitlines()[-1])
-    assert measured["training_thread_only"] < 0.05  # what the old sample saw: nothing
-    assert measured["cpu_wait_frac"] > 0.3  # the compute thread shares one core with a busy loop
+    # What the old sample saw: next to nothing (one wake-up on a busy core can take tens of ms).
+    assert measured["training_thread_only"] < 0.15
+    # The compute thread shares one core with a busy loop: it waits about half the time or more.
+    assert measured["cpu_wait_frac"] > max(0.3, 3 * measured["training_thread_only"])
 
 
 def test_idle_threads_do_not_count_and_the_worst_compute_thread_does():

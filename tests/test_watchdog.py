@@ -83,9 +83,9 @@ def test_a_rank_frozen_during_a_save_is_watched_once_its_heartbeats_stop():
     assert stuck is not None and [b.rank for b in stuck.ranks] == [0, 1]
 
 
-def test_a_rank_that_beat_once_past_its_first_step_is_watched():
+def test_a_rank_that_froze_before_its_second_beat_is_watched():
     watch = HangWatch(timeout_s=10, min_timeout_s=60, beat_interval_s=1.0)
-    watch.beat(rank=1, world_size=2, pid=101, node_id="n", step=3, start_step=0, phase="train", now=0.0)  # then froze
+    watch.beat(rank=1, world_size=2, pid=101, node_id="n", step=0, start_step=0, phase="train", now=0.0)  # then froze
     for second in range(0, 5):
         watch.beat(rank=0, world_size=2, pid=100, node_id="n", step=4, start_step=0, phase="train", now=float(second))
     assert watch.check(16.0) is not None

@@ -102,13 +102,15 @@ class HangWatch:
         return min(AUTO_MAX_S, max(self.min_timeout_s, AUTO_STEPS * step_s if step_s else self.min_timeout_s))
 
     def armed(self, now: float) -> bool:
-        """Every rank of the group has beaten and completed its first step since it started, and no
-        rank that still beats is in an unwatched phase (a save). A silent rank's last phase does not
-        count: a process frozen during a save is a hang too."""
+        """Every rank of the group has beaten, the group has completed its first step since it
+        started (any rank past it: a step's gradient all-reduce needs every rank, so one rank's
+        count says it for all, even for a rank that froze before its next beat), and no rank that
+        still beats is in an unwatched phase (a save). A silent rank's last phase does not count:
+        a process frozen during a save is a hang too."""
         beats = list(self.ranks.values())
         return (
             not self._fired and self.world_size > 0 and len(beats) == self.world_size
-            and all(b.step > b.start_step for b in beats)
+            and any(b.step > b.start_step for b in beats)
             and all(b.phase == WATCHED_PHASE or now - b.seen > self.silent_after_s for b in beats)
         )
 

@@ -66,7 +66,7 @@ async def take_stacks(stuck: Stuck, *, now: float) -> list[RankStack]:
             dumped, text = await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout=DUMP_TIMEOUT_S + 10)
         except Exception as error:  # noqa: BLE001 - a node gone, a task that failed: say so in the record
             dumped, text = False, f"no stack: {error}"
-        stacks.append(RankStack(rank=beat.rank, pid=beat.pid, text=text, dumped=dumped, beat_age_s=now - beat.seen))
+        stacks.append(RankStack(rank=beat.rank, pid=beat.pid, text=text, dumped=dumped, beat_age_s=max(0.0, now - beat.seen)))
     return stacks
 
 
