@@ -130,6 +130,15 @@ def test_bad_watchdog_settings_are_named(tmp_path):
     assert "watchdog.hang_timeout_s" in str(error.value) and "watchdog.min_timeout_s" in str(error.value)
 
 
+def test_the_hang_drill_spec_is_checked_before_a_run():
+    from raytrain_fast.loop.hooks import LoopHooks
+
+    assert LoopHooks.from_cli(["hang=30:/tmp/m:1"]).hang == "30:/tmp/m:1"
+    for bad in ("hang=/tmp/m", "hang=0:/tmp/m", "hang=3:"):
+        with pytest.raises(ValueError, match="malformed SPEC for hang"):
+            LoopHooks.from_cli([bad])
+
+
 HANG_TIMEOUT_S = 10
 
 
