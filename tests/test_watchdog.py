@@ -120,6 +120,39 @@ def test_process_group_timeout_exceeds_the_watchdog():
     assert WatchdogConfig(hang_timeout_s=0).process_group_timeout_s() == 1800  # off: Ray's default
 
 
+_NEW_GROUP = r"""
+import datetime, os, sys, time, torch, torch.distributed as dist
+from raytrain_fast.watchdog.heartbeat import set_new_group_timeout
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=sys.argv[2], rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+assert set_new_group_timeout(2)
+group = dist.new_group(ranks=[0, 1])  # as DeepSpeed clones the world group: no timeout given
+if rank == 1:
+    time.sleep(60)
+    os._exit(0)
+started = time.monotonic()
+try:
+    dist.all_reduce(torch.ones(1), group=group)
+except RuntimeError:
+    print(f"timed out after {time.monotonic() - started:.1f} s")
+os._exit(0)
+"""
+
+
+def test_process_groups_made_later_time_out_with_the_watchdog(tmp_path):
+    import subprocess
+    import sys
+
+    init = f"file://{tmp_path / 'rendezvous'}"
+    other = subprocess.Popen([sys.executable, "-c", _NEW_GROUP, "1", init], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        done = subprocess.run([sys.executable, "-c", _NEW_GROUP, "0", init], capture_output=True, text=True, timeout=100)
+    finally:
+        other.kill()
+    assert "timed out after" in done.stdout, done.stderr[-2000:]
+    assert float(done.stdout.split("after ")[1].split(" s")[0]) < 10  # torch's own default: 30 minutes
+
+
 def test_bad_watchdog_settings_are_named(tmp_path):
     from raytrain_fast.config import validate
     from raytrain_fast.errors import ConfigError

@@ -35,7 +35,7 @@ from raytrain_fast.metrics.host import run_at_normal_priority
 from raytrain_fast.model import build_model
 from raytrain_fast.storage import redact
 from raytrain_fast.storage.filesystem import resolve_filesystem, use_shipped_s3_filesystem
-from raytrain_fast.watchdog.heartbeat import Heartbeat, NoHeartbeat
+from raytrain_fast.watchdog.heartbeat import Heartbeat, NoHeartbeat, set_new_group_timeout
 
 # Bit flags agreed across ranks on log steps (see TrainMetrics.log).
 _TIME_DUE = 1  # this rank's checkpoint.every_minutes timer is due
@@ -142,6 +142,8 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
         torch.set_num_threads(cpus)
         os.environ["OMP_NUM_THREADS"] = str(cpus)
     niceness = run_at_normal_priority()  # Ray starts workers at niceness 15: any other process would win the CPU
+    if config.watchdog.enabled:  # DeepSpeed's own groups time out with the world group, just after the watchdog
+        set_new_group_timeout(config.watchdog.process_group_timeout_s())
     select_accelerator()
     device = training_device()
     enable_tf32(device)  # fp32 matmuls on CUDA use TF32 tensor cores

@@ -93,3 +93,27 @@ class NoHeartbeat:
 
     def close(self) -> None:
         pass
+
+
+def set_new_group_timeout(seconds: float) -> bool:
+    """Make the process groups created from now on (DeepSpeed's clone of the world group, which its
+    ZeRO all-reduces use) time out after `seconds`, as the world group does (TorchConfig.timeout_s).
+
+    `torch.distributed.new_group(ranks)` without a timeout takes torch's module default (30 minutes
+    for gloo, 10 for NCCL), not the world group's: DeepSpeed passes none. Tested on torch 2.13;
+    where the module default is missing, one warning and the groups keep torch's default.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
+    if not isinstance(getattr(distributed_c10d, "default_pg_timeout", None), timedelta):
+        logger.warning(
+            "hang watchdog: this torch has no distributed_c10d.default_pg_timeout; DeepSpeed's process groups keep "
+            "torch's default timeout (30 min gloo, 10 min NCCL)"
+        )
+        return False
+    distributed_c10d.default_pg_timeout = timedelta(seconds=seconds)
+    if isinstance(getattr(distributed_c10d, "default_pg_nccl_timeout", None), timedelta):  # None without NCCL
+        distributed_c10d.default_pg_nccl_timeout = timedelta(seconds=seconds)
+    return True
