@@ -45,18 +45,22 @@ def test_a_starved_torch_thread_is_seen_when_the_training_thread_is_not():
     done = subprocess.run([sys.executable, "-c", _PLANTED], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     measured = json.loads(done.stdout.strip().splitlines()[-1])
-    # What the old sample saw: next to nothing (one wake-up on a busy core can take tens of ms).
-    assert measured["training_thread_only"] < 0.15
-    # The compute thread shares one core with a busy loop: it waits about half the time or more.
-    assert measured["cpu_wait_frac"] > max(0.3, 3 * measured["training_thread_only"])
+    # The compute thread shares one core with a busy loop: it waits about half the time or more,
+    # whatever the training thread's own wait (what the old sample read: near 0 on a quiet machine,
+    # noisy on a loaded one, where the wake-ups of a sleeping thread wait too).
+    assert measured["cpu_wait_frac"] > 0.3, measured
+    assert measured["cpu_wait_frac"] >= measured["training_thread_only"] - 0.02, measured
 
 
 def test_idle_threads_do_not_count_and_the_worst_compute_thread_does():
-    before = {1: (0.0, 0.0), 2: (0.0, 0.0), 3: (0.0, 0.0)}
+    before = {1: (0.0, 0.0), 2: (0.0, 0.0), 3: (0.0, 0.0), 5: (0.0, 0.0)}
     after = {
         1: (0.05, 0.01),  # the calling (training) thread: mostly waiting on the others
         2: (0.6, 0.4),  # a torch thread that waited 40% of the window for a core
-        3: (0.01, 0.9),  # a thread that hardly ran (a sink's wake-ups): not a compute thread
+        3: (0.01, 0.02),  # a thread that slept on a queue (a sink's wake-ups): not a compute thread
+        5: (0.03, 0.3),  # a starved torch thread: hardly on a CPU, but runnable (and waiting) 33% of the time
         4: (5.0, 5.0),  # started during the window: no baseline
     }
     assert compute_thread_wait(before, after, elapsed=1.0, calling=1) == 0.4
+    starved = {**after, 5: (0.03, 0.7)}
+    assert compute_thread_wait({**before, 5: (0.0, 0.0)}, starved, elapsed=1.0, calling=1) == 0.7

@@ -84,21 +84,22 @@ def _thread_times_s() -> dict[int, tuple[float, float]] | None:
     return times or None
 
 
-COMPUTE_THREAD_CPU_FRAC = 0.10
-"""A thread that was on a CPU for at least this share of the window computes (torch's OpenMP
-threads do, for most of it; the sink, heartbeat and Ray's own threads stay far below)."""
+COMPUTE_THREAD_RUNNABLE_FRAC = 0.10
+"""A thread that was runnable (on a CPU, or ready and waiting for one) for at least this share of
+the window computes: torch's OpenMP threads are, for most of it, however starved; the sink,
+heartbeat and Ray's own threads sleep on queues and stay far below."""
 
 
 def compute_thread_wait(before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]], *, elapsed: float, calling: int) -> float:
-    """The largest share of the window that a compute thread (the calling one, and every thread on a
-    CPU for COMPUTE_THREAD_CPU_FRAC of it) was ready to run but waited for a CPU. One starved
-    OpenMP thread holds back every parallel region, so the worst thread is the one that counts."""
+    """The largest share of the window that a compute thread (the calling one, and every thread
+    runnable for COMPUTE_THREAD_RUNNABLE_FRAC of it) was ready to run but waited for a CPU. One
+    starved OpenMP thread holds back every parallel region, so the worst thread is the one that counts."""
     worst = 0.0
     for tid, (on_cpu, run_delay) in after.items():
         if tid not in before:
             continue
         cpu_s, wait_s = on_cpu - before[tid][0], run_delay - before[tid][1]
-        if tid == calling or cpu_s >= COMPUTE_THREAD_CPU_FRAC * elapsed:
+        if tid == calling or cpu_s + wait_s >= COMPUTE_THREAD_RUNNABLE_FRAC * elapsed:
             worst = max(worst, wait_s / elapsed)
     return min(1.0, worst)
 
