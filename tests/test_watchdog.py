@@ -172,6 +172,24 @@ def test_the_hang_drill_spec_is_checked_before_a_run():
             LoopHooks.from_cli([bad])
 
 
+def test_the_sleeping_hang_drill_freezes_its_step_once(tmp_path):
+    import time
+
+    from raytrain_fast.loop import drills
+
+    step = [0]
+    marker = tmp_path / "froze"
+    batches = drills.hang_data(iter(range(10)), drills.hang_spec(f"3:{marker}:0:0.3"), current_step=lambda: step[0])
+    took = []
+    for _ in range(2):  # the same step twice, as a restarted run would train it again
+        for step[0] in range(5):
+            started = time.monotonic()
+            next(batches)
+            took.append(time.monotonic() - started)
+        step[0] = 0
+    assert took[2] >= 0.3 and max(took[:2] + took[3:]) < 0.2 and marker.exists()
+
+
 HANG_TIMEOUT_S = 10
 
 
