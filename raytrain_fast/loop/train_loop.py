@@ -364,6 +364,7 @@ def run_steps(
     the same step. An evaluation (its own collective and read) follows the drain on its cadence and
     before every save on a log step, so such a checkpoint's metrics carry a fresh val/loss."""
     train, hooks = worker.config.train, worker.hooks
+    heartbeat = heartbeat or NoHeartbeat()
     batches = hooks.batches(data, current_step=lambda: state.step)
     start_step, last = state.step, {}
     preemption = PreemptionNotice()
@@ -394,7 +395,7 @@ def run_steps(
             on_window(step=state.step, metrics=last)
 
         if saving:
-            (heartbeat or NoHeartbeat()).pause("save")  # a save's time depends on the storage: not watched
+            heartbeat.pause("save")  # a save's time depends on the storage: the hang watchdog leaves it alone
             state.data_position = data.position.to_dict()
             blocked_s = checkpointer.save(
                 engine, state, metrics={"step": state.step, "tokens": state.tokens, "start_step": start_step, **last}
