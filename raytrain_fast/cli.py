@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_argument(
         "--drill", action="append", default=[], metavar="NAME=SPEC",
         help="plant a problem to see how metrics and the report name it, e.g. slow_data=0.2 or fail_once_at=50:/tmp/m "
-        "(names: fail_once_at, record_sequences, slow_data, slow_step, slow_sink, slow_upload, cpu_burn, hold_memory; see docs/development.md#drills)",
+        "(names: fail_once_at, record_sequences, slow_data, slow_step, slow_sink, slow_upload, cpu_burn, hold_memory, hang; see docs/development.md#drills)",
     )
 
     runs = add_command(commands, "runs", "list the runs under a storage URI, their checkpoints, steps and completeness")

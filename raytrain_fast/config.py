@@ -23,6 +23,7 @@ from raytrain_fast.metrics.config import MetricsConfig, metrics_config_problems
 from raytrain_fast.model.config import ModelConfig
 from raytrain_fast.storage.config import StorageConfig
 from raytrain_fast.storage.config import uri_problem
+from raytrain_fast.watchdog.config import WatchdogConfig, watchdog_config_problems
 
 DEFAULT_PRESET = "tiny"
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -44,6 +45,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
@@ -222,6 +224,7 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
     problems += _elastic_batch_problems(config)
     problems += _resources_problems(config, cluster_cpus=cluster_cpus, cluster_gpus=cluster_gpus)
     problems += metrics_config_problems(config.metrics)
+    problems += watchdog_config_problems(config.watchdog)
     problems += _checkpoint_problems(config.checkpoint)
     problems += _eval_problems(config)
     problems += _uri_problems(config)

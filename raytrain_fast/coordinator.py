@@ -61,6 +61,7 @@ class _CoordinatorActor:
         self._measured: dict[str, int] = {}
         self._next_token = 0
         self._stop_reason: str | None = None
+        self._watchdog: Any = None
 
     def _event(self, key: str) -> asyncio.Event:
         if key not in self._events:
@@ -146,6 +147,41 @@ class _CoordinatorActor:
         except asyncio.TimeoutError:
             pass
         return self._stop_reason
+
+
+    # --- the hang watchdog (watchdog/stacks.py): heartbeats in; stacks, a record and a restart out ---
+
+    async def start_watchdog(self, *, timeout_s: float | str, min_timeout_s: float, beat_interval_s: float, filesystem: Any, run_path: str) -> None:
+        """The driver, before fit(): watch the heartbeats from now on (`filesystem`, `run_path`: where the stacks go)."""
+        from raytrain_fast.watchdog.stacks import Watchdog
+
+        if self._watchdog is None:
+            self._watchdog = Watchdog(
+                timeout_s=timeout_s, min_timeout_s=min_timeout_s, beat_interval_s=beat_interval_s,
+                filesystem=filesystem, run_path=run_path,
+            )
+
+    async def beat(self, *, rank: int, world_size: int, pid: int, node_id: str, step: int, start_step: int, phase: str) -> None:
+        if self._watchdog is not None:
+            self._watchdog.watch.beat(
+                rank=rank, world_size=world_size, pid=pid, node_id=node_id, step=step, start_step=start_step, phase=phase,
+                now=time.monotonic(),
+            )
+
+    async def beat_end(self, *, rank: int, pid: int) -> None:
+        if self._watchdog is not None:
+            self._watchdog.watch.end(rank=rank, pid=pid)
+
+    async def hangs(self) -> list[dict[str, Any]]:
+        """The hangs the watchdog acted on during this actor's life (records as written to storage)."""
+        return list(self._watchdog.hangs) if self._watchdog is not None else []
+
+    async def take_hangs(self) -> list[dict[str, Any]]:
+        """The hangs not yet taken: rank 0 of the restarted group announces each once."""
+        if self._watchdog is None:
+            return []
+        taken, self._watchdog.announced = self._watchdog.hangs[self._watchdog.announced:], len(self._watchdog.hangs)
+        return list(taken)
 
 
 def _remote_class():
@@ -361,6 +397,12 @@ class Coordinator:
         if not state:
             return []
         return ray.get(self.actor.import_state.remote(dict(state)))
+
+    def take_hangs(self) -> list[dict[str, Any]]:
+        """The watchdog's hang records not yet announced (see watchdog/stacks.py)."""
+        import ray
+
+        return ray.get(self.actor.take_hangs.remote())
 
     def measurements(self) -> dict[str, int]:
         import ray

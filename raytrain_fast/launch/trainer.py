@@ -439,7 +439,8 @@ def build_trainer(
             # use it for data and metrics too, whatever their own environment holds.
             "s3_filesystem": filesystem if config.storage.uri.startswith("s3://") else None,
         },
-        torch_config=TorchConfig(backend="nccl" if resources.use_gpu else "gloo"),
+        # gloo/NCCL give up just after the hang watchdog would have acted (Ray's default waits 30 minutes).
+        torch_config=TorchConfig(backend="nccl" if resources.use_gpu else "gloo", timeout_s=config.watchdog.process_group_timeout_s()),
         scaling_config=ray.train.ScalingConfig(
             num_workers=resources.scaling_workers(),  # (min, max): elastic, each resize a restart
             elastic_resize_monitor_interval_s=resources.elastic_resize_interval_s,
@@ -562,6 +563,7 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
     # One named actor per run, owned by this driver: it outlives worker-group restarts, so FLOPs
     # and the matmul peak are measured once per run. Kept referenced until fit() returns.
     coordinator = start_coordinator(config.name or "run")
+    start_watchdog(config, coordinator)
     keep_ray_data_actors_on_this_node()
     drop_ray_run_snapshot(config)
     with _StopOnSignal(coordinator) as stop:
@@ -574,6 +576,21 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
         metrics=dict(kept[-1][1]) if kept else dict(result.metrics or {}),
         checkpoints=kept, measurements=measurements, stopped_by=stop.signal_name,
     )
+
+
+def start_watchdog(config: Config, coordinator) -> None:
+    """The hang watchdog runs in the run's coordinator actor (it outlives worker-group restarts);
+    the stacks of a hang go to `<run>/hangs/` in the run's storage (watchdog/stacks.py)."""
+    import ray
+
+    watchdog = config.watchdog
+    if not watchdog.enabled:
+        return
+    filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
+    ray.get(coordinator.start_watchdog.remote(
+        timeout_s=watchdog.hang_timeout_s, min_timeout_s=watchdog.min_timeout_s,
+        beat_interval_s=watchdog.beat_interval_s(), filesystem=filesystem, run_path=f"{root.rstrip('/')}/{config.name}",
+    ))
 
 
 def _nothing_to_do(config: Config, state) -> RunResult:

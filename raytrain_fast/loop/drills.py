@@ -22,6 +22,8 @@ like). They reach the loop only through `LoopHooks` (loop/hooks.py), built by a 
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -67,6 +69,39 @@ def slow_data(batches: Iterator[T], active: list[tuple[float, int]], *, current_
             yield batch
 
     return delayed()
+
+
+def hang_spec(text: str) -> tuple[int, str, int, float | None] | None:
+    """(step, marker file, rank, seconds or None for SIGSTOP) of a "<step>:<marker>[:<rank>[:<seconds>]]" spec."""
+    if not text:
+        return None
+    step, marker, *rest = text.split(":")
+    rank = int(rest[0]) if rest and rest[0] else 0
+    seconds = float(rest[1]) if len(rest) > 1 and rest[1] else None
+    if int(step) < 1 or not marker:
+        raise ValueError(text)
+    return int(step), marker, rank, seconds
+
+
+def hang_data(batches: Iterator[T], spec: tuple[int, str, int, float | None], *, current_step: Callable[[], int]) -> Iterator[T]:
+    """An iterator that freezes this process inside step `spec[0]` (at its first batch: mid-step,
+    where the other ranks go on to wait for it in the next collective), once: the marker file
+    records that it happened, so the restarted run goes through. SIGSTOP stops every thread (the
+    heartbeat too), as a wedged driver or a stuck kernel does; with seconds, only this thread sleeps."""
+    step, marker, _, seconds = spec
+
+    def frozen() -> Iterator[T]:
+        for batch in batches:
+            if current_step() + 1 == step and not os.path.exists(marker):
+                with open(marker, "w") as out:
+                    out.write(f"{time.time()}\n")  # when it froze: the test measures the watchdog from here
+                if seconds is None:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                else:
+                    time.sleep(seconds)
+            yield batch
+
+    return frozen()
 
 
 class _SlowSink:

@@ -18,6 +18,9 @@ Drill specs (see loop/drills.py for what each one plants):
 - cpu_burn="<from_step>:<to_step>[:<processes>]": busy processes at normal priority beside rank 0
   between two steps (host contention, a stall).
 - hold_memory="<GB>:<from_step>": rank 0 holds that much host memory from a step on (memory pressure).
+- hang="<step>:<marker file>[:<rank>[:<seconds>]]": <rank> (default 0) freezes inside <step>, once
+  (the marker file records it): SIGSTOP of its own process, or with <seconds> a sleep of its training
+  thread (the hang watchdog, watchdog/).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class LoopHooks:
     slow_upload: str = ""
     cpu_burn: str = ""
     hold_memory: str = ""
+    hang: str = ""
 
     @classmethod
     def from_cli(cls, items: Sequence[str]) -> LoopHooks:
@@ -71,6 +75,8 @@ class LoopHooks:
                     drills.cpu_burn_range(spec)
                 elif name == "hold_memory":
                     drills.hold_memory_spec(spec)
+                elif name == "hang":
+                    drills.hang_spec(spec)
                 elif name == "fail_once_at" and (len(spec.split(":")) < 2 or not spec.split(":")[0].isdigit()):
                     raise ValueError
             except ValueError:
@@ -102,7 +108,11 @@ class RankHooks:
         self._memory = drills.MemoryHolder(hold) if hold else None
 
     def batches(self, data: Iterator[T], *, current_step: Callable[[], int]) -> Iterator[T]:
-        return drills.slow_data(data, drills.specs(self._hooks.slow_data, self.rank), current_step=current_step)
+        data = drills.slow_data(data, drills.specs(self._hooks.slow_data, self.rank), current_step=current_step)
+        hang = drills.hang_spec(self._hooks.hang)
+        if hang is not None and hang[2] == self.rank:
+            data = drills.hang_data(data, hang, current_step=current_step)
+        return data
 
     def sinks(self, sinks: Sequence[Any]) -> list[Any]:
         return drills.slow_sinks(sinks, self._hooks.slow_sink)

@@ -35,6 +35,7 @@ from raytrain_fast.metrics.host import run_at_normal_priority
 from raytrain_fast.model import build_model
 from raytrain_fast.storage import redact
 from raytrain_fast.storage.filesystem import resolve_filesystem, use_shipped_s3_filesystem
+from raytrain_fast.watchdog.heartbeat import Heartbeat, NoHeartbeat, set_new_group_timeout
 
 # Bit flags agreed across ranks on log steps (see TrainMetrics.log).
 _TIME_DUE = 1  # this rank's checkpoint.every_minutes timer is due
@@ -105,13 +106,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         evaluator = build_evaluator(worker, engine)
         metrics = build_metrics(worker, state, engine, mfu, sinks)  # built last: it freezes the heap for GC control
         note_resize(worker, restored, checkpointer, metrics)
+        note_hangs(worker, coordinator, metrics, step=state.step)
+        heartbeat = start_heartbeat(worker, coordinator, state)  # from here on, the hang watchdog watches this rank
         try:
             run_steps(
                 worker, engine=engine, data=data, metrics=metrics, evaluator=evaluator, checkpointer=checkpointer,
                 coordinator=coordinator, state=state, on_window=loop_config.get("on_window"), compiled=compiled,
-                save_checkpoints=loop_config.get("save_checkpoints", True),
+                save_checkpoints=loop_config.get("save_checkpoints", True), heartbeat=heartbeat,
             )
         finally:
+            heartbeat.close()
             metrics.close()
     finally:
         if sinks is not None:
@@ -138,6 +142,8 @@ def setup_worker(loop_config: dict[str, Any]) -> Worker:
         torch.set_num_threads(cpus)
         os.environ["OMP_NUM_THREADS"] = str(cpus)
     niceness = run_at_normal_priority()  # Ray starts workers at niceness 15: any other process would win the CPU
+    if config.watchdog.enabled:  # DeepSpeed's own groups time out with the world group, just after the watchdog
+        set_new_group_timeout(config.watchdog.process_group_timeout_s())
     select_accelerator()
     device = training_device()
     enable_tf32(device)  # fp32 matmuls on CUDA use TF32 tensor cores
@@ -206,6 +212,35 @@ def note_resize(worker: Worker, restored: TrainState | None, checkpointer: Check
         return
     old = checkpointer.resized["old"]
     metrics.emit(restored.step, {"resize/from_workers": float(old), "resize/to_workers": float(worker.world_size)})
+
+
+def start_heartbeat(worker: Worker, coordinator: Coordinator, state: TrainState) -> Heartbeat | NoHeartbeat:
+    """This rank's heartbeat to the hang watchdog in the coordinator actor (watchdog/heartbeat.py):
+    a thread that reads `state.step`; nothing on the training thread."""
+    watchdog = worker.config.watchdog
+    if not watchdog.enabled:
+        return NoHeartbeat()
+    return Heartbeat(
+        coordinator.actor, rank=worker.rank, world_size=worker.world_size, read_step=lambda: state.step,
+        last_step=worker.config.train.steps, interval_s=watchdog.beat_interval_s(),
+    ).start()
+
+
+def note_hangs(worker: Worker, coordinator: Coordinator, metrics: TrainMetrics, *, step: int) -> None:
+    """After a restart the watchdog caused: one line on rank 0, and hang/* metrics the report and
+    the progress line read (the stacks are in `<run>/hangs/`)."""
+    if worker.rank != 0:
+        return
+    for hang in coordinator.take_hangs():
+        ranks = ", ".join(map(str, hang["stuck_ranks"]))
+        print(
+            f"Resumed at step {step} after a hang at step {hang['step']}: rank {ranks} made no progress for "
+            f"{hang['stuck_s']:.0f} s (stacks: {worker.run_uri}/{hang['stacks_file']}).", flush=True,
+        )
+        metrics.emit(step, {
+            "hang/step": float(hang["step"]), "hang/stuck_s": float(hang["stuck_s"]),
+            "hang/rank": float(hang["stuck_ranks"][0]), "hang/redone_steps": float(hang["step"] - step),
+        })
 
 
 def _say_nothing_to_do(worker: Worker, state: TrainState) -> None:
@@ -323,7 +358,7 @@ def build_metrics(worker: Worker, state: TrainState, engine: Any, mfu: Any, sink
 def run_steps(
     worker: Worker, *, engine: Any, data: Any, metrics: TrainMetrics, evaluator: Evaluator, checkpointer: Checkpointer,
     coordinator: Coordinator, state: TrainState, on_window: WindowCallback | None, save_checkpoints: bool,
-    compiled: bool = False,
+    compiled: bool = False, heartbeat: Heartbeat | NoHeartbeat | None = None,
 ) -> None:
     """The steps, up to train.steps or a stop notice. On log steps every rank takes part in one
     collective (the one host sync of the window), which also carries each rank's flags, so every
@@ -331,6 +366,7 @@ def run_steps(
     the same step. An evaluation (its own collective and read) follows the drain on its cadence and
     before every save on a log step, so such a checkpoint's metrics carry a fresh val/loss."""
     train, hooks = worker.config.train, worker.hooks
+    heartbeat = heartbeat or NoHeartbeat()
     batches = hooks.batches(data, current_step=lambda: state.step)
     start_step, last = state.step, {}
     preemption = PreemptionNotice()
@@ -361,6 +397,7 @@ def run_steps(
             on_window(step=state.step, metrics=last)
 
         if saving:
+            heartbeat.pause("save")  # a save's time depends on the storage: the hang watchdog leaves it alone
             state.data_position = data.position.to_dict()
             blocked_s = checkpointer.save(
                 engine, state, metrics={"step": state.step, "tokens": state.tokens, "start_step": start_step, **last}

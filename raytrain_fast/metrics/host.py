@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -65,14 +66,42 @@ def run_at_normal_priority() -> int:
     return after
 
 
-def _thread_run_delay_s() -> float | None:
-    """Seconds the calling thread has spent runnable but waiting for a CPU (Linux schedstat's
-    run_delay), or None where the kernel does not expose it."""
+def _thread_times_s() -> dict[int, tuple[float, float]] | None:
+    """{thread id: (seconds on a CPU, seconds runnable but waiting for one)} of every thread of this
+    process (Linux schedstat), or None where the kernel does not expose it."""
     try:
-        with open("/proc/thread-self/schedstat") as stats:
-            return int(stats.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
+        tids = os.listdir("/proc/self/task")
+    except OSError:
         return None
+    times = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as stats:
+                on_cpu, run_delay = stats.read().split()[:2]
+        except (OSError, ValueError):  # a thread that ended meanwhile
+            continue
+        times[int(tid)] = (int(on_cpu) / 1e9, int(run_delay) / 1e9)
+    return times or None
+
+
+COMPUTE_THREAD_RUNNABLE_FRAC = 0.10
+"""A thread that was runnable (on a CPU, or ready and waiting for one) for at least this share of
+the window computes: torch's OpenMP threads are, for most of it, however starved; the sink,
+heartbeat and Ray's own threads sleep on queues and stay far below."""
+
+
+def compute_thread_wait(before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]], *, elapsed: float, calling: int) -> float:
+    """The largest share of the window that a compute thread (the calling one, and every thread
+    runnable for COMPUTE_THREAD_RUNNABLE_FRAC of it) was ready to run but waited for a CPU. One
+    starved OpenMP thread holds back every parallel region, so the worst thread is the one that counts."""
+    worst = 0.0
+    for tid, (on_cpu, run_delay) in after.items():
+        if tid not in before:
+            continue
+        cpu_s, wait_s = on_cpu - before[tid][0], run_delay - before[tid][1]
+        if tid == calling or cpu_s + wait_s >= COMPUTE_THREAD_RUNNABLE_FRAC * elapsed:
+            worst = max(worst, wait_s / elapsed)
+    return min(1.0, worst)
 
 
 @dataclass(kw_only=True)
@@ -82,11 +111,11 @@ class HostWindow:
     cpu_share: float
     """Process CPU time / (wall time x compute threads)."""
     cpu_wait_frac: float | None
-    """Share of the wall time the training thread was ready to run but waited for a CPU."""
+    """Share of the wall time the most starved compute thread (the training thread or one of torch's) was ready to run but waited for a CPU."""
 
 
 class HostSampler:
-    """Per log window: the process's CPU share and the training thread's CPU wait (call `window()`
+    """Per log window: the process's CPU share and its compute threads' CPU wait (call `window()`
     from the training thread); machine-wide load and memory (`machine()`)."""
 
     def __init__(self, *, compute_threads: int) -> None:
@@ -98,17 +127,18 @@ class HostSampler:
     def _start(self) -> None:
         self._wall = time.perf_counter()
         self._cpu = time.process_time()
-        self._run_delay = _thread_run_delay_s()
+        self._threads = _thread_times_s()
 
     def window(self) -> HostWindow:
-        """Since the previous call (or construction): the window's CPU share and CPU wait."""
-        wall, cpu, run_delay = time.perf_counter(), time.process_time(), _thread_run_delay_s()
+        """Since the previous call (or construction): the window's CPU share and CPU wait. A few
+        dozen /proc reads (one per thread of the process): about a millisecond, once per log window."""
+        wall, cpu, threads = time.perf_counter(), time.process_time(), _thread_times_s()
         elapsed = max(wall - self._wall, 1e-9)
         wait = None
-        if run_delay is not None and self._run_delay is not None:
-            wait = min(1.0, (run_delay - self._run_delay) / elapsed)
+        if threads is not None and self._threads is not None:
+            wait = compute_thread_wait(self._threads, threads, elapsed=elapsed, calling=threading.get_native_id())
         share = (cpu - self._cpu) / (elapsed * min(self.compute_threads, self._cpu_count))
-        self._wall, self._cpu, self._run_delay = wall, cpu, run_delay
+        self._wall, self._cpu, self._threads = wall, cpu, threads
         return HostWindow(cpu_share=share, cpu_wait_frac=wait)
 
     def machine(self) -> dict[str, float]:

@@ -31,7 +31,7 @@ _DESCRIPTIONS = {
     "checkpoint": "checkpoint stalls (time training was blocked saving)",
     "sink": "the metric sinks (the sink thread's CPU time, a growing backlog or dropped records)",
     "memory": "memory growth",
-    "cpu": "other processes took the CPU (the training thread waited for a core)",
+    "cpu": "other processes took the CPU (a compute thread waited for a core)",
     "unexplained": (
         "nothing the loop measures: the compute itself got slower (other processes on this machine, "
         "thermal or power throttling, a straggler rank, a slower interconnect)"
@@ -40,6 +40,8 @@ _DESCRIPTIONS = {
 # A seconds-based cause must explain at least this share of the extra step time to be named.
 _MIN_EXPLAINED = 0.25
 _MEMORY_GROWTH = 0.10
+# A slowdown episode ends when the rolling median is back within this share of the threshold.
+_EPISODE_END = 0.5
 
 
 @dataclass(kw_only=True)
@@ -91,10 +93,12 @@ class SlowdownDetector:
         self._recent: deque[Window] = deque(maxlen=num_windows)
 
     def update(self, window: Window) -> tuple[float, Alert | None]:
-        """Feed one log window. Returns (alert/slowdown value: 1.0 or 0.0, the alert when one starts).
+        """Feed one log window. Returns (alert/slowdown value: 1.0 or 0.0, the alert when an episode starts).
 
-        Only the transition into a slowdown returns an Alert (the caller logs its message); the
-        value stays 1.0 while the slowdown lasts.
+        Only the start of an episode returns an Alert (the caller logs its message once); the value
+        stays 1.0 while the episode lasts, which the progress line shows as a short marker. An episode
+        ends when the rolling median is back within half the threshold: a ratio hovering around the
+        threshold (11-18% during a pip install) is one episode, not one paragraph per window.
         """
         if window.step <= self.warmup_steps:
             return 0.0, None
@@ -109,21 +113,25 @@ class SlowdownDetector:
         current = _median_window(list(self._recent))
         ratio = current.step_s / self.baseline.step_s if self.baseline.step_s > 0 else 1.0
         self.last_ratio = ratio
-        slow = ratio > 1.0 + self.threshold
+        if self.alerting and ratio <= 1.0 + self.threshold * _EPISODE_END:
+            self.alerting = False
         alert = None
-        if slow and not self.alerting:
+        if ratio > 1.0 + self.threshold and not self.alerting:
             # Diagnose on the slow windows only: their signals are the ones that explain the slowdown.
             limit = self.baseline.step_s * (1.0 + self.threshold)
             slow_windows = [w for w in self._recent if w.step_s > limit]
             dropped = sum(w.sink_dropped for w in self._recent)
             alert = self._diagnose(
-                _mean_window(slow_windows), ratio=ratio, step=window.step, since_step=slow_windows[0].step, dropped=dropped
+                _mean_window(slow_windows), ratio=ratio, median_s=current.step_s, step=window.step,
+                since_step=slow_windows[0].step, dropped=dropped,
             )
             self.last_alert = alert
-        self.alerting = slow
-        return (1.0 if slow else 0.0), alert
+            self.alerting = True
+        return (1.0 if self.alerting else 0.0), alert
 
-    def _diagnose(self, current: Window, *, ratio: float, step: int, since_step: int, dropped: int) -> Alert:
+    def _diagnose(self, current: Window, *, ratio: float, median_s: float, step: int, since_step: int, dropped: int) -> Alert:
+        """`current`: the mean of the slow windows (what the causes are read from); `median_s`: the
+        rolling median step time, the statistic `ratio` and the sentence use, as the baseline does."""
         base = self.baseline
         assert base is not None
         excess = current.step_s - base.step_s
@@ -150,8 +158,9 @@ class SlowdownDetector:
         if current.cpu_wait_frac is not None and base.cpu_wait_frac is not None:
             details["cpu"] = f"waiting for a CPU {base.cpu_wait_frac:.0%} -> {current.cpu_wait_frac:.0%} of the time"
         message = (
-            f"slowdown at step {step}: step time {current.step_s * 1e3:.1f} ms is {ratio - 1:.0%} above the baseline "
-            f"{base.step_s * 1e3:.1f} ms (median of the last {self.num_windows} log windows). "
+            f"slowdown at step {step}: the median step time of the last {self.num_windows} log windows, "
+            f"{median_s * 1e3:.1f} ms, is {ratio - 1:.0%} above the baseline {base.step_s * 1e3:.1f} ms (the median of "
+            f"the first {self.num_windows} after warm-up). "
             f"Most likely cause: {_DESCRIPTIONS[cause]}"
             + (f" ({details[cause]})" if cause in details else "")
             + ". Measured: " + "; ".join(v for k, v in details.items() if k != cause) + "."
@@ -178,7 +187,7 @@ def largest_cause(grew: dict[str, float], excess_s: float) -> str | None:
 
 
 def _cpu_growth(current: Window, base: Window) -> dict[str, float]:
-    """{"cpu": how many more seconds per step the training thread waited for a core} where measured,
+    """{"cpu": how many more seconds per step the most starved compute thread waited for a core} where measured,
     in the same unit as the other causes. Asked after the signals inside the process (data wait, GC,
     checkpoint, sink CPU): a busy thread of the process itself, like a CPU-hungry sink, also makes
     the training thread wait for a core, and it is the better name for the cause."""
@@ -264,7 +273,7 @@ class StallDetector:
     `factor` times that and which lost at least `min_lost_s` seconds in all (a 40 ms window of a
     tiny test model that took 100 ms is noise, not a stall anyone waits for). Its likely cause comes from the window's own numbers: data wait,
     checkpoint or GC, whichever grew most in seconds if it explains at least a quarter of the extra
-    time; else the training thread waiting for a core (other processes took the CPU) by the same
+    time; else a compute thread waiting for a core (other processes took the CPU) by the same
     rule; else unknown. Used live (TrainMetrics) and by the report.
     """
 
@@ -291,7 +300,7 @@ class StallDetector:
         message = (
             f"stall at step {window.step}: {window.step_s * 1e3:,.0f} ms/step, {ratio:.1f}x the {base.step_s * 1e3:,.0f} ms "
             f"of the windows before it. Likely cause: {STALL_CAUSES[cause]}"
-            + (f" (the training thread waited for a CPU {window.cpu_wait_frac:.0%} of the window)" if cause == "cpu" else "")
+            + (f" (a compute thread waited for a CPU {window.cpu_wait_frac:.0%} of the window)" if cause == "cpu" else "")
             + "."
         )
         return Stall(step=window.step, step_s=window.step_s, base_s=base.step_s, cause=cause, message=message)

@@ -60,7 +60,7 @@ STRAGGLER_MIN_WINDOWS = 2 / 3
 STALL_MIN_SHARE = 0.01
 STALL_MIN_LOST_S = 60.0
 DEFAULT_STALL_FACTOR = 2.5
-# Host contention: the training thread waited for a CPU at least a quarter of the window
+# Host contention: a compute thread (training or torch OpenMP) waited for a CPU at least a quarter of the window
 # (host/cpu_wait_frac; a few percent on a node with nothing else running) in at least two steady
 # windows and at least 5% of them, and at least 3 s in all: over the 50 ms windows of a tiny test
 # model one scheduling hiccup reads as 40%.
@@ -78,7 +78,7 @@ SWAP_GROWTH_GB = 0.1
 class Finding:
     key: str
     """data_bound, sink_backlog, memory_underused, slowdown, checkpoint_stall, straggler, stall,
-    host_contention, memory_pressure, overfitting or corpus_repeated."""
+    host_contention, memory_pressure, overfitting, corpus_repeated or hang."""
     title: str
     evidence: list[str]
     """The numbers the finding rests on, in words."""
@@ -120,14 +120,14 @@ class Diagnosis:
 
 
 def diagnose(run: RunMetrics) -> Diagnosis:
-    findings: list[Finding] = []
+    findings: list[Finding] = _hangs(run)  # a hang is a finding however short the run
     skipped: list[str] = []
     if not run.steady:
         skipped.append(
             f"everything: the run logged {len(run.records)} record(s), all within warm-up (up to step "
             f"{run.warmup_steps}); train longer or log more often (train.log_every)"
         )
-        return Diagnosis(findings=[], skipped=skipped, summary=summarize(run))
+        return Diagnosis(findings=findings, skipped=skipped, summary=summarize(run))
     for rule in (
         _data_bound, _sink_backlog, _memory_underused, _slowdown, _checkpoint_stall, _straggler,
         _stall, _host_contention, _memory_pressure,
@@ -359,7 +359,7 @@ def _replayed_slowdown(run: RunMetrics, steps: list[int], step_s: list[float]) -
 
 _SLOWDOWN_CAUSES = {
     "cpu": (
-        "other processes took the CPU: the training thread waited for a core more of the time (host/cpu_wait_frac)",
+        "other processes took the CPU: a compute thread waited for a core more of the time (host/cpu_wait_frac)",
         "keep CPU-heavy work off the training nodes, or run it with `nice -n 19`; check host/niceness is 0",
     ),
     "data_wait": ("the data pipeline: waiting for the next batch grew", "see the data advice: prefetch more, more CPUs per worker, prepared shards near the workers"),
@@ -625,6 +625,40 @@ def _corpus_repeated(run: RunMetrics) -> Finding | str | None:
 
 def stall_factor(run: RunMetrics) -> float:
     return float(run.setting("metrics", "stall_factor", DEFAULT_STALL_FACTOR))
+
+
+def _hangs(run: RunMetrics) -> list[Finding]:
+    """One finding per hang the watchdog acted on (watchdog/stacks.py): the rank, the top of its
+    stack, and the time lost: the time stuck plus the steps trained again from the checkpoint."""
+    resumed = {int(v): s for s, v in zip(*run.series("hang/step"))}
+    step_s = median([r["time/step_s"] for r in run.records if "time/step_s" in r])
+    findings = []
+    for hang in run.hangs:
+        ranks = hang.get("stuck_ranks") or []
+        resumed_at = resumed.get(int(hang["step"]))
+        redone = hang["step"] - resumed_at if resumed_at is not None else None
+        lost = hang["stuck_s"] + (redone * step_s if redone is not None and not math.isnan(step_s) else 0.0)
+        tops = [f"rank {r}: {hang['ranks'][str(r)]['top']}" for r in ranks]
+        waiting = hang.get("waiting_ranks") or []
+        evidence = [
+            f"no rank completed a step after step {hang['step']} for {_duration(hang['stuck_s'])} (timeout {_duration(hang['timeout_s'])})",
+            f"stuck: rank {', '.join(map(str, ranks))}" + (f"; rank {', '.join(map(str, waiting))} waited in a collective" if waiting else ""),
+            *[f"top of the stack of {top}" for top in tops],
+            f"every rank's stack: {run.uri}/{hang['stacks_file']}",
+            f"the worker group restarted from the checkpoint at step {resumed_at} and trained {redone} steps again" if redone is not None
+            else "the worker group restarted from its newest checkpoint",
+            f"time lost: about {_duration(lost)}",
+        ]
+        findings.append(Finding(
+            key="hang", title=f"Hang at step {hang['step']}: rank {', '.join(map(str, ranks))} stuck, about {_duration(lost)} lost",
+            evidence=evidence,
+            advice=[
+                "read the stuck rank's stack: a data read, a storage call or a kernel that never returns; the others only wait for it",
+                "a rank frozen by the system (swap, a stopped process, a failing GPU): check that node's logs around that time",
+            ],
+            numbers={"step": float(hang["step"]), "rank": float(ranks[0]) if ranks else -1.0, "stuck_s": float(hang["stuck_s"]), "lost_s": lost},
+        ))
+    return findings
 
 
 def _host_contention(run: RunMetrics) -> Finding | str | None:

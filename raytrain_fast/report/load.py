@@ -41,6 +41,8 @@ class RunMetrics:
     its cache in the storage), so advice never suggests `auto` where it picked the run's setting."""
     saved_steps: list[int] = field(default_factory=list)
     """Steps of the checkpoints the run's directory holds now (retention may have removed older ones)."""
+    hangs: list[dict[str, Any]] = field(default_factory=list)
+    """The hang watchdog's records (`<run>/hangs/hang-*.json`, watchdog/stacks.py), oldest first."""
 
     @property
     def steady(self) -> list[dict[str, Any]]:
@@ -147,6 +149,7 @@ def load_run(storage_uri: str, name: str, *, storage: StorageConfig | None = Non
     run = from_records(records, name=name, uri=uri, config=_newest_config(uri, storage))
     run.saved_steps = _saved_steps(uri, storage)
     run.auto_micro_batch = _auto_micro_batch(storage_uri, storage, run.config)
+    run.hangs = _hang_records(uri, storage)
     return run
 
 
@@ -251,6 +254,27 @@ def _newest_config(run_uri: str, storage: StorageConfig) -> dict[str, Any] | Non
     except (FileNotFoundError, OSError):
         pass
     return None
+
+
+def _hang_records(run_uri: str, storage: StorageConfig) -> list[dict[str, Any]]:
+    """The hang watchdog's records of the run (none when it never acted)."""
+    import json
+
+    import pyarrow.fs as pafs
+
+    from raytrain_fast.storage import resolve_filesystem
+
+    try:
+        filesystem, path = resolve_filesystem(run_uri, storage)
+        infos = filesystem.get_file_info(pafs.FileSelector(f"{path}/hangs", allow_not_found=True))
+        records = []
+        for info in sorted(infos, key=lambda i: i.path):
+            if info.base_name.startswith("hang-") and info.base_name.endswith(".json"):
+                with filesystem.open_input_stream(info.path) as stream:
+                    records.append(json.loads(stream.read()))
+        return records
+    except (OSError, ValueError):
+        return []
 
 
 def median(values: list[float]) -> float:
