@@ -12,8 +12,9 @@ from pathlib import Path
 
 from raytrain_fast.config import Config, validate
 from raytrain_fast.engine import resolve_precision
-from raytrain_fast.errors import CheckpointError, ConfigError
+from raytrain_fast.errors import CheckpointError, ConfigError, DivergenceError
 from raytrain_fast.loop.evaluation import resolve_eval
+from raytrain_fast.loop.health import DIVERGENCE_KEY
 from raytrain_fast.loop.hooks import LoopHooks, WindowCallback
 from raytrain_fast.storage import check_storage, resolve_filesystem
 from raytrain_fast.storage.filesystem import checksum_env
@@ -430,7 +431,10 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
     with _StopOnSignal(coordinator) as stop:
         result = build_trainer(config, data_uri=data_uri, hooks=hooks).fit()
     measurements = ray.get(coordinator.measurements.remote())
+    diverged, message = ray.get(coordinator.wait.remote(DIVERGENCE_KEY, 0))
     ray.kill(coordinator)  # the next run of this name starts a fresh one (values come from checkpoints)
+    if diverged:  # the workers ended normally (so Ray did not restart them): the run failed
+        raise DivergenceError(message)
     kept = kept_checkpoints(config)  # what storage holds after retention: what a rerun resumes from
     return RunResult(
         name=config.name or "", run_dir=run_dir, checkpoint=kept[-1][0] if kept else None,

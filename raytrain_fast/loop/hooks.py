@@ -18,6 +18,8 @@ Drill specs (see loop/drills.py for what each one plants):
 - cpu_burn="<from_step>:<to_step>[:<processes>]": busy processes at normal priority beside rank 0
   between two steps (host contention, a stall).
 - hold_memory="<GB>:<from_step>": rank 0 holds that much host memory from a step on (memory pressure).
+- nonfinite="<step>[:<rank>[:loss|grad]]": <rank> (default 0) makes its loss (default) or only its
+  gradient NaN in step <step>, once per worker process (divergence, loop/health.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class LoopHooks:
     slow_upload: str = ""
     cpu_burn: str = ""
     hold_memory: str = ""
+    nonfinite: str = ""
 
     @classmethod
     def from_cli(cls, items: Sequence[str]) -> LoopHooks:
@@ -71,6 +74,8 @@ class LoopHooks:
                     drills.cpu_burn_range(spec)
                 elif name == "hold_memory":
                     drills.hold_memory_spec(spec)
+                elif name == "nonfinite":
+                    drills.nonfinite_spec(spec)
                 elif name == "fail_once_at" and (len(spec.split(":")) < 2 or not spec.split(":")[0].isdigit()):
                     raise ValueError
             except ValueError:
@@ -100,6 +105,10 @@ class RankHooks:
         self._burner = drills.CpuBurner(burn) if burn else None
         hold = drills.hold_memory_spec(hooks.hold_memory) if rank == 0 else None
         self._memory = drills.MemoryHolder(hold) if hold else None
+        nonfinite = drills.nonfinite_spec(hooks.nonfinite)
+        self._nonfinite = drills.NonfinitePlanter(nonfinite[0], nonfinite[2]) if nonfinite and nonfinite[1] == rank else None
+        self.on_loss: Callable[[Any], Any] | None = self._nonfinite.plant if self._nonfinite else None
+        """Called with each micro-batch's loss, returns the loss to back-propagate; or None (skipped)."""
 
     def batches(self, data: Iterator[T], *, current_step: Callable[[], int]) -> Iterator[T]:
         return drills.slow_data(data, drills.specs(self._hooks.slow_data, self.rank), current_step=current_step)
@@ -118,6 +127,8 @@ class RankHooks:
             self._burner.step(step)
         if self._memory is not None:
             self._memory.step(step)
+        if self._nonfinite is not None:
+            self._nonfinite.completed(step)
 
     def close(self) -> None:
         """Stop what a drill started (the cpu_burn processes)."""

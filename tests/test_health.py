@@ -1,0 +1,115 @@
+"""Divergence (issue 28): a planted non-finite gradient rolls back, skips and finishes; a run that
+keeps diverging stops with a clear error; no checkpoint ever holds a non-finite tensor.
+
+Real Ray TorchTrainer, 2 gloo workers (1 for the diverging run), DeepSpeed ZeRO-2 in bf16 on the
+CPU accelerator: the path where DeepSpeed itself does not check the gradient norm.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_fast.checkpoint.manifest import state_health
+from raytrain_fast.config import load_config
+from raytrain_fast.errors import DivergenceError
+from raytrain_fast.launch.trainer import run
+from raytrain_fast.loop.health import SpikeCheck
+from raytrain_fast.loop.hooks import LoopHooks
+
+pytestmark = pytest.mark.slow
+
+
+def micro_config(tmp_path: Path, name: str, *extra: str):
+    return load_config(
+        "tiny",
+        [
+            "model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.max_seq_len=32",
+            "data.seq_len=32", "data.max_tokens=60000", "train.micro_batch=4", "train.global_batch=8",
+            "train.steps=30", "train.log_every=5", "checkpoint.every_steps=5", "checkpoint.keep_last=20",
+            "optim.warmup_steps=3", "optim.lr=0.01", "resources.num_workers=2", "resources.max_failures=0",
+            "engine.precision=bf16", "eval.enabled=false", f"storage.uri={tmp_path / 'runs'}", *extra,
+        ],
+        name=name,
+    )
+
+
+def non_finite_tensors(checkpoint: Path) -> list[str]:
+    """Every floating-point tensor of every file of the checkpoint that holds an inf or NaN."""
+    found: list[str] = []
+
+    def walk(value, where: str) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                found.append(where)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{where}/{key}")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{where}[{i}]")
+
+    files = sorted(checkpoint.rglob("*.pt"))
+    assert any("model_states" in f.name for f in files) and any("optim_states" in f.name for f in files), files
+    for path in files:
+        walk(torch.load(path, map_location="cpu", weights_only=False), str(path.relative_to(checkpoint)))
+    return found
+
+
+def written_checkpoints(run_dir: Path) -> list[Path]:
+    return sorted(p for p in run_dir.glob("checkpoint_*") if p.is_dir())
+
+
+def test_a_planted_nan_gradient_rolls_back_skips_and_finishes_like_a_clean_run(ray_session, tmp_path):
+    clean = run(micro_config(tmp_path, "clean"))
+    # Rank 1's gradient (not its loss) is NaN in step 12: the all-reduced gradient norm of both ranks
+    # is NaN, the update is skipped on the device, and the drain at step 15 rolls back to step 10.
+    planted = run(micro_config(tmp_path, "planted"), hooks=LoopHooks(nonfinite="12:1:grad"))
+
+    run_dir = tmp_path / "runs" / "planted"
+    records = json.loads((run_dir / "health.json").read_text())["rollbacks"]
+    assert [(r["detected_step"], r["to_step"]) for r in records] == [(15, 10)]
+    assert records[0]["skip_sequences"] == 5 * 8  # the 5 steps of 8 sequences read since step 10
+    assert records[0]["resume_position"]["consumed"] - records[0]["position"]["consumed"] == 40
+    checkpoints = written_checkpoints(run_dir)
+    assert [int(p.name.rsplit("_", 1)[1]) for p in checkpoints] == [5, 10, 15, 20, 25, 30]
+    for checkpoint in checkpoints:
+        assert non_finite_tensors(checkpoint) == [], checkpoint
+        state = json.loads((checkpoint / "train_state.json").read_text())
+        assert state["health"]["finite"] is True and state_health(state) == ""
+    final = json.loads((checkpoints[-1] / "train_state.json").read_text())
+    assert final["health"]["rollbacks"][0]["to_step"] == 10  # the skip travels in the train state too
+    assert final["data_position"]["consumed"] == 30 * 8 + 40  # 30 steps trained, 40 sequences skipped
+    clean_loss, planted_loss = clean.metrics["train/loss"], planted.metrics["train/loss"]
+    assert math.isfinite(planted_loss) and abs(planted_loss - clean_loss) <= 0.1 * clean_loss
+
+
+def test_a_run_that_keeps_diverging_stops_with_a_clear_error_and_keeps_a_healthy_checkpoint(ray_session, tmp_path):
+    config = micro_config(
+        tmp_path, "lr500", "optim.lr=500", "train.steps=12", "train.log_every=1", "checkpoint.every_steps=1",
+        "checkpoint.keep_last=1", "resources.num_workers=1", "health.max_rollbacks=2",
+    )
+    with pytest.raises(DivergenceError) as raised:
+        run(config)
+    message = str(raised.value)
+    assert "non-finite" in message and "Tried: rolled back from step" in message
+    assert message.count("rolled back") == 2 and "optim.lr" in message and "optim.warmup_steps" in message
+    run_dir = tmp_path / "runs" / "lr500"
+    assert len(json.loads((run_dir / "health.json").read_text())["rollbacks"]) == 2
+    checkpoints = written_checkpoints(run_dir)
+    assert checkpoints, "the newest healthy checkpoint must stay in storage"
+    for checkpoint in checkpoints:
+        assert non_finite_tensors(checkpoint) == [], checkpoint
+
+
+def test_spike_check_flags_a_jump_but_not_a_falling_or_noisy_loss():
+    falling = SpikeCheck(mads=10.0, windows=20)
+    assert not any(falling.is_spike(5.0 * 0.97**i + 0.01 * (-1) ** i) for i in range(200))
+    noisy = SpikeCheck(mads=10.0, windows=20)
+    assert not any(noisy.is_spike(2.0 + 0.05 * ((i * 7) % 5 - 2)) for i in range(100))
+    assert noisy.is_spike(4.0)
+    assert not noisy.is_spike(2.05)  # the spike stayed out of the recent level
