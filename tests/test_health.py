@@ -113,3 +113,57 @@ def test_spike_check_flags_a_jump_but_not_a_falling_or_noisy_loss():
     assert not any(noisy.is_spike(2.0 + 0.05 * ((i * 7) % 5 - 2)) for i in range(100))
     assert noisy.is_spike(4.0)
     assert not noisy.is_spike(2.05)  # the spike stayed out of the recent level
+
+
+@pytest.mark.parametrize("norm", [float("nan"), float("inf"), -1.0])
+def test_an_invalid_norm_leaves_weights_moments_and_step_count_as_they_were(norm):
+    from raytrain_fast.engine.deepspeed_engine import skip_nonfinite_update
+
+    weight = torch.nn.Parameter(torch.ones(64))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    weight.grad = torch.ones(64)
+    skip_nonfinite_update(optimizer, torch.tensor(2.0))
+    optimizer.step()
+    before = weight.detach().clone(), {k: v.clone() for k, v in optimizer.state[weight].items()}
+    weight.grad = torch.full((64,), float("nan"))
+    skip_nonfinite_update(optimizer, torch.tensor(norm))  # what DeepSpeed's norm of that gradient reads
+    optimizer.step()
+    assert torch.equal(weight.detach(), before[0])
+    assert all(torch.equal(v, optimizer.state[weight][k]) for k, v in before[1].items())
+    weight.grad = torch.ones(64)
+    skip_nonfinite_update(optimizer, torch.tensor(2.0))
+    optimizer.step()
+    assert not torch.equal(weight.detach(), before[0]) and optimizer.state[weight]["step"].item() == 2
+
+
+def _fake_checkpoint(run_dir: Path, step: int, state: dict) -> None:
+    """A complete one-rank checkpoint as the loop writes it (files, train state, then the manifest)."""
+    from raytrain_fast.checkpoint import write_rank_manifest
+
+    directory = run_dir / f"checkpoint_{step:08d}"
+    (directory / "deepspeed").mkdir(parents=True)
+    (directory / "deepspeed" / "mp_rank_00_model_states.pt").write_bytes(b"weights" * 100)
+    (directory / "train_state.json").write_text(json.dumps({"step": step, "world_size": 1, **state}))
+    write_rank_manifest(str(directory), rank=0, world_size=1, step=step)
+
+
+def test_resume_export_and_retention_keep_to_the_newest_healthy_checkpoint(tmp_path):
+    import pyarrow.fs as pafs
+
+    from raytrain_fast.checkpoint import CheckpointConfig, Checkpointer, find_resumable_checkpoint
+
+    run_dir = tmp_path / "run"
+    _fake_checkpoint(run_dir, 10, {"health": {"finite": True, "loss": 3.1, "grad_norm": 0.4}})
+    _fake_checkpoint(run_dir, 20, {"metrics": {"train/loss": float("nan")}})  # an older version's NaN save
+    _fake_checkpoint(run_dir, 30, {"health": {"finite": False, "loss": float("nan"), "grad_norm": float("inf")}})
+    filesystem = pafs.LocalFileSystem()
+    chosen, skipped = find_resumable_checkpoint(filesystem, str(run_dir))  # what resume and export use
+    assert chosen.endswith("checkpoint_00000010")
+    assert [(p.rsplit("_", 1)[1], "healthy" in r or "non-finite" in r) for p, r in skipped] == [("00000030", True), ("00000020", True)]
+
+    # Retention with keep_last=1 (the real _prune, outside a Ray Train worker).
+    checkpointer = object.__new__(Checkpointer)
+    checkpointer.config, checkpointer.filesystem, checkpointer.run_path = CheckpointConfig(keep_last=1), filesystem, str(run_dir)
+    checkpointer._best_cache, checkpointer._best_metric = {}, "train/loss"
+    checkpointer._prune()
+    assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == ["checkpoint_00000010", "checkpoint_00000030"]

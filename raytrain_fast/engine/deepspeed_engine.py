@@ -195,7 +195,7 @@ def _clip_without_host_sync() -> None:
     optimizer step, so an invalid norm turns that step into a no-op on the device."""
     def make(original):
         def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
-            skip_nonfinite_update(self.optimizer, total_norm)
+            skip_nonfinite_update(getattr(self, "optimizer", None), total_norm)
             if self.clip_grad <= 0.0 or not isinstance(total_norm, torch.Tensor):
                 return original(self, grad_groups_flat, total_norm)
             invalid = ~torch.isfinite(total_norm) | (total_norm < 0)
