@@ -84,6 +84,10 @@ def test_a_planted_nan_gradient_rolls_back_skips_and_finishes_like_a_clean_run(r
     final = json.loads((checkpoints[-1] / "train_state.json").read_text())
     assert final["health"]["rollbacks"][0]["to_step"] == 10  # the skip travels in the train state too
     assert final["data_position"]["consumed"] == 30 * 8 + 40  # 30 steps trained, 40 sequences skipped
+    clean_records = "".join(p.read_text() for p in (tmp_path / "runs" / "clean" / "metrics").rglob("*") if p.is_file())
+    assert "train/loss" in clean_records and "health/" not in clean_records  # no rollback, no spike on a clean run
+    planted_records = "".join(p.read_text() for p in (run_dir / "metrics").rglob("*") if p.is_file())
+    assert "health/nonfinite" in planted_records and "health/rollback" in planted_records
     clean_loss, planted_loss = clean.metrics["train/loss"], planted.metrics["train/loss"]
     assert math.isfinite(planted_loss) and abs(planted_loss - clean_loss) <= 0.1 * clean_loss
 
