@@ -15,27 +15,18 @@ import pytest
 import torch
 
 from raytrain_fast.checkpoint.manifest import state_health
-from raytrain_fast.config import load_config
 from raytrain_fast.errors import DivergenceError
 from raytrain_fast.launch.trainer import run
 from raytrain_fast.loop.health import SpikeCheck
 from raytrain_fast.loop.hooks import LoopHooks
+from tests.test_train import micro_config as train_micro_config
 
 pytestmark = pytest.mark.slow
 
 
 def micro_config(tmp_path: Path, name: str, *extra: str):
-    return load_config(
-        "tiny",
-        [
-            "model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.max_seq_len=32",
-            "data.seq_len=32", "data.max_tokens=60000", "train.micro_batch=4", "train.global_batch=8",
-            "train.steps=30", "train.log_every=5", "checkpoint.every_steps=5", "checkpoint.keep_last=20",
-            "optim.warmup_steps=3", "optim.lr=0.01", "resources.num_workers=2", "resources.max_failures=0",
-            "engine.precision=bf16", "eval.enabled=false", f"storage.uri={tmp_path / 'runs'}", *extra,
-        ],
-        name=name,
-    )
+    """test_train's 2-worker bf16 micro run, saving every 5 steps and keeping them all."""
+    return train_micro_config(tmp_path, name, "checkpoint.every_steps=5", "checkpoint.keep_last=20", "eval.enabled=false", *extra)
 
 
 def non_finite_tensors(checkpoint: Path) -> list[str]:

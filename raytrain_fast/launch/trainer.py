@@ -62,17 +62,18 @@ def _ensure_ray(env_vars: dict[str, str] | None = None) -> None:
 def check_resume_policy(config: Config):
     """checkpoint.resume=must|never, decided from storage before any worker starts. A checkpoint of
     another worker count is resumed (see `keep_checkpoint_batch` and checkpoint/resize.py).
-    Returns the TrainState of the newest complete checkpoint (None when the run has none)."""
+    Returns the TrainState of the newest complete and healthy checkpoint (None when the run has none)."""
     from raytrain_fast.checkpoint.checkpointing import STATE_FILE, TrainState
-    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs, verify_checkpoint
+    from raytrain_fast.checkpoint.manifest import checkpoint_health, list_checkpoint_dirs, verify_checkpoint
 
     policy = config.checkpoint.resume
     filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
     run_path = f"{root.rstrip('/')}/{config.name}"
     complete = [path for _, path in list_checkpoint_dirs(filesystem, run_path) if verify_checkpoint(filesystem, path, checksums=False)[0]]
     state = None
-    if complete:
-        with filesystem.open_input_stream(f"{complete[0]}/{STATE_FILE}") as stream:
+    healthy = [path for path in complete if not checkpoint_health(filesystem, path)]  # what the workers resume from
+    if healthy:
+        with filesystem.open_input_stream(f"{healthy[0]}/{STATE_FILE}") as stream:
             state = TrainState.from_json(stream.read().decode())
     if policy == "must" and not complete:
         raise CheckpointError(
