@@ -162,3 +162,18 @@ def test_resume_export_and_retention_keep_to_the_newest_healthy_checkpoint(tmp_p
     checkpointer._best_cache, checkpointer._best_metric = {}, "train/loss"
     checkpointer._prune()
     assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == ["checkpoint_00000010", "checkpoint_00000030"]
+
+
+def test_the_spike_and_nonfinite_drills_plant_once_at_their_step_on_their_rank():
+    hooks = LoopHooks.from_cli(["spike=3:1"])
+    assert hooks.for_rank(0).on_loss is None
+    rank1 = hooks.for_rank(1)
+    seen = []
+    for step in (1, 2, 3, 3, 4):  # step 3 twice: a rollback goes back over it
+        seen.append(rank1.on_loss(torch.tensor(2.0)).item())
+        rank1.after_step(step)
+    assert seen == [2.0, 2.0, 2000.0, 2.0, 2.0]
+    nan = LoopHooks.from_cli(["nonfinite=1"]).for_rank(0)
+    assert math.isnan(nan.on_loss(torch.tensor(2.0)).item())
+    with pytest.raises(ValueError, match="malformed SPEC"):
+        LoopHooks.from_cli(["spike=3:1:grad"])

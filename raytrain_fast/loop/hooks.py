@@ -20,6 +20,8 @@ Drill specs (see loop/drills.py for what each one plants):
 - hold_memory="<GB>:<from_step>": rank 0 holds that much host memory from a step on (memory pressure).
 - nonfinite="<step>[:<rank>[:loss|grad]]": <rank> (default 0) makes its loss (default) or only its
   gradient NaN in step <step>, once per worker process (divergence, loop/health.py).
+- spike="<step>[:<rank>]": <rank> (default 0) multiplies its loss by 1000 in step <step>, once per
+  worker process (a loss and gradient-norm spike).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class LoopHooks:
     cpu_burn: str = ""
     hold_memory: str = ""
     nonfinite: str = ""
+    spike: str = ""
 
     @classmethod
     def from_cli(cls, items: Sequence[str]) -> LoopHooks:
@@ -74,8 +77,8 @@ class LoopHooks:
                     drills.cpu_burn_range(spec)
                 elif name == "hold_memory":
                     drills.hold_memory_spec(spec)
-                elif name == "nonfinite":
-                    drills.nonfinite_spec(spec)
+                elif name in ("nonfinite", "spike"):
+                    drills.nonfinite_spec(spec, kind="spike" if name == "spike" else "")
                 elif name == "fail_once_at" and (len(spec.split(":")) < 2 or not spec.split(":")[0].isdigit()):
                     raise ValueError
             except ValueError:
@@ -105,7 +108,7 @@ class RankHooks:
         self._burner = drills.CpuBurner(burn) if burn else None
         hold = drills.hold_memory_spec(hooks.hold_memory) if rank == 0 else None
         self._memory = drills.MemoryHolder(hold) if hold else None
-        nonfinite = drills.nonfinite_spec(hooks.nonfinite)
+        nonfinite = drills.nonfinite_spec(hooks.nonfinite) or drills.nonfinite_spec(hooks.spike, kind="spike")
         self._nonfinite = drills.NonfinitePlanter(nonfinite[0], nonfinite[2]) if nonfinite and nonfinite[1] == rank else None
         self.on_loss: Callable[[Any], Any] | None = self._nonfinite.plant if self._nonfinite else None
         """Called with each micro-batch's loss, returns the loss to back-propagate; or None (skipped)."""
