@@ -124,7 +124,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     break
                 except Rollback as rollback:
                     data, state = roll_back(worker, rollback, loop_config, engine=engine, data=data, metrics=metrics,
-                                            checkpointer=checkpointer, health=health, coordinator=coordinator)
+                                            checkpointer=checkpointer, health=health)
                     compiled = False
                 except DivergenceStop as stop:
                     stop_on_divergence(worker, str(stop), checkpointer=checkpointer, coordinator=coordinator)
@@ -253,7 +253,7 @@ def build_health(worker: Worker, checkpointer: Checkpointer, state: TrainState) 
 
 def roll_back(
     worker: Worker, rollback: Rollback, loop_config: dict[str, Any], *, engine: Any, data: Any, metrics: TrainMetrics,
-    checkpointer: Checkpointer, health: HealthMonitor, coordinator: Coordinator,
+    checkpointer: Checkpointer, health: HealthMonitor,
 ) -> tuple[Any, TrainState]:
     """Every rank at once: load the newest healthy checkpoint into the live engine (weights,
     optimizer, LR schedule, RNG), restart the data reader where the diverged window ended (the
