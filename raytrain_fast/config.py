@@ -18,7 +18,7 @@ from raytrain_fast.data.config import BYTE_VOCAB_SIZE, DataConfig
 from raytrain_fast.engine.config import EngineConfig, OptimConfig
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.launch.config import ResourcesConfig
-from raytrain_fast.loop.config import EvalConfig, TrainConfig
+from raytrain_fast.loop.config import EvalConfig, HealthConfig, TrainConfig
 from raytrain_fast.metrics.config import MetricsConfig, metrics_config_problems
 from raytrain_fast.model.config import ModelConfig
 from raytrain_fast.storage.config import StorageConfig
@@ -39,6 +39,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -339,6 +340,11 @@ def _optim_problems(config: Config) -> list[str]:
         problems.append(f"optim.grad_clip must be >= 0 (0 = off), got {o.grad_clip}")
     if e.zero_stage not in (0, 1, 2):
         problems.append(f"engine.zero_stage must be 0, 1 or 2, got {e.zero_stage}")
+    h = config.health
+    if h.max_rollbacks < 0:
+        problems.append(f"health.max_rollbacks must be >= 0 (0 = stop at the first divergence), got {h.max_rollbacks}")
+    if h.spike_mads <= 0 or h.spike_windows < 5:
+        problems.append(f"health.spike_mads must be > 0 and health.spike_windows >= 5, got {h.spike_mads} and {h.spike_windows}")
     return problems + _not_positive("engine", e, ("reduce_bucket_size", "allgather_bucket_size"))
 
 

@@ -45,3 +45,8 @@ class StorageError(RaytrainFastError):
 
     The message names the endpoint, the bucket or path and the fix; it never contains a secret.
     """
+
+
+class DivergenceError(RaytrainFastError):
+    """Training diverged (non-finite or spiking loss) and the health policy stopped the run
+    (docs/health.md). The message names the step, the loss, what was tried and what to change."""

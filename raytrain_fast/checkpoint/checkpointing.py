@@ -35,6 +35,7 @@ from raytrain_fast.checkpoint.config import CheckpointConfig
 from raytrain_fast.checkpoint.manifest import (
     STATE_FILE,
     IncompleteCheckpointError,
+    checkpoint_health,
     download_checkpoint,
     download_for_rank,
     list_checkpoint_dirs,
@@ -67,6 +68,10 @@ class TrainState:
     """Values measured once per run (FLOPs per token, peaks), so a resumed job does not measure again."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Metrics at save time (keep_best reads these)."""
+    health: dict[str, Any] = field(default_factory=dict)
+    """The saved state's health (loop/health.py): `finite`, the last window's `loss` and `grad_norm`,
+    and the run's `rollbacks` so far, each with the data it skipped. Resume, retention and export
+    use only checkpoints whose state was healthy (checkpoint/manifest.py `state_health`)."""
 
     @classmethod
     def from_json(cls, text: str) -> TrainState:
@@ -287,6 +292,9 @@ class Checkpointer:
             return  # nothing proven complete yet: delete nothing
         oldest_kept = newest_first.index(kept_recent[-1])
         keep = set(newest_first[: oldest_kept + 1])
+        # Never the newest healthy one, however many unhealthy ones came after it (an older run's
+        # checkpoints of non-finite weights: this version saves none).
+        keep.update(next(([p] for p in complete if not checkpoint_health(self.filesystem, p)), []))
         if self.config.keep_best > 0:
             scored = [(value, path) for path in complete if (value := self._metric_of(path)) is not None]
             scored.sort(reverse=self.config.best_mode == "max")
@@ -394,6 +402,10 @@ class Checkpointer:
         """Rank 0: the newest checkpoint whose manifests and sizes check out (no file read but the manifests)."""
         for _, path in list_checkpoint_dirs(self.filesystem, self.run_path):
             if path in rejected:
+                continue
+            unhealthy = checkpoint_health(self.filesystem, path)
+            if unhealthy:
+                print(f"Skipping checkpoint {self.uri(path)}: {unhealthy}; resuming from the newest healthy one", flush=True)
                 continue
             ok, reason = verify_checkpoint(self.filesystem, path, checksums=False)
             if ok:

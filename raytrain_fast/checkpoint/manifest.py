@@ -18,6 +18,7 @@ names its algorithm, so a reader verifies with the one the writer used.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -348,10 +349,35 @@ def list_checkpoint_dirs(filesystem: pafs.FileSystem, run_path: str) -> list[tup
     return sorted(found, reverse=True)
 
 
+def state_health(state: Mapping[str, Any]) -> str:
+    """Why a checkpoint's saved TrainState (as a dict) is not healthy, or "" when it is: its
+    `health` record says the state was not finite, or (a checkpoint written before that record
+    existed) its metrics at save time hold a non-finite loss or gradient norm."""
+    health = state.get("health") or {}
+    if health.get("finite") is False:
+        return f"its state was not healthy when saved (loss {health.get('loss')}, grad norm {health.get('grad_norm')})"
+    metrics = state.get("metrics") or {}
+    for name in ("train/loss", "train/grad_norm"):
+        value = metrics.get(name)
+        if isinstance(value, (int, float)) and not math.isfinite(value):
+            return f"its {name} at save time is {value} (the weights may be non-finite)"
+    return ""
+
+
+def checkpoint_health(filesystem: pafs.FileSystem, path: str) -> str:
+    """`state_health` of the checkpoint at `path` ("" = healthy). One small read; a checkpoint
+    without a readable state file is left to the completeness checks."""
+    try:
+        state = json.loads(_read_small(filesystem, f"{path.rstrip('/')}/{STATE_FILE}"))
+    except (OSError, ValueError):
+        return ""
+    return state_health(state) if isinstance(state, dict) else ""
+
+
 def find_resumable_checkpoint(
     filesystem: pafs.FileSystem, run_path: str, *, checksums: bool = True, download_to: str | None = None
 ) -> tuple[str | None, list[tuple[str, str]]]:
-    """(newest complete checkpoint of the run or None, [(skipped newer checkpoint, reason), ...]).
+    """(newest complete and healthy checkpoint of the run or None, [(skipped newer checkpoint, reason), ...]).
 
     download_to: also download the chosen checkpoint there, verifying checksums while downloading
     (each byte is read once: the cheap way to resume from S3). Without it, checksums=True reads
@@ -359,6 +385,10 @@ def find_resumable_checkpoint(
     """
     skipped: list[tuple[str, str]] = []
     for _, path in list_checkpoint_dirs(filesystem, run_path):
+        unhealthy = checkpoint_health(filesystem, path)
+        if unhealthy:
+            skipped.append((path, unhealthy))
+            continue
         if download_to is not None:
             try:
                 download_checkpoint(filesystem, path, download_to)

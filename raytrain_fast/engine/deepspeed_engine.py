@@ -189,9 +189,13 @@ def _clip_without_host_sync() -> None:
     that stops the CPU from queueing the next step while the GPU works. It only picks an infinite
     clipping norm when the norm is inf/NaN or DeepSpeed's -1 sentinel (which zeroes the update);
     this does the same arithmetic on the device with `torch.where`. Applied once, only where the
-    method is the one we read (tests/test_host_reads.py catches a DeepSpeed that changed it)."""
+    method is the one we read (tests/test_host_reads.py catches a DeepSpeed that changed it).
+
+    It also guards the update (`skip_nonfinite_update`): DeepSpeed calls this right before each
+    optimizer step, so an invalid norm turns that step into a no-op on the device."""
     def make(original):
         def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
+            skip_nonfinite_update(getattr(self, "optimizer", None), total_norm)
             if self.clip_grad <= 0.0 or not isinstance(total_norm, torch.Tensor):
                 return original(self, grad_groups_flat, total_norm)
             invalid = ~torch.isfinite(total_norm) | (total_norm < 0)
@@ -205,6 +209,21 @@ def _clip_without_host_sync() -> None:
         return unscale_and_clip_grads
 
     _replace_zero_method("unscale_and_clip_grads", make, needs=("is_invalid_grad_norm",))
+
+
+def skip_nonfinite_update(optimizer: Any, total_norm: Any) -> None:
+    """Make the next step of a fused torch optimizer a no-op when the gradient norm is inf/NaN or
+    DeepSpeed's -1 sentinel, decided on the device: the fused AdamW kernel reads `found_inf` (the
+    attribute torch's GradScaler sets) and then leaves the weights, both moments and the step
+    count as they were. In bf16 without `engine.check_grad_overflow`, DeepSpeed 0.19's ZeRO-1/2
+    never checks the norm, and a NaN gradient reached the fp32 master weights (issue 28). fp32
+    runs are skipped by DeepSpeed itself before this is called (a host read per step, its own).
+    An unfused optimizer takes no `found_inf`: nothing is set (the loop's health check still sees
+    the norm and rolls back)."""
+    if not isinstance(total_norm, torch.Tensor) or not getattr(optimizer, "defaults", {}).get("fused"):
+        return
+    invalid = ~torch.isfinite(total_norm) | (total_norm < 0)
+    optimizer.found_inf = invalid.float().reshape(())
 
 
 _NORM_ROW = 1 << 16

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from raytrain_fast.config import Config, validate
 from raytrain_fast.engine import resolve_precision
-from raytrain_fast.errors import CheckpointError, ConfigError
+from raytrain_fast.errors import CheckpointError, ConfigError, DivergenceError
 from raytrain_fast.launch.ray_address import cluster_address, job_env
 from raytrain_fast.loop.evaluation import resolve_eval
+from raytrain_fast.loop.health import DIVERGENCE_KEY
 from raytrain_fast.loop.hooks import LoopHooks, WindowCallback
 from raytrain_fast.storage import check_storage, resolve_filesystem
 from raytrain_fast.storage.filesystem import checksum_env
@@ -83,8 +84,10 @@ def check_resume_policy(config: Config):
     """checkpoint.resume=must|never|<step>, decided from storage before any worker starts. A
     checkpoint of another worker count is resumed (see `keep_checkpoint_batch` and checkpoint/resize.py);
     one whose data, tokenizer or model settings differ is refused (launch/run_changes.py).
-    Returns the TrainState of the checkpoint to resume (None when the run has none)."""
+    Returns the TrainState of the checkpoint to resume: the newest complete and healthy one, or the
+    chosen step's (None when the run has none)."""
     from raytrain_fast.checkpoint.checkpointing import CONFIG_FILE, STATE_FILE, TrainState
+    from raytrain_fast.checkpoint.manifest import checkpoint_health
 
     policy = config.checkpoint.resume
     filesystem, _, complete, _ = _resume_candidates(config)
@@ -97,10 +100,11 @@ def check_resume_policy(config: Config):
             "those steps, or checkpoint.resume=auto for the newest."
         )
     state = None
-    if complete:
-        with filesystem.open_input_stream(f"{complete[0][1]}/{STATE_FILE}") as stream:
+    healthy = [path for _, path in complete if not checkpoint_health(filesystem, path)]  # what the workers resume from
+    if healthy:
+        with filesystem.open_input_stream(f"{healthy[0]}/{STATE_FILE}") as stream:
             state = TrainState.from_json(stream.read().decode())
-        _check_run_unchanged(config, filesystem, f"{complete[0][1]}/{CONFIG_FILE}", step=state.step)
+        _check_run_unchanged(config, filesystem, f"{healthy[0]}/{CONFIG_FILE}", step=state.step)
     if policy == "must" and not complete:
         raise CheckpointError(
             f"--resume must: run '{config.name}' has no complete checkpoint under {config.storage.uri}. "
@@ -569,7 +573,10 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
     with _StopOnSignal(coordinator) as stop:
         result = build_trainer(config, data_uri=data_uri, hooks=hooks).fit()
     measurements = ray.get(coordinator.measurements.remote())
+    diverged, message = ray.get(coordinator.wait.remote(DIVERGENCE_KEY, 0))
     ray.kill(coordinator)  # the next run of this name starts a fresh one (values come from checkpoints)
+    if diverged:  # the workers ended normally (so Ray did not restart them): the run failed
+        raise DivergenceError(message)
     kept = kept_checkpoints(config)  # what storage holds after retention: what a rerun resumes from
     return RunResult(
         name=config.name or "", run_dir=run_dir, checkpoint=kept[-1][0] if kept else None,

@@ -43,3 +43,24 @@ class EvalConfig:
     so values compare over the run. With enabled=auto and a smaller split, the whole split is used."""
     micro_batch: int | None = None
     """Sequences per forward pass of an evaluation on one worker; null = train.micro_batch."""
+
+
+@dataclass(kw_only=True)
+class HealthConfig:
+    """What a diverging run does (docs/health.md): non-finite losses and gradient norms, and loss spikes."""
+
+    on_nonfinite: Literal["rollback", "stop", "warn"] = "rollback"
+    """A log window with a non-finite loss or gradient norm on any rank. rollback: load the newest
+    healthy checkpoint, skip the data read since it, try again (up to max_rollbacks); stop: end the
+    run with an error naming the step and what to change; warn: one warning and go on (no save while
+    the state is not healthy). Either way the non-finite update itself never reaches the weights."""
+    max_rollbacks: int = 3
+    """Rollbacks this run may make (non-finite steps and spikes together) before it stops with an error."""
+    on_spike: Literal["warn", "rollback", "off"] = "warn"
+    """A window whose loss or gradient norm is far above its recent level (see spike_mads). warn: a
+    warning and a health/spike record; rollback: as for a non-finite window; off: not checked."""
+    spike_mads: float = 10.0
+    """A spike is a window value above median + spike_mads x MAD of the last spike_windows windows
+    (and at least 50% above that median)."""
+    spike_windows: int = 20
+    """Windows of recent history the spike check compares with (it starts after 5 of them, past warm-up)."""

@@ -217,3 +217,42 @@ class MemoryHolder:
             chunks.append(torch.ones(chunk, dtype=torch.uint8))  # written, so resident
             time.sleep(0.005)
         self._buffer = chunks
+
+
+def nonfinite_spec(text: str, *, kind: str = "") -> tuple[int, int, str] | None:
+    """(step, rank, kind) of a "<step>[:<rank>[:loss|grad]]" spec (or, with `kind` given, "<step>[:<rank>]"), or None."""
+    if not text:
+        return None
+    step, *rest = text.split(":")
+    rank = int(rest[0]) if rest and rest[0] else 0
+    kind = kind or (rest[1] if len(rest) > 1 else "loss")
+    if int(step) < 1 or kind not in ("loss", "grad", "spike") or (kind == "spike" and len(rest) > 1):
+        raise ValueError(text)
+    return int(step), rank, kind
+
+
+SPIKE_FACTOR = 1000.0
+"""The spike drill multiplies the step's loss (and so its gradient) by this."""
+
+
+class NonfinitePlanter:
+    """Makes the loss (kind loss) or only its gradient (kind grad) NaN, or multiplies the loss by
+    SPIKE_FACTOR (kind spike), in every micro-batch of one step, once per worker process: the step
+    a rollback goes back over is healthy the second time, as a bad batch skipped would be."""
+
+    def __init__(self, step: int, kind: str) -> None:
+        self.step, self.kind = step, kind
+        self._completed = 0
+        self._done = False
+
+    def plant(self, loss: Any) -> Any:
+        if self._done or self._completed + 1 != self.step:
+            return loss
+        if self.kind == "grad":
+            loss.register_hook(lambda grad: grad * float("nan"))  # the loss stays finite, every gradient is NaN
+            return loss
+        return loss * (SPIKE_FACTOR if self.kind == "spike" else float("nan"))
+
+    def completed(self, step: int) -> None:
+        self._done = self._done or step == self.step
+        self._completed = step

@@ -21,6 +21,10 @@ Drill specs (see loop/drills.py for what each one plants):
 - hang="<step>:<marker file>[:<rank>[:<seconds>]]": <rank> (default 0) freezes inside <step>, once
   (the marker file records it): SIGSTOP of its own process, or with <seconds> a sleep of its training
   thread (the hang watchdog, watchdog/).
+- nonfinite="<step>[:<rank>[:loss|grad]]": <rank> (default 0) makes its loss (default) or only its
+  gradient NaN in step <step>, once per worker process (divergence, loop/health.py).
+- spike="<step>[:<rank>]": <rank> (default 0) multiplies its loss by 1000 in step <step>, once per
+  worker process (a loss and gradient-norm spike).
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class LoopHooks:
     cpu_burn: str = ""
     hold_memory: str = ""
     hang: str = ""
+    nonfinite: str = ""
+    spike: str = ""
 
     @classmethod
     def from_cli(cls, items: Sequence[str]) -> LoopHooks:
@@ -77,6 +83,8 @@ class LoopHooks:
                     drills.hold_memory_spec(spec)
                 elif name == "hang":
                     drills.hang_spec(spec)
+                elif name in ("nonfinite", "spike"):
+                    drills.nonfinite_spec(spec, kind="spike" if name == "spike" else "")
                 elif name == "fail_once_at" and (len(spec.split(":")) < 2 or not spec.split(":")[0].isdigit()):
                     raise ValueError
             except ValueError:
@@ -106,6 +114,10 @@ class RankHooks:
         self._burner = drills.CpuBurner(burn) if burn else None
         hold = drills.hold_memory_spec(hooks.hold_memory) if rank == 0 else None
         self._memory = drills.MemoryHolder(hold) if hold else None
+        nonfinite = drills.nonfinite_spec(hooks.nonfinite) or drills.nonfinite_spec(hooks.spike, kind="spike")
+        self._nonfinite = drills.NonfinitePlanter(nonfinite[0], nonfinite[2]) if nonfinite and nonfinite[1] == rank else None
+        self.on_loss: Callable[[Any], Any] | None = self._nonfinite.plant if self._nonfinite else None
+        """Called with each micro-batch's loss, returns the loss to back-propagate; or None (skipped)."""
 
     def batches(self, data: Iterator[T], *, current_step: Callable[[], int]) -> Iterator[T]:
         data = drills.slow_data(data, drills.specs(self._hooks.slow_data, self.rank), current_step=current_step)
@@ -128,6 +140,8 @@ class RankHooks:
             self._burner.step(step)
         if self._memory is not None:
             self._memory.step(step)
+        if self._nonfinite is not None:
+            self._nonfinite.completed(step)
 
     def close(self) -> None:
         """Stop what a drill started (the cpu_burn processes)."""

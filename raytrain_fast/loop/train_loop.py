@@ -28,6 +28,7 @@ from raytrain_fast.coordinator import Coordinator
 from raytrain_fast.engine import build_engine, enable_tf32, select_accelerator, training_device
 from raytrain_fast.engine.compile import compile_blocks
 from raytrain_fast.loop.evaluation import Evaluator, resolve_eval
+from raytrain_fast.loop.health import DivergenceStop, HealthMonitor, Rollback
 from raytrain_fast.loop.hooks import LoopHooks, RankHooks, WindowCallback
 from raytrain_fast.loop.preemption import PreemptionNotice
 from raytrain_fast.metrics import SinkWriter, TrainMetrics, build_sinks, mfu_inputs
@@ -43,10 +44,14 @@ _STOP = 2  # the driver got a stop notice (SIGTERM / Ctrl-C): save now and stop
 _PREEMPTED = 4  # Ray is draining a node of the run: save now and go on (loop/preemption.py)
 
 
-def train_step(engine: Any, data: Iterator[tuple[torch.Tensor, torch.Tensor]], metrics: TrainMetrics, *, grad_accum: int, on_batch=None) -> None:
+def train_step(
+    engine: Any, data: Iterator[tuple[torch.Tensor, torch.Tensor]], metrics: TrainMetrics, *, grad_accum: int,
+    on_batch=None, on_loss=None,
+) -> None:
     """One optimizer step: grad_accum micro-batches of forward + backward, then DeepSpeed's step.
 
-    The detached loss and grad norm go into on-device accumulators: no host sync here.
+    The detached loss and grad norm go into on-device accumulators: no host sync here. `on_loss`:
+    a drill's (loop/hooks.py), or None.
     """
     metrics.begin_step()
     for _ in range(grad_accum):
@@ -55,6 +60,8 @@ def train_step(engine: Any, data: Iterator[tuple[torch.Tensor, torch.Tensor]], m
         if on_batch is not None:
             on_batch(seq_ids)
         loss = engine(tokens[:, :-1], tokens[:, 1:])
+        if on_loss is not None:
+            loss = on_loss(loss)
         metrics.lap("forward")
         engine.backward(loss)
         metrics.lap("backward")
@@ -96,6 +103,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         checkpointer.discard()
         _say_nothing_to_do(worker, state)
         return
+    health = build_health(worker, checkpointer, state)
     data = build_data(worker, loop_config, state)
     coordinator = Coordinator.connect(worker.config.name or "run", timeout_s=worker.config.metrics.coordinator_timeout_s)
     sinks = None
@@ -109,11 +117,23 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         note_hangs(worker, coordinator, metrics, step=state.step)
         heartbeat = start_heartbeat(worker, coordinator, state)  # from here on, the hang watchdog watches this rank
         try:
-            run_steps(
-                worker, engine=engine, data=data, metrics=metrics, evaluator=evaluator, checkpointer=checkpointer,
-                coordinator=coordinator, state=state, on_window=loop_config.get("on_window"), compiled=compiled,
-                save_checkpoints=loop_config.get("save_checkpoints", True), heartbeat=heartbeat,
-            )
+            while True:  # once, unless a divergence rolls back (loop/health.py)
+                try:
+                    run_steps(
+                        worker, engine=engine, data=data, metrics=metrics, evaluator=evaluator, checkpointer=checkpointer,
+                        coordinator=coordinator, state=state, on_window=loop_config.get("on_window"), compiled=compiled,
+                        save_checkpoints=loop_config.get("save_checkpoints", True), health=health, heartbeat=heartbeat,
+                    )
+                    break
+                except Rollback as rollback:
+                    heartbeat.pause("restore")  # loading the checkpoint: not watched until the next step
+                    data, restored = roll_back(worker, rollback, loop_config, engine=engine, data=data, metrics=metrics,
+                                               checkpointer=checkpointer, health=health)
+                    vars(state).update(vars(restored))  # the same object: the heartbeat thread reads state.step
+                    compiled = False
+                except DivergenceStop as stop:
+                    stop_on_divergence(worker, str(stop), checkpointer=checkpointer, coordinator=coordinator)
+                    break
         finally:
             heartbeat.close()
             metrics.close()
@@ -253,6 +273,73 @@ def _say_nothing_to_do(worker: Worker, state: TrainState) -> None:
         )
 
 
+def build_health(worker: Worker, checkpointer: Checkpointer, state: TrainState) -> HealthMonitor:
+    """The divergence policy (loop/health.py) with the run's rollbacks so far; a resume from a
+    checkpoint that a rollback went back to skips the same data again (its position moves past it)."""
+    from raytrain_fast.loop.health import read_records, skip_position
+
+    records = read_records(checkpointer.filesystem, checkpointer.run_path) or list(state.health.get("rollbacks", []))
+    position = skip_position(records, step=state.step, position=state.data_position)
+    if position != state.data_position:
+        if worker.rank == 0:
+            print(f"Step {state.step}: skipping the data a rollback skipped here (health.json): now at {position}.", flush=True)
+        state.data_position = position
+    config = worker.config
+    return HealthMonitor(config.health, rank=worker.rank, warmup_steps=config.optim.warmup_steps, rollbacks=records)
+
+
+def roll_back(
+    worker: Worker, rollback: Rollback, loop_config: dict[str, Any], *, engine: Any, data: Any, metrics: TrainMetrics,
+    checkpointer: Checkpointer, health: HealthMonitor,
+) -> tuple[Any, TrainState]:
+    """Every rank at once: load the newest healthy checkpoint into the live engine (weights,
+    optimizer, LR schedule, RNG), restart the data reader where the diverged window ended (the
+    data read since that checkpoint is skipped, and recorded), and the metrics window at its step.
+    In-process: no worker restart (that would count against resources.max_failures and redo setup)."""
+    from raytrain_fast.loop.health import sequences_between, write_records
+
+    checkpointer.finish()  # every rank's uploads are in storage: the newest healthy one is complete
+    detected_at = data.position.to_dict()
+    restored = checkpointer.restore_state()
+    if restored is None:
+        message = health.stop_message(step=rollback.step, what=rollback.what, loss=rollback.loss, grad=rollback.grad_norm, policy="rollback")
+        raise DivergenceStop(f"{message} No checkpoint was saved before it, so there is nothing to roll back to: "
+                             "set checkpoint.every_steps below the step it diverged at.")
+    checkpointer.load_into(engine)
+    skipped = sequences_between(restored.data_position, detected_at, data.sequences_per_epoch)
+    health.rollbacks.append({
+        "detected_step": rollback.step, "what": rollback.what, "loss": rollback.loss, "grad_norm": rollback.grad_norm,
+        "to_step": restored.step, "position": restored.data_position, "skip_sequences": skipped, "resume_position": detected_at,
+    })
+    if worker.rank == 0:
+        write_records(checkpointer.filesystem, checkpointer.run_path, health.rollbacks)
+        print(
+            f"Step {rollback.step}: {rollback.what} (loss {rollback.loss}, grad norm {rollback.grad_norm}). Rolled back to "
+            f"the checkpoint at step {restored.step} and skipped the {skipped:,} sequences read since it (rollback "
+            f"{len(health.rollbacks)} of at most {worker.config.health.max_rollbacks}).", flush=True,
+        )
+    restored.data_position, restored.world_size = detected_at, worker.world_size
+    restored.global_batch = int(worker.config.train.micro_batch) * worker.grad_accum * worker.world_size
+    data.close()
+    metrics.restart_at(restored.step)
+    metrics.emit(rollback.step, {"health/rollback": 1.0, "health/rollback_to_step": float(restored.step),
+                                 "health/skipped_sequences": float(skipped)})
+    return build_data(worker, loop_config, restored), restored
+
+
+def stop_on_divergence(worker: Worker, message: str, *, checkpointer: Checkpointer, coordinator: Coordinator) -> None:
+    """The run stops: uploads finish, rank 0 hands the message to the driver through the run's
+    coordinator, and the workers end normally, so Ray Train does not restart them (the driver raises it)."""
+    checkpointer.finish()
+    if worker.rank == 0:
+        import ray
+
+        from raytrain_fast.loop.health import DIVERGENCE_KEY
+
+        print(message, flush=True)
+        ray.get(coordinator.actor.post.remote(DIVERGENCE_KEY, message, {}))
+
+
 def build_data(worker: Worker, loop_config: dict[str, Any], state: TrainState):
     from raytrain_fast.data import BatchIterator, DataPosition
 
@@ -358,7 +445,7 @@ def build_metrics(worker: Worker, state: TrainState, engine: Any, mfu: Any, sink
 def run_steps(
     worker: Worker, *, engine: Any, data: Any, metrics: TrainMetrics, evaluator: Evaluator, checkpointer: Checkpointer,
     coordinator: Coordinator, state: TrainState, on_window: WindowCallback | None, save_checkpoints: bool,
-    compiled: bool = False, heartbeat: Heartbeat | NoHeartbeat | None = None,
+    health: HealthMonitor, compiled: bool = False, heartbeat: Heartbeat | NoHeartbeat | None = None,
 ) -> None:
     """The steps, up to train.steps or a stop notice. On log steps every rank takes part in one
     collective (the one host sync of the window), which also carries each rank's flags, so every
@@ -373,7 +460,7 @@ def run_steps(
     compiling = compiled  # the first step compiles the blocks: timed apart (time/compile_s)
     while state.step < train.steps:
         with metrics.compile_timer(state.step + 1, active=compiling):
-            train_step(engine, batches, metrics, grad_accum=worker.grad_accum, on_batch=hooks.on_batch)
+            train_step(engine, batches, metrics, grad_accum=worker.grad_accum, on_batch=hooks.on_batch, on_loss=hooks.on_loss)
         compiling = False
         state.step += 1
         state.tokens += worker.tokens_per_step
@@ -387,10 +474,12 @@ def run_steps(
             ) | (_PREEMPTED if preemption.flag() else 0)
             last = metrics.log(state.step, lr=engine.get_lr()[0], flags=flags, epoch=getattr(data, "epochs", None))
             agreed = metrics.flags_any_rank
+            health.check_window(state.step, last, metrics)  # may raise Rollback or DivergenceStop (every rank alike)
         on_notice = save_checkpoints and preemption.save_due(bool(agreed & _PREEMPTED))
         saving = save_checkpoints and (
             checkpointer.due_by_steps(state.step, train.steps) or bool(agreed & (_TIME_DUE | _STOP)) or on_notice
         )
+        saving = saving and health.may_save(state.step, metrics, logged=logged)
         if evaluator.due(state.step, logged=logged, saving=saving):
             last = {**last, **evaluator.run(engine, metrics, step=state.step)}
         if logged and on_window is not None:
@@ -398,7 +487,7 @@ def run_steps(
 
         if saving:
             heartbeat.pause("save")  # a save's time depends on the storage: the hang watchdog leaves it alone
-            state.data_position = data.position.to_dict()
+            state.data_position, state.health = data.position.to_dict(), health.state_record()
             blocked_s = checkpointer.save(
                 engine, state, metrics={"step": state.step, "tokens": state.tokens, "start_step": start_step, **last}
             )

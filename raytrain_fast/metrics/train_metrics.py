@@ -201,6 +201,7 @@ class TrainMetrics:
         self._compile_s: float | None = None
         self.flags_any_rank = 0
         """After log(): the bitwise OR of the `flags` every rank passed to it."""
+
         reset_peak_memory(self.device)  # memory/peak_gb: training's, not setup's
         self._window_start = time.perf_counter()
 
@@ -251,15 +252,33 @@ class TrainMetrics:
         self._num_losses += 1
 
     def add_grad_norm(self, grad_norm: torch.Tensor | float | None) -> None:
-        """The optimizer step's global gradient norm (DeepSpeed: `engine.get_global_grad_norm()`)."""
+        """The optimizer step's global gradient norm (DeepSpeed: `engine.get_global_grad_norm()`).
+
+        DeepSpeed reports an inf/NaN norm as -1 (bf16, a tensor) or inf (fp32, a float after it
+        skipped the step): both enter the sum as non-finite, so one bad step makes the window's
+        grad-norm sum non-finite, and the drain's read sees it (docs/health.md). On the device,
+        without a sync; a float is added to the device sum without one too."""
         if grad_norm is None:
             return
         if isinstance(grad_norm, torch.Tensor):
-            self._grad_norm_acc.add_(grad_norm.detach())
+            norm = grad_norm.detach()
+            self._grad_norm_acc.add_(torch.where(norm < 0, math.nan, norm))
             self._num_grad_norms += 1
         else:
-            self._grad_norm_host += float(grad_norm)
-            self._num_grad_norms_host += 1
+            value = float(grad_norm)
+            self._grad_norm_acc.add_(math.nan if value < 0 else value)
+            self._num_grad_norms += 1
+
+    def window_finite(self) -> bool:
+        """Whether every step since the last drain had a finite loss and gradient norm on every rank:
+        one all-reduce (with several ranks) and ONE host read. For a save on a step that is not a
+        log step (saves are rare); on a log step the drain already told."""
+        bad = (~torch.isfinite(self._acc[:_ACC])).any().float()
+        if self._distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(bad, group=self._group)
+        return not bool(bad.item())  # HOST SYNC: one per such save
 
     def end_step(self, step: int) -> None:
         """Step `step` is done (optimizer applied). GC runs its timed collection here on its cadence."""
@@ -412,8 +431,6 @@ class TrainMetrics:
             metrics["train/lr"] = float(lr)
         if self._num_grad_norms:
             metrics["train/grad_norm"] = grad_norm_sum / (self._num_grad_norms * world)
-        elif self._num_grad_norms_host:
-            metrics["train/grad_norm"] = self._grad_norm_host / self._num_grad_norms_host
         metrics["throughput/tokens_per_sec"] = tokens_per_sec
         for name, peak in (("throughput/mfu", self.datasheet_peak_flops), ("throughput/mfu_measured_peak", self.measured_peak_flops)):
             value = mfu(tokens_per_sec=tokens_per_sec, flops_per_token=self.flops_per_token, peak_flops=peak, num_devices=self.world_size)
@@ -536,13 +553,17 @@ class TrainMetrics:
     def _reset_window_counters(self) -> None:
         self._num_losses = 0
         self._num_grad_norms = 0
-        self._grad_norm_host = 0.0
-        self._num_grad_norms_host = 0
         self._data_wait_s = 0.0
         self._checkpoint_blocked_s = 0.0
         self._num_checkpoints = 0
         self._phase_sum = {phase: 0.0 for phase in PHASES}
         self._num_profiled = 0
+
+    def restart_at(self, step: int) -> None:
+        """The loop went back to step `step` (a rollback, loop/health.py): the window restarts there
+        and what the abandoned steps accumulated is dropped."""
+        self._step = step
+        self._start_window(step, time.perf_counter())
 
     def _start_window(self, step: int, now: float) -> None:
         self._acc.zero_()

@@ -1,0 +1,173 @@
+"""Divergence: what the step loop does when a window's loss or gradient norm is non-finite or spikes.
+
+Detection costs no host sync of its own. Every step adds its loss and gradient norm into the
+metrics' on-device sums (DeepSpeed's -1 / inf "invalid norm" enters as NaN), so one non-finite
+step makes the window's sums non-finite; the drain's all-reduce and single read, which every log
+step already does, bring them to every rank. Every rank then runs the same decision on the same
+all-reduced numbers, so the ranks agree without another collective. The update of a non-finite
+step never reached the weights (engine/deepspeed_engine.py `skip_nonfinite_update`).
+
+Policy (`health.*`, docs/health.md):
+- rollback (default): raise `Rollback`; `train_loop_per_worker` loads the newest healthy
+  checkpoint into the live engine and restarts the data reader past everything read since that
+  checkpoint (a skip of N sequences at position P, written to `<run>/health.json` and kept in the
+  train state, so a resume from that checkpoint skips the same data), then trains again. After
+  `max_rollbacks` it stops.
+- stop: raise `DivergenceStop` with the step, the loss, what was tried and what to change.
+- warn: a warning; no checkpoint is saved while the state is not healthy.
+
+Spikes: a window whose loss or gradient norm is above median + k x MAD of the recent windows
+(and at least 50% above the median) is recorded as health/spike and warned about, or rolled back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from raytrain_fast.loop.config import HealthConfig
+
+logger = logging.getLogger("raytrain_fast.health")
+RECORD_FILE = "health.json"
+"""The run's rollbacks (`<run>/health.json`), beside its checkpoints: what a resume must skip again."""
+DIVERGENCE_KEY = "health/divergence"
+"""The key under which rank 0 posts a stop's message to the run's coordinator actor; the driver raises it."""
+_SPIKE_MIN_WINDOWS = 5
+_SPIKE_MIN_RISE = 0.5  # and at least 50% above the median: a MAD near zero alone is no spike
+
+
+class Rollback(Exception):
+    """Every rank raises it at the same log step: go back to the newest healthy checkpoint."""
+
+    def __init__(self, *, step: int, what: str, loss: float, grad_norm: float) -> None:
+        super().__init__(f"{what} at step {step}")
+        self.step, self.what, self.loss, self.grad_norm = step, what, loss, grad_norm
+
+
+class DivergenceStop(Exception):
+    """Every rank raises it at the same log step: the run stops (`message` says why and what to change)."""
+
+
+@dataclass
+class SpikeCheck:
+    """median + k x MAD over the last windows of one value (the loss or the gradient norm)."""
+
+    mads: float
+    windows: int
+    history: deque = field(default_factory=deque)
+
+    def is_spike(self, value: float) -> bool:
+        recent = list(self.history)[-self.windows:]
+        spike = False
+        if len(recent) >= _SPIKE_MIN_WINDOWS and math.isfinite(value):
+            median = statistics.median(recent)
+            mad = statistics.median(abs(v - median) for v in recent)
+            spike = value > median + self.mads * mad and value > median * (1 + _SPIKE_MIN_RISE)
+        if not spike and math.isfinite(value):  # a spike stays out of the level it is compared with
+            self.history.append(value)
+            while len(self.history) > self.windows:
+                self.history.popleft()
+        return spike
+
+
+class HealthMonitor:
+    """One per worker; the same decisions on every rank (they read the same all-reduced values)."""
+
+    def __init__(self, config: HealthConfig, *, rank: int, warmup_steps: int, rollbacks: list[dict[str, Any]]) -> None:
+        self.config, self.rank, self.warmup_steps = config, rank, warmup_steps
+        self.rollbacks = list(rollbacks)
+        """The run's rollbacks so far (from health.json / the restored state)."""
+        self.window_finite = True
+        """Whether the last drained window was finite (what a save on a log step checks)."""
+        self.last: dict[str, float] = {}
+        self._loss = SpikeCheck(config.spike_mads, config.spike_windows)
+        self._grad = SpikeCheck(config.spike_mads, config.spike_windows)
+
+    def check_window(self, step: int, values: dict[str, float], metrics: Any) -> None:
+        """After a drain: decide on its loss and grad norm (`values`, the same on every rank).
+        Raises `Rollback` / `DivergenceStop`, or warns; a health/* record goes to the sinks."""
+        loss, grad = values.get("train/loss", 0.0), values.get("train/grad_norm", 0.0)
+        self.window_finite = math.isfinite(loss) and math.isfinite(grad)
+        self.last = {"loss": loss, "grad_norm": grad}
+        if not self.window_finite:
+            metrics.emit(step, {"health/nonfinite": 1.0})
+            self._act(self.config.on_nonfinite, step=step, what="a non-finite loss or gradient norm", loss=loss, grad=grad)
+            return
+        if self.config.on_spike == "off" or step <= self.warmup_steps:
+            return
+        spiked = [name for name, check, value in (("loss", self._loss, loss), ("gradient norm", self._grad, grad))
+                  if check.is_spike(value)]
+        if spiked:
+            metrics.emit(step, {"health/spike": 1.0, "health/spike_loss": loss, "health/spike_grad_norm": grad})
+            what = f"a {' and '.join(spiked)} spike (median + {self.config.spike_mads:g} x MAD of the last windows)"
+            self._act(self.config.on_spike, step=step, what=what, loss=loss, grad=grad)
+
+    def _act(self, policy: str, *, step: int, what: str, loss: float, grad: float) -> None:
+        if policy == "warn":
+            if self.rank == 0:
+                logger.warning("Step %d: %s (loss %s, grad norm %s); going on (health policy: warn).", step, what, loss, grad)
+            return
+        if policy == "rollback" and len(self.rollbacks) < self.config.max_rollbacks:
+            raise Rollback(step=step, what=what, loss=loss, grad_norm=grad)
+        raise DivergenceStop(self.stop_message(step=step, what=what, loss=loss, grad=grad, policy=policy))
+
+    def may_save(self, step: int, metrics: Any, *, logged: bool) -> bool:
+        """Whether the state may be saved now: every step since the last log step was finite. On a
+        log step the drain told (no read); otherwise one collective and one host read (saves are rare)."""
+        healthy = self.window_finite if logged else metrics.window_finite()
+        if not healthy and self.rank == 0:
+            logger.warning("Step %d: not saving a checkpoint: a step since the last log step was not finite.", step)
+        return healthy
+
+    def stop_message(self, *, step: int, what: str, loss: float, grad: float, policy: str) -> str:
+        tried = "; ".join(
+            f"rolled back from step {r['detected_step']} to {r['to_step']} and skipped {r['skip_sequences']:,} sequences"
+            for r in self.rollbacks
+        ) or ("nothing (the health policy is stop)" if policy == "stop" else "nothing (health.max_rollbacks=0)")
+        return (
+            f"Training diverged: {what} in the window ending at step {step} (loss {loss}, grad norm {grad}). "
+            f"Tried: {tried}. The update of a non-finite step never reached the weights, and every "
+            "checkpoint saved is healthy: the newest one is what a rerun resumes from. To change: lower optim.lr, "
+            "lengthen optim.warmup_steps, tighten optim.grad_clip, or skip the data window (a rerun after a rollback "
+            f"skips it again); health.max_rollbacks={self.config.max_rollbacks} allows more tries."
+        )
+
+    def state_record(self) -> dict[str, Any]:
+        """What a checkpoint saved now records (TrainState.health)."""
+        return {"finite": self.window_finite, **self.last, "rollbacks": self.rollbacks}
+
+
+def read_records(filesystem: Any, run_path: str) -> list[dict[str, Any]]:
+    """The rollbacks recorded in `<run>/health.json` ([] when there is none)."""
+    try:
+        with filesystem.open_input_stream(f"{run_path.rstrip('/')}/{RECORD_FILE}") as stream:
+            return list(json.loads(stream.read()).get("rollbacks", []))
+    except (FileNotFoundError, OSError, ValueError):
+        return []
+
+
+def write_records(filesystem: Any, run_path: str, rollbacks: list[dict[str, Any]]) -> None:
+    with filesystem.open_output_stream(f"{run_path.rstrip('/')}/{RECORD_FILE}") as stream:
+        stream.write(json.dumps({"rollbacks": rollbacks}, indent=2).encode())
+
+
+def skip_position(rollbacks: list[dict[str, Any]], *, step: int, position: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The data position to resume at from a checkpoint at `step` whose saved position is
+    `position`: past the skip a rollback to that checkpoint recorded (the newest such), else `position`."""
+    for record in reversed(rollbacks):
+        if record["to_step"] == step and record["position"] == position:
+            return record["resume_position"]
+    return position
+
+
+def sequences_between(start: dict[str, Any] | None, end: dict[str, Any], sequences_per_epoch: int) -> int:
+    """Sequences of the global stream from position `start` (None: the beginning) to `end`."""
+    def absolute(p: dict[str, Any] | None) -> int:
+        return 0 if p is None else int(p.get("epoch", 0)) * sequences_per_epoch + int(p.get("consumed", 0))
+
+    return absolute(end) - absolute(start)

@@ -1,0 +1,179 @@
+"""Divergence (issue 28): a planted non-finite gradient rolls back, skips and finishes; a run that
+keeps diverging stops with a clear error; no checkpoint ever holds a non-finite tensor.
+
+Real Ray TorchTrainer, 2 gloo workers (1 for the diverging run), DeepSpeed ZeRO-2 in bf16 on the
+CPU accelerator: the path where DeepSpeed itself does not check the gradient norm.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_fast.checkpoint.manifest import state_health
+from raytrain_fast.errors import DivergenceError
+from raytrain_fast.launch.trainer import run
+from raytrain_fast.loop.health import SpikeCheck
+from raytrain_fast.loop.hooks import LoopHooks
+from tests.test_train import micro_config as train_micro_config
+
+pytestmark = pytest.mark.slow
+
+
+def micro_config(tmp_path: Path, name: str, *extra: str):
+    """test_train's 2-worker bf16 micro run, saving every 5 steps and keeping them all."""
+    return train_micro_config(tmp_path, name, "checkpoint.every_steps=5", "checkpoint.keep_last=20", "eval.enabled=false", *extra)
+
+
+def non_finite_tensors(checkpoint: Path) -> list[str]:
+    """Every floating-point tensor of every file of the checkpoint that holds an inf or NaN."""
+    found: list[str] = []
+
+    def walk(value, where: str) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                found.append(where)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{where}/{key}")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{where}[{i}]")
+
+    files = sorted(checkpoint.rglob("*.pt"))
+    assert any("model_states" in f.name for f in files) and any("optim_states" in f.name for f in files), files
+    for path in files:
+        walk(torch.load(path, map_location="cpu", weights_only=False), str(path.relative_to(checkpoint)))
+    return found
+
+
+def written_checkpoints(run_dir: Path) -> list[Path]:
+    return sorted(p for p in run_dir.glob("checkpoint_*") if p.is_dir())
+
+
+def test_a_planted_nan_gradient_rolls_back_skips_and_finishes_like_a_clean_run(ray_session, tmp_path):
+    clean = run(micro_config(tmp_path, "clean"))
+    # Rank 1's gradient (not its loss) is NaN in step 12: the all-reduced gradient norm of both ranks
+    # is NaN, the update is skipped on the device, and the drain at step 15 rolls back to step 10.
+    planted = run(micro_config(tmp_path, "planted"), hooks=LoopHooks(nonfinite="12:1:grad"))
+
+    run_dir = tmp_path / "runs" / "planted"
+    records = json.loads((run_dir / "health.json").read_text())["rollbacks"]
+    assert [(r["detected_step"], r["to_step"]) for r in records] == [(15, 10)]
+    assert records[0]["skip_sequences"] == 5 * 8  # the 5 steps of 8 sequences read since step 10
+    assert records[0]["resume_position"]["consumed"] - records[0]["position"]["consumed"] == 40
+    checkpoints = written_checkpoints(run_dir)
+    assert [int(p.name.rsplit("_", 1)[1]) for p in checkpoints] == [5, 10, 15, 20, 25, 30]
+    for checkpoint in checkpoints:
+        assert non_finite_tensors(checkpoint) == [], checkpoint
+        state = json.loads((checkpoint / "train_state.json").read_text())
+        assert state["health"]["finite"] is True and state_health(state) == ""
+    final = json.loads((checkpoints[-1] / "train_state.json").read_text())
+    assert final["health"]["rollbacks"][0]["to_step"] == 10  # the skip travels in the train state too
+    assert final["data_position"]["consumed"] == 30 * 8 + 40  # 30 steps trained, 40 sequences skipped
+    clean_records = "".join(p.read_text() for p in (tmp_path / "runs" / "clean" / "metrics").rglob("*") if p.is_file())
+    assert "train/loss" in clean_records and "health/" not in clean_records  # no rollback, no spike on a clean run
+    planted_records = "".join(p.read_text() for p in (run_dir / "metrics").rglob("*") if p.is_file())
+    assert "health/nonfinite" in planted_records and "health/rollback" in planted_records
+    clean_loss, planted_loss = clean.metrics["train/loss"], planted.metrics["train/loss"]
+    assert math.isfinite(planted_loss) and abs(planted_loss - clean_loss) <= 0.1 * clean_loss
+
+
+def test_a_run_that_keeps_diverging_stops_with_a_clear_error_and_keeps_a_healthy_checkpoint(ray_session, tmp_path):
+    config = micro_config(
+        tmp_path, "lr500", "optim.lr=500", "train.steps=12", "train.log_every=1", "checkpoint.every_steps=1",
+        "checkpoint.keep_last=1", "resources.num_workers=1", "health.max_rollbacks=2",
+    )
+    with pytest.raises(DivergenceError) as raised:
+        run(config)
+    message = str(raised.value)
+    assert "non-finite" in message and "Tried: rolled back from step" in message
+    assert message.count("rolled back") == 2 and "optim.lr" in message and "optim.warmup_steps" in message
+    run_dir = tmp_path / "runs" / "lr500"
+    assert len(json.loads((run_dir / "health.json").read_text())["rollbacks"]) == 2
+    checkpoints = written_checkpoints(run_dir)
+    assert checkpoints, "the newest healthy checkpoint must stay in storage"
+    for checkpoint in checkpoints:
+        assert non_finite_tensors(checkpoint) == [], checkpoint
+
+
+def test_spike_check_flags_a_jump_but_not_a_falling_or_noisy_loss():
+    falling = SpikeCheck(mads=10.0, windows=20)
+    assert not any(falling.is_spike(5.0 * 0.97**i + 0.01 * (-1) ** i) for i in range(200))
+    noisy = SpikeCheck(mads=10.0, windows=20)
+    assert not any(noisy.is_spike(2.0 + 0.05 * ((i * 7) % 5 - 2)) for i in range(100))
+    assert noisy.is_spike(4.0)
+    assert not noisy.is_spike(2.05)  # the spike stayed out of the recent level
+
+
+@pytest.mark.parametrize("norm", [float("nan"), float("inf"), -1.0])
+def test_an_invalid_norm_leaves_weights_moments_and_step_count_as_they_were(norm):
+    from raytrain_fast.engine.deepspeed_engine import skip_nonfinite_update
+
+    weight = torch.nn.Parameter(torch.ones(64))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    weight.grad = torch.ones(64)
+    skip_nonfinite_update(optimizer, torch.tensor(2.0))
+    optimizer.step()
+    before = weight.detach().clone(), {k: v.clone() for k, v in optimizer.state[weight].items()}
+    weight.grad = torch.full((64,), float("nan"))
+    skip_nonfinite_update(optimizer, torch.tensor(norm))  # what DeepSpeed's norm of that gradient reads
+    optimizer.step()
+    assert torch.equal(weight.detach(), before[0])
+    assert all(torch.equal(v, optimizer.state[weight][k]) for k, v in before[1].items())
+    weight.grad = torch.ones(64)
+    skip_nonfinite_update(optimizer, torch.tensor(2.0))
+    optimizer.step()
+    assert not torch.equal(weight.detach(), before[0]) and optimizer.state[weight]["step"].item() == 2
+
+
+def _fake_checkpoint(run_dir: Path, step: int, state: dict) -> None:
+    """A complete one-rank checkpoint as the loop writes it (files, train state, then the manifest)."""
+    from raytrain_fast.checkpoint import write_rank_manifest
+
+    directory = run_dir / f"checkpoint_{step:08d}"
+    (directory / "deepspeed").mkdir(parents=True)
+    (directory / "deepspeed" / "mp_rank_00_model_states.pt").write_bytes(b"weights" * 100)
+    (directory / "train_state.json").write_text(json.dumps({"step": step, "world_size": 1, **state}))
+    write_rank_manifest(str(directory), rank=0, world_size=1, step=step)
+
+
+def test_resume_export_and_retention_keep_to_the_newest_healthy_checkpoint(tmp_path):
+    import pyarrow.fs as pafs
+
+    from raytrain_fast.checkpoint import CheckpointConfig, Checkpointer, find_resumable_checkpoint
+
+    run_dir = tmp_path / "run"
+    _fake_checkpoint(run_dir, 10, {"health": {"finite": True, "loss": 3.1, "grad_norm": 0.4}})
+    _fake_checkpoint(run_dir, 20, {"metrics": {"train/loss": float("nan")}})  # an older version's NaN save
+    _fake_checkpoint(run_dir, 30, {"health": {"finite": False, "loss": float("nan"), "grad_norm": float("inf")}})
+    filesystem = pafs.LocalFileSystem()
+    chosen, skipped = find_resumable_checkpoint(filesystem, str(run_dir))  # what resume and export use
+    assert chosen.endswith("checkpoint_00000010")
+    assert [(p.rsplit("_", 1)[1], "healthy" in r or "non-finite" in r) for p, r in skipped] == [("00000030", True), ("00000020", True)]
+
+    # Retention with keep_last=1 (the real _prune, outside a Ray Train worker).
+    checkpointer = object.__new__(Checkpointer)
+    checkpointer.config, checkpointer.filesystem, checkpointer.run_path = CheckpointConfig(keep_last=1), filesystem, str(run_dir)
+    checkpointer._best_cache, checkpointer._best_metric = {}, "train/loss"
+    checkpointer._prune()
+    assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == ["checkpoint_00000010", "checkpoint_00000030"]
+
+
+def test_the_spike_and_nonfinite_drills_plant_once_at_their_step_on_their_rank():
+    hooks = LoopHooks.from_cli(["spike=3:1"])
+    assert hooks.for_rank(0).on_loss is None
+    rank1 = hooks.for_rank(1)
+    seen = []
+    for step in (1, 2, 3, 3, 4):  # step 3 twice: a rollback goes back over it
+        seen.append(rank1.on_loss(torch.tensor(2.0)).item())
+        rank1.after_step(step)
+    assert seen == [2.0, 2.0, 2000.0, 2.0, 2.0]
+    nan = LoopHooks.from_cli(["nonfinite=1"]).for_rank(0)
+    assert math.isnan(nan.on_loss(torch.tensor(2.0)).item())
+    with pytest.raises(ValueError, match="malformed SPEC"):
+        LoopHooks.from_cli(["spike=3:1:grad"])
