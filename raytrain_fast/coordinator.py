@@ -62,6 +62,7 @@ class _CoordinatorActor:
         self._next_token = 0
         self._stop_reason: str | None = None
         self._watchdog: Any = None
+        self._group_size: int | None = None
 
     def _event(self, key: str) -> asyncio.Event:
         if key not in self._events:
@@ -175,6 +176,11 @@ class _CoordinatorActor:
     async def hangs(self) -> list[dict[str, Any]]:
         """The hangs the watchdog acted on during this actor's life (records as written to storage)."""
         return list(self._watchdog.hangs) if self._watchdog is not None else []
+
+    async def swap_group_size(self, world_size: int) -> int | None:
+        """The size of this job's previous worker group (None for the first), and this one's kept."""
+        previous, self._group_size = self._group_size, world_size
+        return previous
 
     async def take_hangs(self) -> list[dict[str, Any]]:
         """The hangs not yet taken: rank 0 of the restarted group announces each once."""
@@ -397,6 +403,12 @@ class Coordinator:
         if not state:
             return []
         return ray.get(self.actor.import_state.remote(dict(state)))
+
+    def swap_group_size(self, world_size: int) -> int | None:
+        """Rank 0 of each worker group: the previous group's size in this job (None for the first)."""
+        import ray
+
+        return ray.get(self.actor.swap_group_size.remote(world_size))
 
     def take_hangs(self) -> list[dict[str, Any]]:
         """The watchdog's hang records not yet announced (see watchdog/stacks.py)."""

@@ -113,7 +113,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         engine, compiled = build_engine_for(worker, model, checkpointer, coordinator, restored=restored)
         evaluator = build_evaluator(worker, engine)
         metrics = build_metrics(worker, state, engine, mfu, sinks)  # built last: it freezes the heap for GC control
-        note_resize(worker, restored, checkpointer, metrics)
+        note_resize(worker, restored, checkpointer, metrics, coordinator)
         note_hangs(worker, coordinator, metrics, step=state.step)
         heartbeat = start_heartbeat(worker, coordinator, state)  # from here on, the hang watchdog watches this rank
         try:
@@ -225,12 +225,25 @@ def restore(worker: Worker) -> tuple[Checkpointer, TrainState, TrainState | None
     return checkpointer, state, restored
 
 
-def note_resize(worker: Worker, restored: TrainState | None, checkpointer: Checkpointer, metrics: TrainMetrics) -> None:
+def note_resize(
+    worker: Worker, restored: TrainState | None, checkpointer: Checkpointer, metrics: TrainMetrics, coordinator: Coordinator,
+) -> None:
     """An elastic run (or a rerun on another worker count) resumed at a new size: one line, and a
-    record that the report draws as a marker at the step."""
-    if restored is None or not checkpointer.resized:  # restore() printed the line
+    record that the report draws as a marker at the step. The size it changed from is the checkpoint's
+    (converted, and the line printed, by restore()), else this job's previous worker group's: a group
+    that grows back before the smaller one saved resumes a checkpoint of its own size."""
+    previous = coordinator.swap_group_size(worker.world_size) if worker.rank == 0 else None
+    if restored is None:
         return
-    old = checkpointer.resized["old"]
+    if checkpointer.resized:
+        old = checkpointer.resized["old"]
+    elif previous is not None and previous != worker.world_size:
+        old = previous
+        if worker.rank == 0:
+            print(f"Resized at step {restored.step}: {old} -> {worker.world_size} workers (resumed from a checkpoint "
+                  f"saved by {worker.world_size} workers: nothing to convert)", flush=True)
+    else:
+        return
     metrics.emit(restored.step, {"resize/from_workers": float(old), "resize/to_workers": float(worker.world_size)})
 
 
