@@ -46,14 +46,15 @@ def test_num_workers_range_becomes_scaling_config_workers(value, expected):
 @pytest.mark.parametrize(
     ("value", "problem"),
     [("4-1", "the range 4-1 must have 1 <= MIN <= MAX"), ("0-2", "the range 0-2 must have 1 <= MIN <= MAX"),
-     ("two", "expected a number of workers or a range MIN-MAX, got 'two'"), ("1..4", "got '1..4'")],
+     ("two", "got 'two'"), ("1..4", "got '1..4'")],
 )
 def test_a_bad_worker_range_is_named_with_the_fix(value, problem):
     config = Config.from_dict({"resources": {"num_workers": value}})
     with pytest.raises(ConfigError) as error:
         validate(config)
     assert problem in str(error.value)
-    assert "--set resources.num_workers=1-4" in str(error.value)
+    suggestion = re.search(r"e\.g\. (--set resources\.num_workers=\S+(?: --set \S+)*)", str(error.value))
+    assert suggestion, str(error.value)  # a fix that validates for this config (tests/test_first_hour.py checks that)
 
 
 def test_an_elastic_run_needs_room_for_its_fewest_workers_only():
