@@ -182,7 +182,7 @@ def test_same_inputs_are_a_no_op_and_different_ones_are_refused(tmp_path, capsys
     assert "nothing to do" in capsys.readouterr().err
     assert again.sources_hash == first.sources_hash and shard.stat().st_mtime_ns == before
 
-    with pytest.raises(DataError, match=r"seq_len: 16 before, 32 now.*overwrite=True"):
+    with pytest.raises(DataError, match=r"seq_len: 16 before, 32 now.*--overwrite"):
         prepare_data(inputs=[str(corpus)], output=out, seq_len=32)
     (corpus / "a.txt").write_text(TEXTS["a.txt"].replace("h", "j"), encoding="utf-8")  # same size, new content
     with pytest.raises(DataError, match="input files changed"):
