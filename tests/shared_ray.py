@@ -22,6 +22,14 @@ def start_shared_ray() -> None:
     /tmp/ray/ray_current_cluster (written by `ray start` and ray.cluster_utils) happens to name."""
     import ray
 
+    # What an earlier start left (RAY_AUTH_MODE=token) goes first, so that ray.init sets it again by its
+    # own path, which also refreshes the auth mode Ray caches in-process. Left in place, the variable
+    # says "token" while the cache can say "disabled" (a driver that connected to a test's own cluster
+    # re-read the environment without it): the new GCS then wants a token the driver never sends
+    # ("InvalidAuthToken", the CI failure of stop 26).
+    for key, value in _ENV_SET_BY_RAY_INIT.items():
+        if os.environ.get(key) == value:
+            del os.environ[key]
     before = dict(os.environ)
     ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=True)
     _ENV_SET_BY_RAY_INIT.update({k: v for k, v in os.environ.items() if before.get(k) != v})
@@ -43,6 +51,7 @@ def without_shared_ray() -> Iterator[None]:
     finally:
         if ray.is_initialized():  # the test's own driver connection
             ray.shutdown()
-        os.environ.update(taken)
         if held:
-            start_shared_ray()
+            start_shared_ray()  # sets what it took again, by ray.init's own path
+        else:
+            os.environ.update(taken)
