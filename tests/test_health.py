@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ from raytrain_fast.errors import DivergenceError
 from raytrain_fast.launch.trainer import run
 from raytrain_fast.loop.health import SpikeCheck
 from raytrain_fast.loop.hooks import LoopHooks
+from raytrain_fast.metrics.sinks import read_metrics
+from raytrain_fast.report import diagnose, load_run
 from tests.test_train import micro_config as train_micro_config
 
 pytestmark = pytest.mark.slow
@@ -81,6 +85,11 @@ def test_a_planted_nan_gradient_rolls_back_skips_and_finishes_like_a_clean_run(r
     assert "health/nonfinite" in planted_records and "health/rollback" in planted_records
     clean_loss, planted_loss = clean.metrics["train/loss"], planted.metrics["train/loss"]
     assert math.isfinite(planted_loss) and abs(planted_loss - clean_loss) <= 0.1 * clean_loss
+    # The report names the divergence, the checkpoint it went back to and the data it skipped; the clean run has none.
+    assert not {"divergence", "spike"} & set(diagnose(load_run(str(tmp_path / "runs"), "clean")).keys())
+    found = [f for f in diagnose(load_run(str(tmp_path / "runs"), "planted")).findings if f.key == "divergence"]
+    assert [(f.numbers["step"], f.numbers["to_step"], f.numbers["skipped_sequences"]) for f in found] == [(15, 10, 40)]
+    assert "Divergence at step 15: rolled back to step 10" == found[0].title
 
 
 def test_a_run_that_keeps_diverging_stops_with_a_clear_error_and_keeps_a_healthy_checkpoint(ray_session, tmp_path):
@@ -99,6 +108,31 @@ def test_a_run_that_keeps_diverging_stops_with_a_clear_error_and_keeps_a_healthy
     assert checkpoints, "the newest healthy checkpoint must stay in storage"
     for checkpoint in checkpoints:
         assert non_finite_tensors(checkpoint) == [], checkpoint
+    found = [f for f in diagnose(load_run(str(tmp_path / "runs"), "lr500")).findings if f.key == "divergence"]
+    assert len(found) == 3 and found[-1].title.endswith("and stopped")  # two rollbacks, then the stop
+    assert f"the newest is at step {int(checkpoints[-1].name.rsplit('_', 1)[1])}" in found[-1].evidence[-1]
+
+
+def test_a_divergence_before_any_checkpoint_stops_with_the_fix_not_a_worker_crash(ray_session, tmp_path):
+    config = micro_config(tmp_path, "early", "optim.lr=500", "train.steps=12", "train.log_every=1",
+                          "checkpoint.every_steps=100", "resources.num_workers=1")
+    with pytest.raises(DivergenceError, match="nothing to roll back to: set checkpoint.every_steps below"):
+        run(config)
+    stop = json.loads((tmp_path / "runs" / "early" / "health.json").read_text())["stopped"]
+    assert stop["step"] <= 12 and "non-finite" in stop["what"]
+
+def test_a_planted_loss_spike_is_warned_once_recorded_and_reported(ray_session, tmp_path, capfd):
+    config = micro_config(tmp_path, "spiky", "resources.num_workers=1", "train.steps=40", "train.log_every=2",
+                          "checkpoint.every_steps=20")
+    run(config, hooks=LoopHooks(spike="30:0"))  # step 30's loss x1000 on rank 0: the window ending at 30
+    printed = capfd.readouterr()
+    assert (printed.out + printed.err).count("spike (median +") == 1, printed
+    assert "1 spike (last at step 30)" in printed.out + printed.err  # every progress line after it counts it
+    records = read_metrics(str(tmp_path / "runs" / "spiky"))
+    assert [r["step"] for r in records if r.get("health/spike")] == [30]
+    report = diagnose(load_run(str(tmp_path / "runs"), "spiky"))
+    assert [f.numbers["first_step"] for f in report.findings if f.key == "spike"] == [30]
+    assert "divergence" not in report.keys()
 
 
 def test_spike_check_flags_a_jump_but_not_a_falling_or_noisy_loss():
@@ -177,3 +211,16 @@ def test_the_spike_and_nonfinite_drills_plant_once_at_their_step_on_their_rank()
     assert math.isnan(nan.on_loss(torch.tensor(2.0)).item())
     with pytest.raises(ValueError, match="malformed SPEC"):
         LoopHooks.from_cli(["spike=3:1:grad"])
+
+
+def test_bench_health_times_both_variants_the_same_way_from_a_fresh_shell():
+    command = [sys.executable, "-m", "raytrain_fast.cli", "bench", "health", "--steps", "1", "--rounds", "2", "--warmup-steps", "1",
+               "--ops-calls", "50", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "[bench health] round 2/2" in done.stderr  # progress on stderr
+    report = json.loads(done.stdout)  # stdout is the JSON alone
+    assert report["order"] == [["without", "with"], ["with", "without"]]  # interleaved, the order alternating
+    assert report["precision"] in ("bf16", "fp32") and report["threads"] >= 1 and report["cpu"]
+    assert report["step_ms_without"] > 0 and report["step_ms_with"] > 0
+    assert report["ratio_min"] <= report["ratio_with_over_without"] <= report["ratio_max"]

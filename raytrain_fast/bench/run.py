@@ -60,7 +60,15 @@ def add_parser(commands: Any) -> None:
     from raytrain_fast.bench.model import add_arguments as add_model_arguments
 
     add_model_arguments(model)
-    for parser in (data, overhead, checkpoint, model):
+    health = add_command(kinds, "health", "what the divergence checks cost a training step: with vs without, interleaved")
+    health.add_argument("--model", default="tiny", choices=["tiny", "large"], help="model size, as for `bench overhead` (default: tiny)")
+    health.add_argument("--steps", type=int, default=20, help="timed steps per variant and round (default: 20)")
+    health.add_argument("--rounds", type=int, default=10, help="interleaved rounds of both variants (default: 10)")
+    health.add_argument("--warmup-steps", type=int, default=5, help="untimed steps first (default: 5)")
+    health.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help="auto: what the engine picks here")
+    health.add_argument("--threads", type=int, default=0, help="torch threads (0: this process's count)")
+    health.add_argument("--ops-calls", type=int, default=5000, help="calls per round when timing the checks' ops alone (default: 5000)")
+    for parser in (data, overhead, checkpoint, model, health):
         parser.add_argument("--json", action="store_true", help="print only the JSON object")
 
 
@@ -71,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
         report = bench_data(steps=args.steps, rounds=args.rounds, verbose=not args.json)
     elif args.bench == "overhead":
         report = bench_overhead(args)
+    elif args.bench == "health":
+        from raytrain_fast.bench.health import bench_health
+
+        report = bench_health(size=args.model, steps=args.steps, rounds=args.rounds, warmup_steps=args.warmup_steps,
+                              precision=args.precision, threads=args.threads, ops_calls=args.ops_calls)
     elif args.bench == "model":
         from raytrain_fast.bench.model import bench_model, from_args
 

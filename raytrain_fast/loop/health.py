@@ -52,6 +52,14 @@ class Rollback(Exception):
 class DivergenceStop(Exception):
     """Every rank raises it at the same log step: the run stops (`message` says why and what to change)."""
 
+    def __init__(self, message: str, *, step: int, what: str, loss: float, grad_norm: float) -> None:
+        super().__init__(message)
+        self.step, self.what, self.loss, self.grad_norm = step, what, loss, grad_norm
+
+    def record(self) -> dict[str, Any]:
+        """What `<run>/health.json` keeps of the stop (the report's divergence finding)."""
+        return {"step": self.step, "what": self.what, "loss": self.loss, "grad_norm": self.grad_norm}
+
 
 @dataclass
 class SpikeCheck:
@@ -96,6 +104,7 @@ class HealthMonitor:
         self.last = {"loss": loss, "grad_norm": grad}
         if not self.window_finite:
             metrics.emit(step, {"health/nonfinite": 1.0})
+            metrics.mark_health("non-finite window", step)
             self._act(self.config.on_nonfinite, step=step, what="a non-finite loss or gradient norm", loss=loss, grad=grad)
             return
         if self.config.on_spike == "off" or step <= self.warmup_steps:
@@ -104,6 +113,7 @@ class HealthMonitor:
                   if check.is_spike(value)]
         if spiked:
             metrics.emit(step, {"health/spike": 1.0, "health/spike_loss": loss, "health/spike_grad_norm": grad})
+            metrics.mark_health("spike", step)
             what = f"a {' and '.join(spiked)} spike (median + {self.config.spike_mads:g} x MAD of the last windows)"
             self._act(self.config.on_spike, step=step, what=what, loss=loss, grad=grad)
 
@@ -114,7 +124,8 @@ class HealthMonitor:
             return
         if policy == "rollback" and len(self.rollbacks) < self.config.max_rollbacks:
             raise Rollback(step=step, what=what, loss=loss, grad_norm=grad)
-        raise DivergenceStop(self.stop_message(step=step, what=what, loss=loss, grad=grad, policy=policy))
+        raise DivergenceStop(self.stop_message(step=step, what=what, loss=loss, grad=grad, policy=policy),
+                             step=step, what=what, loss=loss, grad_norm=grad)
 
     def may_save(self, step: int, metrics: Any, *, logged: bool) -> bool:
         """Whether the state may be saved now: every step since the last log step was finite. On a
@@ -142,18 +153,25 @@ class HealthMonitor:
         return {"finite": self.window_finite, **self.last, "rollbacks": self.rollbacks}
 
 
-def read_records(filesystem: Any, run_path: str) -> list[dict[str, Any]]:
-    """The rollbacks recorded in `<run>/health.json` ([] when there is none)."""
+def read_health(filesystem: Any, run_path: str) -> dict[str, Any]:
+    """`<run>/health.json`: {"rollbacks": [...], "stopped": {...} when the run stopped on a divergence}
+    ({} when there is none)."""
     try:
         with filesystem.open_input_stream(f"{run_path.rstrip('/')}/{RECORD_FILE}") as stream:
-            return list(json.loads(stream.read()).get("rollbacks", []))
+            return dict(json.loads(stream.read()))
     except (FileNotFoundError, OSError, ValueError):
-        return []
+        return {}
 
 
-def write_records(filesystem: Any, run_path: str, rollbacks: list[dict[str, Any]]) -> None:
+def read_records(filesystem: Any, run_path: str) -> list[dict[str, Any]]:
+    """The rollbacks recorded in `<run>/health.json` ([] when there is none)."""
+    return list(read_health(filesystem, run_path).get("rollbacks", []))
+
+
+def write_records(filesystem: Any, run_path: str, rollbacks: list[dict[str, Any]], *, stopped: dict[str, Any] | None = None) -> None:
+    record: dict[str, Any] = {"rollbacks": rollbacks, **({"stopped": stopped} if stopped else {})}
     with filesystem.open_output_stream(f"{run_path.rstrip('/')}/{RECORD_FILE}") as stream:
-        stream.write(json.dumps({"rollbacks": rollbacks}, indent=2).encode())
+        stream.write(json.dumps(record, indent=2).encode())
 
 
 def skip_position(rollbacks: list[dict[str, Any]], *, step: int, position: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -117,23 +117,23 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         note_hangs(worker, coordinator, metrics, step=state.step)
         heartbeat = start_heartbeat(worker, coordinator, state)  # from here on, the hang watchdog watches this rank
         try:
-            while True:  # once, unless a divergence rolls back (loop/health.py)
-                try:
-                    run_steps(
-                        worker, engine=engine, data=data, metrics=metrics, evaluator=evaluator, checkpointer=checkpointer,
-                        coordinator=coordinator, state=state, on_window=loop_config.get("on_window"), compiled=compiled,
-                        save_checkpoints=loop_config.get("save_checkpoints", True), health=health, heartbeat=heartbeat,
-                    )
-                    break
-                except Rollback as rollback:
-                    heartbeat.pause("restore")  # loading the checkpoint: not watched until the next step
-                    data, restored = roll_back(worker, rollback, loop_config, engine=engine, data=data, metrics=metrics,
-                                               checkpointer=checkpointer, health=health)
-                    vars(state).update(vars(restored))  # the same object: the heartbeat thread reads state.step
-                    compiled = False
-                except DivergenceStop as stop:
-                    stop_on_divergence(worker, str(stop), checkpointer=checkpointer, coordinator=coordinator)
-                    break
+            try:
+                while True:  # once, unless a divergence rolls back (loop/health.py)
+                    try:
+                        run_steps(
+                            worker, engine=engine, data=data, metrics=metrics, evaluator=evaluator, checkpointer=checkpointer,
+                            coordinator=coordinator, state=state, on_window=loop_config.get("on_window"), compiled=compiled,
+                            save_checkpoints=loop_config.get("save_checkpoints", True), health=health, heartbeat=heartbeat,
+                        )
+                        break
+                    except Rollback as rollback:
+                        heartbeat.pause("restore")  # loading the checkpoint: not watched until the next step
+                        data, restored = roll_back(worker, rollback, loop_config, engine=engine, data=data, metrics=metrics,
+                                                   checkpointer=checkpointer, health=health)
+                        vars(state).update(vars(restored))  # the same object: the heartbeat thread reads state.step
+                        compiled = False
+            except DivergenceStop as stop:  # from the policy, or a rollback with no checkpoint to go back to
+                stop_on_divergence(worker, stop, checkpointer=checkpointer, coordinator=coordinator, health=health)
         finally:
             heartbeat.close()
             metrics.close()
@@ -317,7 +317,8 @@ def roll_back(
     if restored is None:
         message = health.stop_message(step=rollback.step, what=rollback.what, loss=rollback.loss, grad=rollback.grad_norm, policy="rollback")
         raise DivergenceStop(f"{message} No checkpoint was saved before it, so there is nothing to roll back to: "
-                             "set checkpoint.every_steps below the step it diverged at.")
+                             "set checkpoint.every_steps below the step it diverged at.",
+                             step=rollback.step, what=rollback.what, loss=rollback.loss, grad_norm=rollback.grad_norm)
     checkpointer.load_into(engine)
     skipped = sequences_between(restored.data_position, detected_at, data.sequences_per_epoch)
     health.rollbacks.append({
@@ -337,20 +338,25 @@ def roll_back(
     metrics.restart_at(restored.step)
     metrics.emit(rollback.step, {"health/rollback": 1.0, "health/rollback_to_step": float(restored.step),
                                  "health/skipped_sequences": float(skipped)})
+    metrics.mark_health("rollback", rollback.step)
     return build_data(worker, loop_config, restored), restored
 
 
-def stop_on_divergence(worker: Worker, message: str, *, checkpointer: Checkpointer, coordinator: Coordinator) -> None:
-    """The run stops: uploads finish, rank 0 hands the message to the driver through the run's
-    coordinator, and the workers end normally, so Ray Train does not restart them (the driver raises it)."""
+def stop_on_divergence(
+    worker: Worker, stop: DivergenceStop, *, checkpointer: Checkpointer, coordinator: Coordinator, health: HealthMonitor,
+) -> None:
+    """The run stops: uploads finish, rank 0 records the stop in `<run>/health.json` (the report
+    names it) and hands the message to the driver through the run's coordinator, and the workers end
+    normally, so Ray Train does not restart them (the driver raises it)."""
     checkpointer.finish()
     if worker.rank == 0:
         import ray
 
-        from raytrain_fast.loop.health import DIVERGENCE_KEY
+        from raytrain_fast.loop.health import DIVERGENCE_KEY, write_records
 
-        print(message, flush=True)
-        ray.get(coordinator.actor.post.remote(DIVERGENCE_KEY, message, {}))
+        write_records(checkpointer.filesystem, checkpointer.run_path, health.rollbacks, stopped=stop.record())
+        print(str(stop), flush=True)
+        ray.get(coordinator.actor.post.remote(DIVERGENCE_KEY, str(stop), {}))
 
 
 def build_data(worker: Worker, loop_config: dict[str, Any], state: TrainState):

@@ -188,6 +188,8 @@ class TrainMetrics:
 
         self._is_logger = rank == 0
         self._print = print_progress and self._is_logger
+        self.health_marks: dict[str, tuple[int, int]] = {}
+        """What the health check saw so far (loop/health.py): event -> (count, last step); the progress line shows it."""
         self._writer = _writer_for(sinks, config, logger=self._is_logger)
         self._sink_cpu_at_window_start = 0.0
         self._dropped_at_window_start = 0
@@ -559,6 +561,11 @@ class TrainMetrics:
         self._phase_sum = {phase: 0.0 for phase in PHASES}
         self._num_profiled = 0
 
+    def mark_health(self, event: str, step: int) -> None:
+        """A spike, a non-finite window or a rollback at `step`: every later progress line counts them."""
+        count, _ = self.health_marks.get(event, (0, 0))
+        self.health_marks[event] = (count + 1, step)
+
     def restart_at(self, step: int) -> None:
         """The loop went back to step `step` (a rollback, loop/health.py): the window restarts there
         and what the abandoned steps accumulated is dropped."""
@@ -603,6 +610,8 @@ class TrainMetrics:
         if metrics.get("alert/stall"):
             cause = next((k.rsplit("/", 1)[1] for k in metrics if k.startswith("alert/stall_cause/")), "unknown")
             parts.append(f"STALL x{metrics.get('alert/stall_ratio', math.nan):.1f} ({STALL_CAUSES[cause]})")
+        for event, (count, last) in self.health_marks.items():
+            parts.append(f"{count} {event}{'s' if count > 1 else ''} (last at step {last})")
         return "  ".join(parts)
 
     # --- end -----------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ SWAP_GROWTH_GB = 0.1
 class Finding:
     key: str
     """data_bound, sink_backlog, memory_underused, slowdown, checkpoint_stall, straggler, stall,
-    host_contention, memory_pressure, overfitting, corpus_repeated or hang."""
+    host_contention, memory_pressure, overfitting, corpus_repeated, hang, divergence or spike."""
     title: str
     evidence: list[str]
     """The numbers the finding rests on, in words."""
@@ -120,7 +120,8 @@ class Diagnosis:
 
 
 def diagnose(run: RunMetrics) -> Diagnosis:
-    findings: list[Finding] = _hangs(run)  # a hang is a finding however short the run
+    # A hang, a divergence or a spike is a finding however short the run.
+    findings: list[Finding] = [*_hangs(run), *_divergence(run), *_spikes(run)]
     skipped: list[str] = []
     if not run.steady:
         skipped.append(
@@ -659,6 +660,100 @@ def _hangs(run: RunMetrics) -> list[Finding]:
             numbers={"step": float(hang["step"]), "rank": float(ranks[0]) if ranks else -1.0, "stuck_s": float(hang["stuck_s"]), "lost_s": lost},
         ))
     return findings
+
+
+def _divergence(run: RunMetrics) -> list[Finding]:
+    """One finding per divergence (loop/health.py): each rollback from `<run>/health.json` (the step,
+    what it was, the checkpoint it went back to, the data it skipped, the time lost), and a non-finite
+    window the run did not roll back from (health.on_nonfinite stop or warn, or max_rollbacks spent)."""
+    step_s = median([r["time/step_s"] for r in run.records if "time/step_s" in r])
+    findings = []
+    rolled_back = [int(r["detected_step"]) for r in run.rollbacks]
+    for number, record in enumerate(run.rollbacks, 1):
+        redone = int(record["detected_step"]) - int(record["to_step"])
+        lost = redone * step_s if not math.isnan(step_s) else math.nan
+        position = record.get("position") or {}
+        evidence = [
+            f"{record['what']} in the window ending at step {record['detected_step']} (loss {record['loss']:.4g}, grad norm {record['grad_norm']:.4g})",
+            f"rolled back to the checkpoint at step {record['to_step']} and skipped the {int(record['skip_sequences']):,} sequences "
+            f"read since it (from epoch {position.get('epoch', 0)}, sequence {position.get('consumed', 0):,}); a resume skips them again",
+            f"rollback {number} of at most {run.setting('health', 'max_rollbacks', '?')} (health.max_rollbacks)",
+        ]
+        if not math.isnan(lost):
+            evidence.append(f"time lost: about {_duration(lost)} ({redone} steps trained again)")
+        findings.append(Finding(
+            key="divergence", title=f"Divergence at step {record['detected_step']}: rolled back to step {record['to_step']}",
+            evidence=evidence, advice=_DIVERGENCE_ADVICE,
+            numbers={"step": float(record["detected_step"]), "to_step": float(record["to_step"]),
+                     "skipped_sequences": float(record["skip_sequences"]), "lost_s": lost},
+        ))
+    stop = run.divergence_stop
+    if stop:
+        evidence = [
+            f"{stop['what']} in the window ending at step {stop['step']} (loss {stop['loss']:.4g}, grad norm {stop['grad_norm']:.4g})",
+            f"the run stopped there (health.on_nonfinite / health.on_spike: {run.setting('health', 'on_nonfinite', '?')} / "
+            f"{run.setting('health', 'on_spike', '?')}" + (f", after {len(run.rollbacks)} rollback(s)" if run.rollbacks else "") + ")",
+            "the update of a non-finite step never reached the weights, and every checkpoint saved is healthy: "
+            + (f"the newest is at step {max(run.saved_steps)}" if run.saved_steps else "none was saved"),
+        ]
+        findings.append(Finding(key="divergence", title=f"Training diverged at step {stop['step']} and stopped",
+                                evidence=evidence, advice=_DIVERGENCE_ADVICE, numbers={"step": float(stop["step"])}))
+    # Non-finite windows the run went on from (health.on_nonfinite: warn).
+    acted = set(rolled_back) | ({int(stop["step"])} if stop else set())
+    warned = [s for s, v in zip(*run.series("health/nonfinite")) if v >= 1 and s not in acted]
+    if warned:
+        findings.append(Finding(
+            key="divergence", title=f"Non-finite training windows at {len(warned)} log step(s), first at step {warned[0]}",
+            evidence=[
+                "non-finite loss or gradient norm in the windows ending at step"
+                + ("s " if len(warned) > 1 else " ") + ", ".join(map(str, warned[:12])) + (" ..." if len(warned) > 12 else "") + " (health/nonfinite)",
+                f"the run went on (health.on_nonfinite: {run.setting('health', 'on_nonfinite', '?')}); the updates of non-finite steps "
+                "never reached the weights, and no checkpoint was saved while the state was not healthy",
+            ],
+            advice=_DIVERGENCE_ADVICE, numbers={"step": float(warned[0]), "windows": float(len(warned))},
+        ))
+    return findings
+
+
+_DIVERGENCE_ADVICE = [
+    "lower optim.lr, lengthen optim.warmup_steps or tighten optim.grad_clip; a resume from the newest healthy checkpoint can change them",
+    "if it recurs at the same data, look at the sequences of that window: a rollback skips them, a rerun from an earlier checkpoint reads them again",
+]
+
+
+def _spikes(run: RunMetrics) -> list[Finding]:
+    """The loss or gradient-norm spikes the health check recorded (health/spike), in one finding:
+    each spike's loss and gradient norm beside the median of the windows before it."""
+    spikes = [r for r in run.records if r.get("health/spike")]
+    if not spikes:
+        return []
+    policy = run.setting("health", "on_spike", "warn")
+    rolled_back = {int(r["detected_step"]) for r in run.rollbacks if "spike" in str(r.get("what", ""))}
+    evidence = []
+    for spike in spikes[:8]:
+        before = [r for r in run.records if "train/loss" in r and r["step"] < spike["step"]][-10:]
+        level = median([r["train/loss"] for r in before])
+        grads = median([r["train/grad_norm"] for r in before if "train/grad_norm" in r])
+        evidence.append(
+            f"step {spike['step']}: loss {spike.get('health/spike_loss', math.nan):.4g} (median of the 10 windows before: {level:.4g}), "
+            f"grad norm {spike.get('health/spike_grad_norm', math.nan):.4g} (before: {grads:.4g})"
+            + ("; rolled back" if spike["step"] in rolled_back else "")
+        )
+    if len(spikes) > 8:
+        evidence.append(f"... and {len(spikes) - 8} more")
+    evidence.append(f"a spike is a window above median + {run.setting('health', 'spike_mads', '?')} x MAD of the last "
+                    f"{run.setting('health', 'spike_windows', '?')} windows (health.spike_mads, health.spike_windows); policy: {policy}")
+    steps = [int(s["step"]) for s in spikes]
+    return [Finding(
+        key="spike", title=f"Loss spike{'s' if len(spikes) > 1 else ''} at step{'s' if len(spikes) > 1 else ''} " + ", ".join(map(str, steps[:8]))
+        + (" ..." if len(steps) > 8 else ""),
+        evidence=evidence,
+        advice=[
+            "spikes that recur point at the learning rate: lower optim.lr or lengthen optim.warmup_steps; tighten optim.grad_clip",
+            "a single spike that the loss recovers from costs little; health.on_spike: rollback goes back and skips the window's data instead",
+        ],
+        numbers={"spikes": float(len(spikes)), "first_step": float(steps[0])},
+    )]
 
 
 def _host_contention(run: RunMetrics) -> Finding | str | None:

@@ -43,6 +43,10 @@ class RunMetrics:
     """Steps of the checkpoints the run's directory holds now (retention may have removed older ones)."""
     hangs: list[dict[str, Any]] = field(default_factory=list)
     """The hang watchdog's records (`<run>/hangs/hang-*.json`, watchdog/stacks.py), oldest first."""
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
+    """The divergence rollbacks (`<run>/health.json`, loop/health.py), oldest first."""
+    divergence_stop: dict[str, Any] | None = None
+    """The divergence the run stopped on (`<run>/health.json`), if it did."""
 
     @property
     def steady(self) -> list[dict[str, Any]]:
@@ -150,6 +154,8 @@ def load_run(storage_uri: str, name: str, *, storage: StorageConfig | None = Non
     run.saved_steps = _saved_steps(uri, storage)
     run.auto_micro_batch = _auto_micro_batch(storage_uri, storage, run.config)
     run.hangs = _hang_records(uri, storage)
+    health = _health_record(uri, storage)
+    run.rollbacks, run.divergence_stop = list(health.get("rollbacks", [])), health.get("stopped")
     return run
 
 
@@ -275,6 +281,18 @@ def _hang_records(run_uri: str, storage: StorageConfig) -> list[dict[str, Any]]:
         return records
     except (OSError, ValueError):
         return []
+
+
+def _health_record(run_uri: str, storage: StorageConfig) -> dict[str, Any]:
+    """The run's rollbacks and divergence stop (loop/health.py; {} when it had neither)."""
+    from raytrain_fast.loop.health import read_health
+    from raytrain_fast.storage import resolve_filesystem
+
+    try:
+        filesystem, path = resolve_filesystem(run_uri, storage)
+        return read_health(filesystem, path)
+    except (OSError, ValueError):
+        return {}
 
 
 def median(values: list[float]) -> float:

@@ -1,0 +1,137 @@
+"""`raytrain-fast bench health`: what the divergence checks (docs/health.md) cost a training step.
+
+The checks add, per optimizer step and on the device (no host read):
+- the gradient norm's finiteness, handed to the fused AdamW as `found_inf`
+  (`engine.deepspeed_engine.skip_nonfinite_update`), which the kernel then reads;
+- a `where` on the norm before it enters the window's sum (`TrainMetrics.add_grad_norm`).
+
+Two variants of one bare step of a model (forward, backward, clip, fused or foreach AdamW, the loss
+and norm into on-device window sums) share one model, optimizer, batch, precision and thread count:
+`without` adds the norm to the sum and steps; `with` goes through the two functions the loop calls.
+They run interleaved in rounds of `steps` steps, the order alternating every round, after untimed
+warm-up steps. The statistic is each variant's median time per step over the rounds, and the ratio is
+the median of the per-round ratios (with / without). The ops alone are also timed (`ops_us`), in the
+same interleaved way, on a norm that is already computed.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+from typing import Any
+
+
+def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmup_steps: int = 5,
+                 precision: str = "auto", threads: int = 0, ops_calls: int = 5000, verbose: bool = True) -> dict[str, Any]:
+    import torch
+
+    from raytrain_fast.bench.overhead import OverheadSetup, _build, _set_threads
+    from raytrain_fast.engine import training_device
+    from raytrain_fast.engine.deepspeed_engine import skip_nonfinite_update
+    from raytrain_fast.metrics.peak import _cpu_model_name
+    from raytrain_fast.metrics.train_metrics import TrainMetrics
+
+    if steps < 1 or rounds < 2 or warmup_steps < 0 or ops_calls < 1:
+        raise ValueError("bench health needs --steps >= 1, --rounds >= 2, --warmup-steps >= 0 and --ops-calls >= 1")
+    setup = OverheadSetup.for_size(size, precision=precision, threads=threads).resolved()
+    device = training_device()
+    _set_threads(setup, device)
+    model, optimizer, batches, autocast = _build(setup, device)
+    sums = SimpleNamespace(_grad_norm_acc=torch.zeros((), device=device), _num_grad_norms=0)
+    loss_sum = torch.zeros((), device=device)
+
+    def step(i: int, checked: bool) -> torch.Tensor:
+        tokens = batches[i % batches.shape[0]]
+        with autocast():
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), setup.grad_clip)
+        loss_sum.add_(loss.detach())
+        if checked:
+            skip_nonfinite_update(optimizer, norm)
+            TrainMetrics.add_grad_norm(sums, norm)
+        else:
+            sums._grad_norm_acc.add_(norm.detach())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def sync() -> None:
+        float(loss_sum)  # the clock stops when the device is done
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed_round(checked: bool, first: int) -> float:
+        if not checked:
+            optimizer.__dict__.pop("found_inf", None)  # the kernel reads no flag at all
+        sync()
+        start = time.perf_counter()
+        for i in range(steps):
+            step(first + i, checked)
+        sync()
+        return (time.perf_counter() - start) / steps
+
+    for i in range(warmup_steps):
+        step(i, checked=i % 2 == 0)
+    per_step: dict[str, list[float]] = {"without": [], "with": []}
+    ratios, orders = [], []
+    for r in range(rounds):
+        order = ("without", "with") if r % 2 == 0 else ("with", "without")
+        seconds = {name: timed_round(name == "with", warmup_steps + r * steps) for name in order}
+        for name, value in seconds.items():
+            per_step[name].append(value)
+        ratios.append(seconds["with"] / seconds["without"])
+        orders.append(list(order))
+        if verbose:  # progress on stderr: stdout is the JSON alone
+            print(f"[bench health] round {r + 1}/{rounds}: without {seconds['without'] * 1e3:.1f} ms/step, "
+                  f"with {seconds['with'] * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
+
+    ops = _ops_cost(optimizer, sums, device, calls=ops_calls, rounds=rounds)
+    without, with_checks = statistics.median(per_step["without"]), statistics.median(per_step["with"])
+    return {
+        "bench": "health",
+        "what": "one bare training step with the divergence checks (found_inf for the fused AdamW, a where on the "
+                "norm) vs without them; median over interleaved rounds",
+        "model": size, "d_model": setup.d_model, "layers": setup.num_layers, "micro_batch": setup.micro_batch,
+        "seq_len": setup.seq_len, "precision": setup.precision, "threads": torch.get_num_threads(),
+        "fused_adamw": bool(optimizer.defaults.get("fused")), "device": str(device),
+        "cpu": _cpu_model_name(), "cpu_cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+        "steps_per_round": steps, "rounds": rounds, "order": orders,
+        "step_ms_without": without * 1e3, "step_ms_with": with_checks * 1e3,
+        "ratio_with_over_without": statistics.median(ratios),
+        "ratio_min": min(ratios), "ratio_max": max(ratios),
+        **ops,
+    }
+
+
+def _ops_cost(optimizer: Any, sums: Any, device: Any, *, calls: int, rounds: int) -> dict[str, float]:
+    """The checks' own ops on a computed norm, per call (median over interleaved rounds), beside the
+    plain add they replace."""
+    import torch
+
+    from raytrain_fast.engine.deepspeed_engine import skip_nonfinite_update
+    from raytrain_fast.metrics.train_metrics import TrainMetrics
+
+    norm = torch.tensor(1.5, device=device)
+
+    def plain() -> None:
+        sums._grad_norm_acc.add_(norm)
+
+    def checked() -> None:
+        skip_nonfinite_update(optimizer, norm)
+        TrainMetrics.add_grad_norm(sums, norm)
+
+    times: dict[str, list[float]] = {"plain": [], "checked": []}
+    for r in range(rounds):
+        for name, call in ((("plain", plain), ("checked", checked)) if r % 2 == 0 else (("checked", checked), ("plain", plain))):
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            float(sums._grad_norm_acc)
+            times[name].append((time.perf_counter() - start) / calls)
+    optimizer.__dict__.pop("found_inf", None)
+    plain_us, checked_us = statistics.median(times["plain"]) * 1e6, statistics.median(times["checked"]) * 1e6
+    return {"ops_us_plain": plain_us, "ops_us_checked": checked_us, "ops_us_added": checked_us - plain_us}
