@@ -31,7 +31,6 @@ def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmu
     from raytrain_fast.bench.overhead import OverheadSetup, _build, _set_threads
     from raytrain_fast.engine import training_device
     from raytrain_fast.engine.deepspeed_engine import skip_nonfinite_update
-    from raytrain_fast.metrics.peak import _cpu_model_name
     from raytrain_fast.metrics.train_metrics import TrainMetrics
 
     if steps < 1 or rounds < 2 or warmup_steps < 0 or ops_calls < 1:
@@ -90,6 +89,16 @@ def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmu
                   f"with {seconds['with'] * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
 
     ops = _ops_cost(optimizer, sums, device, calls=ops_calls, rounds=rounds)
+    return _report(size=size, setup=setup, device=device, optimizer=optimizer, per_step=per_step, ratios=ratios,
+                   orders=orders, steps=steps, rounds=rounds, ops=ops)
+
+
+def _report(*, size: str, setup: Any, device: Any, optimizer: Any, per_step: dict[str, list[float]], ratios: list[float],
+            orders: list[list[str]], steps: int, rounds: int, ops: dict[str, float]) -> dict[str, Any]:
+    import torch
+
+    from raytrain_fast.metrics.peak import _cpu_model_name
+
     without, with_checks = statistics.median(per_step["without"]), statistics.median(per_step["with"])
     return {
         "bench": "health",

@@ -146,13 +146,10 @@ class TrainMetrics:
     ) -> None:
         if log_every <= 0:
             raise ValueError(f"log_every must be > 0, got {log_every}")
-        self.config = config
-        self.log_every = log_every
-        self.total_steps = total_steps
+        self.config, self.log_every, self.total_steps = config, log_every, total_steps
         self.tokens_per_step = tokens_per_step
         """Tokens per optimizer step across all ranks."""
-        self.rank = rank
-        self.world_size = world_size
+        self.rank, self.world_size = rank, world_size
         self.flops_per_token = flops_per_token
         self.datasheet_peak_flops = datasheet_peak_flops
         """Per device, from the datasheet table; None where unknown (CPUs, unlisted devices)."""
