@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -187,12 +188,18 @@ class _Cli:
         for line in self.process.stdout:
             self.lines.append((time.monotonic(), line))
 
-    def wait_for(self, pattern: str, timeout_s: float, *, fail_on: str | None = None) -> tuple[float, re.Match]:
-        """The first line matching `pattern`; fails at once on a line matching `fail_on`."""
+    def wait_for(
+        self, pattern: str, timeout_s: float, *, fail_on: str | None = None, after: float = 0.0,
+        accept: Callable[[re.Match], bool] = lambda _: True,
+    ) -> tuple[float, re.Match]:
+        """The first line printed after `after` (a monotonic time) matching `pattern` and `accept`;
+        fails at once on a line matching `fail_on`."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for at, line in list(self.lines):
-                if match := re.search(pattern, line):
+                if at <= after:
+                    continue
+                if (match := re.search(pattern, line)) and accept(match):
                     return at, match
                 if fail_on and re.search(fail_on, line):
                     raise AssertionError(f"{line.strip()}\noutput:\n{self.output}")
@@ -347,11 +354,16 @@ def test_an_elastic_run_goes_on_with_one_worker_when_a_node_goes_and_grows_back(
         cluster.remove_node(node_b)  # its worker dies with it: the group restarts on what is left
         # A restart that cannot resume on the new count would stop here: fail at once, not after the retries.
         mismatch = r"was saved by \d+ workers, this run has \d+"
-        _, shrunk = cli.wait_for(r"Resized at step (\d+): 2 -> 1 workers", timeout_s=150, fail_on=mismatch)
+        at, shrunk = cli.wait_for(r"Resized at step (\d+): 2 -> 1 workers", timeout_s=150, fail_on=mismatch)
         assert int(shrunk[1]) >= 10
+        # One worker trains on, past its own next checkpoint (every 10 steps), before the node comes back. Without
+        # this wait a loaded machine grew back before the 1-worker group logged a step (CI of stop 27: both resizes
+        # at step 10), which tests no "goes on with one worker" at all.
+        saved_alone = (int(shrunk[1]) // 10 + 1) * 10
+        cli.wait_for(r"step\s+(\d+)/300", timeout_s=150, after=at, accept=lambda m: int(m[1]) >= saved_alone + 2)
         _add_node(cluster, num_cpus=1)  # room for a second worker again: the monitor grows the run
         _, grown = cli.wait_for(r"Resized at step (\d+): 1 -> 2 workers", timeout_s=150, fail_on=mismatch)
-        assert int(grown[1]) > int(shrunk[1])
+        assert int(grown[1]) >= saved_alone, "the run grew back from the checkpoint the one worker saved"
         assert cli.finish(timeout_s=240) == 0, cli.output
     finally:
         cli.stop()
