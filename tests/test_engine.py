@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -135,6 +137,49 @@ def test_sum_of_squares_is_fp64_accurate_without_an_fp64_copy(dtype, numel):
     assert got.dtype == torch.float64
     assert abs(got.item() - expected.item()) <= 2e-5 * expected.item()
     assert torch.isnan(sum_of_squares(torch.tensor([1.0, float("nan")]).to(dtype)))
+
+
+def test_the_default_schedule_is_cosine_with_the_values_runs_were_made_with():
+    # Runs checkpointed before optim.schedule existed resume with the default: it must be the same
+    # curve, point for point (the formula the cosine always had, written out here).
+    optim = OptimConfig(lr=1.0, warmup_steps=7, min_lr_ratio=0.05)
+    assert optim.schedule == "cosine"
+    factor = lr_lambda(optim=optim, total_steps=50)
+    for step in range(60):
+        if step < 7:
+            expected = (step + 1) / 7
+        else:
+            expected = 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - 7) / 43)))
+        assert factor(step) == expected, step
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine", "sqrt"])
+def test_wsd_warms_up_holds_the_peak_then_decays_to_the_floor_in_its_last_steps(shape):
+    optim = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule="wsd", decay_steps=10, decay_shape=shape)
+    factor = lr_lambda(optim=optim, total_steps=40)
+    assert [factor(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert all(factor(s) == 1.0 for s in range(4, 31))  # stable through the decay's first step (30)
+    decay = [factor(s) for s in range(30, 41)]
+    assert all(a > b for a, b in zip(decay, decay[1:]))  # strictly falling over the last 10 steps
+    assert factor(40) == pytest.approx(0.1) and factor(100) == pytest.approx(0.1)
+    assert all(0.1 <= f <= 1.0 for f in decay)
+    halfway = (factor(35) - 0.1) / 0.9  # the shape at progress 0.5, between the floor and the peak
+    assert halfway == pytest.approx({"linear": 0.5, "cosine": 0.5, "sqrt": 1 - math.sqrt(0.5)}[shape])
+    quarter = (factor(32.5) - 0.1) / 0.9  # progress 0.25
+    assert quarter == pytest.approx({"linear": 0.75, "cosine": 0.5 * (1 + math.cos(math.pi / 4)), "sqrt": 0.5}[shape])
+
+
+def test_wsd_decay_fraction_and_the_decay_never_starts_inside_the_warmup():
+    by_fraction = lr_lambda(optim=OptimConfig(lr=1.0, warmup_steps=0, schedule="wsd", decay_fraction=0.25), total_steps=100)
+    assert by_fraction(75) == 1.0 and by_fraction(76) < 1.0  # the last 25 steps decay
+    # A decay longer than the steps after warmup (validation refuses it; a resume past it clamps): from the warmup's end.
+    clamped = lr_lambda(optim=OptimConfig(lr=1.0, warmup_steps=10, schedule="wsd", decay_steps=50), total_steps=20)
+    assert clamped(9) == 1.0 and clamped(10) == 1.0 and clamped(11) < 1.0 and clamped(20) == pytest.approx(0.1)
+
+
+def test_constant_schedule_warms_up_then_holds_the_peak():
+    factor = lr_lambda(optim=OptimConfig(lr=1.0, warmup_steps=2, schedule="constant", min_lr_ratio=0.1), total_steps=10)
+    assert [factor(s) for s in range(12)] == [0.5] + [1.0] * 11
 
 
 _ONE_RANK_CPU_ENGINE = r"""
