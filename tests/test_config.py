@@ -222,3 +222,18 @@ def test_config_error_pickles_across_actors():
     error = ConfigError(["a", "b"], source="f.yaml")
     copy = pickle.loads(pickle.dumps(error))
     assert copy.problems == ["a", "b"] and str(copy) == str(error)
+
+
+def test_a_resume_names_every_changed_optim_setting_in_one_line_and_refuses_none():
+    from raytrain_fast.launch.run_changes import check_run_unchanged
+
+    saved = load_config("tiny", ["optim.lr=0.001"]).to_dict()
+    del saved["optim"]["schedule"]  # a checkpoint from before the schedules: it trained with cosine
+    current = load_config("tiny", ["optim.lr=0.0005", "optim.schedule=wsd", "optim.beta2=0.99"]).to_dict()
+    lines = check_run_unchanged(saved, current, allow_changes="", name="tiny", step=100, checkpoint="c")
+    assert lines == [
+        "Resuming at step 100 with changed optimizer settings, in effect from this step on: "
+        "optim.lr: 0.001 -> 0.0005; optim.schedule: 'cosine' -> 'wsd'; optim.beta2: 0.95 -> 0.99"
+    ]
+    assert check_run_unchanged(saved, load_config("tiny", ["optim.lr=0.001"]).to_dict(), allow_changes="", name="tiny",
+                               step=100, checkpoint="c") == []  # the missing key was the default: no change

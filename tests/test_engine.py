@@ -280,3 +280,73 @@ def test_the_kept_gradient_buffer_and_the_skipped_one_rank_reduction_change_no_b
     for _, precision, same, kept, kept_by_theirs in results:
         assert same == "True", f"{precision}: the weights differ from DeepSpeed's own steps"
         assert int(kept) == 1 and int(kept_by_theirs) == 0  # ours kept its buffer; DeepSpeed's path made none
+
+
+_RESUME_WITH_OTHER_OPTIM = _ONE_RANK_CPU_ENGINE + r"""
+import json
+import tempfile
+
+from raytrain_fast.engine import apply_optim_settings
+
+OLD = OptimConfig(lr=0.01, warmup_steps=2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0)
+NEW = OptimConfig(lr=0.004, warmup_steps=2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.0, grad_clip=0.5,
+                  schedule="constant")
+tokens = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(1))
+
+
+def engine_with(optim):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=97, d_model=32, num_heads=2, num_layers=1, max_seq_len=16), torch.device("cpu"))
+    return build_engine(model, engine=EngineConfig(precision="fp32"), optim=optim, micro_batch=2, grad_accum=1,
+                        world_size=1, total_steps=10)
+
+
+def step(engine):
+    engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+    engine.step()
+
+
+def settings(engine):
+    group = engine.optimizer.param_groups[0]
+    return [group["lr"], list(group["betas"]), group["eps"], group["weight_decay"], engine.optimizer.clip_grad,
+            engine.lr_scheduler.last_epoch]
+
+
+engine = engine_with(OLD)
+for _ in range(3):
+    step(engine)
+directory = tempfile.mkdtemp()
+engine.save_checkpoint(directory, tag="t")
+for name, optim in (("same", OLD), ("other", NEW)):
+    resumed = engine_with(optim)
+    resumed.load_checkpoint(directory, tag="t", load_optimizer_states=True, load_lr_scheduler_states=True)
+    print(name, "loaded", json.dumps(settings(resumed)))
+    apply_optim_settings(resumed, optim=optim, total_steps=10)
+    print(name, "applied", json.dumps(settings(resumed)))
+    step(resumed)
+    print(name, "stepped", json.dumps(settings(resumed)))
+""" + _END
+
+
+def test_a_resume_trains_with_this_runs_optimizer_settings_not_the_checkpoints():
+    """DeepSpeed's checkpoint load puts back the saved LR (the scheduler's base_lrs), betas, eps,
+    weight decay and ZeRO's clipping value; after `apply_optim_settings` the run's own are in force
+    from the resumed step on, its step count kept. With the same settings nothing changes."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    found = subprocess.run([sys.executable, "-c", _RESUME_WITH_OTHER_OPTIM], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert found.returncode == 0, found.stderr[-3000:]
+    seen = {tuple(line.split()[:2]): json.loads(line.split(None, 2)[2]) for line in found.stdout.splitlines()
+            if line.split()[:1] in (["same"], ["other"])}
+    checkpoint = [0.01, [0.9, 0.95], 1e-8, 0.1, 1.0, 3]  # the cosine's LR after 3 steps is below 0.01
+    assert seen["other", "loaded"][1:] == checkpoint[1:]  # what DeepSpeed restores: the checkpoint's
+    assert seen["other", "loaded"][0] == seen["same", "loaded"][0] < 0.01
+    assert seen["other", "applied"] == [0.004, [0.8, 0.99], 1e-6, 0.0, 0.5, 3]  # constant at the new peak
+    assert seen["other", "stepped"] == [0.004, [0.8, 0.99], 1e-6, 0.0, 0.5, 4]
+    assert seen["same", "applied"] == seen["same", "loaded"]  # bit for bit: unchanged settings change nothing
+    assert seen["same", "stepped"][1:] == checkpoint[1:-1] + [4] and seen["same", "stepped"][0] < seen["same", "loaded"][0]
+

@@ -198,6 +198,33 @@ def lr_lambda(*, optim: OptimConfig, total_steps: int):
     return factor
 
 
+def apply_optim_settings(engine: Any, *, optim: OptimConfig, total_steps: int) -> None:
+    """Make this run's optim.* settings the engine's, after a checkpoint was loaded into it.
+
+    DeepSpeed's load restores the optimizer's param groups (lr, betas, eps, weight_decay), ZeRO's
+    gradient clipping value and the LR scheduler's state, base_lrs (the peak LR) included, from the
+    checkpoint: a resume with `--set optim.lr=...` went on with the checkpoint's LR (issue 30). The
+    scheduler's step count stays the checkpoint's; its multiplier is this run's `lr_lambda` (a
+    function is not part of a scheduler's saved state). With unchanged settings every value set
+    here is the one already there, bit for bit (LambdaLR computes the LR as base_lr * factor(step))."""
+    scheduler = engine.lr_scheduler
+    optimizer = scheduler.optimizer  # the torch AdamW (DeepSpeed built the scheduler on the client optimizer)
+    factor = lr_lambda(optim=optim, total_steps=total_steps)
+    groups = optimizer.param_groups
+    scheduler.base_lrs = [optim.lr for _ in groups]
+    scheduler.lr_lambdas = [factor for _ in groups]
+    for group in groups:
+        group["initial_lr"] = optim.lr
+        group["lr"] = optim.lr * factor(scheduler.last_epoch)
+        group["betas"] = (optim.beta1, optim.beta2)
+        group["eps"] = optim.eps
+        group["weight_decay"] = optim.weight_decay
+    scheduler._last_lr = [group["lr"] for group in groups]
+    wrapper = getattr(engine, "optimizer", None)  # ZeRO's (or the bf16) optimizer: its clip is restored too
+    if wrapper is not None and hasattr(wrapper, "clip_grad"):
+        wrapper.clip_grad = optim.grad_clip
+
+
 def _skip_shm_comm_build() -> None:
     # DeepSpeed's CPU backend JIT-compiles a shared-memory allreduce op on its first process group,
     # even with one rank, where it never communicates: 1-2 minutes on 2 cores on a fresh machine
