@@ -237,3 +237,5 @@ def test_a_resume_names_every_changed_optim_setting_in_one_line_and_refuses_none
     ]
     assert check_run_unchanged(saved, load_config("tiny", ["optim.lr=0.001"]).to_dict(), allow_changes="", name="tiny",
                                step=100, checkpoint="c") == []  # the missing key was the default: no change
+    finished = check_run_unchanged(saved, current, allow_changes="", name="tiny", step=current["train"]["steps"], checkpoint="c")
+    assert finished == []  # the run has nothing left to do: no step trains with the changes, none is announced

@@ -112,6 +112,7 @@ def check_run_unchanged(saved: dict[str, Any], current: dict[str, Any], *, allow
         for group, items in changes.items()
     ]
     optim = optim_changes(saved, current)
-    if optim:
+    steps = (current.get("train") or {}).get("steps")
+    if optim and not (isinstance(steps, int) and step >= steps):  # a finished run trains no step with them
         lines.append(f"Resuming at step {step} with changed optimizer settings, in effect from this step on: {describe(optim)}")
     return lines
