@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from importlib import resources
@@ -15,7 +16,7 @@ import yaml
 from raytrain_fast._dataclass_yaml import from_dict, to_dict
 from raytrain_fast.checkpoint.config import CheckpointConfig, allowed_groups
 from raytrain_fast.data.config import BYTE_VOCAB_SIZE, DataConfig
-from raytrain_fast.engine.config import EngineConfig, OptimConfig
+from raytrain_fast.engine.config import EngineConfig, OptimConfig, wsd_decay_steps
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.launch.config import ResourcesConfig
 from raytrain_fast.loop.config import EvalConfig, HealthConfig, TrainConfig
@@ -323,6 +324,44 @@ def _data_problems(d: DataConfig) -> list[str]:
     return problems
 
 
+def _schedule_problems(o: OptimConfig, steps: int) -> list[str]:
+    """optim.schedule's wsd fields: a decay of at least one step that starts after the warmup."""
+    problems = []
+    if o.decay_steps is not None and o.decay_steps < 1:
+        problems.append(f"optim.decay_steps must be >= 1 (or null: optim.decay_fraction of train.steps), got {o.decay_steps}")
+    if not 0.0 < o.decay_fraction <= 1.0:
+        problems.append(f"optim.decay_fraction must be in (0, 1] (the wsd decay's share of train.steps), got {o.decay_fraction}")
+    if o.schedule != "wsd":
+        if o.decay_steps is not None:
+            problems.append(
+                f"optim.decay_steps ({o.decay_steps}) is only used by optim.schedule=wsd, and the schedule is {o.schedule}; "
+                "fix: --set optim.schedule=wsd, or --set optim.decay_steps=null"
+            )
+        return problems
+    if problems or steps <= 0 or not 0 <= o.warmup_steps <= steps:
+        return problems  # the fields' own problems, or the warmup's (reported by _optim_problems)
+    decay, room = wsd_decay_steps(optim=o, total_steps=steps), steps - o.warmup_steps
+    if decay > room:
+        if o.decay_steps is not None:
+            field, fix = f"optim.decay_steps ({decay})", f"--set optim.decay_steps={room}"
+        else:
+            field, fix = f"optim.decay_fraction ({o.decay_fraction}: {decay} steps)", f"--set optim.decay_fraction={_fraction(room, steps)}"
+        fixes = f"{fix}, lower optim.warmup_steps" if room >= 1 else "lower optim.warmup_steps"
+        problems.append(
+            f"{field} + optim.warmup_steps ({o.warmup_steps}) exceed train.steps ({steps}): the wsd decay would start "
+            f"inside the warmup; fix: {fixes}, or raise train.steps"
+        )
+    return problems
+
+
+def _fraction(room: int, steps: int) -> str:
+    """The largest decay_fraction (4 decimals) whose rounded decay fits in `room` (>= 1) steps."""
+    fraction = math.floor(room / steps * 10_000) / 10_000
+    while fraction > 0.0001 and round(fraction * steps) > room:
+        fraction = round(fraction - 0.0001, 4)
+    return f"{fraction:g}"
+
+
 def _optim_problems(config: Config) -> list[str]:
     """The optimizer and the engine."""
     o, e, t = config.optim, config.engine, config.train
@@ -336,6 +375,7 @@ def _optim_problems(config: Config) -> list[str]:
         )
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         problems.append(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    problems += _schedule_problems(o, t.steps)
     if o.grad_clip < 0:
         problems.append(f"optim.grad_clip must be >= 0 (0 = off), got {o.grad_clip}")
     if e.zero_stage not in (0, 1, 2):

@@ -63,6 +63,8 @@ CASES = [
          [r"!= micro_batch x grad_accum x num_workers", "train.grad_accum=1", "train.global_batch=48"]),
     Case("warmup-too-long", ["pretrain", *_s("train.steps=10")], 2, [r"optim.warmup_steps \(20\) exceeds train.steps \(10\)",
                                                                       "--set optim.warmup_steps=1"]),
+    Case("wsd-decay-too-long", ["pretrain", *_s("optim.schedule=wsd", "train.steps=100", "optim.decay_steps=90")], 2,
+         [r"optim.decay_steps \(90\) \+ optim.warmup_steps \(20\) exceed train.steps \(100\)", "--set optim.decay_steps=80"]),
     Case("missing-config-file", ["pretrain", "--config", "{tmp}/nope.yaml"], 2, ["--config file .*nope.yaml' does not exist", "preset: .*tiny"]),
     Case("unknown-preset", ["pretrain", "--config", "gpt-350"], 2, ["'gpt-350' is not a preset", "did you mean 'gpt-350m'"]),
     Case("config-not-yaml", ["pretrain", "--config", "{tmp}/bad.yaml"], 2, ["bad.yaml: not valid YAML", "line 1"], setup="bad_yaml"),

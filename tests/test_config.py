@@ -157,6 +157,43 @@ def test_every_section_is_checked_and_problems_come_in_section_order():
     assert found == sorted(found) and len(error.value.problems) == len(expected)
 
 
+def _problems(*overrides: str) -> list[str]:
+    try:
+        validate(load_config("tiny", list(overrides)))
+    except ConfigError as error:
+        return error.problems
+    return []
+
+
+def test_the_lr_schedule_fields_are_checked_with_the_field_and_a_fix():
+    assert _problems("optim.schedule=wsd", "train.steps=100", "optim.decay_steps=30") == []
+    assert _problems("optim.schedule=constant") == []
+    with pytest.raises(ConfigError, match="optim.schedule: must be one of 'cosine', 'wsd', 'constant', got 'linear'"):
+        load_config("tiny", ["optim.schedule=linear"])
+    with pytest.raises(ConfigError, match="optim.decay_shape: must be one of 'linear', 'cosine', 'sqrt'"):
+        load_config("tiny", ["optim.decay_shape=exp"])
+    assert _problems("optim.schedule=wsd", "optim.decay_steps=0", "optim.decay_fraction=0") == [
+        "optim.decay_steps must be >= 1 (or null: optim.decay_fraction of train.steps), got 0",
+        "optim.decay_fraction must be in (0, 1] (the wsd decay's share of train.steps), got 0.0",
+    ]
+    # A decay set for another schedule would be ignored: refused, naming both ways out.
+    [ignored] = _problems("optim.decay_steps=10")
+    assert "optim.decay_steps (10) is only used by optim.schedule=wsd" in ignored
+    assert "--set optim.schedule=wsd" in ignored and "--set optim.decay_steps=null" in ignored
+
+
+@pytest.mark.parametrize("overrides", [
+    ("optim.decay_steps=90",), ("optim.decay_fraction=0.95",), ("optim.decay_fraction=0.85",),
+])
+def test_a_wsd_decay_reaching_into_the_warmup_is_refused_with_a_fix_that_validates(overrides):
+    base = ["optim.schedule=wsd", "train.steps=100", "optim.warmup_steps=20"]
+    [problem] = _problems(*base, *overrides)
+    assert "exceed train.steps (100): the wsd decay would start inside the warmup" in problem
+    fix = re.search(r"fix: --set (\S+),", problem).group(1)
+    assert fix.split("=")[0] == overrides[0].split("=")[0]
+    assert _problems(*base, fix) == []  # the suggested value fits
+
+
 def test_cluster_checks_gpu_and_cpu_requests():
     gpu = load_config("tiny", ["resources.use_gpu=true"])
     with pytest.raises(ConfigError, match="use_gpu=true with 1 workers, but the Ray cluster has 0 GPUs"):
@@ -185,3 +222,20 @@ def test_config_error_pickles_across_actors():
     error = ConfigError(["a", "b"], source="f.yaml")
     copy = pickle.loads(pickle.dumps(error))
     assert copy.problems == ["a", "b"] and str(copy) == str(error)
+
+
+def test_a_resume_names_every_changed_optim_setting_in_one_line_and_refuses_none():
+    from raytrain_fast.launch.run_changes import check_run_unchanged
+
+    saved = load_config("tiny", ["optim.lr=0.001"]).to_dict()
+    del saved["optim"]["schedule"]  # a checkpoint from before the schedules: it trained with cosine
+    current = load_config("tiny", ["optim.lr=0.0005", "optim.schedule=wsd", "optim.beta2=0.99"]).to_dict()
+    lines = check_run_unchanged(saved, current, allow_changes="", name="tiny", step=100, checkpoint="c")
+    assert lines == [
+        "Resuming at step 100 with changed optimizer settings, in effect from this step on: "
+        "optim.lr: 0.001 -> 0.0005; optim.schedule: 'cosine' -> 'wsd'; optim.beta2: 0.95 -> 0.99"
+    ]
+    assert check_run_unchanged(saved, load_config("tiny", ["optim.lr=0.001"]).to_dict(), allow_changes="", name="tiny",
+                               step=100, checkpoint="c") == []  # the missing key was the default: no change
+    finished = check_run_unchanged(saved, current, allow_changes="", name="tiny", step=current["train"]["steps"], checkpoint="c")
+    assert finished == []  # the run has nothing left to do: no step trains with the changes, none is announced

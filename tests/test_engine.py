@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -137,6 +139,49 @@ def test_sum_of_squares_is_fp64_accurate_without_an_fp64_copy(dtype, numel):
     assert torch.isnan(sum_of_squares(torch.tensor([1.0, float("nan")]).to(dtype)))
 
 
+def test_the_default_schedule_is_cosine_with_the_values_runs_were_made_with():
+    # Runs checkpointed before optim.schedule existed resume with the default: it must be the same
+    # curve, point for point (the formula the cosine always had, written out here).
+    optim = OptimConfig(lr=1.0, warmup_steps=7, min_lr_ratio=0.05)
+    assert optim.schedule == "cosine"
+    factor = lr_lambda(optim=optim, total_steps=50)
+    for step in range(60):
+        if step < 7:
+            expected = (step + 1) / 7
+        else:
+            expected = 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - 7) / 43)))
+        assert factor(step) == expected, step
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine", "sqrt"])
+def test_wsd_warms_up_holds_the_peak_then_decays_to_the_floor_in_its_last_steps(shape):
+    optim = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule="wsd", decay_steps=10, decay_shape=shape)
+    factor = lr_lambda(optim=optim, total_steps=40)
+    assert [factor(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert all(factor(s) == 1.0 for s in range(4, 31))  # stable through the decay's first step (30)
+    decay = [factor(s) for s in range(30, 41)]
+    assert all(a > b for a, b in zip(decay, decay[1:]))  # strictly falling over the last 10 steps
+    assert factor(40) == pytest.approx(0.1) and factor(100) == pytest.approx(0.1)
+    assert all(0.1 <= f <= 1.0 for f in decay)
+    halfway = (factor(35) - 0.1) / 0.9  # the shape at progress 0.5, between the floor and the peak
+    assert halfway == pytest.approx({"linear": 0.5, "cosine": 0.5, "sqrt": 1 - math.sqrt(0.5)}[shape])
+    quarter = (factor(32.5) - 0.1) / 0.9  # progress 0.25
+    assert quarter == pytest.approx({"linear": 0.75, "cosine": 0.5 * (1 + math.cos(math.pi / 4)), "sqrt": 0.5}[shape])
+
+
+def test_wsd_decay_fraction_and_the_decay_never_starts_inside_the_warmup():
+    by_fraction = lr_lambda(optim=OptimConfig(lr=1.0, warmup_steps=0, schedule="wsd", decay_fraction=0.25), total_steps=100)
+    assert by_fraction(75) == 1.0 and by_fraction(76) < 1.0  # the last 25 steps decay
+    # A decay longer than the steps after warmup (validation refuses it; a resume past it clamps): from the warmup's end.
+    clamped = lr_lambda(optim=OptimConfig(lr=1.0, warmup_steps=10, schedule="wsd", decay_steps=50), total_steps=20)
+    assert clamped(9) == 1.0 and clamped(10) == 1.0 and clamped(11) < 1.0 and clamped(20) == pytest.approx(0.1)
+
+
+def test_constant_schedule_warms_up_then_holds_the_peak():
+    factor = lr_lambda(optim=OptimConfig(lr=1.0, warmup_steps=2, schedule="constant", min_lr_ratio=0.1), total_steps=10)
+    assert [factor(s) for s in range(12)] == [0.5] + [1.0] * 11
+
+
 _ONE_RANK_CPU_ENGINE = r"""
 import torch
 from raytrain_fast.autobatch import _single_process_group
@@ -235,3 +280,73 @@ def test_the_kept_gradient_buffer_and_the_skipped_one_rank_reduction_change_no_b
     for _, precision, same, kept, kept_by_theirs in results:
         assert same == "True", f"{precision}: the weights differ from DeepSpeed's own steps"
         assert int(kept) == 1 and int(kept_by_theirs) == 0  # ours kept its buffer; DeepSpeed's path made none
+
+
+_RESUME_WITH_OTHER_OPTIM = _ONE_RANK_CPU_ENGINE + r"""
+import json
+import tempfile
+
+from raytrain_fast.engine import apply_optim_settings
+
+OLD = OptimConfig(lr=0.01, warmup_steps=2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0)
+NEW = OptimConfig(lr=0.004, warmup_steps=2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.0, grad_clip=0.5,
+                  schedule="constant")
+tokens = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(1))
+
+
+def engine_with(optim):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=97, d_model=32, num_heads=2, num_layers=1, max_seq_len=16), torch.device("cpu"))
+    return build_engine(model, engine=EngineConfig(precision="fp32"), optim=optim, micro_batch=2, grad_accum=1,
+                        world_size=1, total_steps=10)
+
+
+def step(engine):
+    engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+    engine.step()
+
+
+def settings(engine):
+    group = engine.optimizer.param_groups[0]
+    return [group["lr"], list(group["betas"]), group["eps"], group["weight_decay"], engine.optimizer.clip_grad,
+            engine.lr_scheduler.last_epoch]
+
+
+engine = engine_with(OLD)
+for _ in range(3):
+    step(engine)
+directory = tempfile.mkdtemp()
+engine.save_checkpoint(directory, tag="t")
+for name, optim in (("same", OLD), ("other", NEW)):
+    resumed = engine_with(optim)
+    resumed.load_checkpoint(directory, tag="t", load_optimizer_states=True, load_lr_scheduler_states=True)
+    print(name, "loaded", json.dumps(settings(resumed)))
+    apply_optim_settings(resumed, optim=optim, total_steps=10)
+    print(name, "applied", json.dumps(settings(resumed)))
+    step(resumed)
+    print(name, "stepped", json.dumps(settings(resumed)))
+""" + _END
+
+
+def test_a_resume_trains_with_this_runs_optimizer_settings_not_the_checkpoints():
+    """DeepSpeed's checkpoint load puts back the saved LR (the scheduler's base_lrs), betas, eps,
+    weight decay and ZeRO's clipping value; after `apply_optim_settings` the run's own are in force
+    from the resumed step on, its step count kept. With the same settings nothing changes."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    found = subprocess.run([sys.executable, "-c", _RESUME_WITH_OTHER_OPTIM], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert found.returncode == 0, found.stderr[-3000:]
+    seen = {tuple(line.split()[:2]): json.loads(line.split(None, 2)[2]) for line in found.stdout.splitlines()
+            if line.split()[:1] in (["same"], ["other"])}
+    checkpoint = [0.01, [0.9, 0.95], 1e-8, 0.1, 1.0, 3]  # the cosine's LR after 3 steps is below 0.01
+    assert seen["other", "loaded"][1:] == checkpoint[1:]  # what DeepSpeed restores: the checkpoint's
+    assert seen["other", "loaded"][0] == seen["same", "loaded"][0] < 0.01
+    assert seen["other", "applied"] == [0.004, [0.8, 0.99], 1e-6, 0.0, 0.5, 3]  # constant at the new peak
+    assert seen["other", "stepped"] == [0.004, [0.8, 0.99], 1e-6, 0.0, 0.5, 4]
+    assert seen["same", "applied"] == seen["same", "loaded"]  # bit for bit: unchanged settings change nothing
+    assert seen["same", "stepped"][1:] == checkpoint[1:-1] + [4] and seen["same", "stepped"][0] < seen["same", "loaded"][0]
+

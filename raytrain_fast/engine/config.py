@@ -6,12 +6,25 @@ from typing import Literal
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    """AdamW with linear warmup then cosine decay."""
+    """AdamW with linear warmup, then the learning-rate schedule `schedule` (docs/models.md#learning-rate-schedules)."""
 
     lr: float = 1e-3
     """Peak learning rate, reached at the end of warmup."""
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """The learning rate after warmup. cosine: a cosine decay from `lr` to `lr * min_lr_ratio` at train.steps. wsd
+    (warmup-stable-decay): `lr` until the decay (decay_steps, decay_shape), which ends at `lr * min_lr_ratio` at
+    train.steps. constant: `lr` to the end. A resume may change it (and any optim.* setting): from the resumed step
+    on the new schedule applies, e.g. a wsd decay branched from a stable-phase checkpoint."""
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of `lr` at the last step of the cosine decay."""
+    """Final learning rate as a fraction of `lr`, reached at train.steps by the cosine and the wsd decay (unused by constant)."""
+    decay_steps: int | None = None
+    """wsd: optimizer steps of the decay, the last ones before train.steps (to decay from a checkpoint at step s:
+    train.steps = s + decay_steps). null = decay_fraction of train.steps."""
+    decay_fraction: float = 0.2
+    """wsd: the decay's share of train.steps when decay_steps is null (rounded to whole steps, at least 1)."""
+    decay_shape: Literal["linear", "cosine", "sqrt"] = "linear"
+    """wsd: how the decay falls from `lr` to `lr * min_lr_ratio` as its progress p goes from 0 to 1: linear (1 - p),
+    cosine ((1 + cos(pi p)) / 2) or sqrt (1 - sqrt(p))."""
     warmup_steps: int = 20
     """Optimizer steps of linear warmup to `lr` (step s uses lr * (s + 1) / warmup_steps)."""
     weight_decay: float = 0.1
@@ -53,3 +66,11 @@ class EngineConfig:
     time/compile_s and kept out of tokens/s and the slowdown baseline."""
     check_grad_overflow: bool = False
     """Check bf16 gradients for inf/nan before every optimizer step. Costs a host sync per step."""
+
+
+def wsd_decay_steps(*, optim: OptimConfig, total_steps: int) -> int:
+    """Optimizer steps of the wsd decay: optim.decay_steps, or decay_fraction of the run's steps
+    (rounded, at least 1)."""
+    if optim.decay_steps is not None:
+        return optim.decay_steps
+    return max(1, round(optim.decay_fraction * total_steps))

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from raytrain_fast.engine.config import EngineConfig, OptimConfig
+from raytrain_fast.engine.config import EngineConfig, OptimConfig, wsd_decay_steps
 
 
 def select_accelerator() -> str:
@@ -141,18 +141,88 @@ def build_optimizer(parameters: list[torch.nn.Parameter], *, optim: OptimConfig,
     )
 
 
+_DECAY_SHAPES = {
+    "linear": lambda p: 1.0 - p,
+    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
+    "sqrt": lambda p: 1.0 - math.sqrt(p),
+}
+"""wsd's decay shapes: 1 at progress 0, 0 at progress 1."""
+
+
 def lr_lambda(*, optim: OptimConfig, total_steps: int):
-    """Multiplier of the peak LR at optimizer step s: linear warmup, then cosine to min_lr_ratio."""
+    """Multiplier of the peak LR at optimizer step s (0-based; the LR logged at step N is factor(N),
+    the one the next step uses): linear warmup, then optim.schedule:
+
+    - cosine: cosine from 1 at the end of warmup to min_lr_ratio at total_steps (the default; its
+      values are those of every run made before the other schedules, which still resume);
+    - wsd: 1 (stable) until the decay's first step, total_steps - decay steps (not before the end of
+      warmup), then decay_shape from 1 to min_lr_ratio at total_steps;
+    - constant: 1.
+
+    Past total_steps the factor stays at its value there."""
+    warmup = optim.warmup_steps
+    floor = optim.min_lr_ratio
+
+    def warming(step: int) -> float:
+        return (step + 1) / warmup
+
+    if optim.schedule == "constant":
+        return lambda step: warming(step) if step < warmup else 1.0
+
+    if optim.schedule == "wsd":
+        decay_start = max(warmup, total_steps - wsd_decay_steps(optim=optim, total_steps=total_steps))
+        decay_length = max(1, total_steps - decay_start)
+        shape = _DECAY_SHAPES[optim.decay_shape]
+
+        def wsd(step: int) -> float:
+            if step < warmup:
+                return warming(step)
+            if step < decay_start:
+                return 1.0
+            progress = min(1.0, (step - decay_start) / decay_length)
+            return floor + (1.0 - floor) * shape(progress)
+
+        return wsd
+
+    if optim.schedule != "cosine":
+        raise ValueError(f"optim.schedule must be cosine, wsd or constant, got {optim.schedule!r}")
 
     def factor(step: int) -> float:
-        if step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
-        decay_steps = max(1, total_steps - optim.warmup_steps)
-        progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
+        if step < warmup:
+            return warming(step)
+        decay_steps = max(1, total_steps - warmup)
+        progress = min(1.0, (step - warmup) / decay_steps)
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * cosine
+        return floor + (1.0 - floor) * cosine
 
     return factor
+
+
+def apply_optim_settings(engine: Any, *, optim: OptimConfig, total_steps: int) -> None:
+    """Make this run's optim.* settings the engine's, after a checkpoint was loaded into it.
+
+    DeepSpeed's load restores the optimizer's param groups (lr, betas, eps, weight_decay), ZeRO's
+    gradient clipping value and the LR scheduler's state, base_lrs (the peak LR) included, from the
+    checkpoint: a resume with `--set optim.lr=...` went on with the checkpoint's LR (issue 30). The
+    scheduler's step count stays the checkpoint's; its multiplier is this run's `lr_lambda` (a
+    function is not part of a scheduler's saved state). With unchanged settings every value set
+    here is the one already there, bit for bit (LambdaLR computes the LR as base_lr * factor(step))."""
+    scheduler = engine.lr_scheduler
+    optimizer = scheduler.optimizer  # the torch AdamW (DeepSpeed built the scheduler on the client optimizer)
+    factor = lr_lambda(optim=optim, total_steps=total_steps)
+    groups = optimizer.param_groups
+    scheduler.base_lrs = [optim.lr for _ in groups]
+    scheduler.lr_lambdas = [factor for _ in groups]
+    for group in groups:
+        group["initial_lr"] = optim.lr
+        group["lr"] = optim.lr * factor(scheduler.last_epoch)
+        group["betas"] = (optim.beta1, optim.beta2)
+        group["eps"] = optim.eps
+        group["weight_decay"] = optim.weight_decay
+    scheduler._last_lr = [group["lr"] for group in groups]
+    wrapper = getattr(engine, "optimizer", None)  # ZeRO's (or the bf16) optimizer: its clip is restored too
+    if wrapper is not None and hasattr(wrapper, "clip_grad"):
+        wrapper.clip_grad = optim.grad_clip
 
 
 def _skip_shm_comm_build() -> None:

@@ -2,7 +2,9 @@
 tokenizer and the model. Compared between the checkpoint's saved run config (`config.yaml`, as
 redacted when it was written) and this command's config, before any worker starts.
 
-Optimizer settings are not compared here: a resumed run applies a changed optim.* (see the engine).
+Optimizer settings are never refused: a resumed run trains with this command's optim.* from the
+resumed step on (engine/deepspeed_engine.py's `apply_optim_settings`, after the checkpoint load),
+and `optim_changes` names each one that differs in one printed line.
 To extend: add a group to `GROUPS`, or a key to one.
 """
 
@@ -66,6 +68,23 @@ def run_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, lis
     return changes
 
 
+def optim_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """[(key, saved value, this command's value), ...] for every optim.* setting that differs. A key
+    the saved config lacks had its default then (the schedule was cosine before there was a choice)."""
+    from dataclasses import asdict
+
+    from raytrain_fast.engine.config import OptimConfig
+
+    defaults = asdict(OptimConfig())
+    old_section, new_section = saved.get("optim") or {}, current.get("optim") or {}
+    changes = []
+    for name in dict.fromkeys([*defaults, *old_section, *new_section]):
+        old, new = old_section.get(name, defaults.get(name)), new_section.get(name, defaults.get(name))
+        if old != new:
+            changes.append((f"optim.{name}", old, new))
+    return changes
+
+
 def describe(changes: list[tuple[str, Any, Any]]) -> str:
     return "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes)
 
@@ -73,7 +92,8 @@ def describe(changes: list[tuple[str, Any, Any]]) -> str:
 def check_run_unchanged(saved: dict[str, Any], current: dict[str, Any], *, allow_changes: str, name: str, step: int,
                         checkpoint: str) -> list[str]:
     """Raises CheckpointError listing every refused difference (old -> new) and the ways on.
-    Returns the lines to print for the differences allowed by checkpoint.allow_changes."""
+    Returns the lines to print for the differences allowed by checkpoint.allow_changes, and one for
+    the optim.* settings that differ (they take effect, see `optim_changes`)."""
     from raytrain_fast.errors import CheckpointError
 
     changes = run_changes(saved, current)
@@ -87,7 +107,12 @@ def check_run_unchanged(saved: dict[str, Any], current: dict[str, Any], *, allow
             f"with another --name (its weights: --set checkpoint.init_from={checkpoint}), put the old values back, "
             f"or resume anyway with --set checkpoint.allow_changes={','.join(refused)}"
         )
-    return [
+    lines = [
         f"Resuming with changed {group} settings (checkpoint.allow_changes): {describe(items)}"
         for group, items in changes.items()
     ]
+    optim = optim_changes(saved, current)
+    steps = (current.get("train") or {}).get("steps")
+    if optim and not (isinstance(steps, int) and step >= steps):  # a finished run trains no step with them
+        lines.append(f"Resuming at step {step} with changed optimizer settings, in effect from this step on: {describe(optim)}")
+    return lines

@@ -25,7 +25,7 @@ from raytrain_fast.checkpoint import Checkpointer, TrainState
 from raytrain_fast.checkpoint.checkpointing import load_initial_weights
 from raytrain_fast.config import Config
 from raytrain_fast.coordinator import Coordinator
-from raytrain_fast.engine import build_engine, enable_tf32, select_accelerator, training_device
+from raytrain_fast.engine import apply_optim_settings, build_engine, enable_tf32, select_accelerator, training_device
 from raytrain_fast.engine.compile import compile_blocks
 from raytrain_fast.loop.evaluation import Evaluator, resolve_eval
 from raytrain_fast.loop.health import DivergenceStop, HealthMonitor, Rollback
@@ -320,6 +320,8 @@ def roll_back(
                              "set checkpoint.every_steps below the step it diverged at.",
                              step=rollback.step, what=rollback.what, loss=rollback.loss, grad_norm=rollback.grad_norm)
     checkpointer.load_into(engine)
+    # The checkpoint may predate a resume that changed optim.*: this run's settings stay in force.
+    apply_optim_settings(engine, optim=worker.config.optim, total_steps=worker.config.train.steps)
     skipped = sequences_between(restored.data_position, detected_at, data.sequences_per_epoch)
     health.rollbacks.append({
         "detected_step": rollback.step, "what": rollback.what, "loss": rollback.loss, "grad_norm": rollback.grad_norm,
@@ -429,6 +431,7 @@ def build_engine_for(worker: Worker, model: Any, checkpointer: Checkpointer, coo
     )
     if restored is not None:
         checkpointer.load_into(engine)
+        apply_optim_settings(engine, optim=config.optim, total_steps=config.train.steps)  # a changed optim.* applies
     return engine, compiled
 
 
