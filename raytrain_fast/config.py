@@ -316,10 +316,11 @@ def _data_problems(d: DataConfig) -> list[str]:
         problems.append("set either data.val_fraction (a share of data.source) or data.val_input (a separate corpus), not both")
     if d.val_input is not None and "://" not in d.val_input and not any(c in d.val_input for c in "*?[") and not Path(d.val_input).expanduser().exists():
         problems.append(f"data.val_input '{d.val_input}' does not exist; give a text file, directory or glob")
-    if d.tokenizer != "byte" and "://" not in d.tokenizer and not Path(d.tokenizer).expanduser().is_file():
+    tokenizer = Path(d.tokenizer).expanduser()
+    if d.tokenizer != "byte" and "://" not in d.tokenizer and not (tokenizer.is_file() or (tokenizer / "tokenizer.json").is_file()):
         problems.append(
-            f"data.tokenizer '{d.tokenizer}' is neither 'byte' nor an existing tokenizer.json file; "
-            "give 'byte' or the path of a HuggingFace tokenizer.json"
+            f"data.tokenizer '{d.tokenizer}' is neither 'byte' nor an existing tokenizer.json file or a directory "
+            "holding one; give 'byte', the path of a HuggingFace tokenizer.json or its directory (e.g. train-tokenizer's output)"
         )
     return problems
 

@@ -38,10 +38,10 @@ def byte_tokenizer_json() -> str:
     return tokenizer.to_str()
 
 
-def hf_tokenizer_files(spec: TokenizerSpec, *, model_max_length: int) -> dict[str, str]:
+def hf_tokenizer_files(spec: TokenizerSpec, *, model_max_length: int | None) -> dict[str, str]:
     """{file name: text} for the tokenizer `spec` (the byte tokenizer or a tokenizers JSON file), so
     that `AutoTokenizer(text)` gives the ids the data was made with (its end-of-document token as
-    eos_token, no post-processor)."""
+    eos_token, no post-processor). model_max_length None: left out (a tokenizer of no model yet)."""
     from tokenizers import Tokenizer
 
     json_text = spec.json_text if spec.json_text is not None else byte_tokenizer_json()
@@ -57,6 +57,8 @@ def hf_tokenizer_files(spec: TokenizerSpec, *, model_max_length: int) -> dict[st
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False, **special,
     }
+    if model_max_length is None:
+        del config["model_max_length"]
     return {
         "tokenizer.json": json_text,
         "tokenizer_config.json": json.dumps(config, indent=2),

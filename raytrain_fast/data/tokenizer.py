@@ -8,6 +8,7 @@ exist on the driver) and is rebuilt once per process.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -19,6 +20,8 @@ from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
 
 BYTE_TOKENIZER = "byte"
+TOKENIZER_FILE = "tokenizer.json"
+"""The file of a Hugging Face tokenizer directory that `load_tokenizer` reads."""
 _BYTE_DESCRIPTION = b"raytrain_fast byte tokenizer v1: ids 0-255 are bytes, 256 ends a document"
 # Looked up in this order in a tokenizer file; the first one present ends every document.
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|end_of_text|>", "[EOS]", "<|im_end|>")
@@ -79,17 +82,27 @@ def byte_tokenizer() -> TokenizerSpec:
 
 
 def load_tokenizer(tokenizer: str, storage: StorageConfig | None = None) -> TokenizerSpec:
-    """`byte`, or the path / s3:// URI of a HuggingFace `tokenizers` JSON file (tokenizer.json)."""
+    """`byte`, or the path / s3:// URI of a HuggingFace `tokenizers` JSON file (tokenizer.json) or of a
+    directory holding one (a Hugging Face model or tokenizer directory, e.g. `train-tokenizer`'s output)."""
     if tokenizer == BYTE_TOKENIZER:
         return byte_tokenizer()
     filesystem, path = resolve_filesystem(tokenizer, storage or StorageConfig())
+    directory = _is_directory(filesystem, path)
+    if directory:
+        path = f"{path.rstrip('/')}/{TOKENIZER_FILE}"
     try:
         with filesystem.open_input_stream(path) as stream:
             raw = stream.read()
     except (FileNotFoundError, OSError) as error:
+        if directory:
+            raise DataError(
+                f"tokenizer '{tokenizer}' is a directory without a {TOKENIZER_FILE}; give a Hugging Face model or "
+                f"tokenizer directory that holds one (e.g. the output of raytrain-fast train-tokenizer), a "
+                f"{TOKENIZER_FILE} path, or 'byte'"
+            ) from None
         raise DataError(
-            f"tokenizer '{tokenizer}' cannot be read ({error}); give 'byte' or the path of a "
-            "HuggingFace tokenizers JSON file (tokenizer.json)"
+            f"tokenizer '{tokenizer}' cannot be read ({error}); give 'byte', the path of a "
+            "HuggingFace tokenizers JSON file (tokenizer.json) or a directory holding one"
         ) from None
     try:
         json_text = raw.decode("utf-8")
@@ -98,6 +111,9 @@ def load_tokenizer(tokenizer: str, storage: StorageConfig | None = None) -> Toke
     digest = hashlib.sha256(raw).hexdigest()
     hf = _hf_tokenizer(digest, json_text, source=tokenizer)
     eod_id = next((hf.token_to_id(token) for token in EOD_CANDIDATES if hf.token_to_id(token) is not None), None)
+    if eod_id is None and directory:  # a model directory may name its own: its tokenizer_config.json's eos_token
+        eos = _configured_eos(filesystem, path.rsplit("/", 1)[0])
+        eod_id = hf.token_to_id(eos) if eos else None
     if eod_id is None:
         raise DataError(
             f"tokenizer '{tokenizer}' has no end-of-document token (looked for {', '.join(EOD_CANDIDATES)}); "
@@ -105,6 +121,27 @@ def load_tokenizer(tokenizer: str, storage: StorageConfig | None = None) -> Toke
         )
     info = TokenizerInfo(kind="hf", name=tokenizer, hash=digest, vocab_size=hf.get_vocab_size(with_added_tokens=True), eod_id=eod_id)
     return TokenizerSpec(info=info, json_text=json_text)
+
+
+def _is_directory(filesystem, path: str) -> bool:
+    import pyarrow.fs as pafs
+
+    try:
+        return filesystem.get_file_info(path).type == pafs.FileType.Directory
+    except OSError:  # unreachable or refused: reading it below says so
+        return False
+
+
+def _configured_eos(filesystem, directory: str) -> str | None:
+    """The eos_token of `directory`'s tokenizer_config.json (a string or an AddedToken dict), if any."""
+    try:
+        with filesystem.open_input_stream(f"{directory}/tokenizer_config.json") as stream:
+            eos = json.loads(stream.read()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
 
 
 @lru_cache(maxsize=4)
@@ -122,4 +159,4 @@ def _hf_tokenizer(digest: str, json_text: str, *, source: str = "tokenizer"):
         raise DataError(f"tokenizer '{source}' is not a valid tokenizers JSON file: {error}") from None
 
 
-__all__ = ["BYTE_TOKENIZER", "EOD_CANDIDATES", "TokenizerSpec", "byte_tokenizer", "load_tokenizer"]
+__all__ = ["BYTE_TOKENIZER", "EOD_CANDIDATES", "TOKENIZER_FILE", "TokenizerSpec", "byte_tokenizer", "load_tokenizer"]
