@@ -1,6 +1,6 @@
 """Fast, fault-tolerant GPT pretraining on Ray Train + DeepSpeed ZeRO-2: train (resuming where a run
-stopped), list runs and their checkpoints, export weights, report on a run, prepare data, sweep
-micro-batches and benchmark. `raytrain-fast <command> --help` shows a command's options."""
+stopped), list runs and their checkpoints, export weights, report on a run, prepare data, train a
+tokenizer, sweep micro-batches and benchmark. `raytrain-fast <command> --help` shows a command's options."""
 
 from __future__ import annotations
 
@@ -136,6 +136,22 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// inputs/outputs")
     prepare.add_argument("--region", default=None, help=REGION_HELP)
     prepare.add_argument("--profile", default=None, help=PROFILE_HELP)
+
+    train_tok = add_command(
+        commands, "train-tokenizer", "train a byte-level BPE tokenizer on the inputs prepare-data takes; writes a Hugging Face tokenizer directory",
+    )
+    train_tok.add_argument("--input", nargs="+", required=True, metavar="PATH_OR_GLOB", help="text/JSONL files, directories, globs or s3:// URIs (as prepare-data's)")
+    train_tok.add_argument("--output", required=True, help="local directory for tokenizer.json, tokenizer_config.json and special_tokens_map.json")
+    train_tok.add_argument("--vocab-size", type=int, default=32000, metavar="N",
+                           help="tokens in the vocabulary, the end-of-document token included (default 32000; at least 258); "
+                                "fewer when the corpus has fewer pairs to merge")
+    train_tok.add_argument("--min-frequency", type=int, default=2, metavar="N", help="merge only pairs seen at least N times (default 2)")
+    train_tok.add_argument("--eod-token", default="<|endoftext|>", metavar="TOKEN",
+                           help="the end-of-document token, id 256 (default <|endoftext|>, as the byte tokenizer's export; also </s>, <eos>, ...)")
+    train_tok.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --output")
+    train_tok.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// inputs")
+    train_tok.add_argument("--region", default=None, help=REGION_HELP)
+    train_tok.add_argument("--profile", default=None, help=PROFILE_HELP)
 
     from raytrain_fast.bench.run import add_parser as add_bench_parser
 
@@ -320,6 +336,25 @@ def prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def train_tokenizer(args: argparse.Namespace) -> int:
+    from raytrain_fast.data.train_tokenizer import train_tokenizer as train
+    from raytrain_fast.storage import StorageConfig, check_uri
+
+    for uri in args.input:
+        check_uri(uri, setting="--input")
+    storage = StorageConfig(uri=args.output, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile)
+    result = train(
+        inputs=args.input, output=args.output, vocab_size=args.vocab_size, min_frequency=args.min_frequency,
+        eod_token=args.eod_token, storage=storage, overwrite=args.overwrite,
+    )
+    print(f"Trained a byte-level BPE of {result.vocab_size:,} tokens ({result.eod_token} = {result.eod_id} ends each document) in {args.output}")
+    rows = -(-result.vocab_size // 64) * 64
+    data = args.output.rstrip("/") + "-data"
+    print(f"Prepare data with it: raytrain-fast prepare-data --input {' '.join(args.input)} --output {data} --seq-len 1024 --tokenizer {args.output}")
+    print(f"Train on that data with --set model.vocab_size={rows} (or more; a multiple of 64 is fastest)")
+    return 0
+
+
 def bench(args: argparse.Namespace) -> int:
     from raytrain_fast.bench.run import run as run_bench
 
@@ -362,7 +397,7 @@ def _run(argv: list[str], *, debug: bool) -> int:
     configure_console()
     handlers = {
         "pretrain": pretrain, "show-config": show_config, "runs": runs, "export": export,
-        "prepare-data": prepare_data, "bench": bench, "sweep": sweep,
+        "prepare-data": prepare_data, "train-tokenizer": train_tokenizer, "bench": bench, "sweep": sweep,
         "report": report,
     }
     try:

@@ -273,15 +273,35 @@ def is_validation_document(document: bytes, fraction: float) -> bool:
     return int.from_bytes(digest, "big") < fraction * 2**64
 
 
-def _tokenize_one(
-    index: int, location: str, path: str, spec: TokenizerSpec, filesystems: dict[str, pafs.FileSystem], val_fraction: float = 0.0
-) -> _FileResult:
+def read_documents(location: str, path: str, filesystems: dict[str, pafs.FileSystem]) -> tuple[bytes | None, list[bytes], str, str]:
+    """(the file's bytes, its documents, skip_reason, partial_reason) of one listed input: a JSONL
+    file's usable `text` records, any other file as one document. Bytes None: it could not be read."""
     try:
         data = _read(location, path, filesystems)
     except OSError as error:
-        return _FileResult(index=index, skip_reason=f"cannot be read ({error})")
-    result = _FileResult(index=index, sha256=hashlib.sha256(data).hexdigest())
-    documents, result.skip_reason, result.partial_reason = _documents(data, jsonl=path.lower().endswith(JSONL_SUFFIXES))
+        return None, [], f"cannot be read ({error})", ""
+    return (data, *_documents(data, jsonl=path.lower().endswith(JSONL_SUFFIXES)))
+
+
+def list_inputs(
+    inputs: list[str], storage: StorageConfig, *, exclude: str | None = None
+) -> tuple[_Listing, dict[str, pafs.FileSystem]]:
+    """The files `inputs` name, listed as prepare_data lists them (hidden, missing and duplicate
+    entries in `.skipped`), and the filesystems that read them (see `read_documents`)."""
+    canonical = [_canonical_input(item) for item in inputs]
+    filesystems: dict[str, pafs.FileSystem] = {"local": pafs.LocalFileSystem()}
+    if any(item.startswith("s3://") for item in canonical):
+        filesystems["s3"] = resolve_filesystem("s3://", storage)[0]
+    return _list_inputs(canonical, s3=filesystems.get("s3"), exclude=exclude), filesystems
+
+
+def _tokenize_one(
+    index: int, location: str, path: str, spec: TokenizerSpec, filesystems: dict[str, pafs.FileSystem], val_fraction: float = 0.0
+) -> _FileResult:
+    data, documents, skip_reason, partial_reason = read_documents(location, path, filesystems)
+    if data is None:
+        return _FileResult(index=index, skip_reason=skip_reason)
+    result = _FileResult(index=index, sha256=hashlib.sha256(data).hexdigest(), skip_reason=skip_reason, partial_reason=partial_reason)
     if documents:
         chosen = [val_fraction > 0 and is_validation_document(d, val_fraction) for d in documents]
         if any(chosen):
@@ -887,4 +907,7 @@ def _clear_output(filesystem: pafs.FileSystem, root: str, existing: Manifest | N
             filesystem.delete_dir(entry.path)
 
 
-__all__ = ["DEFAULT_VAL_FRACTION", "JSONL_SUFFIXES", "SHARD_TOKENS", "VAL_DIR", "VAL_MAX_TOKENS", "is_validation_document", "prepare_data"]
+__all__ = [
+    "DEFAULT_VAL_FRACTION", "JSONL_SUFFIXES", "SHARD_TOKENS", "VAL_DIR", "VAL_MAX_TOKENS", "is_validation_document", "list_inputs",
+    "prepare_data", "read_documents",
+]

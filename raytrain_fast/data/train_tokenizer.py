@@ -1,0 +1,241 @@
+"""`train_tokenizer`: a byte-level BPE trained with the `tokenizers` package's BpeTrainer on the inputs
+`prepare_data` takes, written as a Hugging Face tokenizer directory.
+
+The inputs are listed and read by prepare.py's own `list_inputs` and `read_documents` (files,
+directories, globs, s3:// URIs; JSONL `text` records; the same skipped-input reasons). The model is
+GPT-2's kind: a ByteLevel pre-tokenizer (its regex split, no prefix space, so every text round-trips)
+over the 256 byte characters, merges learned from the corpus, and one special token, the
+end-of-document token (`<|endoftext|>` by default, as the byte tokenizer's export names it).
+
+The ids are laid out like the byte tokenizer's: the token of byte b has id b, the end-of-document
+token is 256, and the learned merges follow from 257 on. So `prepare-data` finds the end-of-document
+token (EOD_CANDIDATES) and the model reads id 256 as the end of a document with either tokenizer.
+
+The output directory holds tokenizer.json, tokenizer_config.json (tokenizer_class
+PreTrainedTokenizerFast, eos_token) and special_tokens_map.json (data/hf_tokenizer.py writes them,
+as `export --format hf` does), which `transformers.AutoTokenizer.from_pretrained(dir)` loads, and
+which `prepare-data --tokenizer <dir>` takes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from raytrain_fast.data.config import BYTE_VOCAB_SIZE, EOD_TOKEN
+from raytrain_fast.data.hf_tokenizer import BYTE_EOD_TEXT, byte_tokenizer_json, hf_tokenizer_files
+from raytrain_fast.data.manifest import Skipped, TokenizerInfo
+from raytrain_fast.data.prepare import _summarize_skipped, list_inputs, read_documents
+from raytrain_fast.data.tokenizer import EOD_CANDIDATES, TOKENIZER_FILE, TokenizerSpec
+from raytrain_fast.errors import DataError
+from raytrain_fast.storage import StorageConfig
+
+DEFAULT_VOCAB_SIZE = 32000
+"""Llama 2's and Mistral's size; a multiple of 64, the model's fastest vocab_size."""
+MIN_VOCAB_SIZE = BYTE_VOCAB_SIZE + 1
+"""256 bytes + the end-of-document token + at least one merge (257 is the byte tokenizer itself)."""
+DEFAULT_MIN_FREQUENCY = 2
+TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")
+
+
+@dataclass(kw_only=True)
+class TrainedTokenizer:
+    """What `train_tokenizer` wrote and from what."""
+
+    output: str
+    """The directory, absolute."""
+    vocab_size: int
+    """Tokens in the vocabulary, the end-of-document token included: the model's vocab_size must be at least this."""
+    asked_vocab_size: int
+    eod_token: str
+    eod_id: int
+    num_files: int
+    num_documents: int
+    num_bytes: int
+    skipped: list[Skipped] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class _Progress:
+    """prepare-data's progress line, for reading: at most one line every `every_s` seconds, on stderr."""
+
+    def __init__(self, total_files: int, *, enabled: bool, every_s: float = 2.0) -> None:
+        self.total, self.enabled, self.every_s = total_files, enabled, every_s
+        self.start = self.last = time.perf_counter()
+
+    def update(self, files: int, num_bytes: int, skipped: int, *, force: bool = False) -> None:
+        now = time.perf_counter()
+        if self.enabled and (force or now - self.last >= self.every_s):
+            self.last = now
+            print(
+                f"train-tokenizer: {files}/{self.total} files, {num_bytes:,} bytes, {skipped} skipped, {now - self.start:.1f}s",
+                file=sys.stderr, flush=True,
+            )
+
+
+def _check_arguments(inputs: list[str], *, output: str, vocab_size: int, min_frequency: int, eod_token: str) -> None:
+    if not inputs:
+        raise DataError("no inputs given: pass files, directories, globs or s3:// URIs")
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise DataError(
+            f"--vocab-size must be at least {MIN_VOCAB_SIZE} (256 byte tokens, the end-of-document token and a merge), "
+            f"got {vocab_size}; e.g. --vocab-size {DEFAULT_VOCAB_SIZE}. For bytes alone, prepare-data's --tokenizer byte needs no training"
+        )
+    if min_frequency < 1:
+        raise DataError(f"--min-frequency must be >= 1, got {min_frequency}")
+    if eod_token not in EOD_CANDIDATES:
+        raise DataError(f"--eod-token must be one of {', '.join(EOD_CANDIDATES)} (the names prepare-data looks for), got {eod_token!r}")
+    if "://" in output and not output.startswith("file://"):
+        raise DataError(f"--output '{output}' must be a local directory; copy the tokenizer to a bucket afterwards if you need it there")
+
+
+def _check_output(output: str, *, overwrite: bool) -> str:
+    """The absolute output directory; refused when it is a file, or holds a tokenizer and not `overwrite`."""
+    out = os.path.abspath(os.path.expanduser(output[len("file://"):] if output.startswith("file://") else output))
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise DataError(f"output '{output}' exists and is not a directory")
+    existing = [name for name in TOKENIZER_FILES if os.path.exists(os.path.join(out, name))]
+    if existing and not overwrite:
+        raise DataError(
+            f"output '{output}' already holds a tokenizer ({', '.join(existing)}). "
+            "Choose another output, or pass --overwrite to replace it."
+        )
+    return out
+
+
+def _import_tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise DataError(
+            "train-tokenizer needs the 'tokenizers' package, which is not installed: pip install tokenizers "
+            "(or pip install -e '.[tokenizers]')"
+        ) from None
+    return tokenizers
+
+
+def _byte_layout(json_text: str, eod_token: str) -> str:
+    """The trained tokenizer with the byte tokenizer's ids: byte b's token is id b, `eod_token` 256,
+    the merged tokens 257 on in the trainer's order. BPE applies merges by their rank in the merge
+    list, never by id, so renumbering changes no encoding."""
+    data = json.loads(json_text)
+    byte_ids = json.loads(byte_tokenizer_json())["model"]["vocab"]  # byte character -> byte value
+    trained = data["model"]["vocab"]
+    assert set(byte_ids) <= set(trained), "the trainer left out a byte character (initial_alphabet)"
+    vocab = dict(byte_ids)
+    vocab[eod_token] = EOD_TOKEN
+    for token, _ in sorted(trained.items(), key=lambda item: item[1]):
+        if token not in vocab:
+            vocab[token] = len(vocab)
+    data["model"]["vocab"] = vocab
+    for added in data["added_tokens"]:
+        added["id"] = vocab[added["content"]]
+    return json.dumps(data, ensure_ascii=False)
+
+
+def train_tokenizer(
+    *,
+    inputs: list[str],
+    output: str,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    min_frequency: int = DEFAULT_MIN_FREQUENCY,
+    eod_token: str = BYTE_EOD_TEXT,
+    storage: StorageConfig | None = None,
+    overwrite: bool = False,
+    verbose: bool = True,
+) -> TrainedTokenizer:
+    """Train a byte-level BPE of at most `vocab_size` tokens on `inputs` and write it to `output`.
+
+    inputs: what prepare_data takes (files, directories, globs, s3:// URIs; `.jsonl`/`.ndjson` records'
+        `text` fields, every other file one UTF-8 document); unusable files are skipped with a reason.
+    output: a local directory; one that already holds a tokenizer is replaced only with `overwrite`.
+    vocab_size: the vocabulary, end-of-document token included. The result is smaller when the corpus
+        has fewer pairs seen `min_frequency` times than merges to learn (TrainedTokenizer.vocab_size says).
+    eod_token: the end-of-document token, one of EOD_CANDIDATES (id 256).
+    storage: endpoint/region for s3:// inputs (credentials from the environment).
+    Every check that can fail without reading the inputs runs before any is read."""
+    started, storage = time.perf_counter(), storage or StorageConfig()
+    _check_arguments(inputs, output=output, vocab_size=vocab_size, min_frequency=min_frequency, eod_token=eod_token)
+    out = _check_output(output, overwrite=overwrite)
+    tokenizers = _import_tokenizers()
+    listing, filesystems = list_inputs(inputs, storage, exclude=out)
+    if not listing.sources:
+        raise DataError(f"no input files to train on: check the --input paths.\n{_summarize_skipped(listing.skipped, limit=20)}")
+
+    skipped = list(listing.skipped)
+    counts = {"files": 0, "documents": 0, "bytes": 0}
+    progress = _Progress(len(listing.sources), enabled=verbose)
+
+    def texts() -> Iterator[list[str]]:
+        for done, source in enumerate(listing.sources, start=1):
+            _, documents, skip_reason, partial_reason = read_documents(source.location, source.path, filesystems)
+            if skip_reason:
+                skipped.append(Skipped(path=source.uri, reason=skip_reason))
+            elif documents:
+                if partial_reason:
+                    skipped.append(Skipped(path=source.uri, reason=partial_reason, partial=True))
+                counts["files"] += 1
+                counts["documents"] += len(documents)
+                counts["bytes"] += sum(len(d) for d in documents)
+                yield [d.decode("utf-8") for d in documents]
+            progress.update(done, counts["bytes"], sum(not s.partial for s in skipped))
+        progress.update(len(listing.sources), counts["bytes"], sum(not s.partial for s in skipped), force=True)
+        if verbose and counts["documents"]:
+            print(f"train-tokenizer: learning merges up to a vocabulary of {vocab_size:,} (no progress lines while it runs)",
+                  file=sys.stderr, flush=True)
+
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split; no prefix space: text round-trips
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[eod_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts(), trainer)
+    if not counts["documents"]:
+        raise DataError(f"the inputs hold no usable text to train on.\n{_summarize_skipped(skipped)}".rstrip())
+
+    json_text = _byte_layout(tokenizer.to_str(), eod_token)
+    trained = tokenizers.Tokenizer.from_str(json_text)
+    info = TokenizerInfo(
+        kind="hf", name=os.path.join(out, TOKENIZER_FILE), hash=hashlib.sha256(json_text.encode()).hexdigest(),
+        vocab_size=trained.get_vocab_size(with_added_tokens=True), eod_id=trained.token_to_id(eod_token),
+    )
+    os.makedirs(out, exist_ok=True)
+    for name, text in hf_tokenizer_files(TokenizerSpec(info=info, json_text=json_text), model_max_length=None).items():
+        partial = os.path.join(out, f".{name}.partial")
+        with open(partial, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(partial, os.path.join(out, name))
+    result = TrainedTokenizer(
+        output=out, vocab_size=info.vocab_size, asked_vocab_size=vocab_size, eod_token=eod_token, eod_id=info.eod_id,
+        num_files=counts["files"], num_documents=counts["documents"], num_bytes=counts["bytes"], skipped=skipped,
+        seconds=time.perf_counter() - started,
+    )
+    if verbose:
+        _print_summary(result, min_frequency=min_frequency)
+    return result
+
+
+def _print_summary(result: TrainedTokenizer, *, min_frequency: int) -> None:
+    short = (
+        f" (asked for {result.asked_vocab_size:,}: the corpus has no more pairs seen at least {min_frequency} times; "
+        "more text gives more merges)" if result.vocab_size < result.asked_vocab_size else ""
+    )
+    print(
+        f"train-tokenizer: {result.vocab_size:,} tokens{short} from {result.num_files} files ({result.num_documents:,} documents, "
+        f"{result.num_bytes:,} bytes) in {result.seconds:.1f}s; end-of-document {result.eod_token} = id {result.eod_id}",
+        file=sys.stderr, flush=True,
+    )
+    if result.skipped:
+        print(f"train-tokenizer: {_summarize_skipped(result.skipped, limit=0).split(' (each listed')[0]}", file=sys.stderr, flush=True)
+
+
+__all__ = ["DEFAULT_MIN_FREQUENCY", "DEFAULT_VOCAB_SIZE", "MIN_VOCAB_SIZE", "TOKENIZER_FILES", "TrainedTokenizer", "train_tokenizer"]
