@@ -161,6 +161,17 @@ CASES = [
          ["data.seq_len is 128 but .*/data was prepared with seq_len 8", "set data.seq_len=8"], setup="prepared"),
     Case("data-fewer-than-a-batch", ["pretrain", *_s("data.source={tmp}/data", "data.seq_len=8", "data.max_tokens=50")], 2,
          [r"has 5 sequences to use: 5 per worker, fewer than one micro-batch of 16", "lower train.micro_batch"], setup="prepared"),
+    Case("prepare-tokenizer-dir-without-file", ["prepare-data", "--input", "{tmp}/in.txt", "--output", "{tmp}/data", "--seq-len", "8",
+                                                "--tokenizer", "{tmp}/model"], 2,
+         ["is a directory without a tokenizer.json", "train-tokenizer"], setup="model_dir_without_tokenizer"),
+    Case("train-tokenizer-missing-input", ["train-tokenizer", "--input", "{tmp}/no.txt", "--output", "{tmp}/tok"], 2,
+         ["no input files to train on: check the --input paths", "does not exist"]),
+    Case("train-tokenizer-vocab-too-small", ["train-tokenizer", "--input", "{tmp}/in.txt", "--output", "{tmp}/tok", "--vocab-size", "100"], 2,
+         ["--vocab-size must be at least 258", "--vocab-size 32000"], setup="text"),
+    Case("train-tokenizer-output-exists", ["train-tokenizer", "--input", "{tmp}/in.txt", "--output", "{tmp}/tok"], 2,
+         [r"already holds a tokenizer \(tokenizer.json", "--overwrite"], setup="trained_tokenizer"),
+    Case("train-tokenizer-bad-eod", ["train-tokenizer", "--input", "{tmp}/in.txt", "--output", "{tmp}/tok", "--eod-token", "<end>"], 2,
+         ["--eod-token must be one of <|endoftext|>, </s>", "got '<end>'"], setup="text"),
     # ---- command line
     Case("unknown-command", ["pretrian"], 2, ["invalid choice: 'pretrian'"]),
     Case("missing-required-flag", ["runs"], 2, ["the following arguments are required: --storage"]),
@@ -231,6 +242,18 @@ def prepared(tmp: Path) -> None:
     text(tmp)
     (tmp / "other.txt").write_text("Other text. " * 40)
     prepare_data(inputs=[str(tmp / "in.txt")], output=str(tmp / "data"), seq_len=8, parallel=False, verbose=False)
+
+
+def model_dir_without_tokenizer(tmp: Path) -> None:
+    text(tmp)
+    (tmp / "model").mkdir()
+    (tmp / "model" / "config.json").write_text("{}")
+
+
+def trained_tokenizer(tmp: Path) -> None:
+    text(tmp)
+    (tmp / "tok").mkdir()
+    (tmp / "tok" / "tokenizer.json").write_text("{}")
 
 
 def framed_manifest(tmp: Path) -> None:
