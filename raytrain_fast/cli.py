@@ -88,6 +88,21 @@ def _add_export_args(export: argparse.ArgumentParser) -> None:
                         help="(hf) split the weights into shards of at most this many GB, with model.safetensors.index.json")
 
 
+def _add_train_tokenizer_args(train_tok: argparse.ArgumentParser) -> None:
+    train_tok.add_argument("--input", nargs="+", required=True, metavar="PATH_OR_GLOB", help="text/JSONL files, directories, globs or s3:// URIs (as prepare-data's)")
+    train_tok.add_argument("--output", required=True, help="local directory for tokenizer.json, tokenizer_config.json and special_tokens_map.json")
+    train_tok.add_argument("--vocab-size", type=int, default=32000, metavar="N",
+                           help="tokens in the vocabulary, the end-of-document token included (default 32000; at least 258); "
+                                "fewer when the corpus has fewer pairs to merge")
+    train_tok.add_argument("--min-frequency", type=int, default=2, metavar="N", help="merge only pairs seen at least N times (default 2)")
+    train_tok.add_argument("--eod-token", default="<|endoftext|>", metavar="TOKEN",
+                           help="the end-of-document token, id 256 (default <|endoftext|>, as the byte tokenizer's export; also </s>, <eos>, ...)")
+    train_tok.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --output")
+    train_tok.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// inputs")
+    train_tok.add_argument("--region", default=None, help=REGION_HELP)
+    train_tok.add_argument("--profile", default=None, help=PROFILE_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
@@ -140,18 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_tok = add_command(
         commands, "train-tokenizer", "train a byte-level BPE tokenizer on the inputs prepare-data takes; writes a Hugging Face tokenizer directory",
     )
-    train_tok.add_argument("--input", nargs="+", required=True, metavar="PATH_OR_GLOB", help="text/JSONL files, directories, globs or s3:// URIs (as prepare-data's)")
-    train_tok.add_argument("--output", required=True, help="local directory for tokenizer.json, tokenizer_config.json and special_tokens_map.json")
-    train_tok.add_argument("--vocab-size", type=int, default=32000, metavar="N",
-                           help="tokens in the vocabulary, the end-of-document token included (default 32000; at least 258); "
-                                "fewer when the corpus has fewer pairs to merge")
-    train_tok.add_argument("--min-frequency", type=int, default=2, metavar="N", help="merge only pairs seen at least N times (default 2)")
-    train_tok.add_argument("--eod-token", default="<|endoftext|>", metavar="TOKEN",
-                           help="the end-of-document token, id 256 (default <|endoftext|>, as the byte tokenizer's export; also </s>, <eos>, ...)")
-    train_tok.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --output")
-    train_tok.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// inputs")
-    train_tok.add_argument("--region", default=None, help=REGION_HELP)
-    train_tok.add_argument("--profile", default=None, help=PROFILE_HELP)
+    _add_train_tokenizer_args(train_tok)
 
     from raytrain_fast.bench.run import add_parser as add_bench_parser
 

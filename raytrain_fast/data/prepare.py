@@ -541,9 +541,10 @@ def _hash_inputs(listing: _Listing, filesystems: dict[str, pafs.FileSystem]) -> 
     return entries
 
 
-def _summarize_skipped(skipped: list[Skipped], limit: int = 10) -> str:
+def _summarize_skipped(skipped: list[Skipped], limit: int = 10, *, listed: bool = True) -> str:
     """One line (limit=0) or a line and up to `limit` paths: inputs skipped whole, and apart from
-    them the records skipped inside inputs that were used (those files are not skipped)."""
+    them the records skipped inside inputs that were used (those files are not skipped). listed:
+    point to the manifest's list (False where no manifest is written)."""
     if not skipped:
         return ""
     whole = [s for s in skipped if not s.partial]
@@ -558,11 +559,12 @@ def _summarize_skipped(skipped: list[Skipped], limit: int = 10) -> str:
     elif partial:
         heads.append(f"used {len(partial)} JSONL inputs without some of their records")
     head = "; ".join(heads)
+    where = f" (each listed under 'skipped' in {MANIFEST_NAME})" if listed else ""
     if limit == 0:  # one summary line; the paths are in the manifest
-        return f"{head} (each listed under 'skipped' in {MANIFEST_NAME})"
+        return head + where
     lines = [head, *(f"  {s.path}: {s.reason}" for s in skipped[:limit])]
     if len(skipped) > limit:
-        lines.append(f"  ... and {len(skipped) - limit} more (all listed under 'skipped' in {MANIFEST_NAME})")
+        lines.append(f"  ... and {len(skipped) - limit} more{where.replace('each', 'all')}")
     return "\n".join(lines)
 
 

@@ -138,35 +138,11 @@ def _byte_layout(json_text: str, eod_token: str) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
-def train_tokenizer(
-    *,
-    inputs: list[str],
-    output: str,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    min_frequency: int = DEFAULT_MIN_FREQUENCY,
-    eod_token: str = BYTE_EOD_TEXT,
-    storage: StorageConfig | None = None,
-    overwrite: bool = False,
-    verbose: bool = True,
-) -> TrainedTokenizer:
-    """Train a byte-level BPE of at most `vocab_size` tokens on `inputs` and write it to `output`.
-
-    inputs: what prepare_data takes (files, directories, globs, s3:// URIs; `.jsonl`/`.ndjson` records'
-        `text` fields, every other file one UTF-8 document); unusable files are skipped with a reason.
-    output: a local directory; one that already holds a tokenizer is replaced only with `overwrite`.
-    vocab_size: the vocabulary, end-of-document token included. The result is smaller when the corpus
-        has fewer pairs seen `min_frequency` times than merges to learn (TrainedTokenizer.vocab_size says).
-    eod_token: the end-of-document token, one of EOD_CANDIDATES (id 256).
-    storage: endpoint/region for s3:// inputs (credentials from the environment).
-    Every check that can fail without reading the inputs runs before any is read."""
-    started, storage = time.perf_counter(), storage or StorageConfig()
-    _check_arguments(inputs, output=output, vocab_size=vocab_size, min_frequency=min_frequency, eod_token=eod_token)
-    out = _check_output(output, overwrite=overwrite)
-    tokenizers = _import_tokenizers()
-    listing, filesystems = list_inputs(inputs, storage, exclude=out)
-    if not listing.sources:
-        raise DataError(f"no input files to train on: check the --input paths.\n{_summarize_skipped(listing.skipped, limit=20)}")
-
+def _train(
+    tokenizers, listing, filesystems, *, vocab_size: int, min_frequency: int, eod_token: str, verbose: bool
+) -> tuple[str, dict[str, int], list[Skipped]]:
+    """(tokenizer.json text in the byte layout, counts of files/documents/bytes read, skipped inputs):
+    the BpeTrainer reads every listed input through `read_documents`, printing progress as it goes."""
     skipped = list(listing.skipped)
     counts = {"files": 0, "documents": 0, "bytes": 0}
     progress = _Progress(len(listing.sources), enabled=verbose)
@@ -200,10 +176,15 @@ def train_tokenizer(
     )
     tokenizer.train_from_iterator(texts(), trainer)
     if not counts["documents"]:
-        raise DataError(f"the inputs hold no usable text to train on.\n{_summarize_skipped(skipped)}".rstrip())
+        raise DataError(f"the inputs hold no usable text to train on.\n{_summarize_skipped(skipped, listed=False)}".rstrip())
+    return _byte_layout(tokenizer.to_str(), eod_token), counts, skipped
 
-    json_text = _byte_layout(tokenizer.to_str(), eod_token)
-    trained = tokenizers.Tokenizer.from_str(json_text)
+
+def _write(out: str, json_text: str, eod_token: str) -> TokenizerInfo:
+    """Write the tokenizer files (each whole: a temporary name, then renamed) and describe them."""
+    from tokenizers import Tokenizer
+
+    trained = Tokenizer.from_str(json_text)
     info = TokenizerInfo(
         kind="hf", name=os.path.join(out, TOKENIZER_FILE), hash=hashlib.sha256(json_text.encode()).hexdigest(),
         vocab_size=trained.get_vocab_size(with_added_tokens=True), eod_id=trained.token_to_id(eod_token),
@@ -214,6 +195,42 @@ def train_tokenizer(
         with open(partial, "w", encoding="utf-8") as file:
             file.write(text)
         os.replace(partial, os.path.join(out, name))
+    return info
+
+
+def train_tokenizer(
+    *,
+    inputs: list[str],
+    output: str,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    min_frequency: int = DEFAULT_MIN_FREQUENCY,
+    eod_token: str = BYTE_EOD_TEXT,
+    storage: StorageConfig | None = None,
+    overwrite: bool = False,
+    verbose: bool = True,
+) -> TrainedTokenizer:
+    """Train a byte-level BPE of at most `vocab_size` tokens on `inputs` and write it to `output`.
+
+    inputs: what prepare_data takes (files, directories, globs, s3:// URIs; `.jsonl`/`.ndjson` records'
+        `text` fields, every other file one UTF-8 document); unusable files are skipped with a reason.
+    output: a local directory; one that already holds a tokenizer is replaced only with `overwrite`.
+    vocab_size: the vocabulary, end-of-document token included. The result is smaller when the corpus
+        has fewer pairs seen `min_frequency` times than merges to learn (TrainedTokenizer.vocab_size says).
+    eod_token: the end-of-document token, one of EOD_CANDIDATES (id 256).
+    storage: endpoint/region for s3:// inputs (credentials from the environment).
+    Every check that can fail without reading the inputs runs before any is read."""
+    started, storage = time.perf_counter(), storage or StorageConfig()
+    _check_arguments(inputs, output=output, vocab_size=vocab_size, min_frequency=min_frequency, eod_token=eod_token)
+    out = _check_output(output, overwrite=overwrite)
+    tokenizers = _import_tokenizers()
+    listing, filesystems = list_inputs(inputs, storage, exclude=out)
+    if not listing.sources:
+        raise DataError(f"no input files to train on: check the --input paths.\n{_summarize_skipped(listing.skipped, limit=20, listed=False)}")
+
+    json_text, counts, skipped = _train(
+        tokenizers, listing, filesystems, vocab_size=vocab_size, min_frequency=min_frequency, eod_token=eod_token, verbose=verbose,
+    )
+    info = _write(out, json_text, eod_token)
     result = TrainedTokenizer(
         output=out, vocab_size=info.vocab_size, asked_vocab_size=vocab_size, eod_token=eod_token, eod_id=info.eod_id,
         num_files=counts["files"], num_documents=counts["documents"], num_bytes=counts["bytes"], skipped=skipped,
@@ -235,7 +252,7 @@ def _print_summary(result: TrainedTokenizer, *, min_frequency: int) -> None:
         file=sys.stderr, flush=True,
     )
     if result.skipped:
-        print(f"train-tokenizer: {_summarize_skipped(result.skipped, limit=0).split(' (each listed')[0]}", file=sys.stderr, flush=True)
+        print(f"train-tokenizer: {_summarize_skipped(result.skipped, listed=False)}", file=sys.stderr, flush=True)
 
 
 __all__ = ["DEFAULT_MIN_FREQUENCY", "DEFAULT_VOCAB_SIZE", "MIN_VOCAB_SIZE", "TOKENIZER_FILES", "TrainedTokenizer", "train_tokenizer"]
