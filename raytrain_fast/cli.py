@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--input", nargs="+", required=True, metavar="PATH_OR_GLOB", help="text/JSONL files, directories, globs or s3:// URIs")
     prepare.add_argument("--output", required=True, help="output directory or s3:// URI")
     prepare.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence (rows hold seq_len + 1)")
-    prepare.add_argument("--tokenizer", default="byte", help="'byte' or a path to a HuggingFace tokenizer.json")
+    prepare.add_argument("--tokenizer", default="byte", help="'byte', a path to a HuggingFace tokenizer.json, or a directory holding one (an HF model dir, train-tokenizer's output)")
     prepare.add_argument("--overwrite", action="store_true", help="replace an output that was prepared from other inputs")
     prepare.add_argument(
         "--val-fraction", type=float, default=None, metavar="F",

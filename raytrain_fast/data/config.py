@@ -19,8 +19,9 @@ class DataConfig:
     seq_len: int = 128
     """Tokens per training sequence (the model sees seq_len inputs and predicts seq_len targets)."""
     tokenizer: str = "byte"
-    """`byte` (256 byte values + end-of-document, vocab 257) or a path to a HuggingFace tokenizer.json
-    (needs `pip install tokenizers`); used when source is prepared on the fly."""
+    """`byte` (256 byte values + end-of-document, vocab 257), a path to a HuggingFace tokenizer.json or a
+    directory holding one, e.g. train-tokenizer's output (needs `pip install tokenizers`); used when source
+    is prepared on the fly."""
     cache_dir: str | None = None
     """Where sources are prepared on the fly; null = `<storage.uri>/_prepared`. Must be readable by every node."""
     val_fraction: float | None = None

@@ -590,7 +590,7 @@ def prepare_data(
         key, a prefix, or a glob); `.jsonl`/`.ndjson` files hold one document per line in a `text`
         field, every other file is one plain-text document (UTF-8).
     output: a local directory or s3://bucket/prefix (the bucket must exist).
-    tokenizer: `byte` (ids 0-255 plus EOD 256, vocab 257) or a HuggingFace tokenizers JSON file.
+    tokenizer: `byte` (ids 0-255 plus EOD 256, vocab 257), a tokenizer.json or an HF directory holding one.
     storage: endpoint/region for s3:// inputs, output and tokenizer (credentials from the environment).
     overwrite: replace an existing prepared dataset made from different inputs or settings. Preparing
         the same inputs with the same settings again is a no-op either way.
