@@ -103,11 +103,20 @@ def _add_train_tokenizer_args(train_tok: argparse.ArgumentParser) -> None:
     train_tok.add_argument("--profile", default=None, help=PROFILE_HELP)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from importlib.metadata import version
+def _version() -> str:
+    """The installed version; a source tree on PYTHONPATH without `pip install` has no metadata, and
+    every command would fail on it."""
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        return version("raytrain_fast")
+    except PackageNotFoundError:
+        return "(not installed: running from a source tree)"
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raytrain-fast", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"raytrain-fast {version('raytrain_fast')}")
+    parser.add_argument("--version", action="version", version=f"raytrain-fast {_version()}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (any position)")
     commands = parser.add_subparsers(dest="command", required=True)
     pretrain = add_command(commands, "pretrain", "train a GPT on Ray (local by default; resumes a run of the same name)")
