@@ -1,0 +1,45 @@
+"""The llama keeps what the GPT has in the loop (issue 30): a 2-worker ZeRO-2 bf16 llama run that fails
+after its step-10 checkpoint resumes on 1 worker (a resize: the universal checkpoint conversion) and
+trains every step on exactly the sequences an uninterrupted run trained on, with its LR and, within the
+resize's stated 2% (tests/test_train.py::test_resize_round_trip_two_one_two_workers says why), its loss.
+Real Ray, real DeepSpeed."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_fast.launch.trainer import run
+from raytrain_fast.loop.hooks import LoopHooks
+from tests.test_train import by_step, micro_config, recorded_sequences
+
+pytestmark = pytest.mark.slow
+
+LLAMA = ("model.architecture=llama", "model.num_kv_heads=1", "model.vocab_size=320", "train.steps=20")
+
+
+def test_a_llama_run_resumes_on_another_worker_count_on_the_same_data_lr_and_loss(ray_session, tmp_path, capfd):
+    straight_dir, before, after = tmp_path / "straight", tmp_path / "before", tmp_path / "after"
+    for directory in (straight_dir, before, after):
+        directory.mkdir()
+    straight = run(micro_config(tmp_path, "llama-straight", *LLAMA), hooks=LoopHooks(record_sequences=str(straight_dir)))
+
+    marker = f"15:{tmp_path / 'failed-once'}:0"
+    with pytest.raises(Exception, match="injected failure at step 15"):
+        run(micro_config(tmp_path, "llama-resized", *LLAMA), hooks=LoopHooks(fail_once_at=marker, record_sequences=str(before)))
+    resumed = run(micro_config(tmp_path, "llama-resized", *LLAMA, "resources.num_workers=1"),
+                  hooks=LoopHooks(fail_once_at=marker, record_sequences=str(after)))
+    assert "Resized at step 10: 2 -> 1 workers" in capfd.readouterr().out
+
+    reference, final = by_step(straight), by_step(resumed)
+    assert final[20]["start_step"] == 10 and final[20]["tokens"] == reference[20]["tokens"]
+    assert final[20]["train/lr"] == pytest.approx(reference[20]["train/lr"], rel=1e-6)
+    assert final[20]["train/loss"] == pytest.approx(reference[20]["train/loss"], rel=0.02)
+    assert final[20]["train/loss"] < reference[10]["train/loss"]
+    # Every step trained on the uninterrupted run's sequences (ranks pooled: the 1-worker phase reads both ranks' share).
+    expected = {s: sorted(i for rank in recorded_sequences(straight_dir).values() for i in rank[s]) for s in range(1, 21)}
+    seen: dict[int, list[int]] = {}
+    for directory, steps in ((before, range(1, 11)), (after, range(11, 21))):  # steps 11-15 of the failed run were redone
+        for by_rank in recorded_sequences(directory).values():
+            for step in steps:
+                seen.setdefault(step, []).extend(by_rank[step])
+    assert {s: sorted(ids) for s, ids in seen.items()} == expected
