@@ -628,11 +628,16 @@ def stall_factor(run: RunMetrics) -> float:
     return float(run.setting("metrics", "stall_factor", DEFAULT_STALL_FACTOR))
 
 
+def _median_step_s(run: RunMetrics) -> float:
+    """The median time/step_s over every record (NaN without one): what the time lost is priced at."""
+    return median([r["time/step_s"] for r in run.records if "time/step_s" in r])
+
+
 def _hangs(run: RunMetrics) -> list[Finding]:
     """One finding per hang the watchdog acted on (watchdog/stacks.py): the rank, the top of its
     stack, and the time lost: the time stuck plus the steps trained again from the checkpoint."""
     resumed = {int(v): s for s, v in zip(*run.series("hang/step"))}
-    step_s = median([r["time/step_s"] for r in run.records if "time/step_s" in r])
+    step_s = _median_step_s(run)
     findings = []
     for hang in run.hangs:
         ranks = hang.get("stuck_ranks") or []
@@ -666,9 +671,8 @@ def _divergence(run: RunMetrics) -> list[Finding]:
     """One finding per divergence (loop/health.py): each rollback from `<run>/health.json` (the step,
     what it was, the checkpoint it went back to, the data it skipped, the time lost), and a non-finite
     window the run did not roll back from (health.on_nonfinite stop or warn, or max_rollbacks spent)."""
-    step_s = median([r["time/step_s"] for r in run.records if "time/step_s" in r])
+    step_s = _median_step_s(run)
     findings = []
-    rolled_back = [int(r["detected_step"]) for r in run.rollbacks]
     for number, record in enumerate(run.rollbacks, 1):
         redone = int(record["detected_step"]) - int(record["to_step"])
         lost = redone * step_s if not math.isnan(step_s) else math.nan
@@ -699,7 +703,7 @@ def _divergence(run: RunMetrics) -> list[Finding]:
         findings.append(Finding(key="divergence", title=f"Training diverged at step {stop['step']} and stopped",
                                 evidence=evidence, advice=_DIVERGENCE_ADVICE, numbers={"step": float(stop["step"])}))
     # Non-finite windows the run went on from (health.on_nonfinite: warn).
-    acted = set(rolled_back) | ({int(stop["step"])} if stop else set())
+    acted = {int(r["detected_step"]) for r in run.rollbacks} | ({int(stop["step"])} if stop else set())
     warned = [s for s, v in zip(*run.series("health/nonfinite")) if v >= 1 and s not in acted]
     if warned:
         findings.append(Finding(
