@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -64,22 +65,33 @@ def test_metrics_config_problems_name_the_field():
     assert any("metrics.profile_every" in p for p in problems)
 
 
+def _busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat", encoding="ascii") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.quiet
 def test_two_peak_measurements_on_one_machine_agree_within_10_percent():
     """The median of several short samples repeats; one best-of sample swung 366-927 GFLOP/s between runs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    busy, own = _busy_cpu_seconds(), time.process_time()
+    started = time.monotonic()
     try:
         first, second = (measure_matmul_peak(device="cpu", dtype="fp32", seconds=0.6, size=192) for _ in range(2))
     finally:
         torch.set_num_threads(threads)
+    others = (_busy_cpu_seconds() - busy - (time.process_time() - own)) / (time.monotonic() - started)
     gap = abs(first - second) / max(first, second)
-    load = os.getloadavg()[0]
-    if gap >= 0.10 and load > (os.cpu_count() or 1):
-        # No measurement repeats while more runnable threads than cores share the machine (a load of 9
-        # on 2 cores swung single 1-thread bursts 0.2-25 GFLOP/s); the per-host cache is what keeps
-        # runs comparable there. On a quiet machine this must hold.
-        pytest.skip(f"machine busy (load {load:.1f} on {os.cpu_count()} cores): {first / 1e9:.1f} vs {second / 1e9:.1f} GFLOP/s")
-    assert gap < 0.10, (first, second)
+    if gap >= 0.10 and others > 0.2:
+        # No measurement repeats while other processes take the cores it runs on (CI once measured 73 and
+        # 63 GFLOP/s where a quiet run gives 175 +- 3%, with a 1-minute load average below the core count);
+        # the per-host cache is what keeps runs comparable there. On a quiet machine this must hold.
+        pytest.skip(f"machine busy (other processes used {others:.2f} cores meanwhile): "
+                    f"{first / 1e9:.1f} vs {second / 1e9:.1f} GFLOP/s")
+    assert gap < 0.10, (first, second, f"other processes used {others:.2f} cores meanwhile")
 
 
 def test_measured_peak_is_cached_per_host_dtype_and_threads(tmp_path):

@@ -21,6 +21,9 @@ WATCHED_PHASE = "train"
 _COLLECTIVE_FILES = ("torch/distributed/", "deepspeed/comm/", "ray/train/collective", "ray/train/v2/_internal/execution/train_fn_utils")
 # The training thread is the one running the step loop (Ray Train runs it beside the actor's own threads).
 _LOOP_FRAMES = ("run_steps", "train_loop_per_worker")
+# Pass-through decorators: their frame only calls the next one in, so it says nothing of where a rank is
+# (DeepSpeed wraps most of its engine in an NVTX range; torch's no_grad/enable_grad in _contextlib).
+_WRAPPER_FILES = ("deepspeed/utils/nvtx.py", "torch/utils/_contextlib.py", "/functools.py", "/contextlib.py")
 
 
 @dataclass(kw_only=True)
@@ -163,10 +166,11 @@ def in_collective(thread: Thread) -> bool:
 
 
 def top_frame(thread: Thread | None) -> str:
-    """The innermost frame of our own code or of torch (the line a reader looks at first)."""
+    """The innermost frame that is not a pass-through wrapper (the line a reader looks at first):
+    a rank frozen while DeepSpeed's NVTX decorator calls into C shows the DeepSpeed function it wraps."""
     if thread is None or not thread.frames:
         return "no stack"
-    return thread.frames[0]
+    return next((frame for frame in thread.frames if not any(w in frame for w in _WRAPPER_FILES)), thread.frames[0])
 
 
 @dataclass(kw_only=True)
