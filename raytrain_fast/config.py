@@ -178,7 +178,7 @@ PRECISION_ALIASES = {"bfloat16": "bf16", "float32": "fp32"}
 """torch's spellings, accepted wherever the config takes bf16 / fp32 (export takes both too)."""
 
 
-ON_OFF_KEYS = (("engine", "compile"), ("model", "chunked_loss"))
+ON_OFF_KEYS = (("engine", "compile"), ("engine", "deepspeed_patches"), ("model", "chunked_loss"))
 """auto | on | off keys: YAML 1.1 reads a bare on/off as true/false, so those mean "on"/"off" here."""
 
 

@@ -94,10 +94,11 @@ def test_clipping_without_a_host_sync_matches_deepspeed(norm, loss_scale):
 
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from raytrain_fast.engine.deepspeed_engine import _clip_without_host_sync
+    from raytrain_fast.engine import deepspeed_compat
 
-    _clip_without_host_sync()
+    deepspeed_compat.apply_patches("auto")
     patched = DeepSpeedZeroOptimizer.unscale_and_clip_grads
+    assert getattr(patched, "_raytrain_fast", False), "DeepSpeed's own method: nothing compared"
     optimizer = SimpleNamespace(clip_grad=1.0, loss_scale=loss_scale, device="cpu")
     ours, theirs = [torch.arange(6.0) - 2.0], [[torch.arange(3.0), torch.ones(3)]]
     expected_ours, expected_theirs = [g.clone() for g in ours], [[g.clone() for g in theirs[0]]]
@@ -107,29 +108,82 @@ def test_clipping_without_a_host_sync_matches_deepspeed(norm, loss_scale):
     torch.testing.assert_close(theirs, expected_theirs, equal_nan=True)
 
 
-def test_each_deepspeed_patch_is_installed_once_over_deepspeeds_own_and_only_where_its_names_exist():
+def test_each_deepspeed_patch_is_installed_once_over_deepspeeds_own_and_off_puts_deepspeeds_back():
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from raytrain_fast.engine import deepspeed_engine as engine
+    from raytrain_fast.engine import deepspeed_compat
 
-    patches = [engine._clip_without_host_sync, engine._grad_norm_without_fp64_copies,
-               engine._fp32_grads_in_a_kept_buffer, engine._no_all_reduce_over_one_rank]
-    names = ["unscale_and_clip_grads", "get_grad_norm_direct", "_get_preflattened_grad_partition", "allreduce_and_copy"]
-    for install in patches + patches:
-        install()
-    for name in names:
-        ours = getattr(DeepSpeedZeroOptimizer, name)
-        assert getattr(ours, "_raytrain_fast", False), f"{name} is DeepSpeed's own"
-        assert not getattr(ours._original, "_raytrain_fast", False), f"{name} wraps our own replacement"
-    step = DeepSpeedZeroOptimizer.step
-    engine._replace_zero_method("step", lambda original: lambda self: None, needs=("no_such_name_in_deepspeed",))
-    assert DeepSpeedZeroOptimizer.step is step, "replaced although a name it needs is missing"
+    names = [patch.method for patch in deepspeed_compat.PATCHES]
+    assert names == ["unscale_and_clip_grads", "get_grad_norm_direct", "_get_preflattened_grad_partition", "allreduce_and_copy"]
+    try:
+        for _ in range(2):
+            assert deepspeed_compat.apply_patches("auto", warn=pytest.fail) == [p.name for p in deepspeed_compat.PATCHES]
+        for name in names:
+            ours = getattr(DeepSpeedZeroOptimizer, name)
+            assert getattr(ours, "_raytrain_fast", False), f"{name} is DeepSpeed's own"
+            assert not getattr(ours._original, "_raytrain_fast", False), f"{name} wraps our own replacement"
+        originals = {name: getattr(DeepSpeedZeroOptimizer, name)._original for name in names}
+        assert deepspeed_compat.apply_patches("off") == [] and deepspeed_compat.active_patches() == []
+        assert all(getattr(DeepSpeedZeroOptimizer, name) is originals[name] for name in names)
+    finally:
+        deepspeed_compat.apply_patches("auto")
+
+
+@pytest.mark.parametrize("change", ["signature", "source", "module-name"])
+def test_a_deepspeed_method_that_changed_keeps_deepspeeds_own_with_one_warning(change, monkeypatch):
+    """What a DeepSpeed release that changed a patched method gets: its own method and one line saying why."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    from raytrain_fast.engine import deepspeed_compat
+
+    deepspeed_compat.apply_patches("off")
+    patch = deepspeed_compat.PATCHES[1]  # get_grad_norm_direct: signature, source and module names all checked
+    cls = stage_1_and_2.DeepSpeedZeroOptimizer
+    theirs = getattr(cls, patch.method)
+    if change == "signature":
+        def changed(self, gradients, params, norm_type=2, new_argument=None):
+            return theirs(self, gradients, params, norm_type)
+    elif change == "source":
+        def changed(self, gradients, params, norm_type=2):
+            return theirs(self, gradients, params, norm_type)  # same signature, another body
+    else:
+        changed = theirs
+        monkeypatch.delattr(stage_1_and_2, "PIPE_REPLICATED")
+    monkeypatch.setattr(cls, patch.method, changed)
+    monkeypatch.setattr(deepspeed_compat, "_WARNED", set())
+    lines: list[str] = []
+    try:
+        for _ in range(2):
+            active = deepspeed_compat.apply_patches("auto", warn=lines.append)
+        assert getattr(cls, patch.method) is changed and patch.name not in active
+        assert len(active) == len(deepspeed_compat.PATCHES) - 1  # the others still apply
+        assert len(lines) == 1, lines
+        reason = {"signature": "its signature is", "source": "its source differs", "module-name": "has no PIPE_REPLICATED"}[change]
+        assert f"DeepSpeedZeroOptimizer.{patch.method}" in lines[0] and reason in lines[0] and "DeepSpeed's own runs" in lines[0]
+    finally:
+        deepspeed_compat.apply_patches("off")
+        monkeypatch.undo()
+        deepspeed_compat.apply_patches("auto")
+
+
+def test_the_startup_line_names_the_patches_in_force():
+    from raytrain_fast.engine import deepspeed_compat
+    from raytrain_fast.engine.deepspeed_engine import apply_deepspeed_patches
+
+    try:
+        line = apply_deepspeed_patches("auto", world_size=1)
+        assert all(p.name in line for p in deepspeed_compat.PATCHES) and "no-shm-comm-build" in line
+        assert "engine.deepspeed_patches=auto" in line and "patch(es) in force" in line
+        assert "no-shm-comm-build" not in apply_deepspeed_patches("auto", world_size=2)
+        assert "no patches (engine.deepspeed_patches=off)" in apply_deepspeed_patches("off", world_size=1)
+    finally:
+        deepspeed_compat.apply_patches("auto")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("numel", [7, 1 << 16, (1 << 16) * 3 + 5])
 def test_sum_of_squares_is_fp64_accurate_without_an_fp64_copy(dtype, numel):
-    from raytrain_fast.engine.deepspeed_engine import sum_of_squares
+    from raytrain_fast.engine.deepspeed_compat import sum_of_squares
 
     tensor = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 1e-3).to(dtype)
     expected = tensor.double().square().sum()

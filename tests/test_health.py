@@ -146,7 +146,7 @@ def test_spike_check_flags_a_jump_but_not_a_falling_or_noisy_loss():
 
 @pytest.mark.parametrize("norm", [float("nan"), float("inf"), -1.0])
 def test_an_invalid_norm_leaves_weights_moments_and_step_count_as_they_were(norm):
-    from raytrain_fast.engine.deepspeed_engine import skip_nonfinite_update
+    from raytrain_fast.engine.deepspeed_compat import skip_nonfinite_update
 
     weight = torch.nn.Parameter(torch.ones(64))
     optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)

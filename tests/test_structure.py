@@ -141,3 +141,28 @@ def test_the_step_loop_body_is_short_and_reads_no_environment():
     hooks_source = (PACKAGE / "loop" / "hooks.py").read_text() + (PACKAGE / "loop" / "drills.py").read_text()
     for name in ("os.environ", "getenv"):  # hooks come from the caller, never from a shell variable
         assert name not in hooks_source, name
+
+
+COMPAT_MODULES = {"raytrain_fast._ray_compat", "raytrain_fast.engine.deepspeed_compat"}
+
+
+def _private_imports(path: Path) -> set[str]:
+    """Modules of Ray or DeepSpeed this file imports whose dotted name has a private part (_internal, _private, _raylet)."""
+    return {
+        name for name in _imports(path)
+        if name.split(".")[0] in ("ray", "deepspeed") and any(part.startswith("_") for part in name.split(".")[1:])
+    }
+
+
+def test_every_reach_into_ray_or_deepspeed_privates_lives_in_a_compat_module():
+    """One place per dependency to read when Ray or DeepSpeed moves (pyproject.toml caps both)."""
+    found = {_module_name(path): _private_imports(path) for path in sorted(PACKAGE.rglob("*.py"))}
+    assert found["raytrain_fast._ray_compat"], "the Ray compat module reaches nothing: the check reads nothing"
+    outside = {module: names for module, names in found.items() if names and module not in COMPAT_MODULES}
+    assert not outside, outside
+    patched = [
+        _module_name(path) for path in sorted(PACKAGE.rglob("*.py"))
+        if ("__compatible_ops__" in path.read_text() or "DeepSpeedZeroOptimizer" in path.read_text())
+        and _module_name(path) not in COMPAT_MODULES
+    ]
+    assert not patched, f"DeepSpeed is changed outside engine/deepspeed_compat.py: {patched}"

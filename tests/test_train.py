@@ -130,15 +130,17 @@ def test_a_compiled_run_reports_compile_time_once_and_resumes_eager(ray_session,
     with compile off and training continues from it (the same parameter names either way)."""
     from raytrain_fast.metrics.sinks import read_metrics
 
-    def config(compile_setting: str, steps: int):
+    def config(compile_setting: str, steps: int, patches: str = "auto"):
         return micro_config(
             tmp_path, "compiled", "resources.num_workers=1", "train.global_batch=4", f"train.steps={steps}",
             "train.log_every=2", "checkpoint.every_steps=4", "eval.enabled=false", "engine.precision=fp32",
-            f"engine.compile={compile_setting}",
+            f"engine.compile={compile_setting}", f"engine.deepspeed_patches={patches}",
         )
 
     run(config("on", 4))
-    assert "Compile: on, 2 blocks compiled on their first step (engine.compile=on)" in capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert "Compile: on, 2 blocks compiled on their first step (engine.compile=on)" in out
+    assert "patch(es) in force: clip-without-host-sync, grad-norm-without-fp64-copies" in out  # the startup line
     records = read_metrics(str(tmp_path / "runs" / "compiled"))
     compile_times = [r["time/compile_s"] for r in records if "time/compile_s" in r]
     assert len(compile_times) == 1 and compile_times[0] > 0
@@ -146,9 +148,9 @@ def test_a_compiled_run_reports_compile_time_once_and_resumes_eager(ray_session,
     # The window of step 2 timed step 2 only: the compiled first step would dominate it otherwise.
     assert first["step"] == 2 and first["time/step_s"] < compile_times[0]
 
-    resumed = run(config("off", 8))
+    resumed = run(config("off", 8, patches="off"))  # DeepSpeed's own methods resume our patched run's checkpoint
     out = capfd.readouterr().out
-    assert "Compile:" not in out
+    assert "Compile:" not in out and "no patches (engine.deepspeed_patches=off)" in out
     assert by_step(resumed)[8]["start_step"] == 4
     records = read_metrics(str(tmp_path / "runs" / "compiled"))
     assert [r["step"] for r in records if "time/compile_s" in r] == [2]  # the eager restart compiled nothing

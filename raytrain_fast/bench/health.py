@@ -2,7 +2,7 @@
 
 The checks add, per optimizer step and on the device (no host read):
 - the gradient norm's finiteness, handed to the fused AdamW as `found_inf`
-  (`engine.deepspeed_engine.skip_nonfinite_update`), which the kernel then reads;
+  (`engine.deepspeed_compat.skip_nonfinite_update`), which the kernel then reads;
 - a `where` on the norm before it enters the window's sum (`TrainMetrics.add_grad_norm`).
 
 Two variants of one bare step of a model (forward, backward, clip, fused or foreach AdamW, the loss
@@ -30,7 +30,7 @@ def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmu
 
     from raytrain_fast.bench.overhead import OverheadSetup, _build, _set_threads
     from raytrain_fast.engine import training_device
-    from raytrain_fast.engine.deepspeed_engine import skip_nonfinite_update
+    from raytrain_fast.engine.deepspeed_compat import skip_nonfinite_update
     from raytrain_fast.metrics.train_metrics import TrainMetrics
 
     if steps < 1 or rounds < 2 or warmup_steps < 0 or ops_calls < 1:
@@ -121,7 +121,7 @@ def _ops_cost(optimizer: Any, sums: Any, device: Any, *, calls: int, rounds: int
     plain add they replace."""
     import torch
 
-    from raytrain_fast.engine.deepspeed_engine import skip_nonfinite_update
+    from raytrain_fast.engine.deepspeed_compat import skip_nonfinite_update
     from raytrain_fast.metrics.train_metrics import TrainMetrics
 
     norm = torch.tensor(1.5, device=device)

@@ -530,9 +530,9 @@ def ray_train_poll_interval_s() -> float:
     """Ray Train's controller polls each worker (and takes one reported result) this often: the
     health-check interval, as the driver's environment sets it for this fit (Ray passes the
     variable to the controller)."""
-    from ray.train.v2._internal.constants import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_INTERVAL_S_ENV_VAR
+    from raytrain_fast._ray_compat import health_check_interval_s
 
-    return float(os.environ.get(HEALTH_CHECK_INTERVAL_S_ENV_VAR, DEFAULT_HEALTH_CHECK_INTERVAL_S))
+    return health_check_interval_s()
 
 
 def variant_runners(setup: OverheadSetup, names: Sequence[str], *, storage_dir: str) -> dict[str, Callable[[], dict[str, Any]]]:

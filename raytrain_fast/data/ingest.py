@@ -39,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from raytrain_fast._ray_compat import DATA_EXECUTOR_LOGGER
 from raytrain_fast.data.manifest import MANIFEST_NAME, Manifest
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
@@ -542,7 +543,7 @@ class _HideExecutionSummary(logging.Filter):
         return True
 
 
-_EXECUTOR_LOGGER = "ray.data._internal.execution.streaming_executor"
+_EXECUTOR_LOGGER = DATA_EXECUTOR_LOGGER
 
 
 def hide_execution_summaries() -> None:

@@ -2,6 +2,7 @@
 
 from raytrain_fast.engine.config import EngineConfig, OptimConfig
 from raytrain_fast.engine.deepspeed_engine import (
+    apply_deepspeed_patches,
     apply_optim_settings,
     build_deepspeed_config,
     build_engine,
@@ -14,5 +15,5 @@ from raytrain_fast.engine.deepspeed_engine import (
     training_device,
 )
 
-__all__ = ["EngineConfig", "OptimConfig", "apply_optim_settings", "build_deepspeed_config", "build_engine", "build_optimizer", "enable_tf32", "lr_lambda",
+__all__ = ["EngineConfig", "OptimConfig", "apply_deepspeed_patches", "apply_optim_settings", "build_deepspeed_config", "build_engine", "build_optimizer", "enable_tf32", "lr_lambda",
     "measure_cpu_bf16_speedup", "resolve_precision", "select_accelerator", "training_device"]

@@ -66,6 +66,11 @@ class EngineConfig:
     time/compile_s and kept out of tokens/s and the slowdown baseline."""
     check_grad_overflow: bool = False
     """Check bf16 gradients for inf/nan before every optimizer step. Costs a host sync per step."""
+    deepspeed_patches: Literal["auto", "off"] = "auto"
+    """auto: replace the DeepSpeed ZeRO-1/2 methods that cost a host sync, fp64 copies or page faults per step
+    (engine/deepspeed_compat.py), each only where DeepSpeed's method is the one it was written against (else
+    DeepSpeed's own, with a warning line). off: DeepSpeed's own methods throughout, e.g. to compare. The run's
+    first lines name the patches in force."""
 
 
 def wsd_decay_steps(*, optim: OptimConfig, total_steps: int) -> int:

@@ -225,222 +225,13 @@ def apply_optim_settings(engine: Any, *, optim: OptimConfig, total_steps: int) -
         wrapper.clip_grad = optim.grad_clip
 
 
-def _skip_shm_comm_build() -> None:
-    # DeepSpeed's CPU backend JIT-compiles a shared-memory allreduce op on its first process group,
-    # even with one rank, where it never communicates: 1-2 minutes on 2 cores on a fresh machine
-    # (cached afterwards). With a single worker we mark the op unavailable so it is not built.
-    import deepspeed.ops
+def apply_deepspeed_patches(mode: str, *, world_size: int, warn=print) -> str:
+    """Make (auto) or undo (off) the DeepSpeed patches before an engine is built; the startup line."""
+    from raytrain_fast.engine import deepspeed_compat
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-def _replace_zero_method(name: str, make, *, needs: tuple[str, ...] = ()) -> None:
-    """Set `make(original)` as DeepSpeedZeroOptimizer.<name>, once: only where DeepSpeed has the
-    method and every name in `needs` in its stage_1_and_2 module (the ones the replacement uses),
-    and not over a replacement already made. The replacement keeps DeepSpeed's own as `_original`,
-    which the tests compare against."""
-    from deepspeed.runtime.zero import stage_1_and_2
-
-    optimizer_cls = stage_1_and_2.DeepSpeedZeroOptimizer
-    original = getattr(optimizer_cls, name, None)
-    if original is None or getattr(original, "_raytrain_fast", False):
-        return
-    if not all(hasattr(stage_1_and_2, needed) for needed in needs):
-        return
-    replacement = make(original)
-    replacement._raytrain_fast = True
-    replacement._original = original
-    setattr(optimizer_cls, name, replacement)
-
-
-def _clip_without_host_sync() -> None:
-    """DeepSpeed 0.19's ZeRO-1/2 `unscale_and_clip_grads` calls `is_invalid_grad_norm(norm)`, a
-    `bool()` of a device tensor, on every optimizer step with gradient clipping on: a host sync
-    that stops the CPU from queueing the next step while the GPU works. It only picks an infinite
-    clipping norm when the norm is inf/NaN or DeepSpeed's -1 sentinel (which zeroes the update);
-    this does the same arithmetic on the device with `torch.where`. Applied once, only where the
-    method is the one we read (tests/test_host_reads.py catches a DeepSpeed that changed it).
-
-    It also guards the update (`skip_nonfinite_update`): DeepSpeed calls this right before each
-    optimizer step, so an invalid norm turns that step into a no-op on the device."""
-    def make(original):
-        def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
-            skip_nonfinite_update(getattr(self, "optimizer", None), total_norm)
-            if self.clip_grad <= 0.0 or not isinstance(total_norm, torch.Tensor):
-                return original(self, grad_groups_flat, total_norm)
-            invalid = ~torch.isfinite(total_norm) | (total_norm < 0)
-            clip_norm = torch.where(invalid, torch.full_like(total_norm, math.inf), total_norm)
-            clip = torch.clamp(((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad, min=1.0)
-            combined_scale = clip * self.loss_scale
-            for grad in grad_groups_flat:
-                for part in grad if isinstance(grad, list) else [grad]:
-                    part.data.mul_(1.0 / combined_scale)
-
-        return unscale_and_clip_grads
-
-    _replace_zero_method("unscale_and_clip_grads", make, needs=("is_invalid_grad_norm",))
-
-
-def skip_nonfinite_update(optimizer: Any, total_norm: Any) -> None:
-    """Make the next step of a fused torch optimizer a no-op when the gradient norm is inf/NaN or
-    DeepSpeed's -1 sentinel, decided on the device: the fused AdamW kernel reads `found_inf` (the
-    attribute torch's GradScaler sets) and then leaves the weights, both moments and the step
-    count as they were. In bf16 without `engine.check_grad_overflow`, DeepSpeed 0.19's ZeRO-1/2
-    never checks the norm, and a NaN gradient reached the fp32 master weights (issue 28). fp32
-    runs are skipped by DeepSpeed itself before this is called (a host read per step, its own).
-    An unfused optimizer takes no `found_inf`: nothing is set (the loop's health check still sees
-    the norm and rolls back)."""
-    if not isinstance(total_norm, torch.Tensor) or not getattr(optimizer, "defaults", {}).get("fused"):
-        return
-    invalid = ~torch.isfinite(total_norm) | (total_norm < 0)
-    optimizer.found_inf = invalid.float().reshape(())
-
-
-_NORM_ROW = 1 << 16
-_NORM_CHUNK_CPU = 1 << 18  # a 1 MB fp32 copy at a time: reused from the allocator's cache, no fresh pages
-
-
-def sum_of_squares(tensor: torch.Tensor) -> torch.Tensor:
-    """sum(tensor**2) in fp64 without an fp64 copy of the tensor: 2-norms of rows of 65,536 elements
-    in fp32 (torch accumulates an fp32 reduction in fp32, exact enough over a row), squared and
-    summed in fp64. bf16/fp16 tensors are read into fp32 a chunk at a time on CPU (a whole tensor at
-    a time on a GPU, where the caching allocator makes that copy cheap): a bf16 row norm would round
-    to 8 bits. At 120M bf16 elements on this project's 2-core CPU: 29 ms and a relative error under
-    1e-5, against 320 ms for DeepSpeed's fp64 copy; a plain fp32 norm over all of them was off by
-    1.3%."""
-    flat = tensor.detach().reshape(-1)
-    if flat.dtype in (torch.float32, torch.float64):
-        return _rows_sum_of_squares(flat)
-    chunk = flat.numel() if flat.is_cuda else _NORM_CHUNK_CPU
-    total = torch.zeros((), dtype=torch.float64, device=flat.device)
-    for start in range(0, flat.numel(), chunk):
-        total = total + _rows_sum_of_squares(flat[start : start + chunk].float())
-    return total
-
-
-def _rows_sum_of_squares(flat: torch.Tensor) -> torch.Tensor:
-    whole = flat.numel() // _NORM_ROW * _NORM_ROW
-    total = flat[whole:].double().square().sum()
-    if whole:
-        total = total + torch.linalg.vector_norm(flat[:whole].view(-1, _NORM_ROW), dim=1).double().square().sum()
-    return total
-
-
-def _grad_norm_without_fp64_copies() -> None:
-    """DeepSpeed 0.19's ZeRO-1/2 `get_grad_norm_direct` computes the 2-norm of every gradient from
-    an fp64 copy of it (`get_norm_dtype()`): 1 GB of fresh memory per optimizer step at 124M
-    parameters, about half of the optimizer step's time on CPU (profiled: 0.45 s of 0.75 s) and 8
-    bytes written per parameter on a GPU. This computes the same norm with `sum_of_squares`, the
-    total's dtype, reduction and NaN/inf masking as DeepSpeed's. Only the 2-norm without model or
-    pipeline parallelism is replaced; anything else goes to DeepSpeed's own."""
-    from deepspeed.runtime.zero import stage_1_and_2
-
-    def make(original):
-        def get_grad_norm_direct(self, gradients, params, norm_type=2):
-            if float(norm_type) != 2.0 or self.model_parallel_rank != 0 or stage_1_and_2.pg_utils.is_parallel(self.model_parallel_group):
-                return original(self, gradients, params, norm_type)
-            pairs = zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
-            squares = [sum_of_squares(g) for g, p in pairs if not getattr(p, stage_1_and_2.PIPE_REPLICATED, False)]
-            if squares:
-                total = torch.stack(squares).sum().float()
-            else:
-                total = torch.tensor(0.0, dtype=torch.float32).to(self.device)
-            stage_1_and_2.dist.all_reduce(total, op=stage_1_and_2.dist.ReduceOp.SUM, group=self.dp_process_group)
-            total = total.pow(0.5)
-            stage_1_and_2.mask_nan_or_inf_with_val_inplace(total, device=self.device)
-            return total
-
-        return get_grad_norm_direct
-
-    _replace_zero_method("get_grad_norm_direct", make, needs=("mask_nan_or_inf_with_val_inplace", "PIPE_REPLICATED"))
-
-
-def _fp32_grads_in_a_kept_buffer() -> None:
-    """On CPU, DeepSpeed 0.19's ZeRO-1/2 `step` flattens the bf16 gradients of the rank's partition
-    into a new buffer (`flatten`) and converts that into a second, fp32 one (`.to(fp32)`): 6 bytes
-    per parameter of fresh memory on every optimizer step. glibc returns blocks that large (over
-    32 MB, or 64 MB in a thread's arena) to the kernel when they are freed, so each step pays a
-    page fault for every 4 KB written: measured with `perf record -e page-faults` in a training
-    worker (25.4M parameters, bf16), 85% of its 35,000 faults a second came from those two copies,
-    and 5-7% of the worker's CPU time was kernel time.
-
-    DeepSpeed's step takes a pre-flattened gradient partition where `_get_preflattened_grad_partition`
-    returns one (a hook for DeepCompile). On CPU this returns the partition's gradients copied into a
-    buffer in the fp32 master weights' dtype that is kept between steps: `.to(fp32)` is then a no-op,
-    one copy is made instead of two, into pages already mapped. The cost is that buffer, 4 bytes per
-    parameter of the partition, held for the run. On a GPU (the caching allocator keeps its blocks)
-    and wherever DeepSpeed already has a pre-flattened partition, nothing changes."""
-    from deepspeed.runtime.zero import stage_1_and_2
-
-    def make(original):
-        def _get_preflattened_grad_partition(self, group_idx):
-            found = original(self, group_idx)
-            grads = self.averaged_gradients[group_idx]
-            if found is not None or self.cpu_offload or not isinstance(grads, list) or not grads:
-                return found
-            if grads[0].device.type != "cpu":
-                return None
-            size = int(self.partition_size[group_idx])
-            dtype = self.single_partition_of_fp32_groups[group_idx].dtype
-            kept = self.__dict__.setdefault("_raytrain_fast_grad_buffers", {})
-            buffer = kept.get(group_idx)
-            if buffer is None or buffer.numel() != size or buffer.dtype != dtype:
-                buffer = kept[group_idx] = torch.empty(size, dtype=dtype, device=grads[0].device)
-            offset = 0
-            for grad in grads:
-                count = grad.numel()
-                if offset + count > size:
-                    return None  # not a partition: DeepSpeed's own flatten (and its assertion)
-                buffer.narrow(0, offset, count).view_as(grad).copy_(grad)
-                offset += count
-            group = self.real_dp_process_group[group_idx]
-            last = stage_1_and_2.dist.get_rank(group=group) == stage_1_and_2.dist.get_world_size(group=group) - 1
-            if offset < size:
-                if not last:
-                    return None  # only the last partition is padded (flatten_dense_tensors_aligned)
-                buffer.narrow(0, offset, size - offset).zero_()
-            return buffer
-
-        return _get_preflattened_grad_partition
-
-    _replace_zero_method("_get_preflattened_grad_partition", make)
-
-
-_WIDER_OR_SAME = {
-    torch.bfloat16: (torch.bfloat16, torch.float32, torch.float64),
-    torch.float16: (torch.float16, torch.float32, torch.float64),
-    torch.float32: (torch.float32, torch.float64),
-}
-
-
-def _no_all_reduce_over_one_rank() -> None:
-    """With one worker, DeepSpeed 0.19's ZeRO-2 still "reduces" the gradients after each backward
-    (`allreduce_and_copy`, without contiguous gradients): it flattens every gradient into a new
-    buffer, divides it by a world size of 1, all-reduces it over one rank and copies it back. The
-    result is the gradients it started from, bit for bit, and on CPU the new buffer costs a page
-    fault per 4 KB (the rest of the faults `_fp32_grads_in_a_kept_buffer` describes). This skips the
-    call exactly when it is that identity: a one-rank group, no sequence parallelism, no output
-    buffers to add into, and a communication dtype that holds every gradient's exactly."""
-    from deepspeed.runtime.zero import stage_1_and_2
-
-    def make(original):
-        def allreduce_and_copy(self, small_bucket, communication_data_type, rank=None, log=None, divide=True,
-                               process_group=None, output_bucket=None):
-            group = self.dp_process_group if process_group is None else process_group
-            if (
-                stage_1_and_2.dist.get_world_size(group=group) == 1
-                and getattr(self, "sequence_parallel_size", 1) == 1
-                and not getattr(stage_1_and_2, "pg_correctness_test", True)
-                and (output_bucket is None or all(output is None for output in output_bucket))
-                and all(communication_data_type in _WIDER_OR_SAME.get(t.dtype, ()) for t in small_bucket)
-            ):
-                return None
-            return original(self, small_bucket, communication_data_type, rank=rank, log=log, divide=divide,
-                            process_group=process_group, output_bucket=output_bucket)
-
-        return allreduce_and_copy
-
-    _replace_zero_method("allreduce_and_copy", make)
+    shm_skipped = mode != "off" and select_accelerator() == "cpu" and world_size == 1 and deepspeed_compat.skip_shm_comm_build()
+    active = deepspeed_compat.apply_patches(mode, warn=warn)
+    return deepspeed_compat.patches_line(active, mode=mode, shm_skipped=shm_skipped)
 
 
 def build_engine(
@@ -454,15 +245,11 @@ def build_engine(
     total_steps: int,
     load_universal: bool = False,
 ):
-    """deepspeed.initialize on an already-initialised process group (TorchTrainer made it)."""
-    if select_accelerator() == "cpu" and world_size == 1:
-        _skip_shm_comm_build()
+    """deepspeed.initialize on an already-initialised process group (TorchTrainer made it), with the
+    package's DeepSpeed patches made or undone as `engine.deepspeed_patches` says (deepspeed_compat)."""
+    apply_deepspeed_patches(engine.deepspeed_patches, world_size=world_size)  # the loop printed its line already
     import deepspeed
 
-    _clip_without_host_sync()
-    _grad_norm_without_fp64_copies()
-    _fp32_grads_in_a_kept_buffer()
-    _no_all_reduce_over_one_rank()
     ds_config = build_deepspeed_config(
         engine=engine, optim=optim, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
         load_universal=load_universal,

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import os
 
-# Ray 2.60's resolver (ray/_private/services.py): RAY_ADDRESS, "auto", then the recorded cluster.
-# Where it is missing (another Ray version), nothing is pinned and Ray resolves as before.
-try:
-    from ray._private.services import canonicalize_bootstrap_address as _canonicalize
-except ImportError:  # pragma: no cover - another Ray version
-    _canonicalize = None
+from raytrain_fast._ray_compat import canonicalize_bootstrap_address
+
+# Ray 2.60's resolver: RAY_ADDRESS, "auto", then the recorded cluster. Where it is missing (another
+# Ray version), nothing is pinned and Ray resolves as before.
+_canonicalize = canonicalize_bootstrap_address()
 
 
 def cluster_address() -> str | None:

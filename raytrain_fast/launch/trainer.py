@@ -231,19 +231,9 @@ def keep_ray_data_actors_on_this_node() -> None:
     When that node goes (preemption, an elastic shrink), every later dataset fails with
     ActorDiedError. Created here first, they live on the driver's node. Ray 2.60's private helpers;
     where they are missing, a one-row dataset run here creates the same actors."""
-    try:
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator,
-        )
-        from ray.data._internal.stats import get_or_create_stats_actor
+    from raytrain_fast._ray_compat import create_ray_data_cluster_actors
 
-        get_or_create_stats_actor()
-        get_or_create_autoscaling_coordinator()
-    except (ImportError, AttributeError):  # another Ray version
-        import ray.data
-
-        for _ in ray.data.range(1).iter_batches():
-            pass
+    create_ray_data_cluster_actors()
 
 
 def keep_checkpoint_batch(config: Config) -> Config:
@@ -496,22 +486,16 @@ def _train_loop_without_result_dumps(loop_config: dict) -> None:
     """
     from raytrain_fast.loop.train_loop import train_loop_per_worker
 
-    try:
-        from ray.train.v2._internal.execution import context
+    from raytrain_fast._ray_compat import quiet_train_report_logger
 
-        context.logger.setLevel(logging.WARNING)
-    except (ImportError, AttributeError):  # another Ray version: the console filter still drops it
-        pass
+    quiet_train_report_logger()
     train_loop_per_worker(loop_config)
 
 
 def _ray_snapshot_name() -> str:
-    try:
-        from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+    from raytrain_fast._ray_compat import checkpoint_snapshot_name
 
-        return CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
-    except ImportError:  # the name Ray 2.60 uses
-        return "checkpoint_manager_snapshot.json"
+    return checkpoint_snapshot_name()
 
 
 def drop_ray_run_snapshot(config: Config) -> None:

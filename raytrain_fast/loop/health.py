@@ -5,7 +5,7 @@ metrics' on-device sums (DeepSpeed's -1 / inf "invalid norm" enters as NaN), so 
 step makes the window's sums non-finite; the drain's all-reduce and single read, which every log
 step already does, bring them to every rank. Every rank then runs the same decision on the same
 all-reduced numbers, so the ranks agree without another collective. The update of a non-finite
-step never reached the weights (engine/deepspeed_engine.py `skip_nonfinite_update`).
+step never reached the weights (engine/deepspeed_compat.py `skip_nonfinite_update`).
 
 Policy (`health.*`, docs/health.md):
 - rollback (default): raise `Rollback`; `train_loop_per_worker` loads the newest healthy

@@ -22,13 +22,9 @@ from typing import Any, Callable
 def _local_reader() -> Callable[[], Any] | None:
     """A function returning this worker's copy of the preemption notice (None until there is one),
     without a barrier; None where this Ray version keeps it elsewhere or this is not a Ray Train worker."""
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
+    from raytrain_fast._ray_compat import preemption_info_reader
 
-        context = get_train_context().preemption_context
-    except Exception:  # noqa: BLE001 - any Ray version or mode without it: use the public API
-        return None
-    return lambda: context.preemption_info
+    return preemption_info_reader()
 
 
 def _public_reader() -> Callable[[], Any] | None:

@@ -25,7 +25,7 @@ from raytrain_fast.checkpoint import Checkpointer, TrainState
 from raytrain_fast.checkpoint.checkpointing import load_initial_weights
 from raytrain_fast.config import Config
 from raytrain_fast.coordinator import Coordinator
-from raytrain_fast.engine import apply_optim_settings, build_engine, enable_tf32, select_accelerator, training_device
+from raytrain_fast.engine import apply_deepspeed_patches, apply_optim_settings, build_engine, enable_tf32, select_accelerator, training_device
 from raytrain_fast.engine.compile import compile_blocks
 from raytrain_fast.loop.evaluation import Evaluator, resolve_eval
 from raytrain_fast.loop.health import DivergenceStop, HealthMonitor, Rollback
@@ -424,6 +424,10 @@ def build_engine_for(worker: Worker, model: Any, checkpointer: Checkpointer, coo
         if compile_line:
             print(compile_line, flush=True)
         coordinator.watch_for_stop()  # the driver's SIGTERM / Ctrl-C reaches the loop through it
+    patches = apply_deepspeed_patches(config.engine.deepspeed_patches, world_size=worker.world_size,
+                                      warn=print if rank == 0 else lambda line: None)
+    if rank == 0:
+        print(patches, flush=True)
     engine = build_engine(
         model, engine=config.engine, optim=config.optim, micro_batch=config.train.micro_batch,
         grad_accum=worker.grad_accum, world_size=worker.world_size, total_steps=config.train.steps,

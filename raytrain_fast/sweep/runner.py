@@ -381,16 +381,11 @@ def _release_stopped_trial():
 
     class _ReleaseStoppedTrial(tune.Callback):
         def _release(self, trial) -> None:
-            from ray._raylet import PlacementGroupID
-            from ray.util.placement_group import PlacementGroup, remove_placement_group
+            from raytrain_fast._ray_compat import remove_placement_group_by_hex
 
             group_id = (trial.last_result or {}).get("placement_group_id")
-            if not group_id:
-                return
-            try:
-                remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(group_id)))
-            except Exception:  # noqa: BLE001 - already removed
-                pass
+            if group_id:
+                remove_placement_group_by_hex(group_id)
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             self._release(trial)

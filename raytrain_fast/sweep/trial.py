@@ -28,13 +28,13 @@ def report_window(*, step: int, metrics: dict[str, float], memory_budget_gb: flo
     RAY_TRAIN_HEALTH_CHECK_INTERVAL_S and the result queue holding one report, a report costs
     little as long as log windows are longer than that interval.
     """
-    import logging
-
     import ray.train
     import ray.util
 
+    from raytrain_fast._ray_compat import quiet_train_report_logger
+
     # Ray Train logs every report's whole metrics dict at INFO: one line per window is printed already.
-    logging.getLogger("ray.train.v2._internal.execution.context").setLevel(logging.WARNING)
+    quiet_train_report_logger()
     peak = metrics.get("memory/peak_gb")
     if memory_budget_gb is not None and peak is not None and peak > memory_budget_gb:
         raise MemoryBudgetExceeded(

@@ -11,6 +11,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from raytrain_fast._ray_compat import TRAIN_COLLECTIVE_FILES
 from raytrain_fast.watchdog.config import AUTO_MAX_S, AUTO_STEPS
 
 WATCHED_PHASE = "train"
@@ -18,7 +19,7 @@ WATCHED_PHASE = "train"
 
 # A frame from one of these files means the thread is inside a collective (or Ray Train's own
 # barrier), waiting for the other ranks.
-_COLLECTIVE_FILES = ("torch/distributed/", "deepspeed/comm/", "ray/train/collective", "ray/train/v2/_internal/execution/train_fn_utils")
+_COLLECTIVE_FILES = ("torch/distributed/", "deepspeed/comm/", *TRAIN_COLLECTIVE_FILES)
 # The training thread is the one running the step loop (Ray Train runs it beside the actor's own threads).
 _LOOP_FRAMES = ("run_steps", "train_loop_per_worker")
 # Pass-through decorators: their frame only calls the next one in, so it says nothing of where a rank is

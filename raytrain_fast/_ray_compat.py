@@ -1,0 +1,104 @@
+"""Every reach into Ray's private modules, in one place, each with the public fallback it takes.
+
+Read on Ray 2.60 (pyproject.toml caps Ray at the minor release CI runs). Each function below tries
+Ray's private name first and, where a Ray version has moved or dropped it, falls back to a public
+way of doing the same (or to doing nothing where the thing is only cosmetic), so a Ray upgrade
+degrades a feature instead of breaking a run. Names of private loggers and files, which only filter
+or classify, are constants here too.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+TESTED_RAY = ("2.60.0",)
+
+TRAIN_CONTEXT_LOGGER = "ray.train.v2._internal.execution.context"
+"""Ray Train's per-report INFO line (a ~1 KB `TrainingReport(...)` dump) logs here."""
+DATA_EXECUTOR_LOGGER = "ray.data._internal.execution.streaming_executor"
+"""Ray Data's per-Dataset 'execution finished' summary logs here."""
+TRAIN_COLLECTIVE_FILES = ("ray/train/collective", "ray/train/v2/_internal/execution/train_fn_utils")
+"""Where a Ray Train worker waits on the other ranks (a py-spy frame in one of them is a collective wait)."""
+
+
+def canonicalize_bootstrap_address() -> Callable[[str | None], str] | None:
+    """Ray's own resolver of the address `ray.init()` joins (RAY_ADDRESS, "auto", then the recorded
+    cluster), or None where this Ray has none (nothing is pinned then; Ray resolves as before)."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address as canonicalize
+    except ImportError:  # pragma: no cover - another Ray version
+        return None
+    return canonicalize
+
+
+def preemption_info_reader() -> Callable[[], Any] | None:
+    """A function returning this Ray Train worker's copy of the preemption notice without a barrier,
+    or None where this Ray keeps it elsewhere or this is not a Ray Train worker (the caller then
+    uses the public `ray.train.get_preemption_info`, a barrier)."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        context = get_train_context().preemption_context
+    except Exception:  # noqa: BLE001 - any Ray version or mode without it
+        return None
+    return lambda: context.preemption_info
+
+
+def create_ray_data_cluster_actors() -> None:
+    """Create Ray Data's cluster-wide detached actors (its stats actor and autoscaling coordinator)
+    from this process, so they live on its node. Where the private helpers are missing, a one-row
+    dataset run here creates the same actors."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+        from ray.data._internal.stats import get_or_create_stats_actor
+
+        get_or_create_stats_actor()
+        get_or_create_autoscaling_coordinator()
+    except (ImportError, AttributeError):  # another Ray version
+        import ray.data
+
+        for _ in ray.data.range(1).iter_batches():
+            pass
+
+
+def quiet_train_report_logger() -> None:
+    """Ray Train's per-report INFO line off in this worker (its logger is named after its file, outside
+    `ray.train`, so RunConfig's LoggingConfig does not reach it). Another Ray: the console filter drops it."""
+    import logging
+
+    logging.getLogger(TRAIN_CONTEXT_LOGGER).setLevel(logging.WARNING)
+
+
+def checkpoint_snapshot_name() -> str:
+    """The file in a run directory where Ray Train keeps its snapshot of reported checkpoints."""
+    try:
+        from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+
+        return CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+    except ImportError:  # the name Ray 2.60 uses
+        return "checkpoint_manager_snapshot.json"
+
+
+def health_check_interval_s() -> float:
+    """Ray Train's controller polls each worker this often: its health-check interval, as the
+    environment sets it (Ray passes the variable to the controller); 2.60's default otherwise."""
+    try:
+        from ray.train.v2._internal.constants import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_INTERVAL_S_ENV_VAR
+    except ImportError:  # the names and default of Ray 2.60
+        DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_INTERVAL_S_ENV_VAR = 2.0, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+    return float(os.environ.get(HEALTH_CHECK_INTERVAL_S_ENV_VAR, DEFAULT_HEALTH_CHECK_INTERVAL_S))
+
+
+def remove_placement_group_by_hex(group_id: str) -> None:
+    """Remove the placement group whose id a trial reported (hex); nothing where it is gone already."""
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    try:
+        from ray._raylet import PlacementGroupID
+
+        remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(group_id)))
+    except Exception:  # noqa: BLE001 - already removed, or another Ray version
+        pass

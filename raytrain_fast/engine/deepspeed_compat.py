@@ -1,0 +1,359 @@
+"""Every change this package makes to DeepSpeed, fenced: one place, each checked before it is made.
+
+DeepSpeed 0.19's ZeRO-1/2 optimizer costs a host sync, fp64 copies and page faults per step that
+the package removes by replacing four `DeepSpeedZeroOptimizer` methods (the docstrings below say
+what each saves and how it was measured), and it JIT-builds a shared-memory op a one-rank CPU group
+never uses. All of it is process-global. So each replacement is made only where the method is the
+one it was written against, the same signature and the same source (its sha256, as read on the
+DeepSpeed versions in `TESTED_DEEPSPEED`), and where every module-level name it uses exists; anything
+else keeps DeepSpeed's own method, with one warning line that names the method and why. A user turns
+all of them off with `engine.deepspeed_patches: off` (e.g. to compare), and `active_patches()` names
+the ones in force for the startup line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+TESTED_DEEPSPEED = ("0.19.8",)
+"""The DeepSpeed releases the patches were read against and CI runs (pyproject.toml caps the range)."""
+
+PatchMode = Literal["auto", "off"]
+
+
+def skip_nonfinite_update(optimizer: Any, total_norm: Any) -> None:
+    """Make the next step of a fused torch optimizer a no-op when the gradient norm is inf/NaN or
+    DeepSpeed's -1 sentinel, decided on the device: the fused AdamW kernel reads `found_inf` (the
+    attribute torch's GradScaler sets) and then leaves the weights, both moments and the step
+    count as they were. In bf16 without `engine.check_grad_overflow`, DeepSpeed 0.19's ZeRO-1/2
+    never checks the norm, and a NaN gradient reached the fp32 master weights (issue 28). fp32
+    runs are skipped by DeepSpeed itself before this is called (a host read per step, its own).
+    An unfused optimizer takes no `found_inf`: nothing is set (the loop's health check still sees
+    the norm and rolls back)."""
+    if not isinstance(total_norm, torch.Tensor) or not getattr(optimizer, "defaults", {}).get("fused"):
+        return
+    invalid = ~torch.isfinite(total_norm) | (total_norm < 0)
+    optimizer.found_inf = invalid.float().reshape(())
+
+
+
+def _clip_without_host_sync(original: Callable[..., Any]) -> Callable[..., Any]:
+    """DeepSpeed 0.19's ZeRO-1/2 `unscale_and_clip_grads` calls `is_invalid_grad_norm(norm)`, a
+    `bool()` of a device tensor, on every optimizer step with gradient clipping on: a host sync
+    that stops the CPU from queueing the next step while the GPU works. It only picks an infinite
+    clipping norm when the norm is inf/NaN or DeepSpeed's -1 sentinel (which zeroes the update);
+    this does the same arithmetic on the device with `torch.where`. Applied only where the
+    method is the one we read (its source hash); tests/test_host_reads.py counts the reads.
+
+    It also guards the update (`skip_nonfinite_update`): DeepSpeed calls this right before each
+    optimizer step, so an invalid norm turns that step into a no-op on the device."""
+    def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
+        skip_nonfinite_update(getattr(self, "optimizer", None), total_norm)
+        if self.clip_grad <= 0.0 or not isinstance(total_norm, torch.Tensor):
+            return original(self, grad_groups_flat, total_norm)
+        invalid = ~torch.isfinite(total_norm) | (total_norm < 0)
+        clip_norm = torch.where(invalid, torch.full_like(total_norm, math.inf), total_norm)
+        clip = torch.clamp(((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad, min=1.0)
+        combined_scale = clip * self.loss_scale
+        for grad in grad_groups_flat:
+            for part in grad if isinstance(grad, list) else [grad]:
+                part.data.mul_(1.0 / combined_scale)
+
+    return unscale_and_clip_grads
+
+
+_NORM_ROW = 1 << 16
+_NORM_CHUNK_CPU = 1 << 18  # a 1 MB fp32 copy at a time: reused from the allocator's cache, no fresh pages
+
+
+def sum_of_squares(tensor: torch.Tensor) -> torch.Tensor:
+    """sum(tensor**2) in fp64 without an fp64 copy of the tensor: 2-norms of rows of 65,536 elements
+    in fp32 (torch accumulates an fp32 reduction in fp32, exact enough over a row), squared and
+    summed in fp64. bf16/fp16 tensors are read into fp32 a chunk at a time on CPU (a whole tensor at
+    a time on a GPU, where the caching allocator makes that copy cheap): a bf16 row norm would round
+    to 8 bits. At 120M bf16 elements on this project's 2-core CPU: 29 ms and a relative error under
+    1e-5, against 320 ms for DeepSpeed's fp64 copy; a plain fp32 norm over all of them was off by
+    1.3%."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype in (torch.float32, torch.float64):
+        return _rows_sum_of_squares(flat)
+    chunk = flat.numel() if flat.is_cuda else _NORM_CHUNK_CPU
+    total = torch.zeros((), dtype=torch.float64, device=flat.device)
+    for start in range(0, flat.numel(), chunk):
+        total = total + _rows_sum_of_squares(flat[start : start + chunk].float())
+    return total
+
+
+def _rows_sum_of_squares(flat: torch.Tensor) -> torch.Tensor:
+    whole = flat.numel() // _NORM_ROW * _NORM_ROW
+    total = flat[whole:].double().square().sum()
+    if whole:
+        total = total + torch.linalg.vector_norm(flat[:whole].view(-1, _NORM_ROW), dim=1).double().square().sum()
+    return total
+
+
+def _grad_norm_without_fp64_copies(original: Callable[..., Any]) -> Callable[..., Any]:
+    """DeepSpeed 0.19's ZeRO-1/2 `get_grad_norm_direct` computes the 2-norm of every gradient from
+    an fp64 copy of it (`get_norm_dtype()`): 1 GB of fresh memory per optimizer step at 124M
+    parameters, about half of the optimizer step's time on CPU (profiled: 0.45 s of 0.75 s) and 8
+    bytes written per parameter on a GPU. This computes the same norm with `sum_of_squares`, the
+    total's dtype, reduction and NaN/inf masking as DeepSpeed's. Only the 2-norm without model or
+    pipeline parallelism is replaced; anything else goes to DeepSpeed's own."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    def get_grad_norm_direct(self, gradients, params, norm_type=2):
+        if float(norm_type) != 2.0 or self.model_parallel_rank != 0 or stage_1_and_2.pg_utils.is_parallel(self.model_parallel_group):
+            return original(self, gradients, params, norm_type)
+        pairs = zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
+        squares = [sum_of_squares(g) for g, p in pairs if not getattr(p, stage_1_and_2.PIPE_REPLICATED, False)]
+        if squares:
+            total = torch.stack(squares).sum().float()
+        else:
+            total = torch.tensor(0.0, dtype=torch.float32).to(self.device)
+        stage_1_and_2.dist.all_reduce(total, op=stage_1_and_2.dist.ReduceOp.SUM, group=self.dp_process_group)
+        total = total.pow(0.5)
+        stage_1_and_2.mask_nan_or_inf_with_val_inplace(total, device=self.device)
+        return total
+
+    return get_grad_norm_direct
+
+
+def _fp32_grads_in_a_kept_buffer(original: Callable[..., Any]) -> Callable[..., Any]:
+    """On CPU, DeepSpeed 0.19's ZeRO-1/2 `step` flattens the bf16 gradients of the rank's partition
+    into a new buffer (`flatten`) and converts that into a second, fp32 one (`.to(fp32)`): 6 bytes
+    per parameter of fresh memory on every optimizer step. glibc returns blocks that large (over
+    32 MB, or 64 MB in a thread's arena) to the kernel when they are freed, so each step pays a
+    page fault for every 4 KB written: measured with `perf record -e page-faults` in a training
+    worker (25.4M parameters, bf16), 85% of its 35,000 faults a second came from those two copies,
+    and 5-7% of the worker's CPU time was kernel time.
+
+    DeepSpeed's step takes a pre-flattened gradient partition where `_get_preflattened_grad_partition`
+    returns one (a hook for DeepCompile). On CPU this returns the partition's gradients copied into a
+    buffer in the fp32 master weights' dtype that is kept between steps: `.to(fp32)` is then a no-op,
+    one copy is made instead of two, into pages already mapped. The cost is that buffer, 4 bytes per
+    parameter of the partition, held for the run. On a GPU (the caching allocator keeps its blocks)
+    and wherever DeepSpeed already has a pre-flattened partition, nothing changes."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    def _get_preflattened_grad_partition(self, group_idx):
+        found = original(self, group_idx)
+        grads = self.averaged_gradients[group_idx]
+        if found is not None or self.cpu_offload or not isinstance(grads, list) or not grads:
+            return found
+        if grads[0].device.type != "cpu":
+            return None
+        size = int(self.partition_size[group_idx])
+        dtype = self.single_partition_of_fp32_groups[group_idx].dtype
+        kept = self.__dict__.setdefault("_raytrain_fast_grad_buffers", {})
+        buffer = kept.get(group_idx)
+        if buffer is None or buffer.numel() != size or buffer.dtype != dtype:
+            buffer = kept[group_idx] = torch.empty(size, dtype=dtype, device=grads[0].device)
+        offset = 0
+        for grad in grads:
+            count = grad.numel()
+            if offset + count > size:
+                return None  # not a partition: DeepSpeed's own flatten (and its assertion)
+            buffer.narrow(0, offset, count).view_as(grad).copy_(grad)
+            offset += count
+        group = self.real_dp_process_group[group_idx]
+        last = stage_1_and_2.dist.get_rank(group=group) == stage_1_and_2.dist.get_world_size(group=group) - 1
+        if offset < size:
+            if not last:
+                return None  # only the last partition is padded (flatten_dense_tensors_aligned)
+            buffer.narrow(0, offset, size - offset).zero_()
+        return buffer
+
+    return _get_preflattened_grad_partition
+
+
+_WIDER_OR_SAME = {
+    torch.bfloat16: (torch.bfloat16, torch.float32, torch.float64),
+    torch.float16: (torch.float16, torch.float32, torch.float64),
+    torch.float32: (torch.float32, torch.float64),
+}
+
+
+def _no_all_reduce_over_one_rank(original: Callable[..., Any]) -> Callable[..., Any]:
+    """With one worker, DeepSpeed 0.19's ZeRO-2 still "reduces" the gradients after each backward
+    (`allreduce_and_copy`, without contiguous gradients): it flattens every gradient into a new
+    buffer, divides it by a world size of 1, all-reduces it over one rank and copies it back. The
+    result is the gradients it started from, bit for bit, and on CPU the new buffer costs a page
+    fault per 4 KB (the rest of the faults `_fp32_grads_in_a_kept_buffer` describes). This skips the
+    call exactly when it is that identity: a one-rank group, no sequence parallelism, no output
+    buffers to add into, and a communication dtype that holds every gradient's exactly."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    def allreduce_and_copy(self, small_bucket, communication_data_type, rank=None, log=None, divide=True,
+                           process_group=None, output_bucket=None):
+        group = self.dp_process_group if process_group is None else process_group
+        if (
+            stage_1_and_2.dist.get_world_size(group=group) == 1
+            and getattr(self, "sequence_parallel_size", 1) == 1
+            and not getattr(stage_1_and_2, "pg_correctness_test", True)
+            and (output_bucket is None or all(output is None for output in output_bucket))
+            and all(communication_data_type in _WIDER_OR_SAME.get(t.dtype, ()) for t in small_bucket)
+        ):
+            return None
+        return original(self, small_bucket, communication_data_type, rank=rank, log=log, divide=divide,
+                        process_group=process_group, output_bucket=output_bucket)
+
+    return allreduce_and_copy
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroPatch:
+    """One replacement of a `DeepSpeedZeroOptimizer` method, and what must hold for it to be made."""
+
+    name: str
+    """What the startup line calls it."""
+    method: str
+    make: Callable[[Callable[..., Any]], Callable[..., Any]]
+    signature: str
+    """`str(inspect.signature(original))` of DeepSpeed's method on the tested versions."""
+    source_sha256: frozenset[str]
+    """sha256 of `inspect.getsource(original)` on the tested versions: any change to the method, not
+    only to its signature, keeps DeepSpeed's own."""
+    needs: tuple[str, ...] = ()
+    """Module-level names of `deepspeed.runtime.zero.stage_1_and_2` the replacement uses."""
+
+
+PATCHES: tuple[ZeroPatch, ...] = (
+    ZeroPatch(
+        name="clip-without-host-sync", method="unscale_and_clip_grads", make=_clip_without_host_sync,
+        signature="(self, grad_groups_flat, total_norm)",
+        source_sha256=frozenset({"6bf2ce6f97eafcc24c08a0355e7c180992c8e86da5b7f02026eef6fbd68efa74"}),
+    ),
+    ZeroPatch(
+        name="grad-norm-without-fp64-copies", method="get_grad_norm_direct", make=_grad_norm_without_fp64_copies,
+        signature="(self, gradients, params, norm_type=2)",
+        source_sha256=frozenset({"72af0993ad8cde2c5bc83a38b1040c7b90e84f07bd5ce72399c144a07ec4ba9a"}),
+        needs=("pg_utils", "dist", "PIPE_REPLICATED", "mask_nan_or_inf_with_val_inplace"),
+    ),
+    ZeroPatch(
+        name="kept-fp32-grad-buffer", method="_get_preflattened_grad_partition", make=_fp32_grads_in_a_kept_buffer,
+        signature="(self, group_idx)",
+        source_sha256=frozenset({"5efe338fec797de25d79d5409bd3b0ec140f943ee9ae830e83398ebb43a7b6f5"}),
+        needs=("dist",),
+    ),
+    ZeroPatch(
+        name="no-all-reduce-over-one-rank", method="allreduce_and_copy", make=_no_all_reduce_over_one_rank,
+        signature=("(self, small_bucket, communication_data_type: torch.dtype, rank=None, log=None, divide=True, "
+                   "process_group=None, output_bucket=None)"),
+        source_sha256=frozenset({"1db38d57186c09f402d1907a50a545961d1a4d8ba4cc0a18fdb5f5c5b03e0d4e"}),
+        needs=("dist",),
+    ),
+)
+
+
+def _zero_module() -> Any:
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    return stage_1_and_2
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return str(getattr(deepspeed, "__version__", "unknown"))
+
+
+def _original(current: Any) -> Any:
+    return current._original if getattr(current, "_raytrain_fast", False) else current
+
+
+def patch_problem(patch: ZeroPatch, original: Any, module: Any) -> str | None:
+    """Why `patch` must not replace `original` (DeepSpeed's method), or None where it may."""
+    if original is None:
+        return "the method does not exist"
+    try:
+        signature, source = str(inspect.signature(original)), inspect.getsource(original)
+    except (TypeError, ValueError, OSError) as exc:
+        return f"its source cannot be read ({exc})"
+    if signature != patch.signature:
+        return f"its signature is {signature}, not {patch.signature}"
+    missing = [name for name in patch.needs if not hasattr(module, name)]
+    if missing:
+        return f"stage_1_and_2 has no {', '.join(missing)}"
+    if hashlib.sha256(source.encode()).hexdigest() not in patch.source_sha256:
+        return "its source differs from the one the replacement was written against"
+    return None
+
+
+def install(patch: ZeroPatch, *, warn: Callable[[str], None] = print) -> bool:
+    """Replace the method, once (never over our own replacement), when `patch_problem` finds
+    nothing; else keep DeepSpeed's own and warn once with the reason. True when ours is in force."""
+    module = _zero_module()
+    cls = module.DeepSpeedZeroOptimizer
+    current = getattr(cls, patch.method, None)
+    if getattr(current, "_raytrain_fast", False):
+        return True
+    problem = patch_problem(patch, current, module)
+    if problem is not None:
+        if patch.name not in _WARNED:
+            _WARNED.add(patch.name)
+            warn(f"DeepSpeed {_deepspeed_version()}: not patching DeepSpeedZeroOptimizer.{patch.method} ({patch.name}): "
+                 f"{problem}; DeepSpeed's own runs (tested on {', '.join(TESTED_DEEPSPEED)}).")
+        return False
+    replacement = patch.make(current)
+    replacement._raytrain_fast = True
+    replacement._original = current
+    setattr(cls, patch.method, replacement)
+    return True
+
+
+_WARNED: set[str] = set()
+
+
+def uninstall(patch: ZeroPatch) -> None:
+    """Put DeepSpeed's own method back (engine.deepspeed_patches: off after a run that patched)."""
+    cls = _zero_module().DeepSpeedZeroOptimizer
+    current = getattr(cls, patch.method, None)
+    if getattr(current, "_raytrain_fast", False):
+        setattr(cls, patch.method, _original(current))
+
+
+def skip_shm_comm_build() -> bool:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory allreduce op on its first process group,
+    even with one rank, where it never communicates: 1-2 minutes on 2 cores on a fresh machine
+    (cached afterwards). Marking the op unavailable in `deepspeed.ops.__compatible_ops__` keeps it
+    from being built; only for a one-rank CPU group, and only where that table has the op."""
+    import deepspeed.ops
+
+    table = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if not isinstance(table, dict) or "deepspeed_shm_comm" not in table:
+        return False
+    table["deepspeed_shm_comm"] = False
+    return True
+
+
+def apply_patches(mode: PatchMode = "auto", *, warn: Callable[[str], None] = print) -> list[str]:
+    """Make (auto) or undo (off) every replacement; the names of those in force."""
+    if mode == "off":
+        for patch in PATCHES:
+            uninstall(patch)
+        return []
+    return [patch.name for patch in PATCHES if install(patch, warn=warn)]
+
+
+def active_patches() -> list[str]:
+    """The replacements in force in this process."""
+    cls = _zero_module().DeepSpeedZeroOptimizer
+    return [p.name for p in PATCHES if getattr(getattr(cls, p.method, None), "_raytrain_fast", False)]
+
+
+def patches_line(active: list[str], *, mode: PatchMode, shm_skipped: bool = False) -> str:
+    """The one startup line: DeepSpeed's version and the patches in force."""
+    version = _deepspeed_version()
+    if mode == "off":
+        return f"DeepSpeed {version}: no patches (engine.deepspeed_patches=off)."
+    names = active + (["no-shm-comm-build"] if shm_skipped else [])
+    tested = "" if version in TESTED_DEEPSPEED else f"; tested on {', '.join(TESTED_DEEPSPEED)}"
+    return (f"DeepSpeed {version}: {len(names)} patch(es) in force: {', '.join(names) or 'none'} "
+            f"(engine.deepspeed_patches=auto, docs/architecture.md#deepspeed-patches{tested}).")
