@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -122,16 +123,28 @@ def test_a_divergence_before_any_checkpoint_stops_with_the_fix_not_a_worker_cras
     assert stop["step"] <= 12 and "non-finite" in stop["what"]
 
 def test_a_planted_loss_spike_is_warned_once_recorded_and_reported(ray_session, tmp_path, capfd):
+    """The planted spike (step 30's loss x1000 on rank 0) is warned once, recorded and reported; no other
+    window is a loss spike. The micro model's gradient norm is its own: on one 2-core CPU (bf16) the clean
+    run's window at step 38 read a gradient norm of 9.5 against a median of 0.8, a real gradient spike that
+    the check reports as one (on another CPU's bf16 kernels it did not happen): so only loss spikes are
+    held to 'the planted one alone'."""
     config = micro_config(tmp_path, "spiky", "resources.num_workers=1", "train.steps=40", "train.log_every=2",
                           "checkpoint.every_steps=20")
     run(config, hooks=LoopHooks(spike="30:0"))  # step 30's loss x1000 on rank 0: the window ending at 30
     printed = capfd.readouterr()
-    assert (printed.out + printed.err).count("spike (median +") == 1, printed
-    assert "1 spike (last at step 30)" in printed.out + printed.err  # every progress line after it counts it
+    text = printed.out + printed.err
+    warnings = [line for line in text.splitlines() if "spike (median +" in line]
+    assert len([line for line in warnings if "Step 30: a loss" in line]) == 1, warnings
+    assert not [line for line in warnings if "a loss" in line and "Step 30:" not in line], warnings
+    assert "spike (last at step" in text and ("1 spike (last at step 30)" in text or "2 spikes" in text)
     records = read_metrics(str(tmp_path / "runs" / "spiky"))
-    assert [r["step"] for r in records if r.get("health/spike")] == [30]
+    spikes = {r["step"]: r for r in records if r.get("health/spike")}
+    assert 30 in spikes and spikes[30]["health/spike_loss"] > 100
+    others = [r for step, r in spikes.items() if step != 30]
+    median_loss = statistics.median(r["train/loss"] for r in records if "train/loss" in r and r["step"] != 30)
+    assert all(r["health/spike_loss"] < 2 * median_loss for r in others), others  # gradient spikes, never the loss
     report = diagnose(load_run(str(tmp_path / "runs"), "spiky"))
-    assert [f.numbers["first_step"] for f in report.findings if f.key == "spike"] == [30]
+    assert 30 in [f.numbers["first_step"] for f in report.findings if f.key == "spike"]
     assert "divergence" not in report.keys()
 
 
@@ -224,3 +237,62 @@ def test_bench_health_times_both_variants_the_same_way_from_a_fresh_shell():
     assert report["precision"] in ("bf16", "fp32") and report["threads"] >= 1 and report["cpu"]
     assert report["step_ms_without"] > 0 and report["step_ms_with"] > 0
     assert report["ratio_min"] <= report["ratio_with_over_without"] <= report["ratio_max"]
+
+
+class _Metrics:
+    """What HealthMonitor hands records to (TrainMetrics' emit and mark_health), kept to read back."""
+
+    def __init__(self) -> None:
+        self.emitted: list[tuple[int, dict]] = []
+        self.marks: list[tuple[str, int]] = []
+
+    def emit(self, step: int, record: dict) -> None:
+        self.emitted.append((step, record))
+
+    def mark_health(self, what: str, step: int) -> None:
+        self.marks.append((what, step))
+
+
+def _monitor(**settings):
+    from raytrain_fast.loop.config import HealthConfig
+    from raytrain_fast.loop.health import HealthMonitor
+
+    return HealthMonitor(HealthConfig(**settings), rank=0, warmup_steps=2, rollbacks=[]), _Metrics()
+
+
+def test_each_nonfinite_policy_does_what_it_says():
+    from raytrain_fast.loop.health import DivergenceStop, Rollback
+
+    nan = {"train/loss": float("nan"), "train/grad_norm": 1.0}
+    monitor, metrics = _monitor(on_nonfinite="stop")
+    with pytest.raises(DivergenceStop, match=r"Tried: nothing \(the health policy is stop\)"):
+        monitor.check_window(10, nan, metrics)
+    monitor, metrics = _monitor(on_nonfinite="warn")
+    monitor.check_window(10, nan, metrics)  # goes on
+    assert metrics.emitted == [(10, {"health/nonfinite": 1.0})] and metrics.marks == [("non-finite window", 10)]
+    assert not monitor.may_save(10, metrics, logged=True)  # no save while the state is not healthy
+    monitor.check_window(12, {"train/loss": 2.0, "train/grad_norm": 1.0}, metrics)
+    assert monitor.may_save(12, metrics, logged=True)
+    monitor, metrics = _monitor(on_nonfinite="rollback", max_rollbacks=1)
+    with pytest.raises(Rollback):
+        monitor.check_window(10, nan, metrics)
+    monitor.rollbacks.append({"detected_step": 10, "to_step": 5, "skip_sequences": 40})
+    with pytest.raises(DivergenceStop, match="rolled back from step 10 to 5 and skipped 40 sequences"):
+        monitor.check_window(15, nan, metrics)  # out of tries
+
+
+@pytest.mark.parametrize("policy", ["warn", "rollback", "off"])
+def test_each_spike_policy_does_what_it_says(policy):
+    from raytrain_fast.loop.health import Rollback
+
+    monitor, metrics = _monitor(on_spike=policy)
+    for step in range(3, 30):  # past warm-up, a gently falling loss: never a spike
+        monitor.check_window(step, {"train/loss": 5.0 - 0.01 * step, "train/grad_norm": 1.0 + 0.01 * (step % 3)}, metrics)
+    assert metrics.emitted == []
+    spike = {"train/loss": 500.0, "train/grad_norm": 1.0}
+    if policy == "rollback":
+        with pytest.raises(Rollback):
+            monitor.check_window(30, spike, metrics)
+    else:
+        monitor.check_window(30, spike, metrics)
+    assert [step for step, record in metrics.emitted if record.get("health/spike")] == ([] if policy == "off" else [30])

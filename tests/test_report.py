@@ -374,13 +374,16 @@ def _config(tmp_path: Path, name: str, *extra: str):
 
 
 # Planted problems. Per step: ~50 ms of compute, 200 ms of data wait, rank 1 200 ms late, a sync
-# checkpoint after every step (~0.15 s); from step 13 every rank 300 ms slower (a progressive slowdown
-# the detector sees against its baseline of windows 9 and 12). Sizes keep each share about twice its
-# threshold even after the slowdown dilutes it, on a busy 2-core machine.
+# checkpoint after every step whose upload starts 150 ms late (the save itself took 8-25 ms on a quiet
+# 2-core machine with a fast disk, under the 5% threshold: the stall must not depend on the disk); from
+# step 13 every rank 300 ms slower (a progressive slowdown the detector sees against its baseline of
+# windows 9 and 12). Sizes keep each share about twice its threshold even after the slowdown dilutes
+# it, on a busy 2-core machine.
 DRILLS = LoopHooks(
     slow_data="0.2",
     slow_step="0.2:0:1,0.3:13",
     slow_sink=2.0,  # a record every ~2 s, a queue of 1: records are dropped
+    slow_upload="0.15",
 )
 
 
