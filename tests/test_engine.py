@@ -117,7 +117,8 @@ def test_each_deepspeed_patch_is_installed_once_over_deepspeeds_own_and_off_puts
     assert names == ["unscale_and_clip_grads", "get_grad_norm_direct", "_get_preflattened_grad_partition", "allreduce_and_copy"]
     try:
         for _ in range(2):
-            assert deepspeed_compat.apply_patches("auto", warn=pytest.fail) == [p.name for p in deepspeed_compat.PATCHES]
+            names_in_force = [p.name for p in deepspeed_compat.PATCHES] + [deepspeed_compat.GATHER_PATCH]
+            assert deepspeed_compat.apply_patches("auto", warn=pytest.fail) == names_in_force
         for name in names:
             ours = getattr(DeepSpeedZeroOptimizer, name)
             assert getattr(ours, "_raytrain_fast", False), f"{name} is DeepSpeed's own"
@@ -156,13 +157,29 @@ def test_a_deepspeed_method_that_changed_keeps_deepspeeds_own_with_one_warning(c
         for _ in range(2):
             active = deepspeed_compat.apply_patches("auto", warn=lines.append)
         assert getattr(cls, patch.method) is changed and patch.name not in active
-        assert len(active) == len(deepspeed_compat.PATCHES) - 1  # the others still apply
+        assert len(active) == len(deepspeed_compat.PATCHES)  # the others (and the all-gather one) still apply
         assert len(lines) == 1, lines
         reason = {"signature": "its signature is", "source": "its source differs", "module-name": "has no PIPE_REPLICATED"}[change]
         assert f"DeepSpeedZeroOptimizer.{patch.method}" in lines[0] and reason in lines[0] and "DeepSpeed's own runs" in lines[0]
     finally:
         deepspeed_compat.apply_patches("off")
         monkeypatch.undo()
+        deepspeed_compat.apply_patches("auto")
+
+
+def test_deepspeeds_all_gather_uses_torchs_current_function_and_off_puts_its_own_back():
+    """torch 2.13 deprecates all_gather_into_tensor (a FutureWarning from every rank of a 2-worker run)."""
+    import torch.distributed
+    from deepspeed.comm.torch import TorchBackend
+
+    from raytrain_fast.engine import deepspeed_compat
+
+    try:
+        deepspeed_compat.apply_patches("auto", warn=pytest.fail)
+        assert TorchBackend.get_all_gather_function() is torch.distributed.all_gather_single
+        deepspeed_compat.apply_patches("off")
+        assert TorchBackend.get_all_gather_function() is torch.distributed.all_gather_into_tensor
+    finally:
         deepspeed_compat.apply_patches("auto")
 
 

@@ -173,7 +173,9 @@ def measure_checkpoint_blocking(
     model = model_for_checkpoint_mb(checkpoint_mb)
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=num_workers * cpus_per_worker, include_dashboard=False, configure_logging=False)
+        # The workers' own lines (DeepSpeed's op builds, Ray Train's notes) stay in their logs: the
+        # driver's stdout is the result alone (`--json` prints one JSON object).
+        ray.init(num_cpus=num_workers * cpus_per_worker, include_dashboard=False, configure_logging=False, log_to_driver=False)
     result: dict[str, Any] = {"model": {"d_model": model.d_model, "num_layers": model.num_layers}}
     try:
         for mode in ("ASYNC", "SYNC"):

@@ -23,6 +23,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from raytrain_fast.errors import ConfigError
+
 
 def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmup_steps: int = 5,
                  precision: str = "auto", threads: int = 0, ops_calls: int = 5000, verbose: bool = True) -> dict[str, Any]:
@@ -34,7 +36,9 @@ def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmu
     from raytrain_fast.metrics.train_metrics import TrainMetrics
 
     if steps < 1 or rounds < 2 or warmup_steps < 0 or ops_calls < 1:
-        raise ValueError("bench health needs --steps >= 1, --rounds >= 2, --warmup-steps >= 0 and --ops-calls >= 1")
+        raise ConfigError(f"bench health needs --steps >= 1, --rounds >= 2 (a ratio per round, the median of them), --warmup-steps "
+                          f">= 0 and --ops-calls >= 1; got --steps {steps} --rounds {rounds} --warmup-steps {warmup_steps} "
+                          f"--ops-calls {ops_calls}")
     setup = OverheadSetup.for_size(size, precision=precision, threads=threads).resolved()
     device = training_device()
     _set_threads(setup, device)

@@ -11,6 +11,7 @@ import tempfile
 from typing import Any
 
 from raytrain_fast.console import add_command
+from raytrain_fast.errors import ConfigError
 
 
 def add_parser(commands: Any) -> None:
@@ -103,6 +104,19 @@ def raytrain_fast_tokens_per_sec(setup: Any, *, storage_dir: str, memory: bool =
     return raytrain_fast_loop(setup, storage_dir=storage_dir, memory=memory)["tokens_per_sec"]
 
 
+def overhead_argument_problems(setup: Any, variants: list[str], known: Any) -> list[str]:
+    """What is wrong with `bench overhead`'s arguments, each with its fix (before any run starts)."""
+    problems = [f"--variants: unknown {name!r}; valid: {', '.join(known)} (comma-separated)" for name in variants if name not in known]
+    every = setup.log_every
+    if setup.steps < every or setup.steps % every or setup.warmup_steps % every:
+        problems.append(
+            f"--steps ({setup.steps}) and --warmup-steps ({setup.warmup_steps}) must be multiples of --log-every ({every}), "
+            "--steps at least one window: the loop's log windows are what is timed (e.g. --steps "
+            f"{max(every, setup.steps // every * every)} --warmup-steps {setup.warmup_steps // every * every})"
+        )
+    return problems
+
+
 def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
     """`raytrain-fast bench overhead`: every variant timed the same way (bench/overhead.py)."""
     import contextlib
@@ -123,6 +137,9 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
         changes["size"] = "custom"
     setup = OverheadSetup.for_size(args.model, **changes)
     variants = VARIANTS if not args.variants else [name.strip() for name in args.variants.split(",") if name.strip()]
+    problems = overhead_argument_problems(setup, variants, VARIANTS)
+    if problems:
+        raise ConfigError(problems)
     scratch = tempfile.mkdtemp(prefix="raytrain-fast-bench-")
     try:
         # The runs print their progress: to stderr, so that with --json stdout holds only the JSON.

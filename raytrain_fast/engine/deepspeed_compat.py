@@ -2,8 +2,8 @@
 
 DeepSpeed 0.19's ZeRO-1/2 optimizer costs a host sync, fp64 copies and page faults per step that
 the package removes by replacing four `DeepSpeedZeroOptimizer` methods (the docstrings below say
-what each saves and how it was measured), and it JIT-builds a shared-memory op a one-rank CPU group
-never uses. All of it is process-global. So each replacement is made only where the method is the
+what each saves and how it was measured); it JIT-builds a shared-memory op a one-rank CPU group
+never uses; and it all-gathers through a torch function torch 2.13 deprecates. All of it is process-global. So each replacement is made only where the method is the
 one it was written against, the same signature and the same source (its sha256, as read on the
 DeepSpeed versions in `TESTED_DEEPSPEED`), and where every module-level name it uses exists; anything
 else keeps DeepSpeed's own method, with one warning line that names the method and why. A user turns
@@ -333,19 +333,71 @@ def skip_shm_comm_build() -> bool:
     return True
 
 
+_GATHER_CHOOSER_SHA256 = frozenset({"8db96204e5d658bdf9a8d4b2aca4aa6e9b38ec3f57114ab8472d46fdeefa4942"})
+GATHER_PATCH = "current-all-gather-api"
+
+
+def _gather_with_the_current_api(*, warn: Callable[[str], None]) -> bool:
+    """DeepSpeed 0.19's `TorchBackend.get_all_gather_function` picks `torch.distributed.all_gather_into_tensor`,
+    which torch 2.13 deprecates for `all_gather_single` (the same arguments): every rank of a multi-worker
+    run printed a FutureWarning on its first ZeRO all-gather. Where torch has `all_gather_single` and the
+    chooser is the one read on 0.19.8, it returns that instead (backends made after this use it)."""
+    import torch.distributed
+    from deepspeed.comm.torch import TorchBackend
+
+    raw = inspect.getattr_static(TorchBackend, "get_all_gather_function", None)
+    if getattr(raw, "_raytrain_fast", False):
+        return True
+    if not hasattr(torch.distributed, "all_gather_single") or not isinstance(raw, classmethod):
+        return False  # an older torch: its all_gather_into_tensor is not deprecated
+    try:
+        source = inspect.getsource(TorchBackend.get_all_gather_function)
+    except (TypeError, OSError):
+        source = ""
+    if hashlib.sha256(source.encode()).hexdigest() not in _GATHER_CHOOSER_SHA256:
+        if GATHER_PATCH not in _WARNED:
+            _WARNED.add(GATHER_PATCH)
+            warn(f"DeepSpeed {_deepspeed_version()}: not patching TorchBackend.get_all_gather_function ({GATHER_PATCH}): "
+                 f"its source differs from the one read; DeepSpeed's own runs (tested on {', '.join(TESTED_DEEPSPEED)}).")
+        return False
+
+    def get_all_gather_function(cls):
+        return torch.distributed.all_gather_single
+
+    replacement = classmethod(get_all_gather_function)
+    replacement._raytrain_fast = True
+    replacement._original = raw
+    TorchBackend.get_all_gather_function = replacement
+    return True
+
+
+def _gather_as_deepspeed_does() -> None:
+    from deepspeed.comm.torch import TorchBackend
+
+    raw = inspect.getattr_static(TorchBackend, "get_all_gather_function", None)
+    if getattr(raw, "_raytrain_fast", False):
+        TorchBackend.get_all_gather_function = raw._original
+
+
 def apply_patches(mode: PatchMode = "auto", *, warn: Callable[[str], None] = print) -> list[str]:
     """Make (auto) or undo (off) every replacement; the names of those in force."""
     if mode == "off":
         for patch in PATCHES:
             uninstall(patch)
+        _gather_as_deepspeed_does()
         return []
-    return [patch.name for patch in PATCHES if install(patch, warn=warn)]
+    active = [patch.name for patch in PATCHES if install(patch, warn=warn)]
+    return active + ([GATHER_PATCH] if _gather_with_the_current_api(warn=warn) else [])
 
 
 def active_patches() -> list[str]:
     """The replacements in force in this process."""
+    from deepspeed.comm.torch import TorchBackend
+
     cls = _zero_module().DeepSpeedZeroOptimizer
-    return [p.name for p in PATCHES if getattr(getattr(cls, p.method, None), "_raytrain_fast", False)]
+    gather = getattr(inspect.getattr_static(TorchBackend, "get_all_gather_function", None), "_raytrain_fast", False)
+    return [p.name for p in PATCHES if getattr(getattr(cls, p.method, None), "_raytrain_fast", False)] + (
+        [GATHER_PATCH] if gather else [])
 
 
 def patches_line(active: list[str], *, mode: PatchMode, shm_skipped: bool = False) -> str:

@@ -1,0 +1,96 @@
+"""Every command shape the docs show, run as a reader runs it: typed into a fresh bash with a clean
+environment (PATH with the venv's `bin` first, HOME, nothing of pytest's: no DS_ACCELERATOR, no Ray
+settings, no shared Ray instance), each in its own process, with settings small enough for seconds.
+
+A shape is a subcommand (`bench` counts per benchmark). The set run here must cover every shape that
+README.md and docs/*.md show (tests/test_docs.py collects them), so a newly documented command fails
+this test until it runs from a shell too. Ctrl-C from a terminal: tests/test_stop_signal.py; `ray job
+submit ... -- python jobs/pretrain.py`: tests/test_job_submit.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_docs import COMMANDS
+
+pytestmark = pytest.mark.slow
+
+MICRO = [
+    "model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.max_seq_len=32", "data.seq_len=32",
+    "train.micro_batch=4", "train.global_batch=4", "train.steps=4", "train.log_every=2", "optim.warmup_steps=1",
+    "checkpoint.every_steps=2", "resources.num_workers=1", "engine.precision=fp32", "metrics.peak_measure_s=0.2",
+    "eval.sequences=4",
+]
+SETS = " ".join(f"--set {item}" for item in MICRO)
+
+# (shape, command line as typed, what its output must show). Run in this order, in one directory.
+SESSION = [
+    ("show-config", f"raytrain-fast show-config --config tiny {SETS}", "d_model: 32"),
+    ("prepare-data", "raytrain-fast prepare-data --input texts --output prepared --seq-len 32 --val-fraction 0.2",
+     "prepare-data:"),
+    ("train-tokenizer", "raytrain-fast train-tokenizer --input texts --output tok --vocab-size 300",
+     "Trained a byte-level BPE"),
+    ("pretrain", f"raytrain-fast pretrain --config tiny --name shell {SETS} --set data.source=prepared --set storage.uri=runs",
+     "Done. Run directory:"),
+    ("runs", "raytrain-fast runs --storage runs", "shell"),
+    ("report", "raytrain-fast report --storage runs --name shell --out report", "Run 'shell'"),
+    ("export", "raytrain-fast export --storage runs --name shell --out exported", "exported"),
+    ("sweep", f"raytrain-fast sweep --config tiny --name sw {SETS} --set data.source=prepared --set storage.uri=runs "
+              "--micro-batch 2,4 --steps 4", "micro_batch"),
+    ("bench data", "raytrain-fast bench data --steps 20 --rounds 1 --json", "{"),
+    ("bench overhead", "raytrain-fast bench overhead --d-model 32 --layers 1 --heads 2 --steps 4 --warmup-steps 2 --log-every 2 "
+                       "--repeats 1 --variants bare,raytrain_fast --json", "{"),
+    ("bench checkpoint", "raytrain-fast bench checkpoint --checkpoint-mb 1 --checkpoints 1 --seconds-between 0 --json", "{"),
+    ("bench model", "raytrain-fast bench model --preset tiny --seq-len 32 --micro-batch 2 --steps 2 --rounds 1 "
+                    "--warmup-steps 1 --variants bare,engine --peak-seconds 0.2 --json", "{"),
+    ("bench health", "raytrain-fast bench health --steps 2 --rounds 2 --warmup-steps 1 --ops-calls 10 --json", "{"),
+]
+
+
+def documented_shapes() -> set[str]:
+    return {f"bench {words[1]}" if words[0] == "bench" and len(words) > 1 else words[0] for _, words in COMMANDS}
+
+
+def test_the_session_covers_every_documented_command_shape():
+    shapes = documented_shapes()
+    assert {"pretrain", "export", "bench overhead"} <= shapes  # the collector really read the docs
+    missing = shapes - {shape for shape, _, _ in SESSION}
+    assert not missing, f"documented but never run from a fresh shell here: {sorted(missing)}"
+
+
+def _texts(directory: Path) -> None:
+    """Real text to train on: the email and json packages' sources (about 40 documents, 500 KB)."""
+    import email
+    import json as json_package
+
+    directory.mkdir()
+    for package in (email, json_package):
+        for path in sorted(Path(package.__file__).parent.glob("*.py")):
+            shutil.copy(path, directory / f"{package.__name__}-{path.name}.txt")
+
+
+def test_every_documented_command_shape_runs_from_a_fresh_shell(tmp_path):
+    _texts(tmp_path / "texts")
+    bin_dir = Path(sys.executable).parent
+    env = {"PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path / "home"), "LANG": "C.UTF-8"}
+    (tmp_path / "home").mkdir()
+    failures = []
+    for shape, line, expected in SESSION:
+        done = subprocess.run(["bash", "--noprofile", "--norc", "-c", line], cwd=tmp_path, env=env, text=True,
+                              capture_output=True, timeout=600, stdin=subprocess.DEVNULL)
+        shown = done.stdout + done.stderr
+        if done.returncode != 0 or expected not in shown:
+            failures.append(f"$ {line}\nexit {done.returncode}\n{shown[-3000:]}")
+            continue
+        if line.endswith("--json"):
+            json.loads(done.stdout)  # the JSON object alone on stdout, as --json promises
+    assert not failures, "\n\n".join(failures)
+    assert (tmp_path / "exported").is_dir() and any((tmp_path / "report").iterdir())
+    assert "shell" in os.listdir(tmp_path / "runs")
