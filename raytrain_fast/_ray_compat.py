@@ -18,6 +18,10 @@ TRAIN_CONTEXT_LOGGER = "ray.train.v2._internal.execution.context"
 """Ray Train's per-report INFO line (a ~1 KB `TrainingReport(...)` dump) logs here."""
 DATA_EXECUTOR_LOGGER = "ray.data._internal.execution.streaming_executor"
 """Ray Data's per-Dataset 'execution finished' summary logs here."""
+DATA_ITERATOR_THREADS = ("iter_threaded",)
+"""The threads Ray Data's batch iterators start in the process that iterates and that call `ray.get` until
+they end (ray/data/_internal/block_batching). Its "Prefetcher" thread outlives the iterator, parked on a
+condition between blocks (only a `ray.wait` with timeout 0 in between): it is not waited for."""
 TRAIN_COLLECTIVE_FILES = ("ray/train/collective", "ray/train/v2/_internal/execution/train_fn_utils")
 """Where a Ray Train worker waits on the other ranks (a py-spy frame in one of them is a collective wait)."""
 
@@ -102,3 +106,20 @@ def remove_placement_group_by_hex(group_id: str) -> None:
         remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(group_id)))
     except Exception:  # noqa: BLE001 - already removed, or another Ray version
         pass
+
+
+def wait_for_ray_data_iterators(timeout_s: float = 10.0) -> list[str]:
+    """Before `ray.shutdown()` in a process that iterated a Ray Data dataset itself (not in a Ray worker):
+    finalize abandoned batch iterators and wait for their threads to end. A thread still in a `ray.wait`
+    or `ray.get` when the core worker shuts down makes Ray end the whole process ("The core worker has
+    already been shutdown"), exit status 1 with no other output. Returns the threads still alive."""
+    import gc
+    import threading
+    import time
+
+    gc.collect()  # an abandoned iterator's finalizer stops its prefetcher thread
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread.name in DATA_ITERATOR_THREADS and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+    return [t.name for t in threading.enumerate() if t.name in DATA_ITERATOR_THREADS and t.is_alive()]

@@ -152,6 +152,9 @@ def bench_data(
     finally:
         ingest.close()
         if own_ray:
+            from raytrain_fast._ray_compat import wait_for_ray_data_iterators
+
+            wait_for_ray_data_iterators()  # `bench data` from a shell exited 1 with no output without it
             ray.shutdown()
 
     tokens_per_step = micro_batch * seq_len

@@ -391,6 +391,9 @@ def _ray_running():
     try:
         yield
     finally:
+        from raytrain_fast._ray_compat import wait_for_ray_data_iterators
+
+        wait_for_ray_data_iterators()  # this process iterated the tokenized blocks itself
         ray.shutdown()
 
 
