@@ -113,11 +113,12 @@ def test_each_deepspeed_patch_is_installed_once_over_deepspeeds_own_and_off_puts
 
     from raytrain_fast.engine import deepspeed_compat
 
-    names = [patch.method for patch in deepspeed_compat.PATCHES]
+    zero = [patch for patch in deepspeed_compat.PATCHES if patch.owner.endswith(":DeepSpeedZeroOptimizer")]
+    names = [patch.method for patch in zero]
     assert names == ["unscale_and_clip_grads", "get_grad_norm_direct", "_get_preflattened_grad_partition", "allreduce_and_copy"]
     try:
         for _ in range(2):
-            names_in_force = [p.name for p in deepspeed_compat.PATCHES] + [deepspeed_compat.GATHER_PATCH]
+            names_in_force = [p.name for p in zero] + [deepspeed_compat.GATHER_PATCH]
             assert deepspeed_compat.apply_patches("auto", warn=pytest.fail) == names_in_force
         for name in names:
             ours = getattr(DeepSpeedZeroOptimizer, name)
@@ -157,7 +158,7 @@ def test_a_deepspeed_method_that_changed_keeps_deepspeeds_own_with_one_warning(c
         for _ in range(2):
             active = deepspeed_compat.apply_patches("auto", warn=lines.append)
         assert getattr(cls, patch.method) is changed and patch.name not in active
-        assert len(active) == len(deepspeed_compat.PATCHES)  # the others (and the all-gather one) still apply
+        assert len(active) == len(deepspeed_compat.PATCHES) - 1  # the others (the all-gather one too) still apply
         assert len(lines) == 1, lines
         reason = {"signature": "its signature is", "source": "its source differs", "module-name": "has no PIPE_REPLICATED"}[change]
         assert f"DeepSpeedZeroOptimizer.{patch.method}" in lines[0] and reason in lines[0] and "DeepSpeed's own runs" in lines[0]

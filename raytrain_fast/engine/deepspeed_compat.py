@@ -207,9 +207,29 @@ def _no_all_reduce_over_one_rank(original: Callable[..., Any]) -> Callable[..., 
     return allreduce_and_copy
 
 
+def _gather_with_the_current_api(original: Callable[..., Any]) -> Callable[..., Any]:
+    """DeepSpeed 0.19's `TorchBackend.get_all_gather_function` picks `torch.distributed.all_gather_into_tensor`,
+    which torch 2.13 deprecates for `all_gather_single` (the same arguments): every rank of a multi-worker
+    run printed a FutureWarning on its first ZeRO all-gather. The chooser returns `all_gather_single`
+    instead (backends made after this use it); only where torch has it."""
+    import torch.distributed
+
+    def get_all_gather_function(cls):
+        return torch.distributed.all_gather_single
+
+    return get_all_gather_function
+
+
+def _torch_has_all_gather_single() -> bool:
+    import torch.distributed
+
+    return hasattr(torch.distributed, "all_gather_single")  # an older torch: all_gather_into_tensor is current
+
+
 @dataclass(frozen=True, kw_only=True)
 class ZeroPatch:
-    """One replacement of a `DeepSpeedZeroOptimizer` method, and what must hold for it to be made."""
+    """One replacement of a DeepSpeed method (a `DeepSpeedZeroOptimizer`'s unless `owner` says another
+    class), and what must hold for it to be made."""
 
     name: str
     """What the startup line calls it."""
@@ -221,7 +241,11 @@ class ZeroPatch:
     """sha256 of `inspect.getsource(original)` on the tested versions: any change to the method, not
     only to its signature, keeps DeepSpeed's own."""
     needs: tuple[str, ...] = ()
-    """Module-level names of `deepspeed.runtime.zero.stage_1_and_2` the replacement uses."""
+    """Module-level names of the owner's module the replacement uses."""
+    owner: str = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
+    """`module:class` whose attribute `method` is replaced."""
+    applies: Callable[[], bool] = lambda: True
+    """False where the patch has nothing to do (nothing is replaced and nothing is warned)."""
 
 
 PATCHES: tuple[ZeroPatch, ...] = (
@@ -249,23 +273,28 @@ PATCHES: tuple[ZeroPatch, ...] = (
         source_sha256=frozenset({"1db38d57186c09f402d1907a50a545961d1a4d8ba4cc0a18fdb5f5c5b03e0d4e"}),
         needs=("dist",),
     ),
+    ZeroPatch(
+        name="current-all-gather-api", method="get_all_gather_function", make=_gather_with_the_current_api,
+        owner="deepspeed.comm.torch:TorchBackend", signature="()", applies=_torch_has_all_gather_single,
+        source_sha256=frozenset({"8db96204e5d658bdf9a8d4b2aca4aa6e9b38ec3f57114ab8472d46fdeefa4942"}),
+    ),
 )
+GATHER_PATCH = "current-all-gather-api"
 
 
-def _zero_module() -> Any:
-    from deepspeed.runtime.zero import stage_1_and_2
+def _owner(patch: ZeroPatch) -> tuple[Any, Any]:
+    """The patched class's module and the class."""
+    import importlib
 
-    return stage_1_and_2
+    module_name, class_name = patch.owner.split(":")
+    module = importlib.import_module(module_name)
+    return module, getattr(module, class_name)
 
 
 def _deepspeed_version() -> str:
     import deepspeed
 
     return str(getattr(deepspeed, "__version__", "unknown"))
-
-
-def _original(current: Any) -> Any:
-    return current._original if getattr(current, "_raytrain_fast", False) else current
 
 
 def patch_problem(patch: ZeroPatch, original: Any, module: Any) -> str | None:
@@ -280,7 +309,7 @@ def patch_problem(patch: ZeroPatch, original: Any, module: Any) -> str | None:
         return f"its signature is {signature}, not {patch.signature}"
     missing = [name for name in patch.needs if not hasattr(module, name)]
     if missing:
-        return f"stage_1_and_2 has no {', '.join(missing)}"
+        return f"{module.__name__.rsplit('.', 1)[-1]} has no {', '.join(missing)}"
     if hashlib.sha256(source.encode()).hexdigest() not in patch.source_sha256:
         return "its source differs from the one the replacement was written against"
     return None
@@ -288,22 +317,27 @@ def patch_problem(patch: ZeroPatch, original: Any, module: Any) -> str | None:
 
 def install(patch: ZeroPatch, *, warn: Callable[[str], None] = print) -> bool:
     """Replace the method, once (never over our own replacement), when `patch_problem` finds
-    nothing; else keep DeepSpeed's own and warn once with the reason. True when ours is in force."""
-    module = _zero_module()
-    cls = module.DeepSpeedZeroOptimizer
-    current = getattr(cls, patch.method, None)
-    if getattr(current, "_raytrain_fast", False):
+    nothing; else keep DeepSpeed's own and warn once with the reason. True when ours is in force.
+    A classmethod is replaced by a classmethod of the replacement."""
+    module, cls = _owner(patch)
+    raw = inspect.getattr_static(cls, patch.method, None)
+    if getattr(raw, "_raytrain_fast", False):
         return True
-    problem = patch_problem(patch, current, module)
+    if not patch.applies():
+        return False
+    problem = patch_problem(patch, getattr(cls, patch.method, None), module)
     if problem is not None:
         if patch.name not in _WARNED:
             _WARNED.add(patch.name)
-            warn(f"DeepSpeed {_deepspeed_version()}: not patching DeepSpeedZeroOptimizer.{patch.method} ({patch.name}): "
+            warn(f"DeepSpeed {_deepspeed_version()}: not patching {cls.__name__}.{patch.method} ({patch.name}): "
                  f"{problem}; DeepSpeed's own runs (tested on {', '.join(TESTED_DEEPSPEED)}).")
         return False
-    replacement = patch.make(current)
+    if isinstance(raw, classmethod):
+        replacement = classmethod(patch.make(raw.__func__))
+    else:
+        replacement = patch.make(raw)
     replacement._raytrain_fast = True
-    replacement._original = current
+    replacement._original = raw
     setattr(cls, patch.method, replacement)
     return True
 
@@ -313,10 +347,10 @@ _WARNED: set[str] = set()
 
 def uninstall(patch: ZeroPatch) -> None:
     """Put DeepSpeed's own method back (engine.deepspeed_patches: off after a run that patched)."""
-    cls = _zero_module().DeepSpeedZeroOptimizer
-    current = getattr(cls, patch.method, None)
-    if getattr(current, "_raytrain_fast", False):
-        setattr(cls, patch.method, _original(current))
+    _, cls = _owner(patch)
+    raw = inspect.getattr_static(cls, patch.method, None)
+    if getattr(raw, "_raytrain_fast", False):
+        setattr(cls, patch.method, raw._original)
 
 
 def skip_shm_comm_build() -> bool:
@@ -333,71 +367,18 @@ def skip_shm_comm_build() -> bool:
     return True
 
 
-_GATHER_CHOOSER_SHA256 = frozenset({"8db96204e5d658bdf9a8d4b2aca4aa6e9b38ec3f57114ab8472d46fdeefa4942"})
-GATHER_PATCH = "current-all-gather-api"
-
-
-def _gather_with_the_current_api(*, warn: Callable[[str], None]) -> bool:
-    """DeepSpeed 0.19's `TorchBackend.get_all_gather_function` picks `torch.distributed.all_gather_into_tensor`,
-    which torch 2.13 deprecates for `all_gather_single` (the same arguments): every rank of a multi-worker
-    run printed a FutureWarning on its first ZeRO all-gather. Where torch has `all_gather_single` and the
-    chooser is the one read on 0.19.8, it returns that instead (backends made after this use it)."""
-    import torch.distributed
-    from deepspeed.comm.torch import TorchBackend
-
-    raw = inspect.getattr_static(TorchBackend, "get_all_gather_function", None)
-    if getattr(raw, "_raytrain_fast", False):
-        return True
-    if not hasattr(torch.distributed, "all_gather_single") or not isinstance(raw, classmethod):
-        return False  # an older torch: its all_gather_into_tensor is not deprecated
-    try:
-        source = inspect.getsource(TorchBackend.get_all_gather_function)
-    except (TypeError, OSError):
-        source = ""
-    if hashlib.sha256(source.encode()).hexdigest() not in _GATHER_CHOOSER_SHA256:
-        if GATHER_PATCH not in _WARNED:
-            _WARNED.add(GATHER_PATCH)
-            warn(f"DeepSpeed {_deepspeed_version()}: not patching TorchBackend.get_all_gather_function ({GATHER_PATCH}): "
-                 f"its source differs from the one read; DeepSpeed's own runs (tested on {', '.join(TESTED_DEEPSPEED)}).")
-        return False
-
-    def get_all_gather_function(cls):
-        return torch.distributed.all_gather_single
-
-    replacement = classmethod(get_all_gather_function)
-    replacement._raytrain_fast = True
-    replacement._original = raw
-    TorchBackend.get_all_gather_function = replacement
-    return True
-
-
-def _gather_as_deepspeed_does() -> None:
-    from deepspeed.comm.torch import TorchBackend
-
-    raw = inspect.getattr_static(TorchBackend, "get_all_gather_function", None)
-    if getattr(raw, "_raytrain_fast", False):
-        TorchBackend.get_all_gather_function = raw._original
-
-
 def apply_patches(mode: PatchMode = "auto", *, warn: Callable[[str], None] = print) -> list[str]:
     """Make (auto) or undo (off) every replacement; the names of those in force."""
     if mode == "off":
         for patch in PATCHES:
             uninstall(patch)
-        _gather_as_deepspeed_does()
         return []
-    active = [patch.name for patch in PATCHES if install(patch, warn=warn)]
-    return active + ([GATHER_PATCH] if _gather_with_the_current_api(warn=warn) else [])
+    return [patch.name for patch in PATCHES if install(patch, warn=warn)]
 
 
 def active_patches() -> list[str]:
     """The replacements in force in this process."""
-    from deepspeed.comm.torch import TorchBackend
-
-    cls = _zero_module().DeepSpeedZeroOptimizer
-    gather = getattr(inspect.getattr_static(TorchBackend, "get_all_gather_function", None), "_raytrain_fast", False)
-    return [p.name for p in PATCHES if getattr(getattr(cls, p.method, None), "_raytrain_fast", False)] + (
-        [GATHER_PATCH] if gather else [])
+    return [p.name for p in PATCHES if getattr(inspect.getattr_static(_owner(p)[1], p.method, None), "_raytrain_fast", False)]
 
 
 def patches_line(active: list[str], *, mode: PatchMode, shm_skipped: bool = False) -> str:
