@@ -254,7 +254,7 @@ class _Metrics:
 
 
 def _monitor(**settings):
-    from raytrain_fast.loop.config import HealthConfig
+    from raytrain_fast.config.train import HealthConfig
     from raytrain_fast.loop.health import HealthMonitor
 
     return HealthMonitor(HealthConfig(**settings), rank=0, warmup_steps=2, rollbacks=[]), _Metrics()

@@ -11,7 +11,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from raytrain_fast.checkpoint.checkpointing import load_initial_weights
+from raytrain_fast.checkpoint.init_from import load_initial_weights
 from raytrain_fast.checkpoint.hf_import import init_from_problems
 from raytrain_fast.config import load_config
 from raytrain_fast.errors import ConfigError

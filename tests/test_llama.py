@@ -16,7 +16,7 @@ from raytrain_fast.config import load_config, validate
 from raytrain_fast.data.tokenizer import byte_tokenizer, load_tokenizer
 from raytrain_fast.errors import CheckpointError, ConfigError
 from raytrain_fast.model import GPT, ModelConfig, build_model, flops_per_token
-from raytrain_fast.model.config import llama_mlp_hidden
+from raytrain_fast.config.model import llama_mlp_hidden
 from raytrain_fast.model.flops import count_training_flops_per_token
 from raytrain_fast.model.llama import Llama
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from raytrain_fast.metrics import MetricsConfig, datasheet_peak_flops, device_key, device_name, measure_matmul_peak, mfu
-from raytrain_fast.metrics.config import metrics_config_problems
+from raytrain_fast.config.metrics import metrics_config_problems
 
 
 @pytest.mark.parametrize(

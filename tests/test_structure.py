@@ -16,14 +16,11 @@ MAX_LOOP_BODY_LINES = 60
 def _unit(module: str) -> str | None:
     """'raytrain_fast.loop.hooks' -> 'loop'; 'raytrain_fast.cli' -> 'cli'; other packages -> None.
 
-    A subpackage's `config.py` holds only that subpackage's config section and belongs to the
-    configuration layer with `raytrain_fast/config.py` (unit 'config'): every part of the package
-    reads the config, so the sections sit below all of them (the test below keeps them leaves)."""
+    Every config section lives in the `raytrain_fast.config` package (unit 'config'): every part
+    of the package reads the config, so it sits below all of them (the tests below keep it a leaf)."""
     parts = module.split(".")
     if parts[0] != "raytrain_fast" or len(parts) < 2:
         return None
-    if len(parts) == 3 and parts[2] == "config":
-        return "config"
     return parts[1]
 
 
@@ -106,6 +103,59 @@ def test_no_import_cycle_between_subpackages_and_top_level_modules():
     graph = import_graph()
     assert {"loop", "launch", "sweep", "checkpoint", "metrics"} <= set(graph)  # the graph was really built
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
+
+
+def file_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports (a package's face counts as the modules it names)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        graph[module] = {
+            name for name in _imports(path)
+            if name.startswith("raytrain_fast.") and name != module and _is_module(name)
+            and not module.startswith(name + ".")  # a module's own package face runs first anyway
+        }
+    return graph
+
+
+def test_no_import_cycle_between_files():
+    """A circle of files hidden by a function-level import is still a circle (checkpointing <-> export was one)."""
+    graph = file_graph()
+    assert len(graph) > 80 and graph["raytrain_fast.loop.train_loop"]  # the graph was really built
+    faces = {m for m in graph if (PACKAGE / Path(*m.split(".")[1:]) / "__init__.py").exists()}
+    # a package face hands names on; a cycle through one is a cycle of the modules behind it
+    through = {m: {t for t in targets if t not in faces} | {
+        u for t in targets if t in faces for u in graph[t] if u.startswith(t + ".")}
+        for m, targets in graph.items() if m not in faces}
+    assert find_cycle(through) is None, f"import cycle: {' -> '.join(find_cycle(through) or [])}"
+
+
+def test_importing_the_config_imports_no_torch_and_nothing_else_of_the_package():
+    """`raytrain-fast runs`, `prepare-data` and the pre-start checks read the config without paying for torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, raytrain_fast.config; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'ray.', 'deepspeed')))); "
+            "print(sorted(m for m in sys.modules if m.startswith('raytrain_fast.')))")
+    heavy, ours = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert heavy == "[]", heavy
+    assert "raytrain_fast.config.train" in ours  # the sections were really imported
+    outside = [m for m in eval(ours) if not m.startswith(("raytrain_fast.config", "raytrain_fast._", "raytrain_fast.errors"))]
+    assert not outside, outside
+
+
+def test_no_config_section_imports_anything_above_it():
+    """The sections are leaves: they import the standard library, yaml and each other, nothing of the package above."""
+    allowed = ("raytrain_fast.config", "raytrain_fast._dataclass_yaml", "raytrain_fast.errors")
+    sections = sorted((PACKAGE / "config").glob("*.py"))
+    assert len(sections) >= 9, sections
+    for path in sections:
+        ours = {name for name in _imports(path) if name.startswith("raytrain_fast")}
+        above = {name for name in ours if not name.startswith(allowed)}
+        assert not above, f"{path.name} imports {above}"
+        third_party = {name.split(".")[0] for name in _imports(path)} - {"raytrain_fast"}
+        assert not third_party & {"torch", "ray", "deepspeed", "numpy", "boto3", "wandb"}, (path.name, third_party)
 
 
 def test_the_step_loop_imports_nothing_above_it():

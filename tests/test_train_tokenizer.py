@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("tokenizers")
 
 from raytrain_fast.cli import main  # noqa: E402
-from raytrain_fast.data.config import EOD_TOKEN  # noqa: E402
+from raytrain_fast.config.data import EOD_TOKEN  # noqa: E402
 from raytrain_fast.data.hf_tokenizer import BYTE_EOD_TEXT, hf_tokenizer_files  # noqa: E402
 from raytrain_fast.data.tokenizer import byte_tokenizer, load_tokenizer  # noqa: E402
 from raytrain_fast.data.train_tokenizer import train_tokenizer  # noqa: E402

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_fast.config import load_config
-from raytrain_fast.watchdog.config import WatchdogConfig
+from raytrain_fast.config.watchdog import WatchdogConfig
 from raytrain_fast.watchdog.hang import HangWatch, RankStack, parse_py_spy, stuck_ranks, top_frame, training_thread
 
 _WAITING = """Thread 10 (idle): "TrainingThread(train_fn)"

@@ -38,7 +38,7 @@ from typing import Any
 
 from raytrain_fast.checkpoint.manifest import verify_checkpoint
 from raytrain_fast.model import ModelConfig
-from raytrain_fast.storage.config import StorageConfig
+from raytrain_fast.config.storage import StorageConfig
 
 BYTES_PER_PARAM = 16  # fp32 ZeRO-1/2 with Adam: module weights 4 + fp32 master 4 + two moments 8
 
@@ -63,7 +63,7 @@ def _bench_loop(config: dict[str, Any]) -> None:
     import torch
 
     from raytrain_fast.checkpoint import Checkpointer, TrainState
-    from raytrain_fast.checkpoint.config import CheckpointConfig
+    from raytrain_fast.config.checkpoint import CheckpointConfig
     from raytrain_fast.engine import EngineConfig, OptimConfig, build_engine, select_accelerator
     from raytrain_fast.model import GPT
 

@@ -457,7 +457,7 @@ def raytrain_fast_loop(setup: OverheadSetup, *, storage_dir: str, memory: bool =
     in-memory batches instead of the Ray Data ingest. Adds the run's own window statistics and
     the checkpoints that fell inside the timed window. The run's directory is removed unless `keep_run`."""
     from raytrain_fast.bench.loop_clock import ClockHooks
-    from raytrain_fast.checkpoint.manifest import STATE_FILE
+    from raytrain_fast.checkpoint.layout import STATE_FILE
     from raytrain_fast.launch.trainer import run as run_training
     from raytrain_fast.metrics.sinks import read_metrics
 

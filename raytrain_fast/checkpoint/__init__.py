@@ -2,7 +2,7 @@
 verified by per-rank manifests, listed and exported."""
 
 from raytrain_fast.checkpoint.checkpointing import Checkpointer, TrainState, checkpoint_dir_name
-from raytrain_fast.checkpoint.config import CheckpointConfig
+from raytrain_fast.config.checkpoint import CheckpointConfig
 from raytrain_fast.checkpoint.export import export_checkpoint, load_exported
 from raytrain_fast.checkpoint.manifest import (
     IncompleteCheckpointError,

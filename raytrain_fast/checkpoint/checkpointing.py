@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import yaml
 
-from raytrain_fast.checkpoint.config import CheckpointConfig
+from raytrain_fast.config.checkpoint import CheckpointConfig
+from raytrain_fast.checkpoint.layout import CONFIG_FILE, DEEPSPEED_TAG, STATE_FILE
 from raytrain_fast.checkpoint.manifest import (
-    STATE_FILE,
     IncompleteCheckpointError,
     checkpoint_health,
     download_checkpoint,
@@ -44,8 +44,6 @@ from raytrain_fast.checkpoint.manifest import (
 )
 from raytrain_fast.errors import CheckpointError
 
-DEEPSPEED_TAG = "deepspeed"
-CONFIG_FILE = "config.yaml"
 
 
 @dataclass(kw_only=True)
@@ -469,56 +467,3 @@ def _all_gather_ints(values: list[int], world_size: int) -> list[list[int]]:
     every = [torch.zeros_like(mine) for _ in range(world_size)]
     dist.all_gather(every, mine)
     return [t.tolist() for t in every]
-
-
-def load_initial_weights(model: torch.nn.Module, uri: str, *, storage: Any, rank: int = 0, world_size: int = 1) -> str:
-    """checkpoint.init_from: copy model weights (only) from a checkpoint directory, or a Hugging Face
-    Llama-family directory (checkpoint/hf_import.py), into `model`.
-
-    Read once per job: rank 0 downloads and consolidates the checkpoint, then every parameter and
-    buffer goes to the other ranks through torch.distributed (a broadcast per tensor, over the
-    group Ray Train set up), so storage serves the checkpoint once, not once per rank."""
-    if world_size == 1:
-        return _read_initial_weights(model, uri, storage=storage)
-    import torch.distributed as dist
-    from ray.train.collective import broadcast_from_rank_zero
-
-    outcome: tuple[str, str] | None = None
-    if rank == 0:
-        try:
-            outcome = ("ok", _read_initial_weights(model, uri, storage=storage))
-        except CheckpointError as error:
-            outcome = ("error", str(error))
-    outcome = broadcast_from_rank_zero(outcome)
-    if outcome[0] == "error":  # every rank stops with rank 0's reason
-        raise CheckpointError(outcome[1])
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0)
-    return outcome[1]
-
-
-def _read_initial_weights(model: torch.nn.Module, uri: str, *, storage: Any) -> str:
-    from raytrain_fast.checkpoint.export import consolidated_state_dict
-    from raytrain_fast.storage import resolve_filesystem
-
-    filesystem, path = resolve_filesystem(uri, storage)
-    from raytrain_fast.checkpoint.hf_import import read_hf_config, read_hf_weights
-
-    if read_hf_config(filesystem, path) is not None:  # a Hugging Face directory (checked on the driver)
-        model.load_state_dict(read_hf_weights(filesystem, path, model.config), strict=True)
-        return "Hugging Face weights"
-    local_dir = tempfile.mkdtemp(prefix="raytrain-fast-init-")
-    try:
-        download_checkpoint(filesystem, path, local_dir)
-        state_dict, source = consolidated_state_dict(local_dir)
-        missing, unexpected = model.load_state_dict(state_dict, strict=False)
-        missing = [k for k in missing if k != "lm_head.weight"]  # tied to token_emb.weight
-        if missing or unexpected:
-            raise CheckpointError(
-                f"checkpoint.init_from={uri} does not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
-                "use the same model section as the run that saved it"
-            )
-        return source
-    finally:
-        shutil.rmtree(local_dir, ignore_errors=True)

@@ -26,11 +26,11 @@ from typing import Any, Literal
 
 import yaml
 
-from raytrain_fast.checkpoint.checkpointing import CONFIG_FILE, DEEPSPEED_TAG, STATE_FILE
+from raytrain_fast.checkpoint.layout import CONFIG_FILE, DEEPSPEED_TAG, STATE_FILE
 from raytrain_fast.checkpoint.manifest import download_checkpoint, find_resumable_checkpoint, list_checkpoint_dirs
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.model import GPT, ModelConfig, model_class
-from raytrain_fast.storage.config import StorageConfig
+from raytrain_fast.config.storage import StorageConfig
 from raytrain_fast.storage.filesystem import resolve_filesystem
 
 WEIGHTS_FILE = "model.safetensors"

@@ -20,7 +20,7 @@ import torch
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.model import ModelConfig
 from raytrain_fast.model.hf import hf_config, hf_refusal, to_hf_state_dict
-from raytrain_fast.storage.config import StorageConfig
+from raytrain_fast.config.storage import StorageConfig
 
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json")
 """Files whose presence in --out means an export is already there."""

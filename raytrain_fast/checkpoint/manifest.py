@@ -33,12 +33,10 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from raytrain_fast.checkpoint.layout import STATE_FILE
 from raytrain_fast.errors import CheckpointError
 
 MANIFEST_FORMAT = 1
-STATE_FILE = "train_state.json"
-"""The loop's TrainState in every checkpoint (step, data position, metrics at save time); here, not in
-checkpointing.py, so that listing runs reads it without importing torch."""
 LOCAL_CHUNK_BYTES = 1 << 20  # page-cache reads at save time
 REMOTE_CHUNK_BYTES = 16 << 20  # one ranged GET per chunk from S3: fewer, larger requests
 NUM_IO_THREADS = 4

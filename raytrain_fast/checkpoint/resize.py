@@ -32,10 +32,10 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+from raytrain_fast.checkpoint.layout import DEEPSPEED_TAG
 from raytrain_fast.errors import CheckpointError
 
 UNIVERSAL_SUFFIX = ".universal"
-DEEPSPEED_TAG = "deepspeed"
 
 
 def universal_cache_path(checkpoint_path: str) -> str:

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
-from raytrain_fast.checkpoint.manifest import STATE_FILE, inspect_checkpoint, list_checkpoint_dirs
-from raytrain_fast.storage.config import StorageConfig
+from raytrain_fast.checkpoint.layout import STATE_FILE
+from raytrain_fast.checkpoint.manifest import inspect_checkpoint, list_checkpoint_dirs
+from raytrain_fast.config.storage import StorageConfig
 from raytrain_fast.storage.filesystem import resolve_filesystem
 
 RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's own per-run state

@@ -8,7 +8,7 @@ from __future__ import annotations
 from raytrain_fast._lazy import lazy_exports
 
 _EXPORTS = {
-    "DataConfig": "raytrain_fast.data.config",
+    "DataConfig": "raytrain_fast.config.data",
     "BYTE_VOCAB_SIZE": "raytrain_fast.data.corpus",
     "EOD_TOKEN": "raytrain_fast.data.corpus",
     "stdlib_files": "raytrain_fast.data.corpus",

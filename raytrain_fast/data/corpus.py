@@ -11,7 +11,7 @@ import os
 import sysconfig
 from pathlib import Path
 
-from raytrain_fast.data.config import BYTE_VOCAB_SIZE, EOD_TOKEN  # noqa: F401 - re-exported
+from raytrain_fast.config.data import BYTE_VOCAB_SIZE, EOD_TOKEN  # noqa: F401 - re-exported
 
 
 MANY_EPOCHS = 4.0

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from raytrain_fast.data.config import BYTE_VOCAB_SIZE, EOD_TOKEN
+from raytrain_fast.config.data import BYTE_VOCAB_SIZE, EOD_TOKEN
 from raytrain_fast.data.hf_tokenizer import BYTE_EOD_TEXT, byte_tokenizer_json, hf_tokenizer_files
 from raytrain_fast.data.manifest import Skipped, TokenizerInfo
 from raytrain_fast.data.prepare import _summarize_skipped, list_inputs, read_documents

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO engine built from config."""
 
-from raytrain_fast.engine.config import EngineConfig, OptimConfig
+from raytrain_fast.config.engine import EngineConfig, OptimConfig
 from raytrain_fast.engine.deepspeed_engine import (
     apply_deepspeed_patches,
     apply_optim_settings,

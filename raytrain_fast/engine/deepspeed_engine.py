@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from raytrain_fast.engine.config import EngineConfig, OptimConfig, wsd_decay_steps
+from raytrain_fast.config.engine import EngineConfig, OptimConfig, wsd_decay_steps
 
 
 def select_accelerator() -> str:

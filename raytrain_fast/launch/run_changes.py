@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from raytrain_fast.checkpoint.config import CHANGE_GROUPS, allowed_groups
+from raytrain_fast.config.checkpoint import CHANGE_GROUPS, allowed_groups
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "data": ("data.source", "data.seq_len", "data.max_tokens", "data.shuffle_seed", "data.val_fraction", "data.val_input"),
@@ -73,7 +73,7 @@ def optim_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[
     the saved config lacks had its default then (the schedule was cosine before there was a choice)."""
     from dataclasses import asdict
 
-    from raytrain_fast.engine.config import OptimConfig
+    from raytrain_fast.config.engine import OptimConfig
 
     defaults = asdict(OptimConfig())
     old_section, new_section = saved.get("optim") or {}, current.get("optim") or {}

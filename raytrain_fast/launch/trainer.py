@@ -86,7 +86,8 @@ def check_resume_policy(config: Config):
     one whose data, tokenizer or model settings differ is refused (launch/run_changes.py).
     Returns the TrainState of the checkpoint to resume: the newest complete and healthy one, or the
     chosen step's (None when the run has none)."""
-    from raytrain_fast.checkpoint.checkpointing import CONFIG_FILE, STATE_FILE, TrainState
+    from raytrain_fast.checkpoint.checkpointing import TrainState
+    from raytrain_fast.checkpoint.layout import CONFIG_FILE, STATE_FILE
     from raytrain_fast.checkpoint.manifest import checkpoint_health
 
     policy = config.checkpoint.resume
@@ -241,7 +242,8 @@ def keep_checkpoint_batch(config: Config) -> Config:
     are recomputed for the new count (checkpoint/resize.py `fit_batch`), or a CheckpointError names
     the counts that work. Reads the newest complete checkpoint's state; storage problems are left
     to the checks that follow (this runs before them)."""
-    from raytrain_fast.checkpoint.checkpointing import STATE_FILE, TrainState
+    from raytrain_fast.checkpoint.checkpointing import TrainState
+    from raytrain_fast.checkpoint.layout import STATE_FILE
     from raytrain_fast.checkpoint.resize import fit_batch, saved_global_batch
 
     workers = config.resources.num_workers
@@ -336,7 +338,7 @@ def check_storage_on_cluster(config: Config) -> None:
     storage.shared), before any worker starts: see storage.config.multi_node_storage_problems."""
     import ray
 
-    from raytrain_fast.storage.config import multi_node_storage_problems
+    from raytrain_fast.config.storage import multi_node_storage_problems
 
     nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
     problems = multi_node_storage_problems(config.storage, cache_dir=config.data.cache_dir, nodes=nodes)
@@ -516,7 +518,8 @@ def drop_ray_run_snapshot(config: Config) -> None:
 
 def kept_checkpoints(config: Config) -> list[tuple[str, dict]]:
     """(path, metrics at save time) of every complete checkpoint of the run in storage, oldest first."""
-    from raytrain_fast.checkpoint.checkpointing import STATE_FILE, TrainState
+    from raytrain_fast.checkpoint.checkpointing import TrainState
+    from raytrain_fast.checkpoint.layout import STATE_FILE
     from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs, verify_checkpoint
 
     filesystem, root = resolve_filesystem(config.storage.uri, config.storage)

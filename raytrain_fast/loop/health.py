@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrain_fast.loop.config import HealthConfig
+from raytrain_fast.config.train import HealthConfig
 
 logger = logging.getLogger("raytrain_fast.health")
 RECORD_FILE = "health.json"

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from raytrain_fast.checkpoint import Checkpointer, TrainState
-from raytrain_fast.checkpoint.checkpointing import load_initial_weights
+from raytrain_fast.checkpoint.init_from import load_initial_weights
 from raytrain_fast.config import Config
 from raytrain_fast.coordinator import Coordinator
 from raytrain_fast.engine import apply_deepspeed_patches, apply_optim_settings, build_engine, enable_tf32, select_accelerator, training_device

@@ -10,8 +10,8 @@ from __future__ import annotations
 from raytrain_fast._lazy import lazy_exports
 
 _EXPORTS = {
-    "MetricsConfig": "raytrain_fast.metrics.config",
-    "metrics_config_problems": "raytrain_fast.metrics.config",
+    "MetricsConfig": "raytrain_fast.config.metrics",
+    "metrics_config_problems": "raytrain_fast.config.metrics",
     "METRICS": "raytrain_fast.metrics.names",
     "datasheet_peak_flops": "raytrain_fast.metrics.peak",
     "device_key": "raytrain_fast.metrics.peak",

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from raytrain_fast.metrics.config import MetricsConfig
+from raytrain_fast.config.metrics import MetricsConfig
 from raytrain_fast.metrics.peak import datasheet_peak_flops, device_name, matmul_dtype
 
 if TYPE_CHECKING:

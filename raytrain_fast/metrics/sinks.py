@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
-    from raytrain_fast.metrics.config import MetricsConfig
+    from raytrain_fast.config.metrics import MetricsConfig
     from raytrain_fast.storage import StorageConfig
 
 logger = logging.getLogger("raytrain_fast.metrics")

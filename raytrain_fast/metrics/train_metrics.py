@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
-from raytrain_fast.metrics.config import MetricsConfig
+from raytrain_fast.config.metrics import MetricsConfig
 from raytrain_fast.metrics.gc_control import GcControl
 from raytrain_fast.metrics.host import HostSampler
 from raytrain_fast.metrics.peak import mfu

@@ -1,7 +1,8 @@
 """The decoder-only models (GPT, Llama family) and their FLOPs formula."""
 
-from raytrain_fast.model.config import ModelConfig
-from raytrain_fast.model.gpt import GPT, build_model, flops_per_token, model_class
+from raytrain_fast.config.model import ModelConfig
+from raytrain_fast.model.build import build_model, model_class
+from raytrain_fast.model.gpt import GPT, flops_per_token
 from raytrain_fast.model.loss import chunked_cross_entropy
 
 __all__ = ["GPT", "ModelConfig", "build_model", "chunked_cross_entropy", "flops_per_token", "model_class"]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from raytrain_fast.model.config import ModelConfig, kv_heads, llama_mlp_hidden
+from raytrain_fast.config.model import ModelConfig, kv_heads, llama_mlp_hidden
 from raytrain_fast.model.loss import chunked_cross_entropy
 
 CHUNKED_LOSS_MIN_VOCAB = 8192
@@ -179,26 +179,6 @@ class GPT(nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token; see `flops_per_token`."""
         return flops_per_token(self.config, seq_len)
-
-
-def model_class(config: ModelConfig) -> type[GPT]:
-    """The module class of `model.architecture`: GPT or Llama (a GPT subclass)."""
-    if config.architecture == "llama":
-        from raytrain_fast.model.llama import Llama
-
-        return Llama
-    return GPT
-
-
-def build_model(config: ModelConfig, device: torch.device | str | None = None) -> GPT:
-    """The model of `config.architecture` with its weights created and initialised on `device`
-    directly: no fp32 host copy per rank (5.3 GB for a 1.3B model) before moving it. Same init
-    distributions as on the CPU (the values differ: each device has its own random stream)."""
-    cls = model_class(config)
-    if device is None:
-        return cls(config)
-    with torch.device(device):
-        return cls(config)
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:

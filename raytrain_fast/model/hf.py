@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from raytrain_fast.model.config import ModelConfig, kv_heads, llama_mlp_hidden
+from raytrain_fast.config.model import ModelConfig, kv_heads, llama_mlp_hidden
 
 _LLAMA_BLOCK = {  # ours (after blocks.<i>.) -> theirs (after model.layers.<i>.), the unfused ones
     "norm_attn.weight": "input_layernorm.weight",

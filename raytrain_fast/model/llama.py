@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raytrain_fast.model.config import ModelConfig, kv_heads, llama_mlp_hidden
+from raytrain_fast.config.model import ModelConfig, kv_heads, llama_mlp_hidden
 from raytrain_fast.model.gpt import GPT
 
 

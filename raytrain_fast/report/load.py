@@ -243,7 +243,7 @@ def _newest_config(run_uri: str, storage: StorageConfig) -> dict[str, Any] | Non
     """The config.yaml of the newest checkpoint that has one (the loop writes it with every save)."""
     import yaml
 
-    from raytrain_fast.checkpoint.checkpointing import CONFIG_FILE
+    from raytrain_fast.checkpoint.layout import CONFIG_FILE
     from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs
     from raytrain_fast.storage import resolve_filesystem
 

@@ -1,7 +1,7 @@
 """Storage for runs and data: local paths or S3-compatible buckets, built explicitly from config."""
 
 from raytrain_fast.storage.check import check_storage, check_storage_readable, store_corruption_hint
-from raytrain_fast.storage.config import StorageConfig
+from raytrain_fast.config.storage import StorageConfig
 from raytrain_fast.storage.credentials import S3Credentials, resolve_credentials
 from raytrain_fast.storage.errors import StorageError
 from raytrain_fast.storage.filesystem import (

@@ -16,7 +16,7 @@ import uuid
 
 import pyarrow.fs as pafs
 
-from raytrain_fast.storage.config import StorageConfig
+from raytrain_fast.config.storage import StorageConfig
 from raytrain_fast.storage.credentials import S3Credentials, missing_credentials_message, resolve_credentials
 from raytrain_fast.storage.errors import StorageError
 from raytrain_fast.storage.filesystem import (

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from raytrain_fast.storage.config import StorageConfig
+from raytrain_fast.config.storage import StorageConfig
 from raytrain_fast.storage.errors import StorageError
 
 ENV_ACCESS_KEY = "AWS_ACCESS_KEY_ID"

@@ -8,7 +8,7 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from raytrain_fast.storage.config import StorageConfig, uri_problem
+from raytrain_fast.config.storage import StorageConfig, uri_problem
 from raytrain_fast.storage.credentials import S3Credentials, resolve_credentials
 from raytrain_fast.storage.errors import StorageError
 

@@ -17,7 +17,7 @@ import yaml
 
 from raytrain_fast.config import Config
 from raytrain_fast.microbatch import OK, fastest
-from raytrain_fast.model.config import ModelConfig
+from raytrain_fast.config.model import ModelConfig
 from raytrain_fast.storage import redact
 
 ACTIVATION_CHECKPOINTING: tuple[str, ...] = typing.get_args(typing.get_type_hints(ModelConfig)["activation_checkpointing"])

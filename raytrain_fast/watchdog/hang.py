@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from raytrain_fast._ray_compat import TRAIN_COLLECTIVE_FILES
-from raytrain_fast.watchdog.config import AUTO_MAX_S, AUTO_STEPS
+from raytrain_fast.config.watchdog import AUTO_MAX_S, AUTO_STEPS
 
 WATCHED_PHASE = "train"
 """The phase a heartbeat reports while the loop steps; any other (a save) is not watched."""

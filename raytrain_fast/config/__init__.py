@@ -7,24 +7,24 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from importlib import resources
+from importlib import resources as package_files
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from raytrain_fast._dataclass_yaml import from_dict, to_dict
-from raytrain_fast.checkpoint.config import CheckpointConfig, allowed_groups
-from raytrain_fast.data.config import BYTE_VOCAB_SIZE, DataConfig
-from raytrain_fast.engine.config import EngineConfig, OptimConfig, wsd_decay_steps
+from raytrain_fast.config.checkpoint import CheckpointConfig, allowed_groups
+from raytrain_fast.config.data import BYTE_VOCAB_SIZE, DataConfig
+from raytrain_fast.config.engine import EngineConfig, OptimConfig, wsd_decay_steps
 from raytrain_fast.errors import ConfigError
-from raytrain_fast.launch.config import ResourcesConfig
-from raytrain_fast.loop.config import EvalConfig, HealthConfig, TrainConfig
-from raytrain_fast.metrics.config import MetricsConfig, metrics_config_problems
-from raytrain_fast.model.config import ModelConfig
-from raytrain_fast.storage.config import StorageConfig
-from raytrain_fast.storage.config import uri_problem
-from raytrain_fast.watchdog.config import WatchdogConfig, watchdog_config_problems
+from raytrain_fast.config.resources import ResourcesConfig
+from raytrain_fast.config.train import EvalConfig, HealthConfig, TrainConfig
+from raytrain_fast.config.metrics import MetricsConfig, metrics_config_problems
+from raytrain_fast.config.model import ModelConfig
+from raytrain_fast.config.storage import StorageConfig
+from raytrain_fast.config.storage import uri_problem
+from raytrain_fast.config.watchdog import WatchdogConfig, watchdog_config_problems
 
 DEFAULT_PRESET = "tiny"
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -80,7 +80,7 @@ name keeps that name (so it resumes)."""
 
 def presets() -> dict[str, Path]:
     """Shipped presets: name -> YAML file."""
-    folder = resources.files("raytrain_fast") / "configs"
+    folder = package_files.files("raytrain_fast") / "configs"
     return {Path(p.name).stem: Path(str(p)) for p in folder.iterdir() if p.name.endswith(".yaml")}
 
 
