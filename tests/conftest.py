@@ -32,7 +32,25 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+COST_MARKS = ("unit", "ray", "e2e")
+
+
+def one_cost_mark_each(items) -> None:
+    """Leave each test exactly one cost mark, the one closest to it: a file marked `unit` can hold one
+    `ray` test, and `pytest -m unit` skips that test (pytest would otherwise see both marks on it)."""
+    closest = {item: next((m.name for m in item.iter_markers() if m.name in COST_MARKS), None) for item in items}
+    for item, name in closest.items():
+        if name is not None and not any(m.name == name for m in item.own_markers):
+            item.add_marker(name)
+    for item in items:
+        for node in item.listchain()[:-1]:  # the file's and the class's marks now sit on their tests
+            node.own_markers[:] = [m for m in node.own_markers if m.name not in COST_MARKS]
+        item.own_markers[:] = [m for m in item.own_markers if m.name not in COST_MARKS or m.name == closest[item]]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection reads the marks
 def pytest_collection_modifyitems(config, items):
+    one_cost_mark_each(items)
     # Tests marked `quiet` judge a clean run on the machine's own quiet: they run on their own, after
     # the rest, so that no process the suite started a moment ago is still taking a CPU.
     items.sort(key=lambda item: "quiet" in item.keywords)  # stable: the rest keep their order

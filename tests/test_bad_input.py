@@ -18,6 +18,8 @@ from raytrain_fast.cli import main
 from tests.s3_server import free_port
 from tests.shared_ray import without_shared_ray
 
+pytestmark = pytest.mark.ray
+
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "planted-Secret-0123456789abcdef"
 LIMIT_S = 10.0  # "in seconds": generous for a 2-core machine under load; these fail before Ray starts

@@ -8,7 +8,7 @@ import pytest
 from raytrain_fast.bench.checkpoint import measure_checkpoint_blocking, model_for_checkpoint_mb
 from raytrain_fast.storage import StorageConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 def test_model_size_reaches_the_target():

@@ -16,7 +16,7 @@ from raytrain_fast.bench.model import VARIANTS, parse_variants
 from raytrain_fast.cli import build_parser
 from raytrain_fast.errors import ConfigError
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 CHOSEN = ["bare", "engine", "engine_ac"]
 COMMAND = [
@@ -79,6 +79,7 @@ def test_full_activation_checkpointing_cuts_the_memory_above_setup(report):
     assert report["ac_memory_cut"]["eager"]["above_setup_gb_cut"] > 0
 
 
+@pytest.mark.unit
 def test_a_bad_variant_name_names_the_valid_ones(capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["bench", "model", "--variants", "bare,engine_fast"])

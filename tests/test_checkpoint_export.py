@@ -21,6 +21,8 @@ from raytrain_fast.model import GPT, ModelConfig
 from raytrain_fast.storage import StorageConfig, redact, resolve_filesystem
 from tests.s3_server import free_port
 
+pytestmark = pytest.mark.ray
+
 # fp32 end to end and the same weights: the only difference allowed is float reassociation.
 ATOL, RTOL = 1e-6, 1e-5
 MODEL = ModelConfig(vocab_size=64, max_seq_len=16, num_layers=2, num_heads=2, d_model=32, tie_embeddings=True)

@@ -21,7 +21,7 @@ from raytrain_fast.checkpoint.manifest import RankManifest, file_rank
 from raytrain_fast.config import load_config
 from raytrain_fast.launch.trainer import run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 MARGIN_BYTES = 0  # the counter counts exactly the files a rank fetched: no slack is needed
 

@@ -22,6 +22,8 @@ from raytrain_fast.checkpoint.manifest import (
 from raytrain_fast.checkpoint.runs import format_runs_table, list_runs
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
 
+pytestmark = pytest.mark.unit
+
 WORLD_SIZE = 2
 
 

@@ -17,6 +17,8 @@ import jsonschema
 import pytest
 import yaml
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_YAML = ROOT / "cluster.yaml"
 

@@ -9,6 +9,8 @@ import pytest
 from raytrain_fast.config import Config, load_config, presets, validate
 from raytrain_fast.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 
 def write(tmp_path, text: str):
     path = tmp_path / "run.yaml"

@@ -9,6 +9,8 @@ import json
 
 from raytrain_fast.cli import main
 
+pytestmark = pytest.mark.unit
+
 
 def test_prepare_data_does_not_call_a_used_jsonl_file_skipped(tmp_path, capsys):
     good = [json.dumps({"text": f"document number {i} " * 8}) for i in range(4)]
@@ -32,6 +34,7 @@ def test_prepare_data_over_other_data_names_the_flag_not_the_python_argument(tmp
     assert "--overwrite" in err and "overwrite=True" not in err, err
 
 
+@pytest.mark.ray
 def test_ray_data_execution_summary_stays_off_the_console(ray_session, capfd):
     import ray.data
 

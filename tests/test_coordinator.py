@@ -13,6 +13,8 @@ import pytest
 from raytrain_fast.coordinator import Coordinator, CoordinatorError, model_fingerprint, start_coordinator
 from raytrain_fast.metrics.peak import device_key, measure_matmul_peak
 
+pytestmark = pytest.mark.ray
+
 
 def _worker_round(ray, *, run_name: str, ranks: list[int], log_path: str, fingerprint: str = "tiny-128", fresh: bool = False):
     """One worker group: every rank asks for FLOPs per token and the CPU fp32 peak. With `fresh`, each

@@ -11,6 +11,8 @@ from raytrain_fast.data import BatchIterator, DataPosition, check_manifest_match
 from raytrain_fast.data.ingest import SHUFFLE_WINDOW_SHARDS, EpochOrder, rank_stream, shard_order, usable_rows
 from raytrain_fast.errors import DataError
 
+pytestmark = pytest.mark.ray
+
 SEQ_LEN = 8
 MICRO_BATCH = 4
 NUM_SEQUENCES = 64  # 4 files x (143 bytes + EOD) = 576 tokens = 64 rows of 9

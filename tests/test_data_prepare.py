@@ -17,6 +17,8 @@ from raytrain_fast.data.prepare import is_validation_document
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
 
+pytestmark = pytest.mark.ray
+
 TEXTS = {
     "a.txt": "def hello():\n    return 'héllo wörld'\n",
     "b.md": "# Title\n\nSome prose with an emoji \N{SNAKE} and tabs\tinside.\n" * 3,

@@ -17,6 +17,8 @@ from raytrain_fast.cli import build_parser, main
 from raytrain_fast.config import presets, reference_markdown, resolve_config_path
 from raytrain_fast.metrics.names import METRICS
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

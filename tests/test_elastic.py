@@ -21,6 +21,8 @@ from raytrain_fast.config import Config, validate
 from raytrain_fast.errors import ConfigError
 from tests.shared_ray import without_shared_ray
 
+pytestmark = pytest.mark.unit
+
 RAY = str(Path(sys.executable).with_name("ray"))
 
 MICRO = [
@@ -234,6 +236,7 @@ def _checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name.removeprefix("checkpoint_")) for p in run_dir.glob("checkpoint_0*") if (p / "train_state.json").exists())
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_drained_node_yields_a_checkpoint_at_the_next_log_step_and_the_run_recovers(cluster, tmp_path):
     node_a = _add_node(cluster, num_cpus=1)
@@ -285,6 +288,7 @@ for actor in actors().values():
 """
 
 
+@pytest.mark.e2e
 def test_the_coordinator_lives_on_the_drivers_node_even_when_it_has_no_cpus(cluster):
     """A head started with --num-cpus=0 is the usual production layout. A soft pin spilled about one
     coordinator in four onto a worker node, and the run then died with that node (an elastic shrink
@@ -319,6 +323,7 @@ print("job", ray.get(resolved.remote()))
 """
 
 
+@pytest.mark.e2e
 def test_every_process_of_the_job_resolves_the_cluster_the_run_joined_when_another_is_newer(cluster):
     """Two Ray instances on one machine: the run joins the first (RAY_ADDRESS); a second, started
     later, is the one /tmp/ray/ray_current_cluster names. A process of the job that looks a cluster up
@@ -337,6 +342,7 @@ def test_every_process_of_the_job_resolves_the_cluster_the_run_joined_when_anoth
     assert seen == {"driver": cluster.address, "job": cluster.address}, (seen, newer.address)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_an_elastic_run_goes_on_with_one_worker_when_a_node_goes_and_grows_back(cluster, tmp_path):
     _add_node(cluster, num_cpus=1)

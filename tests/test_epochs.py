@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from raytrain_fast.data.corpus import MANY_EPOCHS, repetition_warning
 from raytrain_fast.report import diagnose, from_records
 from tests.test_report import CONFIG, records
+
+pytestmark = pytest.mark.unit
 
 
 def test_epochs_come_from_the_data_position():

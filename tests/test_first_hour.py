@@ -17,6 +17,8 @@ from raytrain_fast.config import load_config, presets, validate
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.storage import StorageConfig
 
+pytestmark = pytest.mark.unit
+
 
 def _problems(config_name: str, overrides: list[str]) -> str:
     with pytest.raises(ConfigError) as caught:

@@ -20,7 +20,7 @@ import pytest
 
 from tests.test_docs import COMMANDS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 MICRO = [
     "model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.max_seq_len=32", "data.seq_len=32",

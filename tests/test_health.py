@@ -26,7 +26,7 @@ from raytrain_fast.metrics.sinks import read_metrics
 from raytrain_fast.report import diagnose, load_run
 from tests.test_train import micro_config as train_micro_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 def micro_config(tmp_path: Path, name: str, *extra: str):

@@ -20,7 +20,7 @@ from raytrain_fast.launch.trainer import run
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 STEPS = 4
 HF_NAMES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}

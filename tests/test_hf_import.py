@@ -19,6 +19,8 @@ from raytrain_fast.launch.trainer import check_before_ray
 from raytrain_fast.model import build_model
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
 
+pytestmark = pytest.mark.unit
+
 transformers = pytest.importorskip("transformers")
 
 RUN_MODEL = ["model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2", "model.mlp_hidden=160",

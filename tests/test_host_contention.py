@@ -14,6 +14,8 @@ from raytrain_fast.loop.hooks import LoopHooks
 from raytrain_fast.report import make_report
 from raytrain_fast.report.load import load_run
 
+pytestmark = pytest.mark.ray
+
 CORES = os.cpu_count() or 2
 # Busy processes after step 35 until step 50 (windows 40, 45, 50): three per core, so training's one
 # thread gets a fair share of 2/7 of a core on 2 cores, a 3.5x slowdown, above the stall factor 2.5.
@@ -96,6 +98,7 @@ def test_report_names_the_stall_the_contention_and_the_memory_pressure(contended
     assert "step_time.png" in {p.rsplit("/", 1)[-1] for p in report.pngs}
 
 
+@pytest.mark.unit
 def test_a_worker_started_at_niceness_15_lowers_every_thread_to_0():
     """What a Ray worker started with Ray's default niceness does at setup (the suite's own Ray
     starts workers at 0, see conftest): every thread, those started before the call included."""

@@ -13,11 +13,15 @@ import multiprocessing
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from raytrain_fast.checkpoint import list_runs
 from raytrain_fast.config import load_config
 from raytrain_fast.launch.trainer import prepare_training_data, resolve_resources
 from raytrain_fast.storage import StorageConfig
 from tests.s3_server import free_port
+
+pytestmark = pytest.mark.ray
 
 READS = ("item", "tolist", "cpu", "__float__", "__int__", "__bool__")
 

@@ -8,7 +8,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from raytrain_fast.metrics.host import compute_thread_wait
+
+pytestmark = pytest.mark.unit
 
 _PLANTED = r"""
 import hashlib, json, os, subprocess, sys, threading, time

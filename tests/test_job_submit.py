@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from tests.s3_server import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).parent / "ray")

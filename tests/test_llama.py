@@ -20,6 +20,8 @@ from raytrain_fast.config.model import llama_mlp_hidden
 from raytrain_fast.model.flops import count_training_flops_per_token
 from raytrain_fast.model.llama import Llama
 
+pytestmark = pytest.mark.unit
+
 transformers = pytest.importorskip("transformers")
 
 LLAMA = ModelConfig(

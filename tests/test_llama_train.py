@@ -12,7 +12,7 @@ from raytrain_fast.launch.trainer import run
 from raytrain_fast.loop.hooks import LoopHooks
 from tests.test_train import by_step, micro_config, recorded_sequences
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 LLAMA = ("model.architecture=llama", "model.num_kv_heads=1", "model.vocab_size=320", "train.steps=20")
 

@@ -16,7 +16,7 @@ from raytrain_fast.config import load_config
 from raytrain_fast.launch.trainer import run
 from raytrain_fast.metrics.sinks import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 LR = 0.01
 

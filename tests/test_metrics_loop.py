@@ -18,6 +18,8 @@ from raytrain_fast.metrics.gc_control import GcControl
 from raytrain_fast.metrics.names import METRICS
 from tests.s3_server import free_port
 
+pytestmark = pytest.mark.unit
+
 
 def is_documented(name: str) -> bool:
     """A metric the README's table (generated from METRICS) explains."""
@@ -224,6 +226,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_path: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.ray
 def test_two_ranks_drain_with_one_collective(tmp_path):
     out_path = str(tmp_path / "rank0.json")
     port = free_port()

@@ -21,6 +21,8 @@ from raytrain_fast.bench.overhead import (
     raytrain_fast_loop,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def micro_setup(corpus_dir, **changes) -> OverheadSetup:
     """A model of 39k parameters: steps of milliseconds, so the test time is Ray's start-ups."""
@@ -118,6 +120,7 @@ def test_memory_batches_replace_the_data_and_close_its_pipeline():
     assert tuple(tokens.shape) == (4, 9) and tuple(seq_ids.shape) == (4,) and int(tokens.max()) < 257
 
 
+@pytest.mark.ray
 def test_every_variant_is_timed_the_same_way(ray_session, corpus_dir, tmp_path):
     setup = micro_setup(corpus_dir)
     report = overhead_report(setup=setup, repeats=1, storage_dir=str(tmp_path / "runs"))
@@ -149,6 +152,7 @@ def test_every_variant_is_timed_the_same_way(ray_session, corpus_dir, tmp_path):
     assert runs["typical_ray_train"]["seconds"] >= 0.8 * setup.steps * poll
 
 
+@pytest.mark.ray
 def test_our_loop_at_ray_default_poll_interval_reports_far_less_than_once_per_step(
     ray_session, corpus_dir, tmp_path, monkeypatch
 ):

@@ -11,6 +11,8 @@ import torch
 from raytrain_fast.metrics import MetricsConfig, datasheet_peak_flops, device_key, device_name, measure_matmul_peak, mfu
 from raytrain_fast.config.metrics import metrics_config_problems
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("name", "bf16_tflops", "fp32_tflops"),

@@ -13,6 +13,8 @@ from raytrain_fast.metrics import JsonlSink, MetricsConfig, SinkWriter, TensorBo
 from raytrain_fast.metrics.sinks import resolve_wandb_mode, wandb_run_id
 from raytrain_fast.storage import StorageConfig
 
+pytestmark = pytest.mark.unit
+
 
 class _BlockingSink:
     def __init__(self) -> None:

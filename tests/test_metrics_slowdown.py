@@ -9,6 +9,8 @@ import pytest
 from raytrain_fast.metrics import MetricsConfig, SlowdownDetector, TrainMetrics, Window
 from raytrain_fast.metrics.slowdown import StallDetector, largest_cause
 
+pytestmark = pytest.mark.unit
+
 
 def _feed(detector: SlowdownDetector, windows: list[Window]):
     return [detector.update(w) for w in windows]

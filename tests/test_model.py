@@ -8,6 +8,8 @@ import torch
 from raytrain_fast.model import GPT, ModelConfig, flops_per_token
 from raytrain_fast.model.flops import count_training_flops_per_token
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("positions", ["learned", "rotary"])
 def test_flops_formula_matches_flop_counter_within_5_percent(positions):

@@ -20,6 +20,8 @@ from raytrain_fast.report.diagnose import (
     STRAGGLER_SHARE,
 )
 
+pytestmark = pytest.mark.unit
+
 PNGS = {"loss.png", "throughput.png", "mfu.png", "data_wait.png", "step_time.png", "checkpoint.png", "memory.png"}
 
 
@@ -418,6 +420,7 @@ def _excess(key: str, value: float) -> float:
     return value - 1.0 if key == "slowdown" else value
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_clean_run_report_has_the_plots_and_no_finding_noise_cannot_explain(real_runs, tmp_path, capsys):
     """The clean run has none of the findings noise cannot cause (sink drops, checkpoint stalls,
@@ -459,6 +462,7 @@ def test_clean_run_report_has_the_plots_and_no_finding_noise_cannot_explain(real
     assert ("No problems found" in html) == (not found)
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.quiet
 def test_clean_run_has_no_stall_or_host_contention(real_runs, tmp_path):
@@ -469,6 +473,7 @@ def test_clean_run_has_no_stall_or_host_contention(real_runs, tmp_path):
     assert "host contention" not in " ".join(clean.diagnosis.skipped)  # it was checked: the run has host/cpu_wait_frac
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_planted_problems_are_each_named_with_their_numbers(real_runs, tmp_path):
     report = make_report(str(real_runs), "planted", out_dir=str(tmp_path / "planted-report"))
@@ -488,6 +493,7 @@ def test_planted_problems_are_each_named_with_their_numbers(real_runs, tmp_path)
     assert {Path(p).name for p in report.pngs} == PNGS
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_overfitting_is_named_on_a_planted_run(ray_session, tmp_path):
     """Planted: ~30 sequences repeated for ~25 epochs. The tiny model memorises them: train/loss

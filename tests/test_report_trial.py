@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from raytrain_fast.report import diagnose, from_records, load_run, report_for
 from raytrain_fast.report.plots import draw_plots
 from tests.test_report import CONFIG, records
+
+pytestmark = pytest.mark.unit
 
 
 def _underused(i, r):

@@ -10,6 +10,8 @@ from raytrain_fast.checkpoint.manifest import _step_from_name
 from raytrain_fast.checkpoint.resize import fit_batch, saved_global_batch, universal_cache_path, worker_counts_that_fit
 from raytrain_fast.errors import CheckpointError
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_global_batch_is_kept_by_grad_accum_or_a_smaller_micro_batch():
     fit = lambda workers, micro_batch=4: fit_batch(  # noqa: E731

@@ -15,7 +15,7 @@ from raytrain_fast.launch.trainer import run
 from raytrain_fast.loop.hooks import LoopHooks
 from raytrain_fast.metrics.sinks import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 STEPS, EVERY = 24, 8
 

@@ -13,6 +13,8 @@ from raytrain_fast.storage import StorageConfig, StorageError, check_storage
 from tests.s3_mangling_proxy import ChunkManglingProxy
 from tests.s3_server import SECRET_KEY
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def proxy(aws_env):
@@ -57,6 +59,7 @@ def test_a_manifest_corrupted_by_the_store_says_so(s3_server, proxy, tmp_path):
     assert "storage.request_checksums=when_required" in message
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_train_resume_runs_and_export_work_with_plain_bodies(ray_session, s3_server, proxy, tmp_path, capsys):
     """One worker, 4 then 6 steps through the framing-keeping store with request_checksums=auto."""

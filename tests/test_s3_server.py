@@ -1,3 +1,8 @@
+import pytest
+
+pytestmark = pytest.mark.unit
+
+
 def test_loopback_s3_server_round_trip(s3_server):
     bucket = s3_server.make_bucket("roundtrip")
     client = s3_server.client()

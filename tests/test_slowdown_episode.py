@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from raytrain_fast.metrics.slowdown import SlowdownDetector, Window
+
+pytestmark = pytest.mark.unit
 
 
 def _feed(detector: SlowdownDetector, seconds: list[float], first_step: int = 1):

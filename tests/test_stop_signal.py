@@ -17,7 +17,7 @@ import pytest
 from raytrain_fast.checkpoint import list_runs
 from raytrain_fast.storage import StorageConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 MICRO = [
     "model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.max_seq_len=32",

@@ -12,6 +12,8 @@ import pytest
 from raytrain_fast.storage import StorageConfig, StorageError, check_storage, redact
 from tests.s3_server import ACCESS_KEY, S3Server, SECRET_KEY, free_port
 
+pytestmark = pytest.mark.unit
+
 FAST_S = 5.0  # "fails in seconds"
 
 

@@ -16,6 +16,8 @@ from raytrain_fast.sweep import SweepSpec, max_concurrent_trials, plan, run_swee
 from raytrain_fast.sweep.results import SweepRow, format_table, pick_best, row_from_reports
 from raytrain_fast.sweep.trial import MemoryBudgetExceeded, failure_reason
 
+pytestmark = pytest.mark.unit
+
 
 def _config(tmp_path: Path, *extra: str, name: str = "sw"):
     return load_config(
@@ -94,6 +96,7 @@ def test_rows_table_and_reasons():
     assert failure_reason(chained).startswith("over memory budget: peak memory 1.20 GB")
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_a_trial_error_through_ray_gets_the_shared_reason(ray_session):
     import os
@@ -136,6 +139,7 @@ def test_a_trial_error_through_ray_gets_the_shared_reason(ray_session):
     assert _error_reason(raised(broken)) == "ValueError: no such tokenizer"
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_cpu_sweep_table_statuses_files_and_best_config_trains(ray_session, tmp_path, capfd):
     from raytrain_fast.launch.trainer import run
@@ -178,6 +182,7 @@ def test_cpu_sweep_table_statuses_files_and_best_config_trains(ray_session, tmp_
     assert trained.metrics["step"] == 3 and trained.metrics["tokens"] == 3 * 8 * 1024
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_sweep_over_activation_checkpointing_tries_each_micro_batch_with_each_value(ray_session, tmp_path):
     config = _config(tmp_path, "train.global_batch=2", "model.max_seq_len=256", "data.seq_len=256", name="ac")

@@ -6,10 +6,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pyarrow.fs as pafs
+import pytest
 from ray.tune.schedulers import TrialScheduler
 
 from raytrain_fast.sweep.runner import replace_previous_results
 from raytrain_fast.sweep.stopping import NOISE_MARGIN, NoiseAwareStopper, grace_windows
+
+pytestmark = pytest.mark.unit
 
 
 def _feed(stopper, trial_id: str, values: list[float]) -> list[str]:

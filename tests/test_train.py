@@ -12,7 +12,7 @@ from raytrain_fast.config import load_config
 from raytrain_fast.launch.trainer import run
 from raytrain_fast.loop.hooks import LoopHooks
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 def micro_config(tmp_path: Path, name: str, *extra: str):

@@ -19,6 +19,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("tokenizers")
 
 from raytrain_fast.cli import main  # noqa: E402

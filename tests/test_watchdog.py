@@ -12,6 +12,8 @@ from raytrain_fast.config import load_config
 from raytrain_fast.config.watchdog import WatchdogConfig
 from raytrain_fast.watchdog.hang import HangWatch, RankStack, parse_py_spy, stuck_ranks, top_frame, training_thread
 
+pytestmark = pytest.mark.unit
+
 _WAITING = """Thread 10 (idle): "TrainingThread(train_fn)"
     all_reduce (torch/distributed/distributed_c10d.py:3252)
     TorchBackend.all_reduce (deepspeed/comm/torch.py:290)
@@ -157,6 +159,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.ray
 def test_process_groups_made_later_time_out_with_the_watchdog(tmp_path):
     import subprocess
     import sys
@@ -211,6 +214,7 @@ def test_the_sleeping_hang_drill_freezes_its_step_once(tmp_path):
 HANG_TIMEOUT_S = 10
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_a_frozen_worker_is_named_with_its_stack_and_the_run_resumes(ray_session, tmp_path, capfd):
     from raytrain_fast.launch.trainer import run
