@@ -30,7 +30,7 @@ def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmu
                  precision: str = "auto", threads: int = 0, ops_calls: int = 5000, verbose: bool = True) -> dict[str, Any]:
     import torch
 
-    from raytrain_fast.bench.overhead import OverheadSetup, _build, _set_threads
+    from raytrain_fast.bench.overhead import OverheadSetup, build_bare, set_threads
     from raytrain_fast.engine import training_device
     from raytrain_fast.engine.deepspeed_compat import skip_nonfinite_update
     from raytrain_fast.metrics.train_metrics import TrainMetrics
@@ -41,8 +41,8 @@ def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmu
                           f"--ops-calls {ops_calls}")
     setup = OverheadSetup.for_size(size, precision=precision, threads=threads).resolved()
     device = training_device()
-    _set_threads(setup, device)
-    model, optimizer, batches, autocast = _build(setup, device)
+    set_threads(setup, device)
+    model, optimizer, batches, autocast = build_bare(setup, device)
     sums = SimpleNamespace(_grad_norm_acc=torch.zeros((), device=device), _num_grad_norms=0)
     loss_sum = torch.zeros((), device=device)
 
@@ -101,7 +101,7 @@ def _report(*, size: str, setup: Any, device: Any, optimizer: Any, per_step: dic
             orders: list[list[str]], steps: int, rounds: int, ops: dict[str, float]) -> dict[str, Any]:
     import torch
 
-    from raytrain_fast.metrics.peak import _cpu_model_name
+    from raytrain_fast.metrics.peak import cpu_model_name
 
     without, with_checks = statistics.median(per_step["without"]), statistics.median(per_step["with"])
     return {
@@ -111,7 +111,7 @@ def _report(*, size: str, setup: Any, device: Any, optimizer: Any, per_step: dic
         "model": size, "d_model": setup.d_model, "layers": setup.num_layers, "micro_batch": setup.micro_batch,
         "seq_len": setup.seq_len, "precision": setup.precision, "threads": torch.get_num_threads(),
         "fused_adamw": bool(optimizer.defaults.get("fused")), "device": str(device),
-        "cpu": _cpu_model_name(), "cpu_cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+        "cpu": cpu_model_name(), "cpu_cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
         "steps_per_round": steps, "rounds": rounds, "order": orders,
         "step_ms_without": without * 1e3, "step_ms_with": with_checks * 1e3,
         "ratio_with_over_without": statistics.median(ratios),

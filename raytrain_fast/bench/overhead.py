@@ -193,7 +193,7 @@ def _measurement(setup: OverheadSetup, *, seconds: float, precision: str, thread
 
 # --- the bare loops ---------------------------------------------------------------------------------
 
-def _set_threads(setup: OverheadSetup, device: Any) -> None:
+def set_threads(setup: OverheadSetup, device: Any) -> None:
     import torch
 
     if device.type == "cpu":
@@ -208,7 +208,7 @@ def _batches(setup: OverheadSetup, device: Any):
     return torch.randint(0, 257, (8, setup.micro_batch, setup.seq_len + 1), generator=generator).to(device)
 
 
-def _build(setup: OverheadSetup, device: Any):
+def build_bare(setup: OverheadSetup, device: Any):
     """Model (the run's model config), AdamW, in-memory batches and the autocast context."""
     import torch
 
@@ -253,8 +253,8 @@ def bare(setup: OverheadSetup) -> dict[str, Any]:
 
     setup = setup.resolved()
     device = training_device()
-    _set_threads(setup, device)
-    model, optimizer, batches, autocast = _build(setup, device)
+    set_threads(setup, device)
+    model, optimizer, batches, autocast = build_bare(setup, device)
 
     def step(i: int) -> torch.Tensor:
         tokens = batches[i % batches.shape[0]]
@@ -276,16 +276,16 @@ def bare_deepspeed(setup: OverheadSetup) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from raytrain_fast.autobatch import _single_process_group
+    from raytrain_fast.engine.process_group import single_process_group
     from raytrain_fast.engine import build_engine, select_accelerator, training_device
     from raytrain_fast.model import build_model
 
     setup = setup.resolved()
     select_accelerator()
     device = training_device()
-    _set_threads(setup, device)
+    set_threads(setup, device)
     config = run_config(setup)
-    _single_process_group("nccl" if device.type == "cuda" else "gloo")
+    single_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         torch.manual_seed(setup.seed)
         model = build_model(config.model, device)
@@ -352,8 +352,8 @@ def _typical(setup: OverheadSetup, *, report: bool, wandb_dir: str) -> dict[str,
     from raytrain_fast.engine import training_device
 
     device = training_device()
-    _set_threads(setup, device)  # as in `bare`: the comparison is about the loop, not Ray's OMP_NUM_THREADS=1
-    model, optimizer, batches, autocast = _build(setup, device)
+    set_threads(setup, device)  # as in `bare`: the comparison is about the loop, not Ray's OMP_NUM_THREADS=1
+    model, optimizer, batches, autocast = build_bare(setup, device)
     model = prepare_model(model)
     run = wandb.init(project="raytrain-fast-bench", mode="offline", dir=wandb_dir, reinit="create_new")
     flops_per_step = 0.0

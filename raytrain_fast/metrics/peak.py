@@ -125,7 +125,7 @@ def matmul_dtype(precision: str) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _cpu_model_name() -> str:
+def cpu_model_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
             for line in cpuinfo:
@@ -143,7 +143,7 @@ def device_name(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{device.type}:{_cpu_model_name()}"
+    return f"{device.type}:{cpu_model_name()}"
 
 
 def device_key(device: torch.device | str) -> str:
