@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_fast.autobatch import Probe, candidate_micro_batches, search
+from raytrain_fast.microbatch.auto import Probe, candidate_micro_batches, search
 from raytrain_fast.config import load_config, validate
 from raytrain_fast.errors import ConfigError, RaytrainFastError
 from raytrain_fast.microbatch import (
@@ -22,9 +22,11 @@ from raytrain_fast.microbatch import (
     classify_error,
     classify_peak,
     fastest,
-    peak_memory_gb,
     plan_candidates,
 )
+from raytrain_fast.metrics.memory import peak_memory_gb
+
+pytestmark = pytest.mark.unit
 
 
 def _config(tmp_path: Path, *extra: str, name: str = "auto"):
@@ -188,7 +190,7 @@ def test_search_stops_at_the_first_that_does_not_fit_and_takes_the_fastest(tmp_p
 
 
 def test_search_turns_activation_checkpointing_on_only_when_nothing_fits_without_it(tmp_path):
-    from raytrain_fast.autobatch import cache_key, resolve_micro_batch
+    from raytrain_fast.microbatch.auto import cache_key, resolve_micro_batch
 
     # Peaks (GB) by (micro_batch, activation checkpointing); the decision under test, not the numbers
     # (test_auto_turns_activation_checkpointing_on_under_a_budget_only_it_meets measures real ones).
@@ -256,11 +258,12 @@ def test_auto_is_validated_before_anything_runs(tmp_path):
         no_budget.grad_accum()
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_auto_under_a_small_budget_fits_keeps_the_global_batch_and_is_cached(ray_session, tmp_path, capfd):
     import dataclasses
 
-    from raytrain_fast.autobatch import resolve_micro_batch
+    from raytrain_fast.microbatch.auto import resolve_micro_batch
     from raytrain_fast.launch.trainer import resolve_resources, run
     from raytrain_fast.metrics import read_metrics
 
@@ -298,9 +301,10 @@ def test_auto_under_a_small_budget_fits_keeps_the_global_batch_and_is_cached(ray
         resolve_micro_batch(resolve_resources(other), probe=_must_not_probe)
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_auto_turns_activation_checkpointing_on_under_a_budget_only_it_meets(ray_session, tmp_path, capfd):
-    from raytrain_fast.autobatch import resolve_micro_batch
+    from raytrain_fast.microbatch.auto import resolve_micro_batch
     from raytrain_fast.launch.trainer import resolve_resources
 
     # One sequence of 4096 tokens through 12 blocks with a 32x-wide MLP: activations are most of the

@@ -9,6 +9,8 @@ import torch
 
 from raytrain_fast.engine import EngineConfig, OptimConfig, build_deepspeed_config, lr_lambda, resolve_precision
 
+pytestmark = pytest.mark.unit
+
 
 def build(world_size: int = 2, **engine_fields):
     return build_deepspeed_config(
@@ -256,12 +258,12 @@ def test_constant_schedule_warms_up_then_holds_the_peak():
 
 _ONE_RANK_CPU_ENGINE = r"""
 import torch
-from raytrain_fast.autobatch import _single_process_group
+from raytrain_fast.engine.process_group import single_process_group
 from raytrain_fast.engine import EngineConfig, OptimConfig, build_engine, select_accelerator
 from raytrain_fast.model import ModelConfig, build_model
 
 select_accelerator()
-_single_process_group("gloo")
+single_process_group("gloo")
 """
 """The common start of the subprocess scripts below: DeepSpeed on CPU in a one-rank gloo group."""
 
@@ -289,6 +291,7 @@ for group in range(len(optimizer.bit16_groups)):
 """ + _END
 
 
+@pytest.mark.ray
 def test_the_grad_norm_without_fp64_copies_matches_deepspeeds_on_a_bf16_engine():
     import os
     import subprocess
@@ -336,6 +339,7 @@ for precision in ("bf16", "fp32"):
 """ + _END
 
 
+@pytest.mark.ray
 def test_the_kept_gradient_buffer_and_the_skipped_one_rank_reduction_change_no_bit_of_training():
     """On CPU our engine keeps the fp32 gradient partition between steps and skips DeepSpeed's
     all-reduce over one rank (both for the page faults of fresh buffers): three optimizer steps of

@@ -20,8 +20,10 @@ from raytrain_fast.config import load_config
 from raytrain_fast.engine.compile import compile_blocks, resolve_compile
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.launch.trainer import keep_checkpoint_precision
-from raytrain_fast.microbatch import peak_memory_gb, reset_peak_memory
+from raytrain_fast.metrics.memory import peak_memory_gb, reset_peak_memory
 from raytrain_fast.model import GPT, ModelConfig, build_model, chunked_cross_entropy
+
+pytestmark = pytest.mark.unit
 
 SMALL = ModelConfig(vocab_size=96, max_seq_len=32, num_layers=3, num_heads=2, d_model=32, positions="rotary")
 

@@ -10,7 +10,7 @@ Variants (`VARIANTS`), all on the same model (`model.build_model` of the preset,
   `optim.grad_clip`, `zero_grad(set_to_none=True)`. The ceiling.
 - `engine`, `engine_ac`, `engine_compiled`, `engine_compiled_ac`: `engine.build_engine` (DeepSpeed
   ZeRO at the preset's stage, world size 1, grad_accum 1) on a one-rank process group, as
-  `micro_batch: auto`'s probes build it (`autobatch._single_process_group`); `_ac` = activation
+  `micro_batch: auto`'s probes build it (`engine.process_group.single_process_group`); `_ac` = activation
   checkpointing `full`, `_compiled` = `engine.compile.compile_blocks(setting="on")` before the engine
   is built, as the training loop does.
 
@@ -26,11 +26,11 @@ compilation included (time/compile_s's convention), compiled into a new, empty i
 `setup_s` holds compile_blocks' check that the compiler works. `cpu_share` (CPU time over wall time x
 threads) and the load average show whether other processes took the CPUs during the timed rounds.
 
-Memory (`microbatch.peak_memory_gb`, the training metric's statistic: CUDA max_memory_reserved, else
+Memory (`metrics.memory.peak_memory_gb`, the training metric's statistic: CUDA max_memory_reserved, else
 the process's peak RSS):
 
 - `built_gb`: right after the model and engine (or optimizer) are built; the peak is reset there
-  (`microbatch.reset_peak_memory`);
+  (`metrics.memory.reset_peak_memory`);
 - `warmup_peak_gb`: the peak over the warm-up steps (optimizer state allocated on the first step, as
   torch's AdamW does it lazily under DeepSpeed too; the compiler's own memory in a compiled variant);
 - `setup_gb`: the memory in use once warm-up is done: weights, optimizer state, buffers, compiled code:
@@ -159,9 +159,9 @@ def _current_memory_gb(device: Any) -> float:
 
     if device.type == "cuda":
         return torch.cuda.memory_reserved(device) / _GB
-    from raytrain_fast.metrics.train_metrics import _host_memory_gb
+    from raytrain_fast.metrics.memory import host_memory_gb
 
-    return _host_memory_gb()[1]
+    return host_memory_gb()[1]
 
 
 class _Variant:
@@ -172,7 +172,7 @@ class _Variant:
 
         from raytrain_fast.config import Config
         from raytrain_fast.engine import enable_tf32, select_accelerator, training_device
-        from raytrain_fast.microbatch import reset_peak_memory
+        from raytrain_fast.metrics.memory import reset_peak_memory
 
         started = time.perf_counter()
         self.name = job["name"]
@@ -208,9 +208,9 @@ class _Variant:
         if name in _COMPILED:  # before DeepSpeed wraps the model, as the training loop does
             self.compiled, self.compile_note = compile_blocks(model, setting="on", device=self.device)
         if name in _ENGINE:
-            from raytrain_fast.autobatch import _single_process_group
+            from raytrain_fast.engine.process_group import single_process_group
 
-            _single_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            single_process_group("nccl" if self.device.type == "cuda" else "gloo")
             engine_config = dataclasses.replace(config.engine, precision=self.precision)
             self.engine = build_engine(
                 model, engine=engine_config, optim=config.optim, micro_batch=self.micro_batch, grad_accum=1,
@@ -261,7 +261,7 @@ class _Variant:
     def warmup(self, count: int) -> dict[str, Any]:
         """`count` untimed steps, each on the host clock (the first: compilation included), then the
         peak starts over: the timed steps' peak is training's steady one."""
-        from raytrain_fast.microbatch import peak_memory_gb, reset_peak_memory
+        from raytrain_fast.metrics.memory import peak_memory_gb, reset_peak_memory
 
         step_s = []
         for _ in range(count):
@@ -286,7 +286,7 @@ class _Variant:
         return {"steps": count, "elapsed_s": elapsed, "cpu_s": cpu_s, "loss": float(loss.detach().float())}
 
     def memory(self) -> dict[str, Any]:
-        from raytrain_fast.microbatch import peak_memory_gb
+        from raytrain_fast.metrics.memory import peak_memory_gb
 
         return {"peak_gb": peak_memory_gb(self.device)}
 

@@ -276,7 +276,7 @@ def bare_deepspeed(setup: OverheadSetup) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from raytrain_fast.autobatch import _single_process_group
+    from raytrain_fast.engine.process_group import single_process_group
     from raytrain_fast.engine import build_engine, select_accelerator, training_device
     from raytrain_fast.model import build_model
 
@@ -285,7 +285,7 @@ def bare_deepspeed(setup: OverheadSetup) -> dict[str, Any]:
     device = training_device()
     set_threads(setup, device)
     config = run_config(setup)
-    _single_process_group("nccl" if device.type == "cuda" else "gloo")
+    single_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         torch.manual_seed(setup.seed)
         model = build_model(config.model, device)

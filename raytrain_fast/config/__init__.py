@@ -68,7 +68,7 @@ class Config:
         if self.train.grad_accum is not None:
             return self.train.grad_accum
         if self.train.micro_batch == "auto":
-            raise ValueError("train.micro_batch=auto must be resolved first (raytrain_fast.autobatch.resolve_micro_batch)")
+            raise ValueError("train.micro_batch=auto must be resolved first (raytrain_fast.microbatch.auto.resolve_micro_batch)")
         per_step = self.train.micro_batch * self.resources.num_workers
         return max(1, self.train.global_batch // per_step)
 

@@ -539,7 +539,7 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
         return _nothing_to_do(config, resume_state)  # decided from storage: no Ray, no workers
     config = resolve_resources(config, create_bucket=create_bucket, checked=True, announce_precision=resume_state is None)
     if config.train.micro_batch == "auto":
-        from raytrain_fast.autobatch import resolve_micro_batch
+        from raytrain_fast.microbatch.auto import resolve_micro_batch
 
         config = resolve_micro_batch(config)  # measured in fresh processes (or cached), before any worker starts
     run_dir = f"{config.storage.uri.rstrip('/')}/{config.name}"

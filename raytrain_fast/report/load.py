@@ -178,7 +178,7 @@ def _auto_micro_batch(storage_uri: str, storage: StorageConfig, config: dict[str
 
     import pyarrow.fs as pafs
 
-    from raytrain_fast.autobatch import CACHE_DIR
+    from raytrain_fast.microbatch.auto import CACHE_DIR
     from raytrain_fast.storage import resolve_filesystem
 
     if not config:

@@ -56,7 +56,7 @@ def trial_run_name(prefix: str, *, micro_batch: int, activation_checkpointing: s
 
 def failure_reason(error: BaseException) -> str:
     """One line saying why a trial's training run failed: out of memory, over budget, or the error
-    (the classification autobatch uses too, see raytrain_fast/microbatch.py)."""
+    (the classification autobatch uses too, see raytrain_fast/microbatch/plan.py)."""
     return classify_error(error).reason
 
 

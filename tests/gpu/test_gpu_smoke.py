@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.ray]
 
 
 def _gpu_env() -> dict[str, str]:
@@ -31,7 +31,7 @@ def _gpus() -> int:
 ONE_STEP = textwrap.dedent("""
     import collections, json, sys
     import torch
-    from raytrain_fast.autobatch import _single_process_group
+    from raytrain_fast.engine.process_group import single_process_group
     from raytrain_fast.config import load_config
     from raytrain_fast.engine import build_engine, enable_tf32
     from raytrain_fast.engine.compile import compile_blocks
@@ -42,7 +42,7 @@ ONE_STEP = textwrap.dedent("""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     enable_tf32(device)
-    _single_process_group("nccl")
+    single_process_group("nccl")
     torch.manual_seed(0)
     model = build_model(config.model, device)
     compiled, line = compile_blocks(model, setting=config.engine.compile, device=device)

@@ -42,22 +42,20 @@ import gc
 import hashlib
 import json
 import logging
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_fast.config import Config
 from raytrain_fast.errors import ConfigError, RaytrainFastError
-from raytrain_fast.microbatch import (
+from raytrain_fast.metrics.memory import peak_memory_gb, reset_peak_memory
+from raytrain_fast.microbatch.plan import (
     FAILED,
     OK,
     candidate_micro_batches,
     classify_error,
     classify_peak,
     fastest,
-    peak_memory_gb,
-    reset_peak_memory,
     plan_candidates,
 )
 
@@ -118,19 +116,6 @@ def _budget(config: Config) -> tuple[float | None, str]:
 # --------------------------------------------------------------------------- one probe (worker side)
 
 
-def _single_process_group(backend: str) -> None:
-    import os
-
-    import torch.distributed as dist
-
-    with socket.socket() as sock:  # a free port for this process's own one-rank group
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    # What a launcher would set; DeepSpeed reads LOCAL_RANK itself.
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-
-
 def probe_micro_batch(
     config_dict: dict[str, Any], *, micro_batch: int, grad_accum: int, budget_gb: float | None,
     warmup_steps: int = 1, timed_steps: int = 2,
@@ -140,6 +125,7 @@ def probe_micro_batch(
     import torch.distributed as dist
 
     from raytrain_fast.engine import build_engine, select_accelerator
+    from raytrain_fast.engine.process_group import single_process_group
     from raytrain_fast.model import build_model
 
     # What a training worker's process imports too (Ray Train, Ray Data, the loop): about 0.14 GB
@@ -159,7 +145,7 @@ def probe_micro_batch(
     if budget_gb is None and total_gb is not None:
         budget_gb = total_gb * (1 - GPU_MEMORY_MARGIN)
     probe = Probe(micro_batch=micro_batch, grad_accum=grad_accum, status=FAILED, device_total_gb=total_gb)
-    _single_process_group("nccl" if cuda else "gloo")
+    single_process_group("nccl" if cuda else "gloo")
     engine = tokens = None
     try:
         torch.manual_seed(config.train.seed)

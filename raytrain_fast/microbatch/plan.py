@@ -1,4 +1,4 @@
-"""The micro-batch search both `train.micro_batch: auto` (autobatch.py) and `raytrain-fast sweep`
+"""The micro-batch search both `train.micro_batch: auto` (microbatch/auto.py) and `raytrain-fast sweep`
 (sweep/) use: which micro-batches to try, which memory peak to measure, and what to call a try.
 
 Candidates (`plan_candidates`, `candidate_micro_batches`)
@@ -27,9 +27,9 @@ Memory (`peak_memory_gb`)
     RSS (the mark can lag the current RSS by a few pages). Both start over once setup is done
     (`reset_peak_memory`), in a probe as in training: transients of setup (the FLOP count, the
     peak-measuring matmul) are not training's peak.
-    It is the training metric's own function (metrics.train_metrics.peak_memory_gb): autobatch's
-    probes measure with it, and a sweep trial's workers check the budget against memory/peak_gb,
-    the same number.
+    It is the training metric's own function (metrics/memory.py `peak_memory_gb`): the probes of
+    `micro_batch: auto` (microbatch/auto.py) measure with it, and a sweep trial's workers check the
+    budget against memory/peak_gb, the same number.
 
 Outcome (`classify_peak`, `classify_error`)
     Every try ends as one `Outcome`: ok; over_budget (it ran, its measured peak exceeds the budget,
@@ -121,25 +121,6 @@ def plan_candidates(
     return runnable, skipped
 
 
-# --------------------------------------------------------------------------- memory
-
-
-def peak_memory_gb(device: Any = "cpu") -> float:
-    """This process's peak memory in GB on `device`: the training metric's own statistic
-    (metrics.train_metrics.peak_memory_gb: CUDA max_memory_reserved, else peak RSS), so a probe
-    and a sweep trial's memory/peak_gb are the same number."""
-    from raytrain_fast.metrics.train_metrics import peak_memory_gb as training_peak_gb
-
-    return training_peak_gb(device)
-
-
-def reset_peak_memory(device: Any = "cpu") -> None:
-    """Start the peak over once setup is done: the training metrics' own reset."""
-    from raytrain_fast.metrics.train_metrics import reset_peak_memory as training_reset
-
-    training_reset(device)
-
-
 # --------------------------------------------------------------------------- outcome
 
 
@@ -211,5 +192,5 @@ def fastest(results: Iterable[T]) -> T | None:
 
 __all__ = [
     "FAILED", "MemoryBudgetExceeded", "OK", "OOM", "OVER_BUDGET", "Outcome", "STATUSES", "candidate_micro_batches",
-    "classify_error", "classify_peak", "fastest", "peak_memory_gb", "per_worker_batch", "plan_candidates", "reset_peak_memory",
+    "classify_error", "classify_peak", "fastest", "per_worker_batch", "plan_candidates",
 ]
