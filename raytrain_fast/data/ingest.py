@@ -247,12 +247,20 @@ def rank_stream(
     base = start.epoch * total + start.consumed
     k = np.arange(first_batch, first_batch + batches, dtype=np.int64)
     absolute = (base + (k * world_size + rank) * micro_batch)[:, None] + np.arange(micro_batch, dtype=np.int64)[None, :]
-    absolute = absolute.ravel()
+    return locate_absolute(shard_rows, absolute.ravel(), seed=seed, orders=orders)
+
+
+def locate_absolute(
+    shard_rows: list[int], absolute: np.ndarray, *, seed: int, orders: dict[int, EpochOrder],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(epochs, windows, shards, rows) of the sequences at these indexes of the endless stream
+    (epoch after epoch). `orders`: the caller's cache of EpochOrder by epoch."""
+    total = sum(shard_rows)
     epochs, offsets = absolute // total, absolute % total
     windows, shards, rows = np.empty_like(absolute), np.empty_like(absolute), np.empty_like(absolute)
     for epoch in np.unique(epochs).tolist():
         if epoch not in orders:
-            for old in [e for e in orders if e < epoch]:
+            for old in [e for e in orders if e < min(epochs)]:
                 del orders[old]  # the stream only moves forward
             orders[epoch] = EpochOrder(shard_rows, seed=seed, epoch=epoch)
         mask = epochs == epoch
@@ -308,8 +316,8 @@ def _collate_class():
 class _Item:
     tokens: Any
     seq_ids: Any
-    position: DataPosition
-    """Position after this batch (every rank has taken it)."""
+    position: Any
+    """Position after this batch (every rank has taken it): a DataPosition, or a mixture's."""
 
 
 @dataclass
@@ -386,9 +394,12 @@ class BatchIterator(Iterator):
         window_rows = self.sequences_per_epoch * min(SHUFFLE_WINDOW_SHARDS, len(self.shard_rows)) / max(1, len(self.shard_rows))
         self._batches_per_chunk = max(1, int(window_rows * _WINDOWS_PER_DATASET) // (micro_batch * world_size))
         self._orders: dict[int, EpochOrder] = {}
-        self._queue: queue.Queue = queue.Queue(maxsize=prefetch_batches)
+        self._start_pipeline()
+
+    def _start_pipeline(self) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch_batches)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, name=f"batches-rank{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._produce, name=f"batches-rank{self.rank}", daemon=True)
         self._thread.start()  # the pipeline warms up while the caller builds its model
 
     @property
@@ -508,13 +519,16 @@ class BatchIterator(Iterator):
             raise DataError(f"internal: the data pipeline returned {produced} batches, {chunk.batches} were planned")
         return True
 
+    def _read_function(self) -> Any:
+        return _ReadPieces(self._filesystem)
+
     def _dataset(self, pieces: list[bytes]):
         import ray
         import ray.data
 
         dataset = ray.data.from_items([{"piece": piece} for piece in pieces], override_num_blocks=len(pieces))
         dataset = dataset.map_batches(
-            _ReadPieces(self._filesystem),
+            self._read_function(),
             batch_size=1,
             batch_format="numpy",
             compute=ray.data.TaskPoolStrategy(size=1),
@@ -554,6 +568,6 @@ def hide_execution_summaries() -> None:
 
 
 __all__ = [
-    "BatchIterator", "DataPosition", "EpochOrder", "check_manifest_matches", "load_manifest", "rank_stream",
+    "BatchIterator", "DataPosition", "EpochOrder", "check_manifest_matches", "load_manifest", "locate_absolute", "rank_stream",
     "shard_order", "usable_rows", "window_permutation",
 ]

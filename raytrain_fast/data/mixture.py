@@ -1,0 +1,437 @@
+"""Mixtures: several prepared datasets interleaved by weight into one global stream (data.sources).
+
+The global stream knows no world size, as the single-source one does (ingest.py): the source of
+global sequence g is `pattern[g % period]`, a fixed schedule built once from the weights, and it is
+that source's `counts(g)[s]`-th sequence (its own endless stream: its own hash-shuffled epochs, one
+after another, as ingest.py draws them). So the mixture's position is one integer, the sequences
+consumed by all ranks together, and a resume on any worker count reads the same sequence at the same
+index. A source that runs out starts its next epoch on its own; the others go on.
+
+The schedule: weights become integer counts per period (exact for decimal weights such as 0.7 / 0.2
+/ 0.1: period 10), then each slot goes to the source furthest behind its share ("largest deficit
+first"). Its largest prefix deviation D, |count_s(g) - g * w_s|, is computed over one period (the
+pattern repeats) and is below 1 sequence for every weight set tried (tests); any window of G
+sequences then holds G * w_s +- 2D sequences of source s: within 2 sequences of its share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pickle
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from raytrain_fast.data.ingest import BatchIterator, EpochOrder, SHUFFLE_WINDOW_SHARDS, locate_absolute, usable_rows
+from raytrain_fast.data.manifest import Manifest
+from raytrain_fast.errors import DataError
+from raytrain_fast.storage import StorageConfig, resolve_filesystem
+
+MIXTURE_STREAM = "mixture-v1"
+MAX_PERIOD = 100_000
+"""Longest schedule period; weights that need a longer one are rounded to shares of this many sequences."""
+
+
+class MixtureSchedule:
+    """Which source each global sequence index comes from: a pure function of the index and the weights."""
+
+    def __init__(self, weights: list[float]) -> None:
+        if not weights or any(not (isinstance(w, (int, float)) and math.isfinite(w) and w > 0) for w in weights):
+            raise DataError(f"mixture weights must be numbers > 0, got {weights}")
+        self.counts_per_period, self.period = _integer_shares(weights)
+        self.pattern, self.prefix = _largest_deficit_pattern(self.counts_per_period, self.period)
+        shares = np.asarray(self.counts_per_period, dtype=np.float64) / self.period
+        self.weights = shares
+        """The realised weights (normalised; equal to the configured ones unless MAX_PERIOD rounded them)."""
+        steps = np.arange(self.period + 1, dtype=np.float64)[:, None]
+        self.max_deviation = float(np.abs(self.prefix - steps * shares[None, :]).max())
+        """Largest |sequences of source s among the first g - g * w_s| over all g (< 1 in practice)."""
+
+    @property
+    def window_bound(self) -> float:
+        """Any window of G consecutive sequences holds G * w_s +- this many sequences of source s."""
+        return 2 * self.max_deviation
+
+    def counts(self, g: int | np.ndarray) -> np.ndarray:
+        """Sequences of each source among the first g of the stream: (S,) for an int, (n, S) for an array."""
+        g = np.asarray(g, dtype=np.int64)
+        whole, part = np.divmod(g, self.period)
+        return whole[..., None] * np.asarray(self.counts_per_period, dtype=np.int64) + self.prefix[part]
+
+    def locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, index in that source's own endless stream) of global indexes g."""
+        g = np.asarray(g, dtype=np.int64)
+        sources = self.pattern[g % self.period]
+        before = self.counts(g)
+        return sources, np.take_along_axis(before, sources[:, None], axis=1)[:, 0]
+
+
+def _integer_shares(weights: list[float]) -> tuple[list[int], int]:
+    """(counts per period, period): exact for decimal weights when the period stays <= MAX_PERIOD."""
+    exact = [Fraction(str(w)) for w in weights]  # str: 0.7 is 7/10, not the binary float's 2^-53 fraction
+    total = sum(exact)
+    shares = [w / total for w in exact]
+    period = math.lcm(*(s.denominator for s in shares))
+    if period <= MAX_PERIOD:
+        return [int(s * period) for s in shares], period
+    quotas = [float(s) * MAX_PERIOD for s in shares]  # largest remainder
+    counts = [int(q) for q in quotas]
+    for i in sorted(range(len(quotas)), key=lambda i: counts[i] - quotas[i])[: MAX_PERIOD - sum(counts)]:
+        counts[i] += 1
+    if min(counts) == 0:
+        raise DataError(f"a mixture weight is below 1/{MAX_PERIOD} of the total ({weights}); raise it or drop the source")
+    return counts, MAX_PERIOD
+
+
+def _largest_deficit_pattern(counts: list[int], period: int) -> tuple[np.ndarray, np.ndarray]:
+    """(pattern (period,), prefix counts (period + 1, S)): each slot to the source furthest behind its
+    share after that slot, ties to the first source. Integer arithmetic: deficit x period."""
+    taken = [0] * len(counts)
+    pattern = np.empty(period, dtype=np.int64)
+    prefix = np.zeros((period + 1, len(counts)), dtype=np.int64)
+    for t in range(period):
+        best = max(range(len(counts)), key=lambda i: ((t + 1) * counts[i] - period * taken[i], -i))
+        taken[best] += 1
+        pattern[t] = best
+        prefix[t + 1] = taken
+    assert taken == counts, "a period must hold each source's exact count"
+    return pattern, prefix
+
+
+@dataclass(kw_only=True)
+class MixturePosition:
+    """Where a mixture's global stream stands: `consumed` sequences taken by all ranks together."""
+
+    consumed: int = 0
+    sources: list[dict[str, Any]]
+    """[{name, weight}] of the mixture the position belongs to (a resume must use the same)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stream": MIXTURE_STREAM, "consumed": self.consumed, "sources": self.sources}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, sources: list[dict[str, Any]]) -> MixturePosition:
+        """A saved position, checked against this run's mixture `sources` ([{name, weight}])."""
+        if data.get("stream") != MIXTURE_STREAM:
+            raise DataError(
+                f"the checkpoint's data position {json.dumps(data)} belongs to a single data.source, but this run sets "
+                "data.sources (a mixture): resume with the run's data.source, or start a new run (another --name)"
+            )
+        consumed = data.get("consumed")
+        if not isinstance(consumed, int) or consumed < 0:
+            raise DataError(f"mixture position must hold a non-negative integer 'consumed': {data}")
+        if data.get("sources") != sources:
+            raise DataError(
+                f"the checkpoint was trained on the mixture {data.get('sources')} and this run sets {sources}: the "
+                "mixture's position only continues the same sources and weights. Restore data.sources, or start a new run"
+            )
+        return cls(consumed=consumed, sources=sources)
+
+
+@dataclass(kw_only=True)
+class Source:
+    """One source of a mixture as the ingest reads it."""
+
+    name: str
+    weight: float
+    manifest: Manifest
+
+
+def source_identity(sources: list[Source]) -> list[dict[str, Any]]:
+    return [{"name": s.name, "weight": s.weight} for s in sources]
+
+
+def tokens_per_source(schedule: MixtureSchedule, *, consumed: int, seq_len: int, names: list[str]) -> dict[str, float]:
+    """{'data/tokens/<name>': tokens of each source trained on so far} at a global position: plain
+    arithmetic on the position and the weights (host-side, no device work), for the metrics record."""
+    counts = schedule.counts(consumed)
+    return {f"data/tokens/{name}": float(count * seq_len) for name, count in zip(names, counts.tolist())}
+
+
+def mixture_rank_stream(
+    source_rows: list[list[int]], schedule: MixtureSchedule, *, seed: int, consumed: int, rank: int, world_size: int,
+    micro_batch: int, batches: int, first_batch: int = 0, orders: list[dict[int, EpochOrder]] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sources, shards, rows) of rank `rank`'s micro-batches first_batch .. first_batch + batches - 1
+    after global position `consumed`: micro-batch k is global indexes consumed + (k * W + rank) * B ..
+    + B - 1, as in ingest.rank_stream. Pure: the ingest's plan, and what tests check.
+    `source_rows`: usable rows of each shard, per source; `orders`: per-source EpochOrder caches."""
+    orders = [{} for _ in source_rows] if orders is None else orders
+    k = np.arange(first_batch, first_batch + batches, dtype=np.int64)
+    offsets = (k * world_size + rank) * micro_batch
+    g = (consumed + offsets[:, None] + np.arange(micro_batch, dtype=np.int64)[None, :]).ravel()
+    sources, local = schedule.locate(g)
+    shards, rows = np.empty_like(g), np.empty_like(g)
+    for s in np.unique(sources).tolist():
+        mask = sources == s
+        _, _, shards[mask], rows[mask] = locate_absolute(source_rows[s], local[mask], seed=seed, orders=orders[s])
+    return sources, shards, rows
+
+
+class _ReadMixturePieces:
+    """map_batches function: one pickled piece ([(source, shard path)], which, rows) -> those rows in
+    that order. Each shard is read whole (sequential reads) and only its wanted rows are kept."""
+
+    def __init__(self, filesystems: list[Any]) -> None:
+        self.filesystems = filesystems
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
+        import pyarrow.parquet as pq
+
+        tables = []
+        for spec in batch["piece"]:
+            paths, which, rows = pickle.loads(spec)
+            parts, order = [], np.empty(len(rows), dtype=np.int64)
+            done = 0
+            for index, (source, path) in enumerate(paths):
+                wanted = np.flatnonzero(which == index)
+                table = pq.read_table(path, filesystem=self.filesystems[source], columns=["seq_id", "tokens"])
+                parts.append(table.take(pa.array(rows[wanted])).combine_chunks())
+                order[wanted] = np.arange(done, done + len(wanted))
+                done += len(wanted)
+            tables.append(pa.concat_tables(parts).take(pa.array(order)))
+        return pa.concat_tables(tables)
+
+
+class MixtureIterator(BatchIterator):
+    """BatchIterator over a mixture: the same micro-batches, ranks, prefetch and checks, with global
+    index g drawn from source `schedule.locate(g)`. seq_ids are each source's own; `source_ids` says whose.
+
+    `position`: a MixturePosition (or its dict) of the same sources and weights, or None (the start).
+    """
+
+    def __init__(
+        self, sources: list[Source], *, rank: int, world_size: int, micro_batch: int, seed: int = 0,
+        prefetch_batches: int = 2, device: Any = "cpu", position: MixturePosition | dict[str, Any] | None = None,
+        storage: StorageConfig | None = None,
+    ) -> None:
+        import torch
+
+        if not 0 <= rank < world_size or micro_batch < 1 or prefetch_batches < 1:
+            raise DataError(f"bad ingest setup: rank {rank} of {world_size}, micro_batch {micro_batch}, prefetch {prefetch_batches}")
+        problems = mixture_problems(sources)
+        if problems:
+            raise DataError("; ".join(problems))
+        self.sources, self.rank, self.world_size, self.micro_batch, self.seed = sources, rank, world_size, micro_batch, seed
+        self.prefetch_batches, self.device = prefetch_batches, torch.device(device)
+        self.schedule = MixtureSchedule([s.weight for s in sources])
+        self.names = [s.name for s in sources]
+        self.source_rows = [usable_rows(s.manifest) for s in sources]
+        self.source_sizes = [sum(rows) for rows in self.source_rows]
+        self.sequences_per_epoch = sum(self.source_sizes)
+        """Sequences of all sources together (a mixture's positions carry no epoch: health arithmetic only)."""
+        identity = source_identity(sources)
+        if isinstance(position, dict):
+            position = MixturePosition.from_dict(position, sources=identity)
+        self._start = position or MixturePosition(sources=identity)
+        self._position = self._start
+        self._filesystems, self._paths, self._first_seq_id = [], [], []
+        for source in sources:
+            filesystem, root = resolve_filesystem(source.manifest.root, storage or StorageConfig())
+            self._filesystems.append(filesystem)
+            self._paths.append([f"{root.rstrip('/')}/{shard.path}" for shard in source.manifest.shards])
+            self._first_seq_id.append(np.asarray([shard.first_seq_id for shard in source.manifest.shards], dtype=np.int64))
+        window_rows = max(
+            size * min(SHUFFLE_WINDOW_SHARDS, len(rows)) / max(1, len(rows)) for size, rows in zip(self.source_sizes, self.source_rows)
+        )
+        self._piece_batches = max(1, int(window_rows) // (micro_batch * world_size))
+        self._batches_per_chunk = 2 * self._piece_batches
+        self._orders: list[dict[int, EpochOrder]] = [{} for _ in sources]
+        self._start_pipeline()
+
+    @property
+    def position(self) -> MixturePosition:
+        return MixturePosition(consumed=self._position.consumed, sources=self._position.sources)
+
+    @property
+    def source_epochs(self) -> np.ndarray:
+        """Epochs each source has gone through so far (1.5 = one whole pass and half of the next)."""
+        return self.schedule.counts(self._position.consumed) / np.asarray(self.source_sizes, dtype=np.float64)
+
+    @property
+    def epochs(self) -> float:
+        """The most-repeated source's epochs (what repetition warnings care about)."""
+        return float(self.source_epochs.max())
+
+    def source_metrics(self, *, seq_len: int) -> dict[str, float]:
+        """Tokens and epochs per source at the current position: arithmetic on the position, no device work."""
+        values = tokens_per_source(self.schedule, consumed=self._position.consumed, seq_len=seq_len, names=self.names)
+        values.update({f"data/epochs/{name}": float(e) for name, e in zip(self.names, self.source_epochs.tolist())})
+        return values
+
+    def plan(self, *, first_batch: int, batches: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sources, shards, rows) of this rank's micro-batches first_batch .. + batches - 1."""
+        return mixture_rank_stream(
+            self.source_rows, self.schedule, seed=self.seed, consumed=self._start.consumed, rank=self.rank,
+            world_size=self.world_size, micro_batch=self.micro_batch, first_batch=first_batch, batches=batches, orders=self._orders,
+        )
+
+    def seq_ids_of(self, sources: np.ndarray, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        first = np.empty_like(shards)
+        for s in np.unique(sources).tolist():
+            mask = sources == s
+            first[mask] = self._first_seq_id[s][shards[mask]]
+        return first + rows
+
+    def _position_after(self, batches: int) -> MixturePosition:
+        consumed = self._start.consumed + batches * self.world_size * self.micro_batch
+        return MixturePosition(consumed=consumed, sources=self._start.sources)
+
+    def _chunk(self, first_batch: int):
+        from raytrain_fast.data.ingest import _Chunk
+
+        sources, shards, rows = self.plan(first_batch=first_batch, batches=self._batches_per_chunk)
+        per_piece = self._piece_batches * self.micro_batch
+        pieces = []
+        for lo in range(0, len(rows), per_piece):
+            hi = lo + per_piece
+            keys = sources[lo:hi] * (1 << 32) + shards[lo:hi]
+            unique, which = np.unique(keys, return_inverse=True)
+            paths = [(int(k >> 32), self._paths[int(k >> 32)][int(k & 0xFFFFFFFF)]) for k in unique.tolist()]
+            pieces.append(pickle.dumps((paths, which.astype(np.int64), rows[lo:hi].astype(np.int64))))
+        return _Chunk(first_batch=first_batch, batches=self._batches_per_chunk, pieces=pieces,
+                      seq_ids=self.seq_ids_of(sources, shards, rows))
+
+    def _read_function(self) -> Any:
+        return _ReadMixturePieces(self._filesystems)
+
+
+def load_sources(data: Any, storage: StorageConfig, *, prepared: list[str] | None = None) -> tuple[list[Source], list[str]]:
+    """(the sources of `data.sources` whose manifests load, problems): a source missing from storage is
+    a problem naming it. `prepared`: the manifest URIs `prepare_sources` returned (default: the sources as given)."""
+    from raytrain_fast.config.data import source_name
+    from raytrain_fast.data.ingest import load_manifest
+
+    sources, problems = [], []
+    for i, item in enumerate(data.sources):
+        uri = prepared[i] if prepared else item.source
+        try:
+            manifest = load_manifest(uri, storage)
+        except DataError as error:
+            problems.append(
+                f"data.sources[{i}] '{item.source}': {error} Fix the path (or bucket), or remove the source from data.sources"
+            )
+            continue
+        sources.append(Source(name=source_name(item), weight=float(item.weight), manifest=manifest))
+    return sources, problems
+
+
+def prepare_sources(data: Any, storage: StorageConfig, *, cache_dir: str, verbose: bool = True) -> list[str]:
+    """The manifest URI of every source: prepared datasets as they are, text prepared once into cache_dir."""
+    from raytrain_fast.data.cache import _is_prepared, ensure_prepared_corpus
+
+    uris = []
+    for item in data.sources:
+        if _is_prepared(item.source, storage):
+            uris.append(item.source)
+            continue
+        uris.append(ensure_prepared_corpus(
+            item.source, seq_len=data.seq_len, cache_dir=cache_dir, tokenizer=data.tokenizer, storage=storage,
+            verbose=verbose, val_fraction=data.val_fraction, val_input=data.val_input,
+        ))
+    return uris
+
+
+def check_mixture(config: Any, *, prepared: list[str] | None = None) -> list[Source]:
+    """Every problem of a config's data.sources against storage and the model, raised as one
+    ConfigError before any worker starts; returns the loaded sources.
+    `prepared`: manifest URIs from prepare_sources (without it, text sources not yet prepared are skipped)."""
+    from raytrain_fast.data.cache import STDLIB, _is_prepared
+    from raytrain_fast.data.ingest import check_manifest_matches
+    from raytrain_fast.errors import ConfigError
+
+    data, storage = config.data, config.storage
+    if prepared is None:  # before preparation: what is prepared already, and what is missing altogether
+        items = [i for i in data.sources if i.source == STDLIB or not _is_prepared(i.source, storage)]
+        problems = [problem for i in items if (problem := _text_problem(i.source, storage))]
+        view = dataclasses.replace(data, sources=[i for i in data.sources if i not in items])
+        sources, load_problems = load_sources(view, storage)
+    else:
+        problems, (sources, load_problems) = [], load_sources(data, storage, prepared=prepared)
+    problems += load_problems + mixture_problems(sources, seq_len=data.seq_len)
+    micro_batch = config.train.micro_batch if isinstance(config.train.micro_batch, int) else None
+    for source in sources:
+        problems += [
+            f"data.sources '{source.name}': {p}" for p in check_manifest_matches(
+                source.manifest, seq_len=source.manifest.seq_len, vocab_size=config.model.vocab_size,
+                micro_batch=micro_batch, world_size=config.resources.num_workers if micro_batch else None,
+            )
+        ]
+    if problems:
+        raise ConfigError(problems)
+    return sources
+
+
+def _text_problem(source: str, storage: StorageConfig) -> str | None:
+    """Why a source given as text (not prepared yet) cannot be prepared: missing, or holding no text."""
+    import glob
+    import os
+
+    from raytrain_fast.data.cache import STDLIB
+
+    fix = ("give a prepared dataset (directory or s3:// URI holding manifest.json), text to prepare (file, directory, "
+           "glob) or 'stdlib', or remove it from data.sources")
+    if source == STDLIB:
+        return None
+    if "://" in source:
+        return None if _remote_exists(source, storage) else f"data.sources '{source}' does not exist: {fix}"
+    files = [source] if os.path.isfile(source) else glob.glob(source) if not os.path.isdir(source) else [
+        os.path.join(root, name) for root, _, names in os.walk(source) for name in names if not name.startswith(".")
+    ]
+    if not os.path.exists(source) and not files:
+        return f"data.sources '{source}' does not exist: {fix}"
+    if not any(os.path.isfile(f) and os.path.getsize(f) > 0 for f in files):
+        return f"data.sources '{source}' is empty (no file with any text): add text to it, or remove it from data.sources"
+    return None
+
+
+def _remote_exists(source: str, storage: StorageConfig) -> bool:
+    import pyarrow.fs as pafs
+
+    try:
+        filesystem, path = resolve_filesystem(source, storage)
+        if filesystem.get_file_info(path).type != pafs.FileType.NotFound:
+            return True
+        return bool(filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True)))
+    except OSError:
+        return False
+
+
+def mixture_problems(sources: list[Source], *, seq_len: int | None = None) -> list[str]:
+    """Problems that make these prepared sources unusable together (empty list = fine): an empty
+    source, another tokenizer or seq_len than the first source's."""
+    problems = []
+    if not sources:
+        return ["data.sources is empty"]
+    first = sources[0]
+    for source in sources:
+        manifest, where = source.manifest, f"data.sources '{source.name}' ({source.manifest.root})"
+        if sum(usable_rows(manifest)) == 0:
+            problems.append(f"{where} holds no training sequences: prepare it from a non-empty input, or remove it from data.sources")
+        if manifest.tokenizer.identity() != first.manifest.tokenizer.identity():
+            problems.append(
+                f"{where} was tokenized with {manifest.tokenizer.name} but '{first.name}' with {first.manifest.tokenizer.name}: "
+                "a mixture needs one tokenizer; prepare every source with the same --tokenizer"
+            )
+        if seq_len is not None and manifest.seq_len != seq_len:
+            problems.append(
+                f"{where} was prepared with seq_len {manifest.seq_len} but data.seq_len is {seq_len}: prepare every "
+                f"source with --seq-len {seq_len} (or set data.seq_len to match all of them)"
+            )
+        elif manifest.seq_len != first.manifest.seq_len:
+            problems.append(
+                f"{where} was prepared with seq_len {manifest.seq_len} but '{first.name}' with {first.manifest.seq_len}: "
+                "prepare every source with the same --seq-len"
+            )
+    return problems
+
+
+__all__ = [
+    "MIXTURE_STREAM", "MixtureIterator", "MixturePosition", "MixtureSchedule", "Source", "check_mixture", "load_sources",
+    "mixture_problems", "mixture_rank_stream", "prepare_sources", "source_identity", "tokens_per_source",
+]

@@ -1,0 +1,205 @@
+"""Mixtures (data.sources): the weighted interleave holds every source's share in every window, a
+source that runs out starts its next epoch alone, a resume on another worker count continues the same
+sequences of each source, and bad mixtures are refused before any worker starts.
+
+The three tiny sources are written in distinct letters (web a-d, code k-l, papers x), so which source a
+sequence came from is read from its tokens, not from the schedule under test."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from raytrain_fast.config import load_config
+from raytrain_fast.data import load_manifest, prepare_data
+from raytrain_fast.data.ingest import DataPosition, rank_stream, usable_rows
+from raytrain_fast.data.mixture import (
+    MixtureIterator, MixturePosition, MixtureSchedule, Source, check_mixture, mixture_rank_stream,
+)
+from raytrain_fast.errors import ConfigError, DataError
+from raytrain_fast.storage import StorageConfig
+
+SEQ_LEN = 8
+WEIGHTS = {"web": 0.5, "code": 0.3, "papers": 0.2}
+LETTERS = {"web": "abcd", "code": "kl", "papers": "x"}  # 143 bytes + EOD per file = 16 rows of 9 tokens
+STATED_BOUND = 2.0  # docs/data.md#mixtures: a window of G holds G * w +- 2 sequences of each source
+
+
+def write_sources(root, *, output_of, storage=None) -> dict[str, str]:
+    uris = {}
+    for name, letters in LETTERS.items():
+        corpus = root / f"text-{name}"
+        corpus.mkdir()
+        for letter in letters:
+            (corpus / f"{letter}.txt").write_text(letter * 143)
+        uris[name] = output_of(name)
+        prepare_data(inputs=[str(corpus)], output=uris[name], seq_len=SEQ_LEN, rows_per_shard=5, storage=storage,
+                     parallel=False, verbose=False)
+    return uris
+
+
+def sources_at(uris: dict[str, str], storage=None, weights=WEIGHTS) -> list[Source]:
+    return [Source(name=n, weight=weights[n], manifest=load_manifest(uris[n], storage)) for n in uris]
+
+
+@pytest.fixture(scope="module")
+def local_uris(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixture")
+    return write_sources(root, output_of=lambda name: str(root / name))
+
+
+def source_of(tokens) -> list[str]:
+    """The source of each row, read from its letters (EOD and nothing else may join them)."""
+    names = []
+    for row in tokens.tolist():
+        letters = {chr(t) for t in row if t < 256}
+        owners = {n for n, own in LETTERS.items() if letters <= set(own)}
+        assert len(owners) == 1, f"row {row} mixes sources"
+        names.append(owners.pop())
+    return names
+
+
+def take(iterator, batches: int) -> list[tuple[str, int]]:
+    """(source, seq_id) of the next batches' sequences, in order."""
+    out = []
+    for _ in range(batches):
+        tokens, seq_ids = next(iterator)
+        out += list(zip(source_of(tokens), seq_ids.tolist()))
+    return out
+
+
+def assert_shares_hold_in_every_window(names: list[str], weights: dict[str, float], bound: float) -> None:
+    """For every source and every window [a, a + G) of the sequence: |count - G * w| <= bound."""
+    total = sum(weights.values())
+    for name, weight in weights.items():
+        prefix = np.concatenate([[0], np.cumsum([n == name for n in names])])
+        n = len(names)
+        for size in range(1, n + 1):
+            counts = prefix[size:] - prefix[:-size]
+            worst = np.abs(counts - size * weight / total).max()
+            assert worst <= bound + 1e-9, f"{name}: a window of {size} holds {counts.min()}..{counts.max()}, share {size * weight / total:.2f}"
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.2, 0.1], [1, 1, 1], [0.5, 0.3, 0.2], [3.3, 1.1, 0.01], [98, 1, 1], [5, 4, 3, 2, 1]])
+def test_the_schedule_holds_each_share_in_every_window(weights):
+    schedule = MixtureSchedule(weights)
+    assert schedule.max_deviation < 1 and schedule.window_bound < STATED_BOUND
+    length = 3 * schedule.period + 7  # windows across period boundaries too
+    sources, _ = schedule.locate(np.arange(length))
+    names = [str(s) for s in sources.tolist()]
+    assert_shares_hold_in_every_window(names, {str(i): w for i, w in enumerate(weights)}, schedule.window_bound)
+    # The count at g is a pure function of g: the same from the pattern and from counts().
+    for g in (0, 1, schedule.period - 1, schedule.period, length):
+        assert schedule.counts(g).tolist() == [int((sources[:g] == s).sum()) for s in range(len(weights))]
+
+
+def test_one_source_is_exactly_the_single_source_stream(local_uris):
+    manifest = load_manifest(local_uris["web"])
+    rows = usable_rows(manifest)
+    for world_size, rank, start in ((1, 0, 0), (3, 2, 20)):
+        sources, shards, in_shard = mixture_rank_stream(
+            [rows], MixtureSchedule([1.0]), seed=4, consumed=start, rank=rank, world_size=world_size, micro_batch=4, batches=9,
+        )
+        _, _, plain_shards, plain_rows = rank_stream(
+            rows, seed=4, start=DataPosition(epoch=start // sum(rows), consumed=start % sum(rows)), rank=rank,
+            world_size=world_size, micro_batch=4, batches=9,
+        )
+        assert not sources.any() and np.array_equal(shards, plain_shards) and np.array_equal(in_shard, plain_rows)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_three_source_run_holds_the_shares_and_sources_run_out_on_their_own(where, local_uris, request, ray_session, tmp_path):
+    storage = None
+    uris = local_uris
+    if where == "s3":
+        server = request.getfixturevalue("s3_server")
+        request.getfixturevalue("aws_env")
+        bucket = server.make_bucket("mixture-tests")
+        storage = StorageConfig(uri=f"s3://{bucket}/runs", endpoint_url=server.endpoint_url)
+        uris = write_sources(tmp_path, output_of=lambda name: f"s3://{bucket}/prepared/{name}", storage=storage)
+    sources = sources_at(uris, storage)
+    sizes = {s.name: s.manifest.num_sequences for s in sources}
+    assert sizes == {"web": 64, "code": 32, "papers": 16}
+    with MixtureIterator(sources, rank=0, world_size=1, micro_batch=4, seed=3, storage=storage) as it:
+        taken = take(it, 40)  # 160 sequences: papers 32 (2 epochs), code 48 (1.5), web 80 (1.25)
+        metrics = it.source_metrics(seq_len=SEQ_LEN)
+    names = [n for n, _ in taken]
+    assert_shares_hold_in_every_window(names, WEIGHTS, STATED_BOUND)
+    for name, size in sizes.items():
+        ids = [i for n, i in taken if n == name]
+        # Epoch after epoch of its own: every sequence once per epoch, reshuffled, while the others go on.
+        epochs = [ids[e * size:(e + 1) * size] for e in range(len(ids) // size)]
+        assert all(sorted(epoch) == list(range(size)) for epoch in epochs) and epochs
+        assert len(epochs) < 2 or epochs[0] != epochs[1]
+        tail = ids[len(epochs) * size:]
+        assert len(set(tail)) == len(tail)
+        # The counts say so: tokens and epochs per source, from the position alone, match what was read.
+        assert metrics[f"data/tokens/{name}"] == len(ids) * SEQ_LEN
+        assert metrics[f"data/epochs/{name}"] == pytest.approx(len(ids) / size)
+    assert metrics["data/epochs/papers"] == 2.0 and metrics["data/epochs/web"] == 1.25
+
+
+def global_order(sources, *, world_size: int, micro_batch: int, batches: int, position=None) -> tuple[list, list]:
+    """The global stream as the ranks read it (round k: rank 0's batch, rank 1's, ...), and rank 0's
+    positions after each batch."""
+    shares, positions = [], []
+    for rank in range(world_size):
+        with MixtureIterator(sources, rank=rank, world_size=world_size, micro_batch=micro_batch, seed=9, position=position) as it:
+            share = []
+            for _ in range(batches):
+                share.append(take(it, 1))
+                positions.append(it.position) if rank == 0 else None
+        shares.append(share)
+    return [item for k in range(batches) for rank in range(world_size) for item in shares[rank][k]], positions
+
+
+def test_a_resume_on_another_worker_count_continues_the_same_sequences_of_each_source(local_uris, ray_session):
+    sources = sources_at(local_uris)
+    reference, positions = global_order(sources, world_size=2, micro_batch=4, batches=12)  # 96 sequences
+    stop = 5  # after 5 rounds of 2 x 4: 40 sequences
+    saved = json.loads(json.dumps(positions[stop - 1].to_dict()))  # what a checkpoint stores
+    assert saved["consumed"] == 40
+    resumed, _ = global_order(sources, world_size=3, micro_batch=2, batches=9, position=saved)  # 54 more
+    assert reference[:40] + resumed[:56] == reference[:94]
+    per_source = {n: [i for m, i in reference[40:94] if m == n] for n in WEIGHTS}
+    assert per_source == {n: [i for m, i in resumed if m == n] for n in WEIGHTS}
+
+
+def test_a_resume_with_other_weights_or_a_single_source_position_is_refused(local_uris):
+    identity = [{"name": s.name, "weight": s.weight} for s in sources_at(local_uris)]
+    saved = MixturePosition(consumed=40, sources=identity).to_dict()
+    other = [dict(item, weight=1.0) for item in identity]
+    with pytest.raises(DataError, match="Restore data.sources, or start a new run"):
+        MixturePosition.from_dict(saved, sources=other)
+    with pytest.raises(DataError, match="belongs to a single data.source"):
+        MixturePosition.from_dict(DataPosition(epoch=1, consumed=4).to_dict(), sources=identity)
+
+
+def mixture_config(*sources: str, weights=(0.7, 0.2, 0.1), overrides=()):
+    items = ", ".join(f"{{source: '{s}', weight: {w}}}" for s, w in zip(sources, weights))
+    return load_config("tiny", [f"data.sources=[{items}]", "data.seq_len=8", *overrides])
+
+
+def test_bad_mixtures_are_named_with_the_fix(local_uris, tmp_path):
+    web, code = local_uris["web"], local_uris["code"]
+    with pytest.raises(ConfigError, match=r"data.sources '.*/missing' does not exist.*remove it from data.sources"):
+        check_mixture(mixture_config(web, code, str(tmp_path / "missing")))
+    (tmp_path / "x.txt").write_text("x" * 300)
+    prepare_data(inputs=[str(tmp_path / "x.txt")], output=str(tmp_path / "len16"), seq_len=16, parallel=False, verbose=False)
+    with pytest.raises(ConfigError, match=r"prepared with seq_len 16 but data.seq_len is 8: prepare every source with --seq-len 8"):
+        check_mixture(mixture_config(web, code, str(tmp_path / "len16")))
+    from raytrain_fast.data.train_tokenizer import train_tokenizer
+
+    (tmp_path / "words.txt").write_text(" ".join(f"word{i % 50} text{i % 7}" for i in range(3000)))
+    train_tokenizer(inputs=[str(tmp_path / "words.txt")], output=str(tmp_path / "tok"), vocab_size=300, verbose=False)
+    prepare_data(inputs=[str(tmp_path / "words.txt")], output=str(tmp_path / "bpe"), seq_len=8, tokenizer=str(tmp_path / "tok"),
+                 parallel=False, verbose=False)
+    with pytest.raises(ConfigError, match=r"a mixture needs one tokenizer; prepare every source with the same --tokenizer"):
+        check_mixture(mixture_config(web, code, str(tmp_path / "bpe"), overrides=["model.vocab_size=320"]))
+    (tmp_path / "empty-text").mkdir()
+    (tmp_path / "empty-text" / "a.txt").write_text("")
+    with pytest.raises(ConfigError, match=r"data.sources '.*empty-text' is empty .*add text to it, or remove it"):
+        check_mixture(mixture_config(web, code, str(tmp_path / "empty-text")))
+    assert [s.name for s in check_mixture(mixture_config(web, code, local_uris["papers"]))] == ["web", "code", "papers"]
