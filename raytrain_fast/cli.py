@@ -45,6 +45,7 @@ def _add_storage_args(parser: argparse.ArgumentParser) -> None:
 
 
 REGION_HELP = "S3 region (default: the AWS profile's or AWS_REGION)"
+TEXT_FIELD_HELP = "the JSONL field or Parquet column that holds each document's text (default: text)"
 PROFILE_HELP = "named AWS profile for credentials (default: the usual AWS chain: environment, ~/.aws, instance role)"
 
 
@@ -88,8 +89,39 @@ def _add_export_args(export: argparse.ArgumentParser) -> None:
                         help="(hf) split the weights into shards of at most this many GB, with model.safetensors.index.json")
 
 
+def _add_prepare_args(prepare: argparse.ArgumentParser) -> None:
+    prepare.add_argument("--input", nargs="+", required=True, metavar="PATH_OR_GLOB", help="text, JSONL or Parquet files (.gz/.zst too), directories, globs or s3:// URIs")
+    prepare.add_argument("--output", required=True, help="output directory or s3:// URI")
+    prepare.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence (rows hold seq_len + 1)")
+    prepare.add_argument("--tokenizer", default="byte", help="'byte', a path to a HuggingFace tokenizer.json, or a directory holding one (an HF model dir, train-tokenizer's output)")
+    prepare.add_argument("--overwrite", action="store_true", help="replace an output that was prepared from other inputs")
+    prepare.add_argument(
+        "--val-fraction", type=float, default=None, metavar="F",
+        help="share of documents held out for validation, chosen by content hash, in (0, 0.5] (default 0.005; capped at ~8M tokens)",
+    )
+    prepare.add_argument("--val-input", nargs="+", default=None, metavar="PATH_OR_GLOB", help="a separate validation corpus instead of --val-fraction")
+    prepare.add_argument("--text-field", default="text", metavar="NAME", help=TEXT_FIELD_HELP)
+    prepare.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// inputs/outputs")
+    prepare.add_argument("--region", default=None, help=REGION_HELP)
+    prepare.add_argument("--profile", default=None, help=PROFILE_HELP)
+
+
+def _add_sweep_args(sweep: argparse.ArgumentParser) -> None:
+    sweep.add_argument("--micro-batch", required=True, metavar="M1,M2,...", help="micro-batches per worker to try, e.g. 1,2,4,8,16")
+    sweep.add_argument(
+        "--activation-checkpointing", default=None, metavar="V1,V2,...",
+        help="model.activation_checkpointing values to try with each micro-batch (none, full, every_n), e.g. none,full "
+        "(default: the config's own)",
+    )
+    sweep.add_argument("--steps", type=int, default=30, help="optimizer steps per trial (default 30)")
+    sweep.add_argument("--objective", choices=("tokens_per_sec", "loss", "val_loss"), default="tokens_per_sec", help="what the best trial maximises / minimises (val_loss: evaluates every window)")
+    sweep.add_argument("--sweep-name", default=None, help="directory of the results under storage.uri (default: <run name>-sweep)")
+    sweep.add_argument("--best-out", default=None, help="local file for the best config (default: in the results when storage is local, else ./<sweep>-best.yaml)")
+    sweep.add_argument("--create-bucket", action="store_true", help="create the S3 bucket of storage.uri if it is missing")
+
+
 def _add_train_tokenizer_args(train_tok: argparse.ArgumentParser) -> None:
-    train_tok.add_argument("--input", nargs="+", required=True, metavar="PATH_OR_GLOB", help="text/JSONL files, directories, globs or s3:// URIs (as prepare-data's)")
+    train_tok.add_argument("--input", nargs="+", required=True, metavar="PATH_OR_GLOB", help="text, JSONL or Parquet files, directories, globs or s3:// URIs (as prepare-data's)")
     train_tok.add_argument("--output", required=True, help="local directory for tokenizer.json, tokenizer_config.json and special_tokens_map.json")
     train_tok.add_argument("--vocab-size", type=int, default=32000, metavar="N",
                            help="tokens in the vocabulary, the end-of-document token included (default 32000; at least 258); "
@@ -98,6 +130,7 @@ def _add_train_tokenizer_args(train_tok: argparse.ArgumentParser) -> None:
     train_tok.add_argument("--eod-token", default="<|endoftext|>", metavar="TOKEN",
                            help="the end-of-document token, id 256 (default <|endoftext|>, as the byte tokenizer's export; also </s>, <eos>, ...)")
     train_tok.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --output")
+    train_tok.add_argument("--text-field", default="text", metavar="NAME", help=TEXT_FIELD_HELP)
     train_tok.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// inputs")
     train_tok.add_argument("--region", default=None, help=REGION_HELP)
     train_tok.add_argument("--profile", default=None, help=PROFILE_HELP)
@@ -147,19 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default=None, help="local output directory (default: ./<name>-report)")
 
     prepare = add_command(commands, "prepare-data", "tokenize and pack text files into Parquet shards plus a manifest")
-    prepare.add_argument("--input", nargs="+", required=True, metavar="PATH_OR_GLOB", help="text/JSONL files, directories, globs or s3:// URIs")
-    prepare.add_argument("--output", required=True, help="output directory or s3:// URI")
-    prepare.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence (rows hold seq_len + 1)")
-    prepare.add_argument("--tokenizer", default="byte", help="'byte', a path to a HuggingFace tokenizer.json, or a directory holding one (an HF model dir, train-tokenizer's output)")
-    prepare.add_argument("--overwrite", action="store_true", help="replace an output that was prepared from other inputs")
-    prepare.add_argument(
-        "--val-fraction", type=float, default=None, metavar="F",
-        help="share of documents held out for validation, chosen by content hash, in (0, 0.5] (default 0.005; capped at ~8M tokens)",
-    )
-    prepare.add_argument("--val-input", nargs="+", default=None, metavar="PATH_OR_GLOB", help="a separate validation corpus instead of --val-fraction")
-    prepare.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// inputs/outputs")
-    prepare.add_argument("--region", default=None, help=REGION_HELP)
-    prepare.add_argument("--profile", default=None, help=PROFILE_HELP)
+    _add_prepare_args(prepare)
 
     train_tok = add_command(
         commands, "train-tokenizer", "train a byte-level BPE tokenizer on the inputs prepare-data takes; writes a Hugging Face tokenizer directory",
@@ -173,17 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         commands, "sweep", "Ray Tune sweep of micro-batch x grad accumulation at the config's global batch; writes the best config",
     )
     _add_config_args(sweep, name_help="run name of the best config it writes; results go to <name>-sweep unless --sweep-name (default: the preset's name)")
-    sweep.add_argument("--micro-batch", required=True, metavar="M1,M2,...", help="micro-batches per worker to try, e.g. 1,2,4,8,16")
-    sweep.add_argument(
-        "--activation-checkpointing", default=None, metavar="V1,V2,...",
-        help="model.activation_checkpointing values to try with each micro-batch (none, full, every_n), e.g. none,full "
-        "(default: the config's own)",
-    )
-    sweep.add_argument("--steps", type=int, default=30, help="optimizer steps per trial (default 30)")
-    sweep.add_argument("--objective", choices=("tokens_per_sec", "loss", "val_loss"), default="tokens_per_sec", help="what the best trial maximises / minimises (val_loss: evaluates every window)")
-    sweep.add_argument("--sweep-name", default=None, help="directory of the results under storage.uri (default: <run name>-sweep)")
-    sweep.add_argument("--best-out", default=None, help="local file for the best config (default: in the results when storage is local, else ./<sweep>-best.yaml)")
-    sweep.add_argument("--create-bucket", action="store_true", help="create the S3 bucket of storage.uri if it is missing")
+    _add_sweep_args(sweep)
     show = add_command(commands, "show-config", "print the resolved config as YAML, without running")
     _add_config_args(show, name_help="run name to show in the config, as pretrain --name sets it (default: the preset's name)")
     show.add_argument("--reference", action="store_true", help="print the reference of every config key (Markdown) instead")
@@ -339,6 +350,7 @@ def prepare_data(args: argparse.Namespace) -> int:
     manifest = prepare(
         inputs=args.input, output=args.output, seq_len=args.seq_len, tokenizer=args.tokenizer,
         storage=storage, overwrite=args.overwrite, val_fraction=args.val_fraction, val_inputs=args.val_input,
+        text_field=args.text_field,
     )
     held_out = f" (+ {manifest.validation.num_sequences:,} held out for validation)" if manifest.validation else " (no validation split)"
     print(f"Prepared {manifest.num_sequences:,} sequences of {args.seq_len + 1} tokens in {args.output}{held_out}")
@@ -358,7 +370,7 @@ def train_tokenizer(args: argparse.Namespace) -> int:
     storage = StorageConfig(uri=args.output, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile)
     result = train(
         inputs=args.input, output=args.output, vocab_size=args.vocab_size, min_frequency=args.min_frequency,
-        eod_token=args.eod_token, storage=storage, overwrite=args.overwrite,
+        eod_token=args.eod_token, storage=storage, overwrite=args.overwrite, text_field=args.text_field,
     )
     print(f"Trained a byte-level BPE of {result.vocab_size:,} tokens ({result.eod_token} = {result.eod_id} ends each document) in {args.output}")
     rows = -(-result.vocab_size // 64) * 64

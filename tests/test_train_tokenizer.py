@@ -75,8 +75,8 @@ def _tokenizing_in_process(monkeypatch):
     """prepare-data tokenizes a HF tokenizer's inputs in Ray Data tasks; here in this process instead."""
     from raytrain_fast.data import prepare
 
-    monkeypatch.setattr(prepare, "_results_ray", prepare._results_local)
-    monkeypatch.setattr(prepare, "_ray_running", contextlib.nullcontext)
+    monkeypatch.setattr(prepare, "results_ray", prepare.results_local)
+    monkeypatch.setattr(prepare, "ray_running", contextlib.nullcontext)
     yield
 
 

@@ -16,7 +16,9 @@ import pyarrow.fs as pafs
 
 from raytrain_fast.data.corpus import stdlib_files
 from raytrain_fast.data.manifest import MANIFEST_NAME, join_uri
-from raytrain_fast.data.prepare import _canonical_input, _list_inputs, prepare_data
+from raytrain_fast.data.inputs import canonical_input, list_sources
+from raytrain_fast.data.prepare import prepare_data
+from raytrain_fast.data.readers import DEFAULT_TEXT_FIELD
 from raytrain_fast.data.tokenizer import load_tokenizer
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
@@ -25,7 +27,8 @@ STDLIB = "stdlib"
 _CACHE_INFO = "cache.json"
 
 
-def _is_prepared(uri: str, storage: StorageConfig) -> bool:
+def is_prepared(uri: str, storage: StorageConfig) -> bool:
+    """Whether `uri` holds a complete prepared dataset (its manifest.json)."""
     filesystem, path = resolve_filesystem(uri, storage)
     try:
         return filesystem.get_file_info(join_uri(path, MANIFEST_NAME)).type == pafs.FileType.File
@@ -33,10 +36,13 @@ def _is_prepared(uri: str, storage: StorageConfig) -> bool:
         return False
 
 
+_is_prepared = is_prepared  # the name launch/trainer.py imports
+
+
 def _fingerprint(inputs: list[str], storage: StorageConfig) -> str:
     """sha256 over (path, size, mtime) of every input file: notices changed files without reading them."""
     s3 = resolve_filesystem("s3://", storage)[0] if any(i.startswith("s3://") for i in inputs) else None
-    listing = _list_inputs(inputs, s3=s3, exclude=None)
+    listing = list_sources(inputs, s3=s3, exclude=None)
     digest = hashlib.sha256()
     for source in listing.sources:
         digest.update(f"{source.uri}\0{source.size}\0{source.mtime_ns}\n".encode())
@@ -63,6 +69,18 @@ def _cache_key(canonical: dict, *, seq_len: int, tokenizer: object, val_fraction
     ).hexdigest()[:16]
 
 
+def _inputs_of(source: str) -> tuple[list[str], str, dict]:
+    """(input paths, a readable slug for the cache directory, the source as the cache key sees it)."""
+    if source == STDLIB:
+        slug = f"stdlib-{platform.python_implementation().lower()}{platform.python_version()}"
+        return [str(p) for p in stdlib_files()], slug, {"source": STDLIB, "python": sys.version, "stdlib": sysconfig.get_paths()["stdlib"]}
+    item = canonical_input(source)
+    if not item.startswith("s3://") and not any(c in item for c in "*?[") and not os.path.exists(item):
+        raise DataError(f"data source '{source}' does not exist; give a text file, a directory, a glob or 'stdlib'")
+    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in os.path.basename(item.rstrip("/")))[:40] or "corpus"
+    return [item], slug, {"source": item}
+
+
 def ensure_prepared_corpus(
     source: str = STDLIB,
     *,
@@ -73,6 +91,7 @@ def ensure_prepared_corpus(
     verbose: bool = True,
     val_fraction: float | None = None,
     val_input: str | None = None,
+    text_field: str = DEFAULT_TEXT_FIELD,
 ) -> str:
     """The manifest directory (URI) of `source`, prepared on first use and reused afterwards.
 
@@ -82,27 +101,21 @@ def ensure_prepared_corpus(
         nodes must be able to read it: use shared storage or a bucket on a multi-node cluster.
     A cached corpus is prepared again when its files changed (path, size or modification time).
     val_fraction / val_input: its validation split (data.val_fraction / data.val_input); part of the cache key.
+    text_field: the JSONL field / Parquet column of the text; part of the cache key when not `text`.
     """
     storage = storage or StorageConfig()
-    if source != STDLIB and _is_prepared(source, storage):
+    if source != STDLIB and is_prepared(source, storage):
         return source.rstrip("/") if "://" in source else os.path.abspath(os.path.expanduser(source))
 
     spec = load_tokenizer(tokenizer, storage)
-    if source == STDLIB:
-        inputs = [str(p) for p in stdlib_files()]
-        slug = f"stdlib-{platform.python_implementation().lower()}{platform.python_version()}"
-        canonical = {"source": STDLIB, "python": sys.version, "stdlib": sysconfig.get_paths()["stdlib"]}
-    else:
-        inputs = [_canonical_input(source)]
-        if not inputs[0].startswith("s3://") and not any(c in inputs[0] for c in "*?[") and not os.path.exists(inputs[0]):
-            raise DataError(f"data source '{source}' does not exist; give a text file, a directory, a glob or 'stdlib'")
-        slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in os.path.basename(inputs[0].rstrip("/")))[:40] or "corpus"
-        canonical = {"source": inputs[0]}
-    val_inputs = [_canonical_input(val_input)] if val_input else []
+    inputs, slug, canonical = _inputs_of(source)
+    if text_field != DEFAULT_TEXT_FIELD:  # only when set, so that cached corpora keep their key
+        canonical["text_field"] = text_field
+    val_inputs = [canonical_input(val_input)] if val_input else []
     key = _cache_key(canonical, seq_len=seq_len, tokenizer=spec.info.identity(), val_fraction=val_fraction, val_inputs=val_inputs)
     target = join_uri(cache_dir.rstrip("/") if "://" in cache_dir else os.path.abspath(os.path.expanduser(cache_dir)), f"{slug}-seq{seq_len}-{key}")
     fingerprint = _fingerprint(inputs + val_inputs, storage)
-    if _is_prepared(target, storage) and _read_info(target, storage).get("fingerprint") == fingerprint:
+    if is_prepared(target, storage) and _read_info(target, storage).get("fingerprint") == fingerprint:
         return target
 
     if verbose:
@@ -110,6 +123,7 @@ def ensure_prepared_corpus(
     prepare = functools.partial(
         prepare_data, inputs=inputs, seq_len=seq_len, tokenizer=tokenizer, storage=storage, overwrite=True, verbose=verbose,
         val_fraction=val_fraction, val_inputs=val_inputs or None, split_names=("data.val_fraction", "data.val_input"),
+        text_field=text_field,
     )
     info = json.dumps({"source": source, "seq_len": seq_len, "tokenizer": spec.info.name, "fingerprint": fingerprint}).encode()
     if "://" in target:
@@ -117,10 +131,14 @@ def ensure_prepared_corpus(
         filesystem, path = resolve_filesystem(target, storage)
         with filesystem.open_output_stream(join_uri(path, _CACHE_INFO)) as stream:
             stream.write(info)
-        return target
+    else:
+        _prepare_in_place(target, prepare, info, fingerprint=fingerprint, storage=storage, verbose=verbose)
+    return target
 
-    # Local: prepare next to the target and rename it into place, so a concurrent run sees either
-    # nothing or a complete dataset.
+
+def _prepare_in_place(target: str, prepare, info: bytes, *, fingerprint: str, storage: StorageConfig, verbose: bool) -> None:
+    """Local: prepare next to the target and rename it into place, so a concurrent run sees either
+    nothing or a complete dataset."""
     os.makedirs(os.path.dirname(target), exist_ok=True)
     staging = f"{target}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -136,11 +154,10 @@ def ensure_prepared_corpus(
         if verbose:
             print(f"Prepared corpus moved into place: {target}", file=sys.stderr, flush=True)
     except OSError:
-        if not (_is_prepared(target, storage) and _read_info(target, storage).get("fingerprint") == fingerprint):
+        if not (is_prepared(target, storage) and _read_info(target, storage).get("fingerprint") == fingerprint):
             raise  # not a lost race with a concurrent run that finished first
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
-__all__ = ["STDLIB", "ensure_prepared_corpus"]
+__all__ = ["STDLIB", "ensure_prepared_corpus", "is_prepared"]

@@ -1,8 +1,9 @@
 """`train_tokenizer`: a byte-level BPE trained with the `tokenizers` package's BpeTrainer on the inputs
 `prepare_data` takes, written as a Hugging Face tokenizer directory.
 
-The inputs are listed and read by prepare.py's own `list_inputs` and `read_documents` (files,
-directories, globs, s3:// URIs; JSONL `text` records; the same skipped-input reasons). The model is
+The inputs are listed and read as prepare-data lists and reads them (`inputs.list_inputs`, a
+`readers.FileReader` each: files, directories, globs, s3:// URIs; JSONL and Parquet text fields, gzip
+and zstd; the same skipped-input reasons). The model is
 GPT-2's kind: a ByteLevel pre-tokenizer (its regex split, no prefix space, so every text round-trips)
 over the 256 byte characters, merges learned from the corpus, and one special token, the
 end-of-document token (`<|endoftext|>` by default, as the byte tokenizer's export names it).
@@ -30,7 +31,8 @@ from dataclasses import dataclass, field
 from raytrain_fast.config.data import BYTE_VOCAB_SIZE, EOD_TOKEN
 from raytrain_fast.data.hf_tokenizer import BYTE_EOD_TEXT, byte_tokenizer_json, hf_tokenizer_files
 from raytrain_fast.data.manifest import Skipped, TokenizerInfo
-from raytrain_fast.data.prepare import _summarize_skipped, list_inputs, read_documents
+from raytrain_fast.data.inputs import list_inputs, summarize_skipped
+from raytrain_fast.data.readers import DEFAULT_TEXT_FIELD, FileReader
 from raytrain_fast.data.tokenizer import EOD_CANDIDATES, TOKENIZER_FILE, TokenizerSpec
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig
@@ -139,26 +141,29 @@ def _byte_layout(json_text: str, eod_token: str) -> str:
 
 
 def _train(
-    tokenizers, listing, filesystems, *, vocab_size: int, min_frequency: int, eod_token: str, verbose: bool
+    tokenizers, listing, filesystems, *, vocab_size: int, min_frequency: int, eod_token: str, verbose: bool, text_field: str,
 ) -> tuple[str, dict[str, int], list[Skipped]]:
     """(tokenizer.json text in the byte layout, counts of files/documents/bytes read, skipped inputs):
-    the BpeTrainer reads every listed input through `read_documents`, printing progress as it goes."""
+    the BpeTrainer reads every listed input through a FileReader, printing progress as it goes."""
     skipped = list(listing.skipped)
     counts = {"files": 0, "documents": 0, "bytes": 0}
     progress = _Progress(len(listing.sources), enabled=verbose)
 
     def texts() -> Iterator[list[str]]:
         for done, source in enumerate(listing.sources, start=1):
-            _, documents, skip_reason, partial_reason = read_documents(source.location, source.path, filesystems)
-            if skip_reason:
-                skipped.append(Skipped(path=source.uri, reason=skip_reason))
-            elif documents:
-                if partial_reason:
-                    skipped.append(Skipped(path=source.uri, reason=partial_reason, partial=True))
-                counts["files"] += 1
+            reader = FileReader(source.location, source.path, filesystems, text_field=text_field)
+            for documents in reader.batches():
                 counts["documents"] += len(documents)
                 counts["bytes"] += sum(len(d) for d in documents)
                 yield [d.decode("utf-8") for d in documents]
+            if reader.fatal:
+                raise DataError(f"input {source.uri}: {reader.fatal}")
+            if reader.skip_reason:
+                skipped.append(Skipped(path=source.uri, reason=reader.skip_reason))
+            else:
+                counts["files"] += 1
+                if reader.partial_reason:
+                    skipped.append(Skipped(path=source.uri, reason=reader.partial_reason, partial=True))
             progress.update(done, counts["bytes"], sum(not s.partial for s in skipped))
         progress.update(len(listing.sources), counts["bytes"], sum(not s.partial for s in skipped), force=True)
         if verbose and counts["documents"]:
@@ -176,7 +181,7 @@ def _train(
     )
     tokenizer.train_from_iterator(texts(), trainer)
     if not counts["documents"]:
-        raise DataError(f"the inputs hold no usable text to train on.\n{_summarize_skipped(skipped, listed=False)}".rstrip())
+        raise DataError(f"the inputs hold no usable text to train on.\n{summarize_skipped(skipped, listed=False)}".rstrip())
     return _byte_layout(tokenizer.to_str(), eod_token), counts, skipped
 
 
@@ -208,11 +213,12 @@ def train_tokenizer(
     storage: StorageConfig | None = None,
     overwrite: bool = False,
     verbose: bool = True,
+    text_field: str = DEFAULT_TEXT_FIELD,
 ) -> TrainedTokenizer:
     """Train a byte-level BPE of at most `vocab_size` tokens on `inputs` and write it to `output`.
 
-    inputs: what prepare_data takes (files, directories, globs, s3:// URIs; `.jsonl`/`.ndjson` records'
-        `text` fields, every other file one UTF-8 document); unusable files are skipped with a reason.
+    inputs: what prepare_data takes (files, directories, globs, s3:// URIs; JSONL records' and Parquet
+        rows' `text_field`, gzip/zstd; every other file one UTF-8 document); unusable files are skipped.
     output: a local directory; one that already holds a tokenizer is replaced only with `overwrite`.
     vocab_size: the vocabulary, end-of-document token included. The result is smaller when the corpus
         has fewer pairs seen `min_frequency` times than merges to learn (TrainedTokenizer.vocab_size says).
@@ -225,10 +231,11 @@ def train_tokenizer(
     tokenizers = _import_tokenizers()
     listing, filesystems = list_inputs(inputs, storage, exclude=out)
     if not listing.sources:
-        raise DataError(f"no input files to train on: check the --input paths.\n{_summarize_skipped(listing.skipped, limit=20, listed=False)}")
+        raise DataError(f"no input files to train on: check the --input paths.\n{summarize_skipped(listing.skipped, limit=20, listed=False)}")
 
     json_text, counts, skipped = _train(
         tokenizers, listing, filesystems, vocab_size=vocab_size, min_frequency=min_frequency, eod_token=eod_token, verbose=verbose,
+        text_field=text_field,
     )
     info = _write(out, json_text, eod_token)
     result = TrainedTokenizer(
@@ -252,7 +259,7 @@ def _print_summary(result: TrainedTokenizer, *, min_frequency: int) -> None:
         file=sys.stderr, flush=True,
     )
     if result.skipped:
-        print(f"train-tokenizer: {_summarize_skipped(result.skipped, listed=False)}", file=sys.stderr, flush=True)
+        print(f"train-tokenizer: {summarize_skipped(result.skipped, listed=False)}", file=sys.stderr, flush=True)
 
 
 __all__ = ["DEFAULT_MIN_FREQUENCY", "DEFAULT_VOCAB_SIZE", "MIN_VOCAB_SIZE", "TOKENIZER_FILES", "TrainedTokenizer", "train_tokenizer"]

@@ -1,0 +1,223 @@
+"""Tokenizing the listed inputs, in this process or in Ray Data tasks, as a stream of `Part`s in source
+order: a file's documents are tokenized a batch at a time (see readers.BATCH_BYTES), so a file of any
+size is never whole in memory; the last part of a file carries its verdict (hash, skip reasons).
+
+The validation split is chosen here, per document: a document goes to `val_tokens` when a hash of its
+content falls under the source's `val_fraction`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from raytrain_fast.data.ingest import NODE_ID_LABEL
+from raytrain_fast.data.inputs import Source
+from raytrain_fast.data.readers import FileReader
+from raytrain_fast.data.tokenizer import TokenizerSpec
+
+_BLOCK_BYTES = 16 << 20
+"""Token bytes a Ray Data task gathers before handing a block on: many small files make one block."""
+
+
+@dataclass
+class Part:
+    """Tokens of consecutive documents of one file; the file's last part (`last`) has its verdict."""
+
+    index: int
+    """The file's position in the listing."""
+    tokens: np.ndarray | None = None
+    val_tokens: np.ndarray | None = None
+    """The tokens of the documents chosen for validation (None: none were)."""
+    num_documents: int = 0
+    """Documents of this part, validation ones included."""
+    val_documents: int = 0
+    num_bytes: int = 0
+    """Text bytes of this part's documents."""
+    last: bool = False
+    sha256: str = ""
+    skip_reason: str = ""
+    """Non-empty: the whole file was not used."""
+    partial_reason: str = ""
+    """Non-empty: some records of the file were not used."""
+    fatal: str = ""
+    """Non-empty: every record of the file was bad; preparing stops with this message."""
+
+
+def is_validation_document(document: bytes, fraction: float) -> bool:
+    """Whether a document belongs to the validation split: a hash of its content, not its place, so
+    the choice is the same on every preparation and identical documents share a split."""
+    if fraction >= 1.0:
+        return True
+    digest = hashlib.blake2b(document, digest_size=8, person=b"rtf-val-split").digest()
+    return int.from_bytes(digest, "big") < fraction * 2**64
+
+
+def tokenize_file(
+    index: int, source: Source, spec: TokenizerSpec, filesystems: dict[str, pafs.FileSystem], *, text_field: str,
+) -> Iterator[Part]:
+    """The parts of one file, its last part marked."""
+    reader = FileReader(source.location, source.path, filesystems, text_field=text_field)
+    for documents in reader.batches():
+        part = Part(index=index, num_documents=len(documents), num_bytes=sum(len(d) for d in documents))
+        if source.val_fraction > 0:
+            chosen = [is_validation_document(d, source.val_fraction) for d in documents]
+            if any(chosen):
+                held_out = [d for d, c in zip(documents, chosen) if c]
+                part.val_tokens, part.val_documents = spec.encode_documents(held_out), len(held_out)
+                documents = [d for d, c in zip(documents, chosen) if not c]
+        part.tokens = spec.encode_documents(documents)
+        yield part
+    yield Part(
+        index=index, last=True, sha256=reader.sha256, skip_reason=reader.skip_reason,
+        partial_reason=reader.partial_reason, fatal=reader.fatal,
+    )
+
+
+def results_local(sources: list[Source], spec: TokenizerSpec, filesystems: dict[str, pafs.FileSystem], *, text_field: str):
+    for index, source in enumerate(sources):
+        yield from tokenize_file(index, source, spec, filesystems, text_field=text_field)
+
+
+_COLUMNS = {
+    "index": pa.int64(), "tokens": pa.large_binary(), "val_tokens": pa.large_binary(), "num_documents": pa.int64(),
+    "val_documents": pa.int64(), "num_bytes": pa.int64(), "last": pa.bool_(), "sha256": pa.string(),
+    "skip_reason": pa.string(), "partial_reason": pa.string(), "fatal": pa.string(),
+}
+
+
+def _to_table(parts: list[Part]) -> pa.Table:
+    def value(part: Part, name: str):
+        item = getattr(part, name)
+        if name in ("tokens", "val_tokens"):
+            return b"" if item is None else item.tobytes()
+        return item
+
+    return pa.table({name: pa.array([value(p, name) for p in parts], kind) for name, kind in _COLUMNS.items()})
+
+
+def _from_table(table: pa.Table, dtype: np.dtype) -> Iterator[Part]:
+    columns = table.to_pydict()
+    for i in range(table.num_rows):
+        row = {name: columns[name][i] for name in _COLUMNS}
+        row["tokens"] = np.frombuffer(row["tokens"], dtype=dtype) if row["tokens"] else np.zeros(0, dtype=dtype)
+        row["val_tokens"] = np.frombuffer(row["val_tokens"], dtype=dtype) if row["val_tokens"] else None
+        yield Part(**row)
+
+
+class _TokenizeBatch:
+    """Ray Data map_batches function: a batch of file rows -> blocks of parts, in file order."""
+
+    def __init__(self, spec: TokenizerSpec, filesystems: dict[str, pafs.FileSystem], text_field: str) -> None:
+        self.spec, self.filesystems, self.text_field = spec, filesystems, text_field
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[pa.Table]:
+        parts: list[Part] = []
+        size = 0
+        for i, location, path, fraction in zip(batch["index"], batch["location"], batch["path"], batch["val_fraction"]):
+            source = Source(uri=str(path), location=str(location), path=str(path), size=0, mtime_ns=None, val_fraction=float(fraction))
+            for part in tokenize_file(int(i), source, self.spec, self.filesystems, text_field=self.text_field):
+                parts.append(part)
+                size += sum(0 if t is None else t.nbytes for t in (part.tokens, part.val_tokens))
+                if size >= _BLOCK_BYTES:
+                    yield _to_table(parts)
+                    parts, size = [], 0
+        if parts:
+            yield _to_table(parts)
+
+
+def results_ray(sources: list[Source], spec: TokenizerSpec, filesystems: dict[str, pafs.FileSystem], *, text_field: str):
+    """Tokenize in Ray Data tasks; yields parts in source order."""
+    import ray
+    import ray.data
+
+    num_cpus = max(1, int(ray.available_resources().get("CPU", 1)))
+    files_per_task = max(1, min(64, math.ceil(len(sources) / (4 * num_cpus))))
+    remote_args: dict = {}
+    if any(s.location == "local" for s in sources):
+        # Local paths exist on this node only: keep the tasks here.
+        remote_args["label_selector"] = {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}
+    items = [{"index": i, "location": s.location, "path": s.path, "val_fraction": s.val_fraction} for i, s in enumerate(sources)]
+    dataset = ray.data.from_items(items, override_num_blocks=max(1, math.ceil(len(items) / files_per_task)))
+    dataset = dataset.map_batches(
+        _TokenizeBatch(spec, filesystems, text_field), batch_size=files_per_task, batch_format="numpy",
+        compute=ray.data.TaskPoolStrategy(size=num_cpus), **remote_args,
+    )
+    _quiet(dataset.context)
+    dataset.context.execution_options.preserve_order = True
+    pending: dict[int, list[Part]] = {}
+    next_index = 0
+    for table in dataset.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2):
+        for part in _from_table(table, spec.dtype):
+            pending.setdefault(part.index, []).append(part)
+        while pending.get(next_index):  # preserve_order keeps blocks in order; this makes sure of it
+            parts = pending.pop(next_index)
+            yield from parts
+            next_index += parts[-1].last  # else more of this file is to come
+    assert not pending and next_index == len(sources), "Ray Data lost tokenized files"
+
+
+@contextlib.contextmanager
+def ray_running():
+    """Use the Ray instance this process is connected to, else start a local one for the duration."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        from raytrain_fast._ray_compat import wait_for_ray_data_iterators
+
+        wait_for_ray_data_iterators()  # this process iterated the tokenized blocks itself
+        ray.shutdown()
+
+
+def _quiet(context) -> None:
+    context.enable_progress_bars = False
+    context.print_on_execution_start = False
+
+
+class Progress:
+    """prepare-data's progress line: files, documents, tokens and throughput, at most every `every_s`."""
+
+    def __init__(self, total_files: int, *, enabled: bool, every_s: float = 2.0) -> None:
+        self.total, self.enabled, self.every_s = total_files, enabled, every_s
+        self.start = self.last = time.perf_counter()
+        self.files = self.documents = self.tokens = self.num_bytes = self.skipped = 0
+
+    def add(self, part: Part, *, skipped: int) -> None:
+        self.files += part.last
+        self.documents += part.num_documents
+        self.tokens += sum(0 if t is None else len(t) for t in (part.tokens, part.val_tokens))
+        self.num_bytes += part.num_bytes
+        self.skipped = skipped
+        self.update()
+
+    def update(self, *, force: bool = False) -> None:
+        now = time.perf_counter()
+        if self.enabled and (force or now - self.last >= self.every_s):
+            self.last = now
+            print(f"prepare-data: {self.line(now)}", file=sys.stderr, flush=True)
+
+    def line(self, now: float | None = None) -> str:
+        seconds = max(1e-9, (now or time.perf_counter()) - self.start)
+        return (
+            f"{self.files}/{self.total} files, {self.documents:,} documents, {self.tokens:,} tokens, "
+            f"{self.skipped} skipped, {seconds:.1f}s ({self.tokens / seconds / 1e6:.2f}M tokens/s, "
+            f"{self.num_bytes / seconds / 1e6:.1f} MB/s of text)"
+        )
+
+
+__all__ = ["Part", "Progress", "is_validation_document", "ray_running", "results_local", "results_ray", "tokenize_file"]
