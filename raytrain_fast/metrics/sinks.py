@@ -1,14 +1,14 @@
-"""Metric sinks, written from rank 0 on one background thread.
+"""Metric sinks, written from rank 0 on one background thread (`SinkWriter`, in sink_writer.py).
 
-Every sink has `log(metrics, step)` and `close()`. The training thread only ever hands a record to
-`SinkWriter`, which puts it on a bounded queue and returns: a slow or stuck sink (a network stall
-in W&B, a slow bucket) costs the training thread nothing. When the queue is full the oldest record
-is dropped and counted (`sink/dropped`).
+Every sink has `log(metrics, step)` and `close()`.
 
 - `JsonlSink`: always on. Metrics as JSON lines in the run's storage (local or S3-compatible), read
-  back by `read_metrics`, which merges the segments of every (re)start into one series.
+  back by `read_metrics` (metric_files.py), which merges the segments of every (re)start into one series.
 - `WandbSink`, `TensorBoardSink`: when asked for; their libraries are imported lazily, on the sink
   thread, the first time they log.
+- `LocalDirSync`: copies their node-local files into the run's storage.
+
+`SinkWriter`, `MetricSink` and `read_metrics` are handed on from here, where callers import them.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import logging
 import os
 import re
 import socket
-import threading
 import time
-from collections import deque
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from raytrain_fast.metrics.metric_files import METRICS_DIR, list_segments, metrics_filesystem, read_metrics, segment_name
+from raytrain_fast.metrics.sink_writer import MetricSink, SinkWriter
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -32,193 +33,6 @@ if TYPE_CHECKING:
     from raytrain_fast.storage import StorageConfig
 
 logger = logging.getLogger("raytrain_fast.metrics")
-
-
-class MetricSink(Protocol):
-    """Where metrics go. Called from the sink thread only, never from the training thread."""
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
-_FLUSH = ("__flush__",)  # queue marker: flush the sinks, in order with the records before it
-
-
-class SinkWriter:
-    """A bounded queue and one daemon thread that feeds every sink in order.
-
-    The thread first opens every sink that has an `open` (W&B's import and `wandb.init`,
-    TensorBoard's writer: seconds of CPU), so a writer built during setup has its sinks open
-    before training starts instead of taking those seconds from the first steps.
-    `log` never blocks and never raises because of a sink. A sink that raises is reported once
-    (a warning naming it) and counted in `errors`; the other sinks keep going.
-    """
-
-    def __init__(self, sinks: Sequence[MetricSink], *, max_queue: int = 1000, close_timeout_s: float = 60.0) -> None:
-        if max_queue <= 0:
-            raise ValueError(f"max_queue must be > 0, got {max_queue}")
-        self.sinks = list(sinks)
-        self.max_queue = max_queue
-        self.close_timeout_s = close_timeout_s
-        self.dropped = 0
-        """Records dropped because the queue was full (oldest first)."""
-        self.errors = 0
-        """Sink calls that raised."""
-        self._cpu_in_calls = 0.0
-        self._queue: deque[tuple[dict[str, float], int] | None] = deque()
-        self._cond = threading.Condition()
-        self._busy = False
-        self._closed = False
-        self._warned: set[tuple[str, str]] = set()
-        self.opened = threading.Event()
-        """Set once every sink's `open` has returned (or raised)."""
-        self._thread = threading.Thread(target=self._run, name="raytrain-fast-metric-sinks", daemon=True)
-        self._thread.start()
-        # The sink thread's own CPU clock, readable from the training thread while a sink call is
-        # still running (a long call would otherwise show up only when it returns).
-        try:
-            self._clock_id: int | None = time.pthread_getcpuclockid(self._thread.ident)  # type: ignore[arg-type]
-        except (AttributeError, OSError):
-            self._clock_id = None
-        self._last_cpu_s = 0.0
-
-    @property
-    def cpu_s(self) -> float:
-        """CPU time the sink thread has used so far (time it may have taken from training)."""
-        if self._clock_id is not None and self._thread.is_alive():
-            try:
-                self._last_cpu_s = time.clock_gettime(self._clock_id)
-                return self._last_cpu_s
-            except OSError:
-                pass
-        return max(self._last_cpu_s, self._cpu_in_calls)
-
-    @property
-    def backlog(self) -> int:
-        """Records waiting for the sink thread."""
-        return len(self._queue)
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        record = (dict(metrics), step)
-        with self._cond:
-            if self._closed:
-                return
-            if len(self._queue) >= self.max_queue:
-                self._queue.popleft()
-                self.dropped += 1
-            self._queue.append(record)
-            self._cond.notify()
-
-    def request_flush(self) -> None:
-        """Ask every sink to persist what it has (e.g. at a checkpoint), without waiting for it."""
-        with self._cond:
-            if not self._closed:
-                self._queue.append(_FLUSH)
-                self._cond.notify()
-
-    def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every queued record has been handed to the sinks (tests, end of run)."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._queue or self._busy:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
-
-    def close(self) -> None:
-        """Deliver what is queued, close every sink, stop the thread (bounded by close_timeout_s)."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._queue.append(None)  # sentinel: after everything already queued
-            self._cond.notify()
-        self._thread.join(self.close_timeout_s)
-        if self._thread.is_alive():
-            logger.warning(
-                "metric sinks did not finish within %.0f s; %d records may be lost", self.close_timeout_s, len(self._queue)
-            )
-
-    def _run(self) -> None:
-        for sink in self.sinks:
-            if hasattr(sink, "open"):
-                self._call(sink, "open")
-        self.opened.set()
-        while True:
-            with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                item = self._queue.popleft()
-                self._busy = item is not None
-            if item is None:
-                break
-            if item is _FLUSH:
-                for sink in self.sinks:
-                    if hasattr(sink, "flush"):
-                        self._call(sink, "flush")
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-                continue
-            metrics, step = item
-            for sink in self.sinks:
-                self._call(sink, "log", metrics, step)
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
-        for sink in self.sinks:
-            self._call(sink, "close")
-        with self._cond:
-            self._cond.notify_all()
-
-    def _call(self, sink: MetricSink, method: str, *args: Any) -> None:
-        started = time.thread_time()
-        try:
-            getattr(sink, method)(*args)
-        except Exception as error:  # a sink must never take training down
-            self.errors += 1
-            name = type(sink).__name__
-            if (name, method) not in self._warned:
-                self._warned.add((name, method))
-                logger.warning("metric sink %s.%s failed (further failures are counted in sink/errors): %r", name, method, error)
-        finally:
-            self._cpu_in_calls += time.thread_time() - started
-
-
-# --- JSONL in the run's storage ------------------------------------------------------------------
-
-METRICS_DIR = "metrics"
-_SEGMENT = re.compile(r"^metrics-r(\d{4,})-p(\d{4,})\.jsonl$")
-
-
-def _segment_name(restart: int, part: int) -> str:
-    return f"metrics-r{restart:04d}-p{part:04d}.jsonl"
-
-
-def _filesystem(uri: str, storage: StorageConfig | None, filesystem: pafs.FileSystem | None) -> tuple[pafs.FileSystem, str]:
-    if filesystem is not None:
-        return filesystem, uri.split("://", 1)[-1].rstrip("/")
-    from raytrain_fast.storage import StorageConfig, resolve_filesystem
-
-    return resolve_filesystem(uri, storage or StorageConfig())
-
-
-def _list_segments(fs: pafs.FileSystem, directory: str) -> list[tuple[int, int, str]]:
-    import pyarrow.fs as pafs
-
-    try:
-        infos = fs.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
-    except FileNotFoundError:
-        return []
-    segments = []
-    for info in infos:
-        match = _SEGMENT.match(info.base_name)
-        if match and info.type == pafs.FileType.File:
-            segments.append((int(match.group(1)), int(match.group(2)), info.path))
-    return sorted(segments)
 
 
 class JsonlSink:
@@ -246,11 +60,11 @@ class JsonlSink:
     ) -> None:
         import pyarrow.fs as pafs
 
-        self._fs, root = _filesystem(run_uri, storage, filesystem)
+        self._fs, root = metrics_filesystem(run_uri, storage, filesystem)
         self._dir = f"{root}/{METRICS_DIR}"
         self._local = isinstance(self._fs, pafs.LocalFileSystem)
         self._fs.create_dir(self._dir, recursive=True)
-        existing = _list_segments(self._fs, self._dir)
+        existing = list_segments(self._fs, self._dir)
         self.restart = existing[-1][0] + 1 if existing else 0
         self.flush_every_s = flush_every_s
         self.max_part_bytes = max_part_bytes
@@ -267,7 +81,7 @@ class JsonlSink:
     @property
     def path(self) -> str:
         """The part being written now."""
-        return f"{self._dir}/{_segment_name(self.restart, self._part)}"
+        return f"{self._dir}/{segment_name(self.restart, self._part)}"
 
     def _append(self, record: dict[str, Any]) -> None:
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
@@ -301,49 +115,6 @@ class JsonlSink:
     def close(self) -> None:
         self.flush()
 
-
-def read_metrics(run_uri: str, *, storage: StorageConfig | None = None, filesystem: pafs.FileSystem | None = None) -> list[dict[str, Any]]:
-    """Every metrics record of a run as one continuous series ordered by step, one record per step
-    (records written for the same step, such as an evaluation's, are merged).
-
-    Segments are replayed in (re)start order. When a restart resumed from step s, what earlier
-    attempts logged after s was superseded (those steps ran again), so it is dropped.
-    """
-    fs, root = _filesystem(run_uri, storage, filesystem)
-    records: list[dict[str, Any]] = []
-    by_restart: dict[int, list[str]] = {}
-    for restart, _, path in _list_segments(fs, f"{root}/{METRICS_DIR}"):
-        by_restart.setdefault(restart, []).append(path)
-    for restart in sorted(by_restart):
-        segment: list[dict[str, Any]] = []
-        start_step: int | None = None
-        for path in by_restart[restart]:
-            with fs.open_input_stream(path) as stream:
-                text = stream.read().decode("utf-8", errors="replace")
-            for line in text.splitlines():
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # a torn line; never written by JsonlSink itself, but be lenient
-                if "_segment" in record:
-                    start_step = int(record["_segment"].get("start_step", 0))
-                elif isinstance(record.get("step"), int):
-                    segment.append(record)
-        if start_step is None:
-            start_step = min((r["step"] for r in segment), default=1) - 1
-        records = [r for r in records if r["step"] <= start_step]
-        records.extend(segment)
-    records.sort(key=lambda r: r["step"])  # stable: keeps the order of equal steps
-    merged: list[dict[str, Any]] = []
-    for record in records:  # one record per step: an evaluation's values join that step's window record
-        if merged and merged[-1]["step"] == record["step"]:
-            merged[-1].update(record)
-        else:
-            merged.append(record)
-    return merged
-
-
-# --- Weights & Biases ------------------------------------------------------------------------------
 
 def wandb_run_id(run_name: str, project: str) -> str:
     """Stable across resumes: the same run name continues the same W&B run."""
@@ -437,9 +208,6 @@ class WandbSink:
             self._run = None
 
 
-# --- TensorBoard -----------------------------------------------------------------------------------
-
-
 class TensorBoardSink:
     """Scalars to TensorBoard event files in a local directory, flushed every `flush_every_s`."""
 
@@ -469,9 +237,6 @@ class TensorBoardSink:
             self._writer = None
 
 
-# --- W&B and TensorBoard files into the run's storage ----------------------------------------------
-
-
 class LocalDirSync:
     """Copies the files W&B and TensorBoard write under rank 0's node-local `local_dir` into the
     run's storage (`<run>/wandb/...`, `<run>/tensorboard/...`): at each checkpoint (the writer's
@@ -492,7 +257,7 @@ class LocalDirSync:
         self, local_dir: str, run_uri: str, *, storage: StorageConfig | None = None, filesystem: pafs.FileSystem | None = None
     ) -> None:
         self.local_dir = os.path.abspath(local_dir)
-        self._fs, self._root = _filesystem(run_uri, storage, filesystem)
+        self._fs, self._root = metrics_filesystem(run_uri, storage, filesystem)
         self._sent: dict[str, tuple[int, int]] = {}
         self.files_copied = 0
 
