@@ -12,13 +12,11 @@ import pytest
 from raytrain_fast.cli import main
 from raytrain_fast.loop.hooks import LoopHooks
 from raytrain_fast.report import diagnose, from_records, make_report, report_for
-from raytrain_fast.report.diagnose import (
-    CHECKPOINT_BLOCKED_SHARE,
-    DATA_WAIT_FRAC,
-    MEMORY_UNDERUSED_FRAC,
-    SLOWDOWN_FALLBACK_RATIO,
-    STRAGGLER_SHARE,
-)
+from raytrain_fast.report.findings.checkpoint_stall import CHECKPOINT_BLOCKED_SHARE
+from raytrain_fast.report.findings.data_bound import DATA_WAIT_FRAC
+from raytrain_fast.report.findings.memory_underused import MEMORY_UNDERUSED_FRAC
+from raytrain_fast.report.findings.slowdown import SLOWDOWN_FALLBACK_RATIO
+from raytrain_fast.report.findings.straggler import STRAGGLER_SHARE
 
 pytestmark = pytest.mark.unit
 

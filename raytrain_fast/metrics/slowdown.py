@@ -13,7 +13,7 @@ Stall: see `StallDetector`.
 
 The same detectors serve the live alert (TrainMetrics, thresholds from MetricsConfig) and the
 report, which replays it over a run's records with its own thresholds when the run has no
-alert/slowdown metrics (report/diagnose.py). The detector does not log: its caller does.
+alert/slowdown metrics (report/findings/slowdown.py). The detector does not log: its caller does.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ import base64
 import os
 from html import escape
 
-from raytrain_fast.report.diagnose import Diagnosis, run_facts
+from raytrain_fast.report.diagnose import Diagnosis
+from raytrain_fast.report.summary import run_facts
 from raytrain_fast.report.load import RunMetrics
 from raytrain_fast.report.plots import PlotResult
 

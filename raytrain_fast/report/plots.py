@@ -10,7 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from raytrain_fast.metrics.slowdown import StallDetector
-from raytrain_fast.report.diagnose import CHECKPOINT_MAX_BLOCK_S, DATA_WAIT_FRAC, MEMORY_UNDERUSED_FRAC, run_stalls, stall_factor
+from raytrain_fast.report.findings.checkpoint_stall import CHECKPOINT_MAX_BLOCK_S
+from raytrain_fast.report.findings.data_bound import DATA_WAIT_FRAC
+from raytrain_fast.report.findings.memory_underused import MEMORY_UNDERUSED_FRAC
+from raytrain_fast.report.findings.stall import run_stalls, stall_factor
 from raytrain_fast.report.load import RunMetrics, median
 
 

@@ -1,0 +1,1 @@
+"""The diagnosis's findings, one module each: its thresholds (with why) and `find(run)`."""
