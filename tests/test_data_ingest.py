@@ -180,6 +180,8 @@ def test_bench_data_reports_both_paths(tmp_path, ray_session):
     (corpus / "text.txt").write_text("some text to train on. " * 400)
     result = bench_data(steps=3, warmup_steps=1, rounds=1, micro_batch=4, seq_len=32, source=str(corpus), cache_dir=str(tmp_path / "cache"), verbose=False)
     assert result["steps_measured"] == 3 and json.loads(json.dumps(result)) == result
-    for key in ("data_wait_frac", "data_wait_frac_baseline"):
+    for key in ("data_wait_frac", "data_wait_frac_baseline", "data_wait_frac_mixture"):
         assert 0 <= result[key] < 1
-    assert result["tokens_per_sec"] > 0 and result["tokens_per_sec_baseline"] > 0
+    assert result["tokens_per_sec"] > 0 and result["tokens_per_sec_baseline"] > 0 and result["tokens_per_sec_mixture"] > 0
+    realised, weights = result["mixture"]["realised"], result["mixture"]["weights"]
+    assert set(realised) == set(weights) == {"a", "b", "c"} and sum(realised.values()) == pytest.approx(1)
