@@ -73,7 +73,7 @@ class _HashingReader:
 def _open_raw(location: str, path: str, filesystems: dict[str, pafs.FileSystem]):
     if location == "local":
         return open(path, "rb")
-    return filesystems[location].open_input_stream(path)
+    return filesystems[location].open_input_stream(path, compression=None)  # the file as stored: its hash, our codec
 
 
 def file_sha256(location: str, path: str, filesystems: dict[str, pafs.FileSystem]) -> str:
