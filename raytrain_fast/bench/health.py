@@ -3,7 +3,7 @@
 The checks add, per optimizer step and on the device (no host read):
 - the gradient norm's finiteness, handed to the fused AdamW as `found_inf`
   (`engine.deepspeed_compat.skip_nonfinite_update`), which the kernel then reads;
-- a `where` on the norm before it enters the window's sum (`TrainMetrics.add_grad_norm`).
+- a `where` on the norm before it enters the window's sum (`StepAccumulators.add_grad_norm`).
 
 Two variants of one bare step of a model (forward, backward, clip, fused or foreach AdamW, the loss
 and norm into on-device window sums) share one model, optimizer, batch, precision and thread count:
@@ -20,7 +20,6 @@ import os
 import statistics
 import sys
 import time
-from types import SimpleNamespace
 from typing import Any
 
 from raytrain_fast.errors import ConfigError
@@ -28,12 +27,8 @@ from raytrain_fast.errors import ConfigError
 
 def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmup_steps: int = 5,
                  precision: str = "auto", threads: int = 0, ops_calls: int = 5000, verbose: bool = True) -> dict[str, Any]:
-    import torch
-
-    from raytrain_fast.bench.overhead import OverheadSetup, build_bare, set_threads
+    from raytrain_fast.bench.overhead import OverheadSetup, set_threads
     from raytrain_fast.engine import training_device
-    from raytrain_fast.engine.deepspeed_compat import skip_nonfinite_update
-    from raytrain_fast.metrics.train_metrics import TrainMetrics
 
     if steps < 1 or rounds < 2 or warmup_steps < 0 or ops_calls < 1:
         raise ConfigError(f"bench health needs --steps >= 1, --rounds >= 2 (a ratio per round, the median of them), --warmup-steps "
@@ -42,48 +37,14 @@ def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmu
     setup = OverheadSetup.for_size(size, precision=precision, threads=threads).resolved()
     device = training_device()
     set_threads(setup, device)
-    model, optimizer, batches, autocast = build_bare(setup, device)
-    sums = SimpleNamespace(_grad_norm_acc=torch.zeros((), device=device), _num_grad_norms=0)
-    loss_sum = torch.zeros((), device=device)
-
-    def step(i: int, checked: bool) -> torch.Tensor:
-        tokens = batches[i % batches.shape[0]]
-        with autocast():
-            loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), setup.grad_clip)
-        loss_sum.add_(loss.detach())
-        if checked:
-            skip_nonfinite_update(optimizer, norm)
-            TrainMetrics.add_grad_norm(sums, norm)
-        else:
-            sums._grad_norm_acc.add_(norm.detach())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    def sync() -> None:
-        float(loss_sum)  # the clock stops when the device is done
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def timed_round(checked: bool, first: int) -> float:
-        if not checked:
-            optimizer.__dict__.pop("found_inf", None)  # the kernel reads no flag at all
-        sync()
-        start = time.perf_counter()
-        for i in range(steps):
-            step(first + i, checked)
-        sync()
-        return (time.perf_counter() - start) / steps
-
+    bare = _BareStep(setup, device)
     for i in range(warmup_steps):
-        step(i, checked=i % 2 == 0)
+        bare.step(i, checked=i % 2 == 0)
     per_step: dict[str, list[float]] = {"without": [], "with": []}
     ratios, orders = [], []
     for r in range(rounds):
         order = ("without", "with") if r % 2 == 0 else ("with", "without")
-        seconds = {name: timed_round(name == "with", warmup_steps + r * steps) for name in order}
+        seconds = {name: bare.timed_round(checked=name == "with", first=warmup_steps + r * steps, steps=steps) for name in order}
         for name, value in seconds.items():
             per_step[name].append(value)
         ratios.append(seconds["with"] / seconds["without"])
@@ -92,9 +53,62 @@ def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmu
             print(f"[bench health] round {r + 1}/{rounds}: without {seconds['without'] * 1e3:.1f} ms/step, "
                   f"with {seconds['with'] * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
 
-    ops = _ops_cost(optimizer, sums, device, calls=ops_calls, rounds=rounds)
-    return _report(size=size, setup=setup, device=device, optimizer=optimizer, per_step=per_step, ratios=ratios,
+    ops = _ops_cost(bare.optimizer, device, calls=ops_calls, rounds=rounds)
+    return _report(size=size, setup=setup, device=device, optimizer=bare.optimizer, per_step=per_step, ratios=ratios,
                    orders=orders, steps=steps, rounds=rounds, ops=ops)
+
+
+class _BareStep:
+    """One bare training step (bench overhead's `bare` loop), with or without the divergence checks."""
+
+    def __init__(self, setup: Any, device: Any) -> None:
+        import torch
+
+        from raytrain_fast.bench.overhead import build_bare
+        from raytrain_fast.metrics.accumulators import StepAccumulators
+
+        self.setup, self.device = setup, device
+        self.model, self.optimizer, self.batches, self.autocast = build_bare(setup, device)
+        self.sums = StepAccumulators(device=device, profile_every=0, start_step=0)  # the loop's own sums
+        self.plain_norm_sum = torch.zeros((), device=device)
+        self.loss_sum = torch.zeros((), device=device)
+
+    def step(self, i: int, checked: bool) -> None:
+        import torch
+
+        from raytrain_fast.engine.deepspeed_compat import skip_nonfinite_update
+
+        tokens = self.batches[i % self.batches.shape[0]]
+        with self.autocast():
+            loss = self.model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.setup.grad_clip)
+        self.loss_sum.add_(loss.detach())
+        if checked:
+            skip_nonfinite_update(self.optimizer, norm)
+            self.sums.add_grad_norm(norm)
+        else:
+            self.plain_norm_sum.add_(norm.detach())
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def sync(self) -> None:
+        import torch
+
+        float(self.loss_sum)  # the clock stops when the device is done
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def timed_round(self, *, checked: bool, first: int, steps: int) -> float:
+        """Seconds per step over `steps` steps."""
+        if not checked:
+            self.optimizer.__dict__.pop("found_inf", None)  # the kernel reads no flag at all
+        self.sync()
+        start = time.perf_counter()
+        for i in range(steps):
+            self.step(first + i, checked)
+        self.sync()
+        return (time.perf_counter() - start) / steps
 
 
 def _report(*, size: str, setup: Any, device: Any, optimizer: Any, per_step: dict[str, list[float]], ratios: list[float],
@@ -120,22 +134,24 @@ def _report(*, size: str, setup: Any, device: Any, optimizer: Any, per_step: dic
     }
 
 
-def _ops_cost(optimizer: Any, sums: Any, device: Any, *, calls: int, rounds: int) -> dict[str, float]:
+def _ops_cost(optimizer: Any, device: Any, *, calls: int, rounds: int) -> dict[str, float]:
     """The checks' own ops on a computed norm, per call (median over interleaved rounds), beside the
     plain add they replace."""
     import torch
 
     from raytrain_fast.engine.deepspeed_compat import skip_nonfinite_update
-    from raytrain_fast.metrics.train_metrics import TrainMetrics
+    from raytrain_fast.metrics.accumulators import StepAccumulators
 
     norm = torch.tensor(1.5, device=device)
+    plain_sum = torch.zeros((), device=device)
+    sums = StepAccumulators(device=device, profile_every=0, start_step=0)
 
     def plain() -> None:
-        sums._grad_norm_acc.add_(norm)
+        plain_sum.add_(norm)
 
     def checked() -> None:
         skip_nonfinite_update(optimizer, norm)
-        TrainMetrics.add_grad_norm(sums, norm)
+        sums.add_grad_norm(norm)
 
     times: dict[str, list[float]] = {"plain": [], "checked": []}
     for r in range(rounds):
@@ -143,7 +159,7 @@ def _ops_cost(optimizer: Any, sums: Any, device: Any, *, calls: int, rounds: int
             start = time.perf_counter()
             for _ in range(calls):
                 call()
-            float(sums._grad_norm_acc)
+            float(plain_sum + sums.sums.sum())  # the device is done with both (one read)
             times[name].append((time.perf_counter() - start) / calls)
     optimizer.__dict__.pop("found_inf", None)
     plain_us, checked_us = statistics.median(times["plain"]) * 1e6, statistics.median(times["checked"]) * 1e6
