@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from raytrain_fast.config.model import ModelConfig, kv_heads, llama_mlp_hidden
+from raytrain_fast.model.documents import DocumentLayout, DocumentMasking, attend, document_layout, masked_targets
 from raytrain_fast.model.loss import chunked_cross_entropy
 
 CHUNKED_LOSS_MIN_VOCAB = 8192
@@ -33,7 +35,7 @@ def _rotary_tables(seq_len: int, head_dim: int, device: torch.device, base: floa
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, H, T, hd); cos/sin: (T, hd/2)
+    # x: (B, H, T, hd); cos/sin: (T, hd/2), or (B, 1, T, hd/2) with document masking
     x1, x2 = x[..., 0::2], x[..., 1::2]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
@@ -49,16 +51,16 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, mask: Any = None
+    ) -> torch.Tensor:
         batch, seq, width = x.shape  # (B, T, d)
         q, k, v = self.qkv(x).split(width, dim=-1)
         # (B, T, d) -> (B, H, T, hd)
         q, k, v = (t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if cos is not None and sin is not None:  # rotary positions: the tables come from GPT.forward
             q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )  # (B, H, T, hd)
+        y = attend(q, k, v, mask, dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, hd); mask: documents
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
 
 
@@ -82,15 +84,19 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm_attn(x), cos, sin))  # pre-norm residual
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, mask: Any = None
+    ) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm_attn(x), cos, sin, mask))  # pre-norm residual
         return x + self.drop(self.mlp(self.norm_mlp(x)))
 
 
 class GPT(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, documents: DocumentMasking | None = None) -> None:
         super().__init__()
         self.config = config
+        self.documents = documents
+        """Document masking (model/documents.py), or None: plain causal attention over the whole row."""
         self.token_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if self._learned_positions() else None
         self.drop = nn.Dropout(config.dropout)
@@ -130,21 +136,26 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: (B, T) int64. Returns logits (B, T, V), or the mean cross-entropy if targets are given."""
+        """tokens: (B, T) int64. Returns logits (B, T, V), or the mean cross-entropy if targets are given
+        (over the targets that count: with document masking, none after an end-of-document id)."""
         seq = tokens.shape[1]
         x = self.token_emb(tokens)  # (B, T, d)
+        layout = document_layout(tokens, self.documents, dtype=x.dtype) if self.documents is not None else None
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(seq, device=tokens.device))
+            x = x + self.pos_emb(torch.arange(seq, device=tokens.device) if layout is None else layout.positions)
         x = self.drop(x)
-        cos, sin = self._rotary(seq, x) if self.pos_emb is None else (None, None)
+        cos, sin = self._rotary_for(seq, x, layout) if self.pos_emb is None else (None, None)
+        mask = None if layout is None else layout.mask
         for index, block in enumerate(self.blocks):
             if self._checkpointed(index):
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
-                x = block(x, cos, sin)
+                x = block(x, cos, sin, mask)
         hidden = self.norm_out(x)  # (B, T, d)
         if targets is None:
             return self.lm_head(hidden)  # (B, T, V)
+        if self.documents is not None:
+            targets = masked_targets(tokens, targets, self.documents)
         if self.chunked_loss:
             return chunked_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten())
         return F.cross_entropy(self.lm_head(hidden).flatten(0, 1).float(), targets.flatten())
@@ -153,6 +164,14 @@ class GPT(nn.Module):
         if not (self.checkpointing and self.training and torch.is_grad_enabled()):
             return False
         return self.config.activation_checkpointing == "full" or index % max(1, self.config.activation_checkpointing_n) == 0
+
+    def _rotary_for(self, seq: int, x: torch.Tensor, layout: DocumentLayout | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables for this batch: (T, hd/2) shared by every row, or with document masking
+        (B, 1, T, hd/2) gathered at each token's position inside its document."""
+        cos, sin = self._rotary(seq, x)
+        if layout is None:
+            return cos, sin
+        return cos[layout.positions].unsqueeze(1), sin[layout.positions].unsqueeze(1)
 
     def _rotary(self, seq: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin tables for `seq` positions in x's dtype and device: built once, then reused by

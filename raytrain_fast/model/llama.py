@@ -12,11 +12,14 @@ each instead of three and two); the export splits them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from raytrain_fast.config.model import ModelConfig, kv_heads, llama_mlp_hidden
+from raytrain_fast.model.documents import attend
 from raytrain_fast.model.gpt import GPT
 
 
@@ -58,19 +61,22 @@ class GroupedQueryAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, mask: Any = None
+    ) -> torch.Tensor:
         batch, seq, width = x.shape  # (B, T, d)
         q, k, v = self.qkv(x).split((width, self.kv_width, self.kv_width), dim=-1)
         q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k, v = (t.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))  # (B, Hkv, T, hd)
         assert cos is not None and sin is not None  # llama is always rotary: Llama._rotary makes them
+        # cos/sin: (T, hd), or (B, 1, T, hd) at positions inside each document (document masking)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         if self.num_kv_heads != self.num_heads:
             # Query head i reads key/value head i // group (Hugging Face's repeat_kv). An explicit
             # copy rather than SDPA's enable_gqa: every kernel and the FLOP counter take it.
             group = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = attend(q, k, v, mask, dropout_p=self.dropout if self.training else 0.0)  # mask: documents, or None
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
 
 
@@ -97,8 +103,10 @@ class LlamaBlock(nn.Module):
         self.mlp = SwiGLU(config)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm_attn(x), cos, sin))
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, mask: Any = None
+    ) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm_attn(x), cos, sin, mask))
         return x + self.drop(self.mlp(self.norm_mlp(x)))
 
 

@@ -8,6 +8,9 @@ them: memory is one chunk's logits, and the FLOPs are those of the plain loss (n
 recomputed, unlike checkpointing the loss). The same idea as Liger Kernel's fused linear
 cross-entropy, in plain torch.
 
+Targets equal to IGNORE_INDEX (-100, as in torch) count for nothing: the mean is over the others
+(document masking's loss mask, model/documents.py).
+
 Numerics: the logits are the same matmul in the model's dtype, the softmax and loss run in fp32 as
 in the plain path, and the weight gradient is summed over chunks in fp32 before one cast.
 """
@@ -17,6 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+IGNORE_INDEX = -100
+"""Targets that add no loss and no gradient (torch's default `ignore_index`)."""
+
 CHUNK_ROWS = 1024
 """Rows (tokens) per chunk: at V = 50,304 one chunk's fp32 logits are 0.2 GB."""
 
@@ -24,24 +30,26 @@ CHUNK_ROWS = 1024
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int) -> torch.Tensor:
-        # hidden (N, d), weight (V, d), targets (N,). Returns the mean loss over the N rows (fp32).
-        rows = hidden.shape[0]
+        # hidden (N, d), weight (V, d), targets (N,). Returns the mean loss over the rows whose target
+        # is not IGNORE_INDEX (fp32). `rows` stays a device tensor: no host sync.
+        rows = (targets != IGNORE_INDEX).sum()
         want_grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if want_grads else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grads else None
-        for start in range(0, rows, chunk_rows):
+        for start in range(0, hidden.shape[0], chunk_rows):
             h = hidden[start:start + chunk_rows]
             t = targets[start:start + chunk_rows]
             logits = (h @ weight.t()).float()  # (n, V): this chunk only
-            total += F.cross_entropy(logits, t, reduction="sum")
+            total += F.cross_entropy(logits, t, reduction="sum", ignore_index=IGNORE_INDEX)
             if not want_grads:
                 continue
             # d(mean loss)/d(logits) = (softmax - onehot) / N, in fp32, then in the model's dtype
             # for the two matmuls (as autograd does through the plain path's .float()).
             grad_logits = torch.softmax(logits, dim=-1)
-            grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
-            grad_logits = (grad_logits / rows).to(hidden.dtype)
+            counted = t != IGNORE_INDEX
+            grad_logits[torch.arange(t.shape[0], device=t.device), t.clamp(min=0)] -= 1.0
+            grad_logits = (grad_logits * (counted.unsqueeze(1) / rows)).to(hidden.dtype)  # ignored rows: 0
             grad_hidden[start:start + chunk_rows] = grad_logits @ weight
             grad_weight += (grad_logits.t() @ h).float()
         if want_grads:
@@ -66,6 +74,6 @@ def chunked_cross_entropy(
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_rows):
             logits = (hidden[start:start + chunk_rows] @ weight.t()).float()
-            total += F.cross_entropy(logits, targets[start:start + chunk_rows], reduction="sum")
-        return total / hidden.shape[0]
+            total += F.cross_entropy(logits, targets[start:start + chunk_rows], reduction="sum", ignore_index=IGNORE_INDEX)
+        return total / (targets != IGNORE_INDEX).sum()
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_rows)

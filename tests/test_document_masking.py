@@ -1,0 +1,190 @@
+"""Document masking (data.document_masking, model/documents.py): a packed row of documents gives each
+document the logits it gets alone (fp32, max abs difference <= 1e-5), for the GPT (learned and rotary
+positions) and the Llama family, with activation checkpointing, the chunked loss and compiled blocks;
+the loss after an end-of-document id is masked; the GPU path (flex attention) agrees with the CPU's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raytrain_fast.config.data import DataConfig
+from raytrain_fast.model import GPT, ModelConfig, build_model, document_masking
+from raytrain_fast.model.documents import (
+    DocumentMasking, dense_block_causal_mask, document_ids, document_layout, document_positions, flex_block_causal_mask,
+)
+
+pytestmark = pytest.mark.unit
+
+EOD = 256
+SHAPES = {
+    "gpt-learned": ModelConfig(num_layers=2, d_model=64, num_heads=4, max_seq_len=64),
+    "gpt-rotary": ModelConfig(num_layers=2, d_model=64, num_heads=4, max_seq_len=64, positions="rotary"),
+    "llama-gqa": ModelConfig(architecture="llama", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, max_seq_len=64,
+                             tie_embeddings=False),
+}
+
+
+def packed_rows(lengths: list[list[int]], seed: int = 0) -> tuple[torch.Tensor, list[list[tuple[int, int]]]]:
+    """Rows of documents of the given lengths, each ended by EOD (the last one of a row may be cut,
+    as packing cuts it); returns the rows (B, T) and each row's (start, end) spans."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, spans = [], []
+    for row_lengths in lengths:
+        row, row_spans = [], []
+        for length in row_lengths:
+            doc = torch.randint(0, EOD, (length,), generator=generator).tolist() + [EOD]
+            row_spans.append((len(row), len(row) + len(doc)))
+            row += doc
+        rows.append(row)
+        spans.append(row_spans)
+    width = min(len(r) for r in rows)
+    spans = [[(a, min(b, width)) for a, b in row if a < width] for row in spans]
+    return torch.tensor([r[:width] for r in rows]), spans
+
+
+def masked(config: ModelConfig, **kwargs) -> GPT:
+    torch.manual_seed(0)
+    return build_model(config, "cpu", documents=DocumentMasking(eod_id=EOD, **kwargs))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_packed_row_gives_each_document_its_logits_alone(shape):
+    model = masked(SHAPES[shape]).eval()
+    tokens, spans = packed_rows([[9, 20, 13, 17], [30, 4, 40]])
+    with torch.no_grad():
+        packed = model(tokens)
+        model.documents = None  # each document alone, plain causal attention
+        alone_diffs = [
+            (packed[row, a:b] - model(tokens[row:row + 1, a:b])[0]).abs().max().item()
+            for row, row_spans in enumerate(spans) for a, b in row_spans
+        ]
+        unmasked = model(tokens)
+    assert max(alone_diffs) <= 1e-5, alone_diffs
+    # The property can fail: without masking, every document after the first sees the one before it.
+    later = [(row, a, b) for row, row_spans in enumerate(spans) for a, b in row_spans[1:]]
+    assert min((packed[r, a:b] - unmasked[r, a:b]).abs().max().item() for r, a, b in later) > 1e-3
+
+
+def test_document_ids_and_positions_restart_after_each_end_of_document():
+    tokens = torch.tensor([[5, 6, EOD, 7, EOD, EOD, 8, 9]])
+    assert document_ids(tokens, EOD).tolist() == [[0, 0, 0, 1, 1, 2, 3, 3]]
+    assert document_positions(document_ids(tokens, EOD)).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
+    mask = document_layout(tokens, DocumentMasking(eod_id=EOD), dtype=torch.float32).mask[0, 0] == 0
+    assert mask[3].tolist() == [False, False, False, True, False, False, False, False]  # 7 sees itself only
+    assert mask[7].tolist() == [False] * 6 + [True, True]
+
+
+@pytest.mark.parametrize("chunked", ["on", "off"])
+def test_the_loss_after_an_end_of_document_is_masked_and_equals_the_documents_alone(chunked):
+    config = ModelConfig(num_layers=2, d_model=64, num_heads=4, max_seq_len=64, positions="rotary", chunked_loss=chunked)
+    model = masked(config)
+    row, spans = packed_rows([[12, 7, 20, 9]], seed=1)
+    tokens, targets = row[:, :-1], row[:, 1:]
+    loss = model(tokens, targets)
+    loss.backward()
+    # Reference: each document alone, with the plain loss over the targets that do not follow an EOD.
+    model.documents = None
+    with torch.no_grad():
+        logits = torch.cat([model(tokens[:, a:b])[0] for a, b in spans[0]])
+    keep = tokens[0] != EOD
+    reference = F.cross_entropy(logits[keep].float(), targets[0][keep])
+    assert loss.item() == pytest.approx(reference.item(), abs=1e-5)
+    assert int((~keep).sum()) == 3 and all  # the row ends with an EOD, a target only(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+    kept = masked(config, mask_loss_after_eod=False)(tokens, targets)
+    assert kept.item() != pytest.approx(loss.item(), abs=1e-4)
+
+
+def test_chunked_loss_with_masked_targets_matches_the_plain_loss_and_its_gradients():
+    from raytrain_fast.model.loss import chunked_cross_entropy
+
+    torch.manual_seed(0)
+    hidden = torch.randn(50, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    targets = torch.randint(0, 40, (50,))
+    targets[::3] = -100
+    chunked = chunked_cross_entropy(hidden, weight, targets, chunk_rows=8)
+    grads = torch.autograd.grad(chunked, (hidden, weight))
+    plain = F.cross_entropy(hidden @ weight.t(), targets)
+    expected = torch.autograd.grad(plain, (hidden, weight))
+    assert chunked.item() == pytest.approx(plain.item(), rel=1e-5)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert grads[0][::3].abs().max().item() == 0.0  # an ignored row sends no gradient back
+    with torch.no_grad():
+        assert chunked_cross_entropy(hidden, weight, targets, chunk_rows=8).item() == pytest.approx(plain.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("shape", ["gpt-learned", "llama-gqa"])
+def test_activation_checkpointing_keeps_the_masked_gradients(shape):
+    tokens, _ = packed_rows([[9, 20, 13, 17], [30, 4, 40]], seed=2)
+    grads = {}
+    for setting in ("none", "full"):
+        config = dataclasses.replace(SHAPES[shape], activation_checkpointing=setting)
+        model = masked(config).train()
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        grads[setting] = [p.grad.clone() for p in model.parameters()]
+    for plain, recomputed in zip(grads["none"], grads["full"]):
+        torch.testing.assert_close(recomputed, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_blocks_give_the_eager_masked_loss_and_gradients():
+    from raytrain_fast.engine.compile import compile_blocks
+
+    tokens, _ = packed_rows([[9, 20, 13, 17], [30, 4, 40]], seed=3)
+    eager, compiled = masked(SHAPES["gpt-rotary"]), masked(SHAPES["gpt-rotary"])
+    assert compile_blocks(compiled, setting="on", device=torch.device("cpu"))[0]
+    losses = []
+    for model in (eager, compiled):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], abs=1e-5)
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_the_run_config_turns_masking_on_with_the_manifests_end_of_document_id():
+    assert document_masking(DataConfig(), eod_id=EOD) is None
+    on = document_masking(DataConfig(document_masking=True, mask_loss_after_eod=False), eod_id=50_256)
+    assert on == DocumentMasking(eod_id=50_256, mask_loss_after_eod=False)
+    model = build_model(SHAPES["gpt-learned"], "cpu", documents=on)
+    assert model.documents == on
+
+
+def test_the_gpu_paths_block_mask_keeps_the_same_documents_as_the_cpu_mask():
+    # Flex attention runs on the CPU too, forward only (torch 2.13 has no CPU backward): the
+    # BlockMask's rule (flex_block_causal_mask, the CUDA path) against the dense mask SDPA gets here.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    tokens = torch.randint(0, EOD, (2, 256), generator=torch.Generator().manual_seed(4))
+    tokens[0, [10, 50, 130, 200]] = EOD
+    tokens[1, [128]] = EOD
+    doc_ids = document_ids(tokens, EOD)
+    q, k, v = (torch.randn(2, 4, 256, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_block_causal_mask(doc_ids))
+    flex = flex_attention(q, k, v, block_mask=flex_block_causal_mask(doc_ids))
+    assert (dense - flex).abs().max().item() <= 1e-5
+    unmasked = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (flex - unmasked).abs().max().item() > 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", SHAPES)
+def test_on_a_gpu_flex_attention_gives_each_document_its_logits_alone(shape):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    torch.manual_seed(0)
+    model = build_model(SHAPES[shape], "cuda", documents=DocumentMasking(eod_id=EOD)).eval()
+    tokens, spans = packed_rows([[9, 20, 13, 17], [30, 4, 40]])
+    tokens = tokens.cuda()
+    assert isinstance(document_layout(tokens, model.documents, dtype=torch.float32).mask, BlockMask)
+    with torch.no_grad():
+        packed = model(tokens)
+        model.documents = None
+        diffs = [(packed[r, a:b] - model(tokens[r:r + 1, a:b])[0]).abs().max().item() for r, s in enumerate(spans) for a, b in s]
+    assert max(diffs) <= 1e-4, diffs  # fp32 on a GPU: TF32 is off by default for plain torch
