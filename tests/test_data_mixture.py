@@ -7,6 +7,7 @@ sequence came from is read from its tokens, not from the schedule under test."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -203,3 +204,88 @@ def test_bad_mixtures_are_named_with_the_fix(local_uris, tmp_path):
     with pytest.raises(ConfigError, match=r"data.sources '.*empty-text' is empty .*add text to it, or remove it"):
         check_mixture(mixture_config(web, code, str(tmp_path / "empty-text")))
     assert [s.name for s in check_mixture(mixture_config(web, code, local_uris["papers"]))] == ["web", "code", "papers"]
+
+
+class _Recorded:
+    """The two calls an Evaluator makes on the run's metrics: what it emitted, what left the window."""
+
+    def __init__(self) -> None:
+        self.emitted: dict[str, float] = {}
+
+    def exclude_from_window(self, seconds: float) -> None:
+        assert seconds >= 0
+
+    def emit(self, step: int, values: dict[str, float]) -> None:
+        self.emitted.update(values)
+
+
+def test_val_loss_is_reported_per_source_where_each_has_a_validation_split(tmp_path):
+    import torch
+
+    from raytrain_fast.data.validation import load_mixture_validation
+    from raytrain_fast.loop.evaluation import Evaluator
+    from raytrain_fast.model import GPT, ModelConfig
+
+    def prepared_with_split(name: str, text: str, val_fraction: float | None) -> Source:
+        corpus = tmp_path / f"text-{name}"
+        corpus.mkdir()
+        for i in range(40):  # 40 documents: a 0.25 split holds some of them
+            (corpus / f"{i}.txt").write_text(f"{text} {i} " * 6)
+        prepare_data(inputs=[str(corpus)], output=str(tmp_path / name), seq_len=SEQ_LEN, parallel=False, verbose=False,
+                     val_fraction=val_fraction)
+        return Source(name=name, weight=WEIGHTS[name], manifest=load_manifest(str(tmp_path / name)))
+
+    sources = [prepared_with_split("web", "the web page", 0.25), prepared_with_split("code", "def f(x): return x", 0.25)]
+    assert all(s.manifest.validation is not None for s in sources)
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=320, max_seq_len=SEQ_LEN, num_layers=1, num_heads=2, d_model=32))
+
+    def evaluate(tokens: np.ndarray, total: int, splits=None) -> dict[str, float]:
+        recorded = _Recorded()
+        evaluator = Evaluator(tokens=torch.from_numpy(tokens), total=total, every_steps=1, total_steps=1, micro_batch=3,
+                              rank=0, world_size=1, sources=splits)
+        evaluator.run(model, recorded, step=1)
+        return recorded.emitted
+
+    tokens, splits = load_mixture_validation(sources, count=8, rank=0, world_size=1)
+    assert [s.name for s in splits] == ["web", "code"] and [s.weight for s in splits] == pytest.approx([0.5 / 0.8, 0.3 / 0.8])
+    mixed = evaluate(tokens, len(tokens), splits)
+    alone = {}
+    for source, split in zip(sources, splits):
+        own, _ = load_mixture_validation([source], count=8, rank=0, world_size=1)
+        alone[source.name] = evaluate(own, len(own))["val/loss"]  # the single-source path on that source alone
+        assert mixed[f"val/loss/{source.name}"] == pytest.approx(alone[source.name], rel=1e-5)
+    assert mixed["val/loss"] == pytest.approx(sum(s.weight * alone[s.name] for s in splits), rel=1e-5)
+    assert alone["web"] != pytest.approx(alone["code"], rel=1e-3)  # two distributions, two losses
+    # A source without a validation split gets no val/loss of its own.
+    papers = prepared_with_split("papers", "an abstract", None)
+    bare = Source(name="papers", weight=0.2, manifest=dataclasses.replace(papers.manifest, validation=None))
+    _, splits = load_mixture_validation(sources + [bare], count=8, rank=0, world_size=1)
+    assert [s.name for s in splits] == ["web", "code"]
+
+
+def test_the_report_shows_the_realised_mixture_against_the_weights():
+    from raytrain_fast.data.mixture import tokens_per_source
+    from raytrain_fast.report.load import from_records
+    from raytrain_fast.report.mixture import mixture_lines, realised_mixture
+
+    schedule, names, global_batch, log_every = MixtureSchedule(list(WEIGHTS.values())), list(WEIGHTS), 12, 10
+    config = {"data": {"sources": [{"source": f"/data/{n}", "weight": w} for n, w in WEIGHTS.items()]},
+              "train": {"log_every": log_every}}
+    records = [{"step": step, "time": float(step), **tokens_per_source(schedule, consumed=step * global_batch, seq_len=SEQ_LEN, names=names)}
+               for step in range(log_every, 201, log_every)]
+    shares = {s.name: s for s in realised_mixture(from_records(records, config=config))}
+    window = log_every * global_batch  # sequences per log window
+    for name, weight in WEIGHTS.items():
+        assert shares[name].weight == pytest.approx(weight)
+        assert abs(shares[name].share - weight) <= STATED_BOUND / (200 * global_batch)
+        assert abs(shares[name].worst_window_share - weight) <= STATED_BOUND / window
+    # A window whose counts were skewed (planted: web took 30 more sequences at step 100) is the one named.
+    for record in records[9:]:
+        record["data/tokens/web"] += 30 * SEQ_LEN
+    run = from_records(records, config=config)
+    skewed = {s.name: s for s in realised_mixture(run)}
+    assert skewed["web"].worst_window_step == 100 and skewed["web"].worst_window_share == pytest.approx((60 + 30) / (window + 30))
+    lines = mixture_lines(run)
+    assert lines[0].startswith("Mixture") and any(line.strip().startswith("web: weight 50%") for line in lines)
+    assert realised_mixture(from_records([{"step": 10, "time": 1.0, "train/loss": 2.0}])) == []  # not a mixture

@@ -8,11 +8,26 @@ first few documents. Rank r of W evaluates its contiguous share of that set. The
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from raytrain_fast.data.manifest import Manifest, join_uri
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
+
+
+@dataclass(frozen=True)
+class SourceSplit:
+    """One mixture source's part of the validation tokens (per-source val/loss)."""
+
+    name: str
+    rows: int
+    """This rank's rows of the source, consecutive in `tokens` in the order of the splits."""
+    total: int
+    """The source's evaluation sequences across all ranks."""
+    weight: float
+    """The source's normalised mixture weight: val/loss is the weighted mean of the per-source losses."""
 
 
 def evaluation_ids(num_available: int, count: int) -> np.ndarray:
@@ -51,4 +66,22 @@ def load_validation_tokens(
     return np.concatenate(rows) if rows else np.zeros((0, width), dtype=np.int64)
 
 
-__all__ = ["evaluation_ids", "load_validation_tokens", "rank_share"]
+def load_mixture_validation(
+    sources: list, *, count: int, rank: int, world_size: int, storage: StorageConfig | None = None,
+) -> tuple[np.ndarray, list[SourceSplit]]:
+    """(tokens, splits): `count` evaluation sequences of every mixture source that has a validation split
+    (or all of its split, if smaller), this rank's share of each, one source after the other. Sources
+    without a split get no val/loss; the weights of the others are normalised again."""
+    with_split = [s for s in sources if s.manifest.validation is not None and s.manifest.validation.num_sequences > 0]
+    total_weight = sum(s.weight for s in with_split)
+    parts, splits = [], []
+    for source in with_split:
+        wanted = min(count, source.manifest.validation.num_sequences)
+        rows = load_validation_tokens(source.manifest, count=wanted, rank=rank, world_size=world_size, storage=storage)
+        parts.append(rows)
+        splits.append(SourceSplit(name=source.name, rows=len(rows), total=wanted, weight=source.weight / total_weight))
+    width = (sources[0].manifest.seq_len + 1) if sources else 1
+    return (np.concatenate(parts) if parts else np.zeros((0, width), dtype=np.int64)), splits
+
+
+__all__ = ["SourceSplit", "evaluation_ids", "load_mixture_validation", "load_validation_tokens", "rank_share"]

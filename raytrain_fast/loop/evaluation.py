@@ -21,6 +21,7 @@ import torch
 
 from raytrain_fast.config import Config
 from raytrain_fast.data.manifest import Manifest
+from raytrain_fast.data.validation import SourceSplit
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.metrics import TrainMetrics
 
@@ -77,17 +78,20 @@ class Evaluator:
     """val/loss of this rank's share of the fixed validation set, summed across ranks.
 
     `tokens`: (n, seq_len + 1) on the training device, this rank's share; `total`: sequences across
-    all ranks. A disabled evaluator (`tokens=None`) is never due.
+    all ranks. A disabled evaluator (`tokens=None`) is never due. `sources` (a mixture): the parts of
+    `tokens` per source; then val/loss/<name> per source, and val/loss is their weight-averaged mean.
     """
 
     def __init__(
         self, *, tokens: torch.Tensor | None, total: int, every_steps: int, total_steps: int, micro_batch: int,
-        rank: int, world_size: int,
+        rank: int, world_size: int, sources: list[SourceSplit] | None = None,
     ) -> None:
         self.tokens, self.total, self.every_steps, self.total_steps = tokens, total, every_steps, total_steps
         self.micro_batch, self.rank, self.world_size = micro_batch, rank, world_size
+        self.sources = sources or []
         self._next_step = every_steps
-        self._sum = torch.zeros((), dtype=torch.float32, device=tokens.device) if tokens is not None else None
+        parts = max(1, len(self.sources))
+        self._sum = torch.zeros(parts, dtype=torch.float32, device=tokens.device) if tokens is not None else None
 
     @property
     def enabled(self) -> bool:
@@ -114,14 +118,16 @@ class Evaluator:
             import torch.distributed as dist
 
             dist.all_reduce(self._sum)
-        loss = self._sum.item() / self.total  # HOST SYNC: the one read of an evaluation
+        sums = self._sum.tolist()  # HOST SYNC: the one read of an evaluation
         seconds = time.perf_counter() - start
+        per_source = {f"val/loss/{s.name}": total / s.total for s, total in zip(self.sources, sums)}
+        loss = sum(s.weight * v for s, v in zip(self.sources, per_source.values())) if self.sources else sums[0] / self.total
         # What leaves the training window: on a CPU, where ops run synchronously, only this rank's
         # own forward passes, so that waiting in the all-reduce for a slower rank still counts as
         # training time (a straggler stays visible); on a GPU the host only queued the passes, so
         # the whole evaluation (it follows the log step's drain, where the ranks met).
         metrics.exclude_from_window(own_s if self._sum.device.type == "cpu" else seconds)
-        values = {"val/loss": loss, "val/ppl": math.exp(min(loss, 80.0)), "time/eval_s": seconds}
+        values = {"val/loss": loss, "val/ppl": math.exp(min(loss, 80.0)), "time/eval_s": seconds, **per_source}
         metrics.emit(step, values)
         if self.rank == 0:
             print(f"step {step}/{self.total_steps}  val/loss {loss:.4f}  val/ppl {values['val/ppl']:.2f}  eval {seconds:.2f}s", flush=True)
@@ -134,9 +140,11 @@ class Evaluator:
         engine.eval()
         try:
             with torch.no_grad():
-                for batch in self.tokens.split(self.micro_batch):  # type: ignore[union-attr]
-                    loss = engine(batch[:, :-1], batch[:, 1:])
-                    self._sum.add_(loss.detach().float() * batch.shape[0])  # type: ignore[union-attr]
+                parts = self.tokens.split([s.rows for s in self.sources]) if self.sources else [self.tokens]  # type: ignore[union-attr]
+                for index, part in enumerate(parts):
+                    for batch in part.split(self.micro_batch) if len(part) else ():  # a batch never mixes sources
+                        loss = engine(batch[:, :-1], batch[:, 1:])
+                        self._sum[index].add_(loss.detach().float() * batch.shape[0])  # type: ignore[index]
         finally:
             engine.train(was_training)
 

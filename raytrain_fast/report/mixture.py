@@ -1,0 +1,102 @@
+"""The realised mixture against the weights (data.sources), from the run's metrics records.
+
+Each record holds `data/tokens/<name>`: the tokens of each source trained on up to its step (a
+function of the data position: exact, and continued across resumes). So the report can say, for the
+whole run and for every log window, what share each source actually had, and how far that is from
+its weight. The stream's schedule holds every window of G sequences within 2 sequences of G x weight
+(docs/data.md#mixtures); a window here is a log window of many sequences, so its share sits within
+2 / (sequences in the window) of the weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from raytrain_fast.report.finding import pct
+from raytrain_fast.report.load import RunMetrics
+
+PREFIX = "data/tokens/"
+
+
+@dataclass(kw_only=True)
+class SourceShare:
+    name: str
+    weight: float
+    """Configured weight, normalised to sum 1 (None-free: sources without a weight in the config get 0)."""
+    tokens: float
+    """Tokens of this source trained on by the last record."""
+    share: float
+    """Realised share of the whole run: tokens / all sources' tokens."""
+    worst_window_share: float
+    """The log window whose share was furthest from the weight: its share."""
+    worst_window_step: int | None
+    """The step that closed that window (None with a single record)."""
+
+
+def source_names(run: RunMetrics) -> list[str]:
+    """The mixture's sources named in the records, in first-seen order (empty: not a mixture)."""
+    names: dict[str, None] = {}
+    for record in run.records:
+        for key in record:
+            if key.startswith(PREFIX):
+                names.setdefault(key[len(PREFIX):], None)
+    return list(names)
+
+
+def configured_weights(run: RunMetrics, names: list[str]) -> dict[str, float]:
+    """Each source's weight from the run's config (data.sources), normalised; 0 for a source it lacks."""
+    raw: dict[str, float] = {}
+    for item in run.setting("data", "sources", []) or []:
+        if isinstance(item, dict):
+            source = str(item.get("source", ""))
+            name = item.get("name") or source.rstrip("/").rsplit("/", 1)[-1] or source
+            raw[name] = float(item.get("weight", 0.0))
+    total = sum(raw.get(n, 0.0) for n in names) or 1.0
+    return {n: raw.get(n, 0.0) / total for n in names}
+
+
+def realised_mixture(run: RunMetrics) -> list[SourceShare]:
+    """The realised share of each source, for the run and for its worst log window (empty: no mixture)."""
+    names = source_names(run)
+    rows = [r for r in run.records if all(f"{PREFIX}{n}" in r for n in names)]
+    if not names or not rows:
+        return []
+    weights = configured_weights(run, names)
+    last = rows[-1]
+    total = sum(float(last[f"{PREFIX}{n}"]) for n in names) or 1.0
+    shares = []
+    for name in names:
+        worst, worst_step = float(last[f"{PREFIX}{name}"]) / total, None
+        for before, after in zip(rows, rows[1:]):
+            window = sum(float(after[f"{PREFIX}{n}"]) - float(before[f"{PREFIX}{n}"]) for n in names)
+            if window <= 0:
+                continue  # a rollback or a resume from an earlier checkpoint: the counts went back
+            share = (float(after[f"{PREFIX}{name}"]) - float(before[f"{PREFIX}{name}"])) / window
+            if worst_step is None or abs(share - weights[name]) > abs(worst - weights[name]):
+                worst, worst_step = share, int(after["step"])
+        shares.append(SourceShare(
+            name=name, weight=weights[name], tokens=float(last[f"{PREFIX}{name}"]), share=float(last[f"{PREFIX}{name}"]) / total,
+            worst_window_share=worst, worst_window_step=worst_step,
+        ))
+    return shares
+
+
+def mixture_lines(run: RunMetrics) -> list[str]:
+    """The report's text: one line per source (weight, realised share, worst window), or none."""
+    shares = realised_mixture(run)
+    if not shares:
+        return []
+    lines = [f"Mixture (realised to step {run.last_step:,} against data.sources' weights):"]
+    for s in shares:
+        window = f"; worst log window {pct(s.worst_window_share)} (step {s.worst_window_step:,})" if s.worst_window_step else ""
+        lines.append(f"  {s.name}: weight {pct(s.weight)}, realised {pct(s.share)} of {s.tokens:,.0f} tokens{window}")
+    return lines
+
+
+def mixture_facts(run: RunMetrics) -> dict[str, Any]:
+    """{source: 'weight W, realised R'} for the report's facts table (empty: not a mixture)."""
+    return {f"mixture: {s.name}": f"weight {pct(s.weight)}, realised {pct(s.share)}" for s in realised_mixture(run)}
+
+
+__all__ = ["SourceShare", "mixture_facts", "mixture_lines", "realised_mixture", "source_names"]
