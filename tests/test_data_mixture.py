@@ -22,6 +22,8 @@ from raytrain_fast.data.mixture import (
 from raytrain_fast.errors import ConfigError, DataError
 from raytrain_fast.storage import StorageConfig
 
+pytestmark = pytest.mark.ray
+
 SEQ_LEN = 8
 WEIGHTS = {"web": 0.5, "code": 0.3, "papers": 0.2}
 LETTERS = {"web": "abcd", "code": "kl", "papers": "x"}  # 143 bytes + EOD per file = 16 rows of 9 tokens

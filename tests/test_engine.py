@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -86,7 +87,19 @@ def test_explicit_precision_is_kept_and_gpu_auto_is_bf16():
     assert resolve_precision("fp32", use_gpu=True)[0] == "fp32"
     assert resolve_precision("auto", use_gpu=True)[0] == "bf16"
     precision, reason = resolve_precision("auto", use_gpu=False)
-    assert precision in ("bf16", "fp32") and "fp32" in reason  # the measured ratio is in the reason
+    stated = float(re.search(r"bf16 matmuls (?:at )?([\d.]+)x", reason).group(1))  # the measured ratio is in the reason
+    assert stated > 0 and precision == ("bf16" if stated >= 1.0 else "fp32"), reason
+
+
+@pytest.mark.parametrize(("speedup", "expected"), [(0.02, "fp32"), (0.99, "fp32"), (1.0, "bf16"), (3.5, "bf16")])
+def test_cpu_auto_precision_follows_the_measured_bf16_speed(speedup, expected, monkeypatch):
+    from raytrain_fast.engine import deepspeed_engine
+
+    monkeypatch.setattr(deepspeed_engine, "measure_cpu_bf16_speedup", lambda: speedup)
+    precision, reason = resolve_precision("auto", use_gpu=False)
+    stated = float(re.search(r"bf16 matmuls (?:at )?([\d.]+)x", reason).group(1))
+    assert precision == expected and stated == pytest.approx(speedup, abs=0.05), reason
+    assert ("engine.precision=bf16" in reason) == (expected == "fp32")  # the way to force bf16, only when it is not chosen
 
 
 @pytest.mark.parametrize("norm", [2.5, 0.3, float("nan"), float("inf"), -1.0])
@@ -404,6 +417,7 @@ for name, optim in (("same", OLD), ("other", NEW)):
 """ + _END
 
 
+@pytest.mark.ray
 def test_a_resume_trains_with_this_runs_optimizer_settings_not_the_checkpoints():
     """DeepSpeed's checkpoint load puts back the saved LR (the scheduler's base_lrs), betas, eps,
     weight decay and ZeRO's clipping value; after `apply_optim_settings` the run's own are in force
