@@ -19,7 +19,7 @@ from raytrain_fast.checkpoint.checkpointing import TrainState, rng_states, set_r
 from raytrain_fast.config import load_config
 from raytrain_fast.engine.compile import compile_blocks, resolve_compile
 from raytrain_fast.errors import CheckpointError
-from raytrain_fast.launch.trainer import keep_checkpoint_precision
+from raytrain_fast.launch.resume import keep_checkpoint_precision
 from raytrain_fast.metrics.memory import peak_memory_gb, reset_peak_memory
 from raytrain_fast.model import GPT, ModelConfig, build_model, chunked_cross_entropy
 
@@ -205,6 +205,7 @@ def test_compile_auto_is_on_for_cuda_and_off_on_cpus():
     assert (config.engine.compile, config.model.chunked_loss) == ("on", "off")
 
 
+@pytest.mark.e2e  # compiles in a fresh process: 25-30 s here
 def test_compiled_blocks_keep_the_checkpoint_names_and_give_the_eager_results():
     """A checkpoint written with compile on loads with it off and the other way round: the compiled
     model's state_dict has the eager names, and the same weights give the same loss and gradients.
@@ -241,6 +242,7 @@ def test_compiled_blocks_keep_the_checkpoint_names_and_give_the_eager_results():
     assert "Compile: on, 2 blocks compiled" in done.stdout and done.stdout.strip().endswith("OK")
 
 
+@pytest.mark.e2e  # compiles in a fresh process: 25-30 s here
 def test_a_compiler_that_does_not_work_falls_back_to_eager_with_one_line():
     # A real failure: inductor's C++ compiler is a path that does not exist (no cached kernels).
     script = textwrap.dedent("""
