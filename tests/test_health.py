@@ -192,7 +192,8 @@ def _fake_checkpoint(run_dir: Path, step: int, state: dict) -> None:
 def test_resume_export_and_retention_keep_to_the_newest_healthy_checkpoint(tmp_path):
     import pyarrow.fs as pafs
 
-    from raytrain_fast.checkpoint import CheckpointConfig, Checkpointer, find_resumable_checkpoint
+    from raytrain_fast.checkpoint import CheckpointConfig, find_resumable_checkpoint
+    from raytrain_fast.checkpoint.retention import Retention
 
     run_dir = tmp_path / "run"
     _fake_checkpoint(run_dir, 10, {"health": {"finite": True, "loss": 3.1, "grad_norm": 0.4}})
@@ -203,11 +204,8 @@ def test_resume_export_and_retention_keep_to_the_newest_healthy_checkpoint(tmp_p
     assert chosen.endswith("checkpoint_00000010")
     assert [(p.rsplit("_", 1)[1], "healthy" in r or "non-finite" in r) for p, r in skipped] == [("00000030", True), ("00000020", True)]
 
-    # Retention with keep_last=1 (the real _prune, outside a Ray Train worker).
-    checkpointer = object.__new__(Checkpointer)
-    checkpointer.config, checkpointer.filesystem, checkpointer.run_path = CheckpointConfig(keep_last=1), filesystem, str(run_dir)
-    checkpointer._best_cache, checkpointer._best_metric = {}, "train/loss"
-    checkpointer._prune()
+    # Retention with keep_last=1 (the Checkpointer's own, outside a Ray Train worker).
+    Retention(CheckpointConfig(keep_last=1), filesystem=filesystem, run_path=str(run_dir)).prune()
     assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == ["checkpoint_00000010", "checkpoint_00000030"]
 
 

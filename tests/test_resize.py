@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_fast.checkpoint.checkpointing import TrainState
-from raytrain_fast.checkpoint.manifest import _step_from_name
+from raytrain_fast.checkpoint.state import TrainState
+from raytrain_fast.checkpoint.verify import step_from_name
 from raytrain_fast.checkpoint.resize import fit_batch, saved_global_batch, universal_cache_path, worker_counts_that_fit
 from raytrain_fast.errors import CheckpointError
 
@@ -34,4 +34,4 @@ def test_the_saved_global_batch_comes_from_the_state_or_its_tokens():
 def test_the_cache_is_never_taken_for_a_checkpoint():
     cache = universal_cache_path("s3://b/runs/r/checkpoint_00000010/")
     assert cache == "s3://b/runs/r/checkpoint_00000010.universal"
-    assert _step_from_name(cache) is None and _step_from_name("s3://b/runs/r/checkpoint_00000010") == 10
+    assert step_from_name(cache) is None and step_from_name("s3://b/runs/r/checkpoint_00000010") == 10

@@ -36,7 +36,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from raytrain_fast.checkpoint.manifest import verify_checkpoint
+from raytrain_fast.checkpoint.verify import verify_checkpoint
 from raytrain_fast.model import ModelConfig
 from raytrain_fast.config.storage import StorageConfig
 

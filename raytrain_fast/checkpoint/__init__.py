@@ -1,17 +1,14 @@
 """Checkpoints: every rank's DeepSpeed state plus the loop's own state, saved through Ray Train,
 verified by per-rank manifests, listed and exported."""
 
-from raytrain_fast.checkpoint.checkpointing import Checkpointer, TrainState, checkpoint_dir_name
-from raytrain_fast.config.checkpoint import CheckpointConfig
+from raytrain_fast.checkpoint.checkpointing import Checkpointer
+from raytrain_fast.checkpoint.download import IncompleteCheckpointError, download_checkpoint, find_resumable_checkpoint
 from raytrain_fast.checkpoint.export import export_checkpoint, load_exported
-from raytrain_fast.checkpoint.manifest import (
-    IncompleteCheckpointError,
-    download_checkpoint,
-    find_resumable_checkpoint,
-    verify_checkpoint,
-    write_rank_manifest,
-)
+from raytrain_fast.checkpoint.rank_manifest import write_rank_manifest
 from raytrain_fast.checkpoint.runs import CheckpointInfo, RunInfo, format_runs_table, list_runs
+from raytrain_fast.checkpoint.state import TrainState, checkpoint_dir_name
+from raytrain_fast.checkpoint.verify import verify_checkpoint
+from raytrain_fast.config.checkpoint import CheckpointConfig
 
 __all__ = [
     "CheckpointConfig",

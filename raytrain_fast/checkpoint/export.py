@@ -27,7 +27,8 @@ from typing import Any, Literal
 import yaml
 
 from raytrain_fast.checkpoint.layout import CONFIG_FILE, DEEPSPEED_TAG, STATE_FILE
-from raytrain_fast.checkpoint.manifest import download_checkpoint, find_resumable_checkpoint, list_checkpoint_dirs
+from raytrain_fast.checkpoint.download import download_checkpoint, find_resumable_checkpoint
+from raytrain_fast.checkpoint.verify import list_checkpoint_dirs
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.model import GPT, ModelConfig, model_class
 from raytrain_fast.config.storage import StorageConfig
@@ -141,9 +142,6 @@ def export_local_checkpoint(
 
     dtype: float32 / fp32 or bfloat16 / bf16 (the config's spelling). tokenizer: the tokenizer.json
     to export instead of the run's (hf only)."""
-    import torch
-    from safetensors.torch import save_model
-
     config = read_checkpoint_model_config(local_dir) or model_config
     if config is None:
         raise CheckpointError(
@@ -157,20 +155,10 @@ def export_local_checkpoint(
         if hf_refusal(config):
             raise CheckpointError(f"cannot export in the Hugging Face format: {hf_refusal(config)}")
         spec = run_tokenizer(_run_config(local_dir), storage, tokenizer)  # before the slow part: it can refuse
-    state, source = consolidated_state_dict(local_dir)
-    model = model_class(config)(config)
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as error:
-        raise CheckpointError(f"the checkpoint's weights do not fit its model config: {error}") from None
-    dtype = DTYPE_ALIASES.get(dtype, dtype)  # type: ignore[assignment]
-    if dtype not in ("float32", "bfloat16"):
-        raise CheckpointError(f"dtype '{dtype}': use one of {', '.join(DTYPE_ALIASES)}")
-    if dtype == "bfloat16":
-        model = model.to(torch.bfloat16)
+    dtype = _checked_dtype(dtype)
+    model, source = _checkpoint_model(local_dir, config, dtype=dtype)
     os.makedirs(out_dir, exist_ok=True)
     info = {"weights": source, "dtype": dtype, "format": chosen, **(metadata or {}), **_losses_at_save(local_dir)}
-    config_path, weights_path = Path(out_dir, CONFIG_FILE), Path(out_dir, WEIGHTS_FILE)
     if chosen == "hf":
         from raytrain_fast.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, write_hf_export
 
@@ -179,14 +167,44 @@ def export_local_checkpoint(
             max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
         )
         info["tokenizer"] = spec.info.name
-        config_path.write_text(yaml.safe_dump({"model": dataclasses.asdict(config), "export": info}, sort_keys=False))
-        return out_dir
+        Path(out_dir, CONFIG_FILE).write_text(yaml.safe_dump({"model": dataclasses.asdict(config), "export": info}, sort_keys=False))
+    else:
+        _write_native(model, config, out_dir, info=info)
+    return out_dir
+
+
+def _checked_dtype(dtype: str) -> Literal["float32", "bfloat16"]:
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
+    if dtype not in ("float32", "bfloat16"):
+        raise CheckpointError(f"dtype '{dtype}': use one of {', '.join(DTYPE_ALIASES)}")
+    return dtype  # type: ignore[return-value]
+
+
+def _checkpoint_model(local_dir: str, config: ModelConfig, *, dtype: str) -> tuple[Any, str]:
+    """The model of `config` holding the checkpoint's consolidated weights, in `dtype`; and where the weights came from."""
+    import torch
+
+    state, source = consolidated_state_dict(local_dir)
+    model = model_class(config)(config)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as error:
+        raise CheckpointError(f"the checkpoint's weights do not fit its model config: {error}") from None
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    return model, source
+
+
+def _write_native(model: Any, config: ModelConfig, out_dir: str, *, info: dict[str, Any]) -> None:
+    """model.safetensors and config.yaml (the model config and the export's record)."""
+    from safetensors.torch import save_model
+
+    config_path, weights_path = Path(out_dir, CONFIG_FILE), Path(out_dir, WEIGHTS_FILE)
     # safetensors' header metadata holds strings only; config.yaml keeps the types (step: 300).
     save_model(model, str(weights_path), metadata={k: str(v) for k, v in info.items() if not isinstance(v, (list, dict))})
     config_path.write_text(yaml.safe_dump({"model": dataclasses.asdict(config), "export": info}, sort_keys=False))
     # safetensors creates its file 0600; give it config.yaml's mode (the umask's), so both read alike.
     os.chmod(weights_path, stat.S_IMODE(config_path.stat().st_mode))
-    return out_dir
 
 
 def _run_config(local_dir: str) -> dict[str, Any]:
@@ -239,25 +257,8 @@ def export_checkpoint(
     filesystem, root = resolve_filesystem(storage_uri, storage)
     run_path = f"{root.rstrip('/')}/{name}"
     local_dir = tempfile.mkdtemp(prefix="raytrain-fast-export-")
-    skipped: list[tuple[str, str]] = []
     try:
-        if step is None:
-            path, skipped = find_resumable_checkpoint(filesystem, run_path, download_to=local_dir)
-            if path is None:
-                why = "; ".join(f"{p.rsplit('/', 1)[-1]}: {r}" for p, r in skipped) or "it has no checkpoints"
-                raise CheckpointError(
-                    f"run '{name}' under {storage_uri} has no complete checkpoint ({why}). Check --name and --storage "
-                    f"(`raytrain-fast runs --storage {storage_uri}` lists runs), or train it until it saves one"
-                )
-        else:
-            path = f"{run_path}/checkpoint_{step:08d}"
-            if not any(s == step for s, _ in list_checkpoint_dirs(filesystem, run_path)):
-                steps = [s for s, _ in list_checkpoint_dirs(filesystem, run_path)]
-                raise CheckpointError(
-                    f"run '{name}' under {storage_uri} has no checkpoint at step {step} (steps: {sorted(steps) or 'none'}); "
-                    "pick one of those steps, or leave out --step for the newest complete one"
-                )
-            download_checkpoint(filesystem, path, local_dir)
+        path, skipped = _download_chosen(filesystem, run_path, local_dir, name=name, step=step, storage_uri=storage_uri)
         checkpoint_step = int(path.rstrip("/").rsplit("_", 1)[-1])
         return export_local_checkpoint(
             local_dir, out_dir, model_config=model_config, dtype=dtype, format=format, storage=storage,
@@ -269,6 +270,31 @@ def export_checkpoint(
         )
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)
+
+
+def _download_chosen(
+    filesystem: Any, run_path: str, local_dir: str, *, name: str, step: int | None, storage_uri: str
+) -> tuple[str, list[tuple[str, str]]]:
+    """Download the checkpoint at `step` (None: the newest complete one) into local_dir: (its path,
+    [(newer checkpoint skipped, why), ...])."""
+    if step is None:
+        path, skipped = find_resumable_checkpoint(filesystem, run_path, download_to=local_dir)
+        if path is None:
+            why = "; ".join(f"{p.rsplit('/', 1)[-1]}: {r}" for p, r in skipped) or "it has no checkpoints"
+            raise CheckpointError(
+                f"run '{name}' under {storage_uri} has no complete checkpoint ({why}). Check --name and --storage "
+                f"(`raytrain-fast runs --storage {storage_uri}` lists runs), or train it until it saves one"
+            )
+        return path, skipped
+    steps = [s for s, _ in list_checkpoint_dirs(filesystem, run_path)]
+    if step not in steps:
+        raise CheckpointError(
+            f"run '{name}' under {storage_uri} has no checkpoint at step {step} (steps: {sorted(steps) or 'none'}); "
+            "pick one of those steps, or leave out --step for the newest complete one"
+        )
+    path = f"{run_path}/checkpoint_{step:08d}"
+    download_checkpoint(filesystem, path, local_dir)
+    return path, []
 
 
 def load_exported(out_dir: str, *, device: str = "cpu") -> GPT:

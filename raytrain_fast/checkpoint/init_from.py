@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from raytrain_fast.checkpoint.manifest import download_checkpoint
+from raytrain_fast.checkpoint.download import download_checkpoint
 from raytrain_fast.errors import CheckpointError
 
 

@@ -121,7 +121,8 @@ def ensure_universal(
     Returns (cache path, conversion seconds or None when reused). Rank 0 only."""
     import pyarrow.fs as pafs
 
-    from raytrain_fast.checkpoint.manifest import verify_checkpoint, write_rank_manifest
+    from raytrain_fast.checkpoint.rank_manifest import write_rank_manifest
+    from raytrain_fast.checkpoint.verify import verify_checkpoint
 
     cache = universal_cache_path(checkpoint_path)
     if verify_checkpoint(filesystem, cache, checksums=False)[0]:

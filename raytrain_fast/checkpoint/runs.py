@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pyarrow.fs as pafs
 
 from raytrain_fast.checkpoint.layout import STATE_FILE
-from raytrain_fast.checkpoint.manifest import inspect_checkpoint, list_checkpoint_dirs
+from raytrain_fast.checkpoint.verify import inspect_checkpoint, list_checkpoint_dirs
 from raytrain_fast.config.storage import StorageConfig
 from raytrain_fast.storage.filesystem import resolve_filesystem
 

@@ -1,0 +1,259 @@
+"""Reading a checkpoint back, every byte checked against its manifest while it streams: the whole
+checkpoint (`download_checkpoint`, and `find_resumable_checkpoint`, the newest that checks out), or
+only the files one rank loads, shared by the ranks of a node (`download_for_rank`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from raytrain_fast.checkpoint.rank_manifest import (
+    FileEntry,
+    NUM_IO_THREADS,
+    REMOTE_CHUNK_BYTES,
+    RankManifest,
+    hash_stream,
+    manifest_name,
+)
+from raytrain_fast.checkpoint.verify import (
+    CheckpointStatus,
+    checkpoint_health,
+    inspect_checkpoint,
+    list_checkpoint_dirs,
+    verify_checkpoint,
+)
+from raytrain_fast.errors import CheckpointError
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint failed verification; `reason` says why."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"checkpoint {path} is incomplete: {reason}")
+        self.path, self.reason = path, reason
+
+    def __reduce__(self):
+        return (IncompleteCheckpointError, (self.path, self.reason))
+
+
+def _first_problem(fetch: Callable[[Any], str], jobs: Mapping[str, Any]) -> str:
+    """`fetch` over every (relative path, job) on the I/O threads: the first problem any reported
+    ("" when none), or the OSError that stopped them."""
+    try:
+        with ThreadPoolExecutor(NUM_IO_THREADS) as pool:
+            problems = [p for p in pool.map(fetch, jobs.items()) if p]
+    except OSError as error:
+        problems = [f"a file could not be read: {error}"]
+    return problems[0] if problems else ""
+
+
+def _download_verified(
+    filesystem: pafs.FileSystem, path: str, relative: str, target: Path, *, algorithm: str, entry: FileEntry | None
+) -> tuple[int, str]:
+    """Stream `path/relative` into `target`, hashing as it goes: (bytes read, "" or the problem)."""
+    with filesystem.open_input_stream(f"{path}/{relative}") as stream, open(target, "wb") as sink:
+        size, checksum = hash_stream(stream.read, algorithm=algorithm, chunk_bytes=REMOTE_CHUNK_BYTES, sink=sink)
+    if entry is not None and (size != entry.size or checksum != entry.checksum):
+        return size, f"{relative} does not match its checksum (altered or corrupted after save)"
+    return size, ""
+
+
+def download_checkpoint(filesystem: pafs.FileSystem, path: str, local_dir: str) -> str:
+    """Download the checkpoint `path` into `local_dir` (emptied first), verifying every file against
+    its manifest while it streams (one read per byte). Returns local_dir.
+
+    Raises IncompleteCheckpointError (a CheckpointError) when it is incomplete or altered; local_dir
+    is then emptied again, so a half-verified checkpoint is never left behind to be loaded.
+    """
+    path = path.rstrip("/")
+    status = inspect_checkpoint(filesystem, path, checksums=False)  # manifests + sizes first: cheap
+    if not status.complete:
+        raise IncompleteCheckpointError(path, status.reason)
+    shutil.rmtree(local_dir, ignore_errors=True)
+    os.makedirs(local_dir)
+    jobs = _manifest_jobs(status)
+
+    def fetch(item: tuple[str, tuple[str, FileEntry | None]]) -> str:
+        relative, (algorithm, entry) = item
+        target = Path(local_dir, relative)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return _download_verified(filesystem, path, relative, target, algorithm=algorithm, entry=entry)[1]
+
+    problem = _first_problem(fetch, jobs)
+    if problem:
+        shutil.rmtree(local_dir, ignore_errors=True)
+        os.makedirs(local_dir)
+        raise IncompleteCheckpointError(path, problem)
+    return local_dir
+
+
+def find_resumable_checkpoint(
+    filesystem: pafs.FileSystem, run_path: str, *, checksums: bool = True, download_to: str | None = None
+) -> tuple[str | None, list[tuple[str, str]]]:
+    """(newest complete and healthy checkpoint of the run or None, [(skipped newer checkpoint, reason), ...]).
+
+    download_to: also download the chosen checkpoint there, verifying checksums while downloading
+    (each byte is read once: the cheap way to resume from S3). Without it, checksums=True reads
+    every file of the candidate once just to verify it.
+    """
+    skipped: list[tuple[str, str]] = []
+    for _, path in list_checkpoint_dirs(filesystem, run_path):
+        unhealthy = checkpoint_health(filesystem, path)
+        if unhealthy:
+            skipped.append((path, unhealthy))
+            continue
+        if download_to is not None:
+            try:
+                download_checkpoint(filesystem, path, download_to)
+                return path, skipped
+            except IncompleteCheckpointError as error:
+                skipped.append((path, error.reason))
+                continue
+        ok, reason = verify_checkpoint(filesystem, path, checksums=checksums)
+        if ok:
+            return path, skipped
+        skipped.append((path, reason))
+    return None, skipped
+
+
+# --- one rank's share (resume) ------------------------------------------------------------------
+
+# Files that belong to one rank: DeepSpeed's optimizer shard (and, under ZeRO-3, its model-state
+# part), our RNG states. A rank resuming at the same world size opens only its own (DeepSpeed
+# 0.19.8, engine._get_all_zero_checkpoint_state_dicts: without zero_optimization.elastic_checkpoint
+# it loads only the shard of its own data-parallel rank and passes None for the others; the other
+# names are only tested with os.path.exists, which tolerates their absence).
+_RANK_FILE_RES = (
+    re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt$"),
+    re.compile(r"(?:^|/)rng_state_rank(\d+)\.pt$"),
+)
+
+
+def file_rank(relative: str) -> int | None:
+    """The rank a checkpoint file belongs to, or None for a file every rank loads (model states,
+    train state, config, manifests, `latest`)."""
+    for pattern in _RANK_FILE_RES:
+        if match := pattern.search(relative):
+            return int(match.group(1))
+    return None
+
+
+def rank_needs(relative: str, rank: int) -> bool:
+    owner = file_rank(relative)
+    return owner is None or owner == rank
+
+
+@dataclass(kw_only=True)
+class RankDownload:
+    """What `download_for_rank` did on this rank."""
+
+    local_dir: str
+    """The node-local directory holding the files (shared by the node's ranks)."""
+    downloaded_bytes: int
+    """Bytes this rank read from storage (files another rank of the node fetched first are not counted)."""
+    needed_bytes: int
+    """Bytes of the files this rank loads (its share of the checkpoint)."""
+    checkpoint_bytes: int
+    """Bytes of the whole checkpoint (every rank's files): what each rank downloaded before."""
+
+
+def node_restore_dir(path: str, manifests: list[RankManifest], *, base: str | None = None) -> str:
+    """A directory on this node for one checkpoint, the same for every rank of the node: named
+    after the checkpoint's path and its manifests' creation times (a checkpoint rewritten under the
+    same name gets another directory)."""
+    import hashlib
+    import tempfile
+
+    key = path + "|" + ",".join(f"{m.rank}:{m.created_unix!r}" for m in manifests)
+    name = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return os.path.join(base or tempfile.gettempdir(), "raytrain-fast-restore", name)
+
+
+def _manifest_jobs(status: CheckpointStatus, *, rank: int | None = None) -> dict[str, tuple[str, FileEntry | None]]:
+    """relative path -> (checksum algorithm, its manifest entry): every manifest (entry None: they are
+    checked as a whole by `inspect_checkpoint`) and the files it lists, only those `rank` loads if given."""
+    jobs: dict[str, tuple[str, FileEntry | None]] = {}
+    for manifest in status.manifests:
+        jobs[manifest_name(manifest.rank)] = (manifest.algorithm, None)
+        for entry in manifest.files:
+            if rank is None or rank_needs(entry.path, rank):
+                jobs[entry.path] = (manifest.algorithm, entry)
+    return jobs
+
+
+def _fetch_once_per_node(
+    filesystem: pafs.FileSystem, path: str, local_dir: str, relative: str, *, algorithm: str, entry: FileEntry | None
+) -> tuple[int, str]:
+    """Fetch `relative` into the node's `local_dir` unless a rank of the node already did: (bytes read,
+    "" or the problem). A per-file lock (fcntl) makes the first rank fetch it; the file appears under
+    its final name only once its checksum matched, so the others find it there and read nothing."""
+    import fcntl
+
+    target = Path(local_dir, relative)
+    if target.exists():
+        return 0, ""
+    lock_path = Path(local_dir, ".locks", relative.replace("/", "__") + ".lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if target.exists():  # another rank of the node fetched it while this one waited
+                return 0, ""
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+            try:
+                size, problem = _download_verified(filesystem, path, relative, partial, algorithm=algorithm, entry=entry)
+                if not problem:
+                    os.replace(partial, target)  # whole and verified, or absent
+                return size, problem
+            finally:
+                partial.unlink(missing_ok=True)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def download_for_rank(
+    filesystem: pafs.FileSystem, path: str, *, rank: int, status: CheckpointStatus | None = None, base_dir: str | None = None
+) -> RankDownload:
+    """Download what rank `rank` loads from the checkpoint `path` (the model states, its own
+    optimizer shard and RNG states, the small state files, every manifest) into a directory shared
+    by the ranks of this node, checksumming every byte as it streams.
+
+    Ranks of one node share one download (`_fetch_once_per_node`). Raises IncompleteCheckpointError
+    when a file this rank needs is missing or altered (the partial file is removed; the directory is
+    kept for the node's other ranks and removed by `Checkpointer`).
+    """
+    path = path.rstrip("/")
+    if status is None:
+        status = inspect_checkpoint(filesystem, path, checksums=False)
+    if not status.complete:
+        raise IncompleteCheckpointError(path, status.reason)
+    local_dir = node_restore_dir(path, status.manifests, base=base_dir)
+    os.makedirs(os.path.join(local_dir, ".locks"), exist_ok=True)
+    jobs = _manifest_jobs(status, rank=rank)
+    downloaded = 0
+    counter_lock = threading.Lock()
+
+    def fetch(item: tuple[str, tuple[str, FileEntry | None]]) -> str:
+        nonlocal downloaded
+        relative, (algorithm, entry) = item
+        size, problem = _fetch_once_per_node(filesystem, path, local_dir, relative, algorithm=algorithm, entry=entry)
+        with counter_lock:
+            downloaded += size
+        return problem
+
+    problem = _first_problem(fetch, jobs)
+    if problem:
+        raise IncompleteCheckpointError(path, problem)
+    needed = sum(entry.size for _, entry in jobs.values() if entry is not None)
+    return RankDownload(
+        local_dir=local_dir, downloaded_bytes=downloaded, needed_bytes=needed, checkpoint_bytes=status.num_bytes
+    )

@@ -1,0 +1,77 @@
+"""A rank's checkpoint uploads: retried, timed (`checkpoint/upload_s`), one in flight at a time, run
+in Ray's upload thread (async) or inline (sync) through `ray.train.report`'s `checkpoint_upload_fn`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from raytrain_fast.errors import CheckpointError
+
+
+class Uploader:
+    """Copies a rank's local checkpoint directory into the run's storage."""
+
+    def __init__(
+        self, *, filesystem: Any, run_path: str, attempts: int, delay_s: float = 0.0,
+        after_upload: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """`after_upload(local_dir, dir_name)`: run in the upload thread once the files are in (rank 0
+        says so and prunes). `delay_s`: a drill (loop/drills.py) that makes the uploads start late."""
+        self.filesystem, self.run_path = filesystem, run_path
+        self.attempts, self.delay_s, self.after_upload = attempts, delay_s, after_upload
+        self._idle = threading.Event()
+        self._idle.set()
+        self.last_upload_s: float | None = None
+
+    def begin(self) -> None:
+        """A save hands its directory over: the next save waits until this upload is done (`wait`)."""
+        self._idle.clear()
+
+    def abandon(self) -> None:
+        """The save failed before any upload started."""
+        self._idle.set()
+
+    def wait(self) -> None:
+        self._idle.wait()
+
+    def upload(self, checkpoint: Any, dir_name: str) -> Any:
+        """Ray's `checkpoint_upload_fn`: copy, retrying; then `after_upload`. Returns the stored checkpoint."""
+        import ray.train
+
+        destination = f"{self.run_path}/{dir_name}"
+        start = time.perf_counter()
+        try:
+            time.sleep(self.delay_s)
+            self._copy(checkpoint, destination, dir_name)
+            self.last_upload_s = time.perf_counter() - start
+            if self.after_upload is not None:
+                self.after_upload(checkpoint.path, dir_name)
+        finally:
+            self._idle.set()
+        return ray.train.Checkpoint(destination, self.filesystem)
+
+    def _copy(self, checkpoint: Any, destination: str, dir_name: str) -> None:
+        import pyarrow.fs as pafs
+
+        for attempt in range(1, self.attempts + 1):
+            try:
+                pafs.copy_files(
+                    checkpoint.path, destination,
+                    source_filesystem=checkpoint.filesystem, destination_filesystem=self.filesystem,
+                )
+                return
+            except OSError as error:
+                if attempt == self.attempts:
+                    raise CheckpointError(
+                        f"uploading {dir_name} to {destination} failed {attempt} times, last error: {error}. "
+                        "Training stops here; the previous complete checkpoint is what a rerun resumes from."
+                    ) from None
+                time.sleep(min(2.0**attempt, 10.0))
+
+    def take_upload_s(self) -> float | None:
+        """Duration of the last finished upload, once (None if none finished since the last call)."""
+        value, self.last_upload_s = self.last_upload_s, None
+        return value
