@@ -170,8 +170,20 @@ def bench_data(
             ray.shutdown()
 
     tokens_per_step = micro_batch * seq_len
-    ours, baseline = trainers["ingest"].summary(tokens_per_step), trainers["baseline"].summary(tokens_per_step)
-    mixed = trainers["mixture"].summary(tokens_per_step)
+    summaries = {name: trainer.summary(tokens_per_step) for name, trainer in trainers.items()}
+    summaries["mixture"].update(weights=MIXTURE_WEIGHTS, realised=_realised_shares(mixture))
+    setup = {
+        "steps_measured": per_round * rounds, "warmup_steps": warmup_steps, "rounds": rounds, "micro_batch": micro_batch,
+        "seq_len": seq_len, "prefetch_batches": prefetch_batches, "precision": "fp32", "torch_threads": threads,
+        "corpus": {"source": source, "uri": uri, "num_sequences": manifest.num_sequences, "num_shards": len(manifest.shards)},
+        "prepare_s": prepare_s,
+    }
+    return _result(summaries, setup)
+
+
+def _result(summaries: dict[str, dict[str, Any]], setup: dict[str, Any]) -> dict[str, Any]:
+    """The report: each path's headline figures, the target, every path's summary and the setup."""
+    ours, baseline, mixed = summaries["ingest"], summaries["baseline"], summaries["mixture"]
     return {
         "data_wait_frac": ours["data_wait_frac"],
         "data_wait_frac_baseline": baseline["data_wait_frac"],
@@ -182,22 +194,11 @@ def bench_data(
         "target_data_wait_frac": 0.02,
         "meets_target": ours["data_wait_frac"] <= 0.02,
         "mixture_meets_target": mixed["data_wait_frac"] <= 0.02,
-        "steps_measured": per_round * rounds,
-        "warmup_steps": warmup_steps,
-        "rounds": rounds,
-        "ingest": ours,
-        "baseline": baseline,
-        "mixture": {**mixed, "weights": MIXTURE_WEIGHTS, "realised": _realised_shares(mixture)},
-        "micro_batch": micro_batch,
-        "seq_len": seq_len,
-        "prefetch_batches": prefetch_batches,
-        "precision": "fp32",
-        "torch_threads": threads,
+        **summaries,
+        **setup,
         "cpu_count": os.cpu_count(),
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "corpus": {"source": source, "uri": uri, "num_sequences": manifest.num_sequences, "num_shards": len(manifest.shards)},
-        "prepare_s": prepare_s,
-        "note": "timings share the machine with everything else running; compare the two paths, not runs",
+        "note": "timings share the machine with everything else running; compare the paths, not runs",
     }
 
 
