@@ -17,7 +17,7 @@ from raytrain_fast.config import load_config
 from raytrain_fast.data import load_manifest, prepare_data
 from raytrain_fast.data.ingest import DataPosition, rank_stream, usable_rows
 from raytrain_fast.data.mixture import (
-    MixtureIterator, MixturePosition, MixtureSchedule, Source, check_mixture, mixture_rank_stream,
+    MixtureIterator, MixturePosition, MixtureSchedule, Source, check_mixture, mixture_rank_stream, open_mixture,
 )
 from raytrain_fast.errors import ConfigError, DataError
 from raytrain_fast.storage import StorageConfig
@@ -168,6 +168,10 @@ def test_a_resume_on_another_worker_count_continues_the_same_sequences_of_each_s
     assert reference[:40] + resumed[:56] == reference[:94]
     per_source = {n: [i for m, i in reference[40:94] if m == n] for n in WEIGHTS}
     assert per_source == {n: [i for m, i in resumed if m == n] for n in WEIGHTS}
+    # The loop's entry (open_mixture: the run's config and prepared URIs) resumes the same way, on 1 worker.
+    config = mixture_config(*local_uris.values(), weights=tuple(WEIGHTS.values()), overrides=["train.micro_batch=4", "data.shuffle_seed=9"])
+    with open_mixture(config, list(local_uris.values()), rank=0, world_size=1, device="cpu", position=saved) as it:
+        assert take(it, 3) == reference[40:52]
 
 
 def test_a_resume_with_other_weights_or_a_single_source_position_is_refused(local_uris):

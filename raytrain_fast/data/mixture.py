@@ -367,6 +367,20 @@ def check_mixture(config: Any, *, prepared: list[str] | None = None) -> list[Sou
     return sources
 
 
+def open_mixture(
+    config: Any, uris: list[str], *, rank: int, world_size: int, device: Any, position: dict[str, Any] | None,
+) -> MixtureIterator:
+    """The step loop's reader for data.sources (what `build_data` returns for a mixture): `uris` are
+    prepare_sources' manifest URIs, `position` the checkpoint's saved data position (None: the start)."""
+    sources, problems = load_sources(config.data, config.storage, prepared=uris)
+    if problems:
+        raise DataError("; ".join(problems))
+    return MixtureIterator(
+        sources, rank=rank, world_size=world_size, micro_batch=int(config.train.micro_batch), seed=config.data.shuffle_seed,
+        prefetch_batches=config.data.prefetch_batches, device=device, position=position, storage=config.storage,
+    )
+
+
 LOOP_READS_MIXTURES = False
 """Whether the step loop builds a MixtureIterator for data.sources (launch/ and loop/ wire it); until
 then a mixture that passes every check is refused rather than silently trained as data.source."""
@@ -450,5 +464,5 @@ def mixture_problems(sources: list[Source], *, seq_len: int | None = None) -> li
 
 __all__ = [
     "MIXTURE_STREAM", "MixtureIterator", "MixturePosition", "MixtureSchedule", "Source", "check_mixture", "check_sources_before_start", "load_sources",
-    "mixture_problems", "mixture_rank_stream", "prepare_sources", "source_identity", "tokens_per_source",
+    "mixture_problems", "mixture_rank_stream", "open_mixture", "prepare_sources", "source_identity", "tokens_per_source",
 ]
