@@ -14,7 +14,7 @@ Variants (`VARIANTS`), all on the same model (`model.build_model` of the preset,
   checkpointing `full`, `_compiled` = `engine.compile.compile_blocks(setting="on")` before the engine
   is built, as the training loop does.
 
-Each variant lives in its own process (multiprocessing `spawn`, a pipe to this one), for its whole
+Each variant lives in its own process (multiprocessing `spawn`, a pipe to this one; model_worker.py), for its whole
 run: a process's memory high-water mark cannot be split between variants sharing it. The processes
 set up at the same time, then this one tells ONE of them at a time what to run, so runs never overlap:
 the warm-up steps (a compiled variant compiles in its first one), then `rounds` rounds of timed steps,
@@ -58,19 +58,17 @@ import multiprocessing
 import os
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytrain_fast.bench.model_worker import COMPILED_VARIANTS, worker_main
 from raytrain_fast.errors import ConfigError, RaytrainFastError
 
+
 VARIANTS = ("bare", "engine", "engine_ac", "engine_compiled", "engine_compiled_ac")
-_ENGINE = {"engine", "engine_ac", "engine_compiled", "engine_compiled_ac"}
-_COMPILED = {"engine_compiled", "engine_compiled_ac"}
 _CHECKPOINTED = {"engine_ac", "engine_compiled_ac"}
 AC_PAIRS = {"eager": ("engine", "engine_ac"), "compiled": ("engine_compiled", "engine_compiled_ac")}
 """Per compile setting: (without, with) full activation checkpointing."""
-_GB = 1e9
 _SETUP_TIMEOUT_S = 900.0
 
 
@@ -131,207 +129,13 @@ def _say(message: str) -> None:
     print(f"[bench model] {message}", file=sys.stderr, flush=True)
 
 
-# --------------------------------------------------------------------------- one variant (worker process)
-
-
-def _release_cached_memory(device: Any) -> None:
-    """Hand the memory the allocator keeps free for reuse back to the system, so the memory in use
-    read next is what the process holds live: glibc's malloc keeps freed heap pages (a step's
-    activations, mostly) in the RSS, CUDA's caching allocator keeps freed blocks reserved."""
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        return
-    try:
-        import ctypes
-        import ctypes.util
-
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc: the RSS keeps what malloc kept
-        pass
-
-
-def _current_memory_gb(device: Any) -> float:
-    """Memory in use now, in the statistic's terms: CUDA memory_reserved, else the process's RSS."""
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.memory_reserved(device) / _GB
-    from raytrain_fast.metrics.memory import host_memory_gb
-
-    return host_memory_gb()[1]
-
-
-class _Variant:
-    """One variant's model, optimizer or engine and tokens, in this process."""
-
-    def __init__(self, job: dict[str, Any]) -> None:
-        import torch
-
-        from raytrain_fast.config import Config
-        from raytrain_fast.engine import enable_tf32, select_accelerator, training_device
-        from raytrain_fast.metrics.memory import reset_peak_memory
-
-        started = time.perf_counter()
-        self.name = job["name"]
-        torch.set_num_threads(job["threads"])
-        select_accelerator()  # before deepspeed is first imported
-        self.device = device = training_device()
-        enable_tf32(device)  # as training does: fp32 matmuls on TF32 tensor cores on CUDA
-        config = Config.from_dict(job["config"])
-        self.precision, self.seq_len, self.micro_batch = job["precision"], job["seq_len"], job["micro_batch"]
-        self.compiled, self.compile_note = False, None
-        self.engine = self.optimizer = None
-        torch.manual_seed(job["seed"])
-        self._build(config, job)
-        generator = torch.Generator().manual_seed(job["seed"])  # the same tokens in every variant
-        tokens = torch.randint(0, config.model.vocab_size, (self.micro_batch, self.seq_len + 1), generator=generator)
-        self.tokens = tokens.to(device)
-        self.inputs, self.targets = self.tokens[:, :-1], self.tokens[:, 1:]
-        _release_cached_memory(device)
-        self.setup_s = time.perf_counter() - started
-        self.built_gb = _current_memory_gb(device)
-        reset_peak_memory(device)
-
-    def _build(self, config: Any, job: dict[str, Any]) -> None:
-        import torch
-
-        from raytrain_fast.engine import build_engine, build_optimizer
-        from raytrain_fast.engine.compile import compile_blocks
-        from raytrain_fast.model import ModelConfig, build_model
-
-        name = self.name
-        model = build_model(ModelConfig(**job["model"]), self.device)
-        self.model = model
-        if name in _COMPILED:  # before DeepSpeed wraps the model, as the training loop does
-            self.compiled, self.compile_note = compile_blocks(model, setting="on", device=self.device)
-        if name in _ENGINE:
-            from raytrain_fast.engine.process_group import single_process_group
-
-            single_process_group("nccl" if self.device.type == "cuda" else "gloo")
-            engine_config = dataclasses.replace(config.engine, precision=self.precision)
-            self.engine = build_engine(
-                model, engine=engine_config, optim=config.optim, micro_batch=self.micro_batch, grad_accum=1,
-                world_size=1, total_steps=job["total_steps"],
-            )
-        else:
-            self.optimizer = build_optimizer(list(model.parameters()), optim=config.optim, device=self.device)
-            self.grad_clip = config.optim.grad_clip
-            if self.precision == "bf16":
-                self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
-            else:
-                self.autocast = contextlib.nullcontext
-
-    def step(self) -> Any:
-        """One optimizer step (grad_accum 1); returns the loss tensor (never read here)."""
-        import torch
-
-        if self.engine is not None:
-            loss = self.engine(self.inputs, self.targets)
-            self.engine.backward(loss)
-            self.engine.step()
-            return loss
-        with self.autocast():
-            loss = self.model(self.inputs, self.targets)
-        loss.backward()
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    def _sync(self) -> None:
-        import torch
-
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # end of a window only; CPU ops are done when they return
-
-    def info(self) -> dict[str, Any]:
-        import torch
-
-        return {
-            "setup_s": self.setup_s, "built_gb": self.built_gb, "compiled": self.compiled,
-            "compile_note": self.compile_note, "precision": self.precision, "seq_len": int(self.inputs.shape[1]),
-            "micro_batch": int(self.inputs.shape[0]), "threads": torch.get_num_threads(),
-            "activation_checkpointing": self.model.config.activation_checkpointing,
-        }
-
-    def warmup(self, count: int) -> dict[str, Any]:
-        """`count` untimed steps, each on the host clock (the first: compilation included), then the
-        peak starts over: the timed steps' peak is training's steady one."""
-        from raytrain_fast.metrics.memory import peak_memory_gb, reset_peak_memory
-
-        step_s = []
-        for _ in range(count):
-            start = time.perf_counter()
-            self.step()
-            self._sync()
-            step_s.append(time.perf_counter() - start)
-        warmup_peak_gb = peak_memory_gb(self.device)
-        _release_cached_memory(self.device)
-        result = {"step_s": step_s, "warmup_peak_gb": warmup_peak_gb, "setup_gb": _current_memory_gb(self.device)}
-        reset_peak_memory(self.device)
-        return result
-
-    def run(self, count: int) -> dict[str, Any]:
-        """`count` timed steps: the clock around all of them, one device sync at the end."""
-        loss = None
-        cpu_start, start = time.process_time(), time.perf_counter()
-        for _ in range(count):
-            loss = self.step()
-        self._sync()
-        elapsed, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
-        return {"steps": count, "elapsed_s": elapsed, "cpu_s": cpu_s, "loss": float(loss.detach().float())}
-
-    def memory(self) -> dict[str, Any]:
-        from raytrain_fast.metrics.memory import peak_memory_gb
-
-        return {"peak_gb": peak_memory_gb(self.device)}
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _worker_main(conn: Any, job: dict[str, Any]) -> None:
-    """A variant's process: set up, then answer (command, argument) messages until `exit`."""
-    os.dup2(2, 1)  # DeepSpeed and torch print to stdout; the bench's stdout carries only its JSON
-    os.environ.update(job["env"])
-    variant = None
-    try:
-        variant = _Variant(job)
-        conn.send(("ok", variant.info()))
-        while True:
-            command, argument = conn.recv()
-            if command == "exit":
-                break
-            conn.send(("ok", getattr(variant, command)(argument) if argument is not None else getattr(variant, command)()))
-    except EOFError:  # the parent is gone
-        pass
-    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        if variant is not None:
-            with contextlib.suppress(Exception):
-                variant.close()
-        conn.close()
-
-
-# --------------------------------------------------------------------------- the parent
-
-
 class _Worker:
     """The parent's handle on one variant's process."""
 
     def __init__(self, context: Any, job: dict[str, Any]) -> None:
         self.name = job["name"]
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_worker_main, args=(child, job), name=f"bench-model-{self.name}", daemon=True)
+        self.process = context.Process(target=worker_main, args=(child, job), name=f"bench-model-{self.name}", daemon=True)
         self.process.start()
         child.close()
 
@@ -487,7 +291,7 @@ def _cold_compile_caches(jobs: list[dict[str, Any]]) -> Any:
     made = []
     try:
         for job in jobs:
-            if job["name"] in _COMPILED:
+            if job["name"] in COMPILED_VARIANTS:
                 folder = tempfile.mkdtemp(prefix=f"raytrain-fast-bench-{job['name']}-")
                 made.append(folder)
                 job["env"].update(TORCHINDUCTOR_CACHE_DIR=os.path.join(folder, "inductor"),
@@ -575,7 +379,7 @@ def _variant_report(name: str, result: dict[str, Any], *, mfu: Any) -> dict[str,
         "activation_checkpointing": info["activation_checkpointing"], "setup_s": info["setup_s"],
         "first_step_s": warm["step_s"][0] if warm["step_s"] else None, "final_loss": rounds[-1]["loss"],
     }
-    if name in _COMPILED:
+    if name in COMPILED_VARIANTS:
         entry["compiled"] = info["compiled"]
         entry["compile_s"] = entry["first_step_s"] if info["compiled"] else None
         if info["compile_note"]:
@@ -621,9 +425,6 @@ def _report(setup: ModelBenchSetup, variants: list[str], measured: dict[str, dic
         "flops_per_token": mfu.flops_per_token, "counted_flops_per_token": mfu.counted_flops_per_token,
         "variants": per_variant, "ac_memory_cut": _ac_cut(per_variant),
     }
-
-
-# --------------------------------------------------------------------------- command line
 
 
 def _variants_arg(text: str) -> list[str]:

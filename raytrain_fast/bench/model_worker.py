@@ -1,0 +1,206 @@
+"""One variant of `raytrain-fast bench model` in its own process: builds the model and engine (or the
+bare optimizer), then answers the parent's commands over a pipe: info, warm-up, timed steps, memory,
+close. Memory statistics: bench/model.py's docstring."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import os
+import time
+import traceback
+from typing import Any
+
+
+ENGINE_VARIANTS = {"engine", "engine_ac", "engine_compiled", "engine_compiled_ac"}
+COMPILED_VARIANTS = {"engine_compiled", "engine_compiled_ac"}
+GB = 1e9
+
+
+def _release_cached_memory(device: Any) -> None:
+    """Hand the memory the allocator keeps free for reuse back to the system, so the memory in use
+    read next is what the process holds live: glibc's malloc keeps freed heap pages (a step's
+    activations, mostly) in the RSS, CUDA's caching allocator keeps freed blocks reserved."""
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        import ctypes
+        import ctypes.util
+
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc: the RSS keeps what malloc kept
+        pass
+
+
+def _current_memory_gb(device: Any) -> float:
+    """Memory in use now, in the statistic's terms: CUDA memory_reserved, else the process's RSS."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device) / GB
+    from raytrain_fast.metrics.memory import host_memory_gb
+
+    return host_memory_gb()[1]
+
+
+class _Variant:
+    """One variant's model, optimizer or engine and tokens, in this process."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        import torch
+
+        from raytrain_fast.config import Config
+        from raytrain_fast.engine import enable_tf32, select_accelerator, training_device
+        from raytrain_fast.metrics.memory import reset_peak_memory
+
+        started = time.perf_counter()
+        self.name = job["name"]
+        torch.set_num_threads(job["threads"])
+        select_accelerator()  # before deepspeed is first imported
+        self.device = device = training_device()
+        enable_tf32(device)  # as training does: fp32 matmuls on TF32 tensor cores on CUDA
+        config = Config.from_dict(job["config"])
+        self.precision, self.seq_len, self.micro_batch = job["precision"], job["seq_len"], job["micro_batch"]
+        self.compiled, self.compile_note = False, None
+        self.engine = self.optimizer = None
+        torch.manual_seed(job["seed"])
+        self._build(config, job)
+        generator = torch.Generator().manual_seed(job["seed"])  # the same tokens in every variant
+        tokens = torch.randint(0, config.model.vocab_size, (self.micro_batch, self.seq_len + 1), generator=generator)
+        self.tokens = tokens.to(device)
+        self.inputs, self.targets = self.tokens[:, :-1], self.tokens[:, 1:]
+        _release_cached_memory(device)
+        self.setup_s = time.perf_counter() - started
+        self.built_gb = _current_memory_gb(device)
+        reset_peak_memory(device)
+
+    def _build(self, config: Any, job: dict[str, Any]) -> None:
+        import torch
+
+        from raytrain_fast.engine import build_engine, build_optimizer
+        from raytrain_fast.engine.compile import compile_blocks
+        from raytrain_fast.model import ModelConfig, build_model
+
+        name = self.name
+        model = build_model(ModelConfig(**job["model"]), self.device)
+        self.model = model
+        if name in COMPILED_VARIANTS:  # before DeepSpeed wraps the model, as the training loop does
+            self.compiled, self.compile_note = compile_blocks(model, setting="on", device=self.device)
+        if name in ENGINE_VARIANTS:
+            from raytrain_fast.engine.process_group import single_process_group
+
+            single_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            engine_config = dataclasses.replace(config.engine, precision=self.precision)
+            self.engine = build_engine(
+                model, engine=engine_config, optim=config.optim, micro_batch=self.micro_batch, grad_accum=1,
+                world_size=1, total_steps=job["total_steps"],
+            )
+        else:
+            self.optimizer = build_optimizer(list(model.parameters()), optim=config.optim, device=self.device)
+            self.grad_clip = config.optim.grad_clip
+            if self.precision == "bf16":
+                self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
+            else:
+                self.autocast = contextlib.nullcontext
+
+    def step(self) -> Any:
+        """One optimizer step (grad_accum 1); returns the loss tensor (never read here)."""
+        import torch
+
+        if self.engine is not None:
+            loss = self.engine(self.inputs, self.targets)
+            self.engine.backward(loss)
+            self.engine.step()
+            return loss
+        with self.autocast():
+            loss = self.model(self.inputs, self.targets)
+        loss.backward()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def _sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # end of a window only; CPU ops are done when they return
+
+    def info(self) -> dict[str, Any]:
+        import torch
+
+        return {
+            "setup_s": self.setup_s, "built_gb": self.built_gb, "compiled": self.compiled,
+            "compile_note": self.compile_note, "precision": self.precision, "seq_len": int(self.inputs.shape[1]),
+            "micro_batch": int(self.inputs.shape[0]), "threads": torch.get_num_threads(),
+            "activation_checkpointing": self.model.config.activation_checkpointing,
+        }
+
+    def warmup(self, count: int) -> dict[str, Any]:
+        """`count` untimed steps, each on the host clock (the first: compilation included), then the
+        peak starts over: the timed steps' peak is training's steady one."""
+        from raytrain_fast.metrics.memory import peak_memory_gb, reset_peak_memory
+
+        step_s = []
+        for _ in range(count):
+            start = time.perf_counter()
+            self.step()
+            self._sync()
+            step_s.append(time.perf_counter() - start)
+        warmup_peak_gb = peak_memory_gb(self.device)
+        _release_cached_memory(self.device)
+        result = {"step_s": step_s, "warmup_peak_gb": warmup_peak_gb, "setup_gb": _current_memory_gb(self.device)}
+        reset_peak_memory(self.device)
+        return result
+
+    def run(self, count: int) -> dict[str, Any]:
+        """`count` timed steps: the clock around all of them, one device sync at the end."""
+        loss = None
+        cpu_start, start = time.process_time(), time.perf_counter()
+        for _ in range(count):
+            loss = self.step()
+        self._sync()
+        elapsed, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+        return {"steps": count, "elapsed_s": elapsed, "cpu_s": cpu_s, "loss": float(loss.detach().float())}
+
+    def memory(self) -> dict[str, Any]:
+        from raytrain_fast.metrics.memory import peak_memory_gb
+
+        return {"peak_gb": peak_memory_gb(self.device)}
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def worker_main(conn: Any, job: dict[str, Any]) -> None:
+    """A variant's process: set up, then answer (command, argument) messages until `exit`."""
+    os.dup2(2, 1)  # DeepSpeed and torch print to stdout; the bench's stdout carries only its JSON
+    os.environ.update(job["env"])
+    variant = None
+    try:
+        variant = _Variant(job)
+        conn.send(("ok", variant.info()))
+        while True:
+            command, argument = conn.recv()
+            if command == "exit":
+                break
+            conn.send(("ok", getattr(variant, command)(argument) if argument is not None else getattr(variant, command)()))
+    except EOFError:  # the parent is gone
+        pass
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if variant is not None:
+            with contextlib.suppress(Exception):
+                variant.close()
+        conn.close()
