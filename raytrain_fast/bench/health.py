@@ -27,7 +27,8 @@ from raytrain_fast.errors import ConfigError
 
 def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmup_steps: int = 5,
                  precision: str = "auto", threads: int = 0, ops_calls: int = 5000, verbose: bool = True) -> dict[str, Any]:
-    from raytrain_fast.bench.overhead import OverheadSetup, set_threads
+    from raytrain_fast.bench.bare_loops import set_threads
+    from raytrain_fast.bench.overhead_setup import OverheadSetup
     from raytrain_fast.engine import training_device
 
     if steps < 1 or rounds < 2 or warmup_steps < 0 or ops_calls < 1:
@@ -64,7 +65,7 @@ class _BareStep:
     def __init__(self, setup: Any, device: Any) -> None:
         import torch
 
-        from raytrain_fast.bench.overhead import build_bare
+        from raytrain_fast.bench.bare_loops import build_bare
         from raytrain_fast.metrics.accumulators import StepAccumulators
 
         self.setup, self.device = setup, device

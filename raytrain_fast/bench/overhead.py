@@ -36,310 +36,36 @@ multiples of `log_every`, exactly steps / log_every log windows. The run's own J
 `window_median_tokens_per_sec` (the old statistic) and `windows_tokens_per_sec` (tokens over the
 summed wall time of the windows in the timed span) next to it.
 
-`compare` runs the variants interleaved (round-robin, the order rotated every round so none always
-runs first or last); `overhead_report` adds medians, the ratio of each to `bare` and the headline
-ratios of `raytrain_fast`.
+The setup and sizes are in overhead_setup.py, the two loops outside Ray (`bare`, `bare_deepspeed`)
+in bare_loops.py, the rest here. `compare` runs the variants interleaved (round-robin, the order
+rotated every round so none always runs first or last); `overhead_report` adds medians, the ratio of
+each to `bare` and the headline ratios of `raytrain_fast`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-MODEL_SIZES: dict[str, dict[str, int]] = {
-    "tiny": {"d_model": 128, "num_layers": 4, "num_heads": 4},  # the tiny preset
-    "large": {"d_model": 512, "num_layers": 8, "num_heads": 8},
-}
-"""Model shapes by name (the rest of the model is the tiny preset's: 320-row vocabulary, learned positions, tied embeddings)."""
-
-SIZE_DEFAULTS: dict[str, dict[str, int]] = {
-    # log_every divides warmup_steps and steps: the window holds whole log windows.
-    "tiny": {"warmup_steps": 10, "steps": 30, "log_every": 10, "repeats": 3},
-    "large": {"warmup_steps": 5, "steps": 30, "log_every": 5, "repeats": 3},
-}
-"""`raytrain-fast bench overhead` defaults per size (a large step is ~20x a tiny one on 2 CPU cores).
-The large window is 30 steps (about 45 s on 2 cores): with 10 its rounds spread as much as the gap
-being measured, and the one 350 MB checkpoint inside it was 7% of the window."""
-
-VARIANTS = (
-    "bare", "bare_deepspeed", "bare_in_ray_worker", "raytrain_fast_memory", "raytrain_fast", "typical_no_report",
-    "typical_ray_train",
+from raytrain_fast.bench.bare_loops import IN_PROCESS_VARIANTS, bare, bare_deepspeed, build_bare, in_fresh_process, set_threads
+from raytrain_fast.bench.overhead_setup import (
+    MODEL_SIZES,
+    SIZE_DEFAULTS,
+    VARIANTS,
+    OverheadSetup,
+    measurement,
+    model_parameters,
+    run_config,
 )
-"""Every variant, in the order of the first round."""
 
-
-@dataclass(kw_only=True)
-class OverheadSetup:
-    """What every variant trains, and for how long."""
-
-    size: str = "tiny"
-    """Label of the model size in the JSON (`tiny`, `large` or `custom`)."""
-    d_model: int = 128
-    """Width of the residual stream."""
-    num_layers: int = 4
-    """Transformer blocks."""
-    num_heads: int = 4
-    """Attention heads."""
-    seq_len: int = 128
-    """Tokens per sequence."""
-    micro_batch: int = 16
-    """Sequences per step (one micro-batch per step: no accumulation)."""
-    warmup_steps: int = 10
-    """Steps run before the clock starts (allocator, kernel selection, W&B start-up)."""
-    steps: int = 30
-    """Steps timed after warm-up."""
-    log_every: int = 10
-    """Our loop's log window (train.log_every)."""
-    checkpoint_every: int | None = None
-    """Our loop's checkpoint.every_steps; None = `steps` (exactly one checkpoint inside the timed window); 0 = none in it."""
-    flops_every: int | None = None
-    """typical loops: re-count FLOPs with FlopCounterMode every this many steps; None = `steps` (one in the window)."""
-    precision: str = "auto"
-    """bf16 or fp32; auto = what the package's engine picks on this machine."""
-    threads: int = 0
-    """torch threads on CPU (the same in every variant); 0 = this process's torch.get_num_threads()."""
-    lr: float = 1e-3
-    """AdamW learning rate."""
-    grad_clip: float = 1.0
-    """Gradient-norm clipping."""
-    seed: int = 0
-    """Seed of the model init and the in-memory token batches."""
-    data_source: str = "stdlib"
-    """Our full loop's data.source (prepared once per bench into its scratch storage, or data_cache_dir)."""
-    data_cache_dir: str | None = None
-    """Our full loop's data.cache_dir (None: under the bench's scratch storage)."""
-
-    @classmethod
-    def for_size(cls, name: str, /, **changes: Any) -> OverheadSetup:
-        """The setup of a named model size with its default step counts; `changes` win (a changed
-        shape should come with size="custom")."""
-        if name not in MODEL_SIZES:
-            raise ValueError(f"unknown model size {name!r}: one of {', '.join(MODEL_SIZES)}")
-        defaults = {k: v for k, v in SIZE_DEFAULTS[name].items() if k != "repeats"}
-        return cls(**{"size": name, **MODEL_SIZES[name], **defaults, **changes})
-
-    def resolved(self) -> OverheadSetup:
-        """Concrete precision, thread count and cadences (so every variant, in every process, uses the same)."""
-        import torch
-
-        from raytrain_fast.engine import resolve_precision
-
-        precision = self.precision
-        if precision == "auto":
-            precision, _ = resolve_precision("auto", use_gpu=torch.cuda.is_available())
-        threads = self.threads or torch.get_num_threads()
-        return dataclasses.replace(
-            self, precision=precision, threads=threads,
-            checkpoint_every=self.steps if self.checkpoint_every is None else self.checkpoint_every,
-            flops_every=self.steps if self.flops_every is None else self.flops_every,
-        )
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.micro_batch * self.seq_len
-
-    @property
-    def end_step(self) -> int:
-        return self.warmup_steps + self.steps
-
-
-def run_config(setup: OverheadSetup, *, storage_dir: str = "/tmp/raytrain-fast-bench", name: str = "bench-overhead"):
-    """The package Config every variant trains: the tiny preset with the setup's model, batch,
-    precision, threads and cadences (our loop runs one step past the timed window: see loop_clock)."""
-    from raytrain_fast.config import load_config
-
-    overrides = [
-        f"model.d_model={setup.d_model}", f"model.num_layers={setup.num_layers}", f"model.num_heads={setup.num_heads}",
-        f"model.max_seq_len={max(128, setup.seq_len)}", f"data.seq_len={setup.seq_len}", f"data.source={setup.data_source}",
-        f"train.steps={setup.end_step + 1}", f"train.log_every={setup.log_every}", f"train.micro_batch={setup.micro_batch}",
-        f"train.global_batch={setup.micro_batch}", f"train.seed={setup.seed}",
-        f"optim.lr={setup.lr}", "optim.warmup_steps=1", f"optim.grad_clip={setup.grad_clip}",
-        f"engine.precision={setup.precision}", "engine.compile=off",
-        f"checkpoint.every_steps={setup.checkpoint_every or 0}", "eval.enabled=false",
-        "metrics.wandb=true", "metrics.wandb_mode=offline", "metrics.peak_measure_s=0",
-        "resources.num_workers=1", f"resources.cpus_per_worker={setup.threads}", "resources.max_failures=0",
-        f"storage.uri={storage_dir}",
-    ]
-    if setup.data_cache_dir:
-        overrides.append(f"data.cache_dir={setup.data_cache_dir}")
-    return load_config("tiny", overrides, name=name)
-
-
-def model_parameters(setup: OverheadSetup) -> int:
-    from raytrain_fast.model import build_model
-
-    return sum(p.numel() for p in build_model(run_config(setup).model, "meta").parameters())
-
-
-def _measurement(setup: OverheadSetup, *, seconds: float, precision: str, threads: int, niceness: int, **extra: Any) -> dict[str, Any]:
-    tokens = setup.steps * setup.tokens_per_step
-    return {
-        "tokens_per_sec": tokens / seconds, "tokens": tokens, "seconds": seconds, "steps": setup.steps,
-        "warmup_steps": setup.warmup_steps, "precision": precision, "threads": threads, "niceness": niceness, **extra,
-    }
-
-
-# --- the bare loops ---------------------------------------------------------------------------------
-
-def set_threads(setup: OverheadSetup, device: Any) -> None:
-    import torch
-
-    if device.type == "cpu":
-        torch.set_num_threads(setup.threads)
-        os.environ["OMP_NUM_THREADS"] = str(setup.threads)
-
-
-def _batches(setup: OverheadSetup, device: Any):
-    import torch
-
-    generator = torch.Generator().manual_seed(setup.seed)
-    return torch.randint(0, 257, (8, setup.micro_batch, setup.seq_len + 1), generator=generator).to(device)
-
-
-def build_bare(setup: OverheadSetup, device: Any):
-    """Model (the run's model config), AdamW, in-memory batches and the autocast context."""
-    import torch
-
-    from raytrain_fast.engine.deepspeed_engine import fused_adamw_supported
-    from raytrain_fast.model import build_model
-
-    torch.manual_seed(setup.seed)
-    model = build_model(run_config(setup).model, device)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=setup.lr, betas=(0.9, 0.95), weight_decay=0.1,
-        **({"fused": True} if fused_adamw_supported(device) else {"foreach": True}),
-    )
-    if setup.precision == "bf16":
-        autocast: Callable[[], Any] = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
-    else:
-        autocast = contextlib.nullcontext
-    return model, optimizer, _batches(setup, device), autocast
-
-
-def _timed(setup: OverheadSetup, step: Callable[[int], Any], device: Any) -> tuple[float, int]:
-    """(seconds from the end of warm-up to the end of the last step, torch threads in use)."""
-    import torch
-
-    for i in range(setup.warmup_steps):
-        step(i)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    threads = torch.get_num_threads()
-    start = time.perf_counter()
-    loss = None
-    for i in range(setup.steps):
-        loss = step(setup.warmup_steps + i)
-    float(loss.detach())  # one host sync at the end: the clock stops when the device is done
-    return time.perf_counter() - start, threads
-
-
-def bare(setup: OverheadSetup) -> dict[str, Any]:
-    """The plain loop, in this process (the bench runs it in a fresh one: `in_fresh_process`)."""
-    import torch
-
-    from raytrain_fast.engine import training_device
-
-    setup = setup.resolved()
-    device = training_device()
-    set_threads(setup, device)
-    model, optimizer, batches, autocast = build_bare(setup, device)
-
-    def step(i: int) -> torch.Tensor:
-        tokens = batches[i % batches.shape[0]]
-        with autocast():
-            loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), setup.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    seconds, threads = _timed(setup, step, device)
-    return _measurement(setup, seconds=seconds, precision=setup.precision, threads=threads, niceness=os.nice(0))
-
-
-def bare_deepspeed(setup: OverheadSetup) -> dict[str, Any]:
-    """The bare loop through our DeepSpeed engine (the run's engine and optim config), no Ray.
-    Makes a process group: call it in a fresh process (`in_fresh_process`)."""
-    import torch
-    import torch.distributed as dist
-
-    from raytrain_fast.engine.process_group import single_process_group
-    from raytrain_fast.engine import build_engine, select_accelerator, training_device
-    from raytrain_fast.model import build_model
-
-    setup = setup.resolved()
-    select_accelerator()
-    device = training_device()
-    set_threads(setup, device)
-    config = run_config(setup)
-    single_process_group("nccl" if device.type == "cuda" else "gloo")
-    try:
-        torch.manual_seed(setup.seed)
-        model = build_model(config.model, device)
-        engine = build_engine(
-            model, engine=config.engine, optim=config.optim, micro_batch=setup.micro_batch, grad_accum=1, world_size=1,
-            total_steps=config.train.steps,
-        )
-        batches = _batches(setup, device)
-
-        def step(i: int) -> torch.Tensor:
-            tokens = batches[i % batches.shape[0]]
-            loss = engine(tokens[:, :-1], tokens[:, 1:])
-            engine.backward(loss)
-            engine.step()
-            return loss
-
-        seconds, threads = _timed(setup, step, device)
-        precision = "bf16" if engine.bfloat16_enabled() else "fp32"
-    finally:
-        dist.destroy_process_group()
-    return _measurement(setup, seconds=seconds, precision=precision, threads=threads, niceness=os.nice(0))
-
-
-_IN_PROCESS = {"bare": bare, "bare_deepspeed": bare_deepspeed}
-
-
-def in_fresh_process(variant: str, setup: OverheadSetup, *, timeout_s: float = 1800) -> dict[str, Any]:
-    """Run `bare` or `bare_deepspeed` in a new Python process (DeepSpeed and process groups are
-    per process; no state of an earlier variant carries over)."""
-    if variant not in _IN_PROCESS:
-        raise ValueError(f"{variant!r} does not run in a subprocess: one of {', '.join(_IN_PROCESS)}")
-    setup = setup.resolved()
-    with tempfile.TemporaryDirectory(prefix="raytrain-fast-bench-") as scratch:
-        out = os.path.join(scratch, "result.json")
-        env = {**os.environ, "OMP_NUM_THREADS": str(setup.threads)}
-        code = "from raytrain_fast.bench.overhead import _process_main; _process_main()"
-        done = subprocess.run(
-            [sys.executable, "-c", code, variant, json.dumps(dataclasses.asdict(setup)), out],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s, check=False,
-        )
-        if done.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"bench variant {variant} failed (exit {done.returncode}):\n{done.stdout[-4000:]}")
-        with open(out) as stream:
-            return json.load(stream)
-
-
-def _process_main() -> None:
-    variant, setup_json, out = sys.argv[1:4]
-    result = _IN_PROCESS[variant](OverheadSetup(**json.loads(setup_json)))
-    with open(out, "w") as stream:
-        json.dump(result, stream)
-
-
-# --- loops in a Ray Train worker ------------------------------------------------------------------
 
 def _typical(setup: OverheadSetup, *, report: bool, wandb_dir: str) -> dict[str, Any]:
     """The loop people usually write on Ray Train (runs in the TorchTrainer worker)."""
@@ -392,7 +118,7 @@ def _typical(setup: OverheadSetup, *, report: bool, wandb_dir: str) -> dict[str,
     assert start is not None and threads is not None
     seconds = time.perf_counter() - start
     run.finish()
-    return _measurement(setup, seconds=seconds, precision=setup.precision, threads=threads, niceness=os.nice(0))
+    return measurement(setup, seconds=seconds, precision=setup.precision, threads=threads, niceness=os.nice(0))
 
 
 def _worker_loop(config: dict[str, Any]) -> None:
@@ -450,8 +176,6 @@ def in_ray_worker(variant: str, setup: OverheadSetup, *, num_workers: int = 1) -
             return json.load(stream)
 
 
-# --- our loop ------------------------------------------------------------------------------------
-
 def raytrain_fast_loop(setup: OverheadSetup, *, storage_dir: str, memory: bool = False, keep_run: bool = False) -> dict[str, Any]:
     """Our loop (`launch.trainer.run`, 1 worker) timed by `loop_clock.ClockHooks`; `memory`: on
     in-memory batches instead of the Ray Data ingest. Adds the run's own window statistics and
@@ -482,7 +206,7 @@ def raytrain_fast_loop(setup: OverheadSetup, *, storage_dir: str, memory: bool =
     checkpoints = sorted(int(metrics["step"]) for _, metrics in result.checkpoints)
     if not keep_run and "://" not in result.run_dir:
         shutil.rmtree(result.run_dir, ignore_errors=True)  # checkpoints of a large model add up over the repeats
-    return _measurement(
+    return measurement(
         setup, seconds=clock["seconds"], precision=precision, threads=clock["threads"], niceness=clock["niceness"],
         **window, checkpoint_every=setup.checkpoint_every,
         checkpoints_in_window=[s for s in checkpoints if setup.warmup_steps < s <= setup.end_step],
@@ -514,8 +238,6 @@ def _window_statistics(records: list[dict[str, Any]], setup: OverheadSetup) -> d
     }
 
 
-# --- the bench -------------------------------------------------------------------------------------
-
 def ensure_ray() -> None:
     """A local Ray instance if none: workers at niceness 0 (Ray's default 15 would hand the CPU to
     any other process), as `launch.trainer` starts it."""
@@ -538,7 +260,7 @@ def ray_train_poll_interval_s() -> float:
 def variant_runners(setup: OverheadSetup, names: Sequence[str], *, storage_dir: str) -> dict[str, Callable[[], dict[str, Any]]]:
     runners: dict[str, Callable[[], dict[str, Any]]] = {}
     for name in names:
-        if name in _IN_PROCESS:
+        if name in IN_PROCESS_VARIANTS:
             runners[name] = lambda name=name: in_fresh_process(name, setup)
         elif name in RAY_WORKER_VARIANTS:
             runners[name] = lambda name=name: in_ray_worker(name, setup)
@@ -626,7 +348,7 @@ def overhead_report(
     return {**head, "detail": report}
 
 
-__all__ = [
-    "MODEL_SIZES", "OverheadSetup", "VARIANTS", "bare", "bare_deepspeed", "compare", "in_fresh_process", "in_ray_worker",
-    "overhead_report", "raytrain_fast_loop", "ray_train_poll_interval_s", "run_config",
+__all__ = [  # the setup and the loops outside Ray are handed on from their modules
+    "MODEL_SIZES", "SIZE_DEFAULTS", "OverheadSetup", "VARIANTS", "bare", "bare_deepspeed", "compare", "in_fresh_process",
+    "in_ray_worker", "overhead_report", "raytrain_fast_loop", "ray_train_poll_interval_s", "run_config",
 ]

@@ -122,7 +122,8 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
     import contextlib
     import sys
 
-    from raytrain_fast.bench.overhead import SIZE_DEFAULTS, VARIANTS, OverheadSetup, ensure_ray, overhead_report
+    from raytrain_fast.bench.overhead import ensure_ray, overhead_report
+    from raytrain_fast.bench.overhead_setup import SIZE_DEFAULTS, VARIANTS, OverheadSetup
 
     defaults = SIZE_DEFAULTS[args.model]
     changes: dict[str, Any] = {

@@ -1,0 +1,163 @@
+"""The loops of `raytrain-fast bench overhead` outside Ray, each in a fresh subprocess: `bare` (the
+plain PyTorch loop, the ceiling) and `bare_deepspeed` (the same through our DeepSpeed engine)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from raytrain_fast.bench.overhead_setup import OverheadSetup, measurement, run_config
+
+
+def set_threads(setup: OverheadSetup, device: Any) -> None:
+    import torch
+
+    if device.type == "cpu":
+        torch.set_num_threads(setup.threads)
+        os.environ["OMP_NUM_THREADS"] = str(setup.threads)
+
+
+def _batches(setup: OverheadSetup, device: Any):
+    import torch
+
+    generator = torch.Generator().manual_seed(setup.seed)
+    return torch.randint(0, 257, (8, setup.micro_batch, setup.seq_len + 1), generator=generator).to(device)
+
+
+def build_bare(setup: OverheadSetup, device: Any):
+    """Model (the run's model config), AdamW, in-memory batches and the autocast context."""
+    import torch
+
+    from raytrain_fast.engine.deepspeed_engine import fused_adamw_supported
+    from raytrain_fast.model import build_model
+
+    torch.manual_seed(setup.seed)
+    model = build_model(run_config(setup).model, device)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=setup.lr, betas=(0.9, 0.95), weight_decay=0.1,
+        **({"fused": True} if fused_adamw_supported(device) else {"foreach": True}),
+    )
+    if setup.precision == "bf16":
+        autocast: Callable[[], Any] = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
+    else:
+        autocast = contextlib.nullcontext
+    return model, optimizer, _batches(setup, device), autocast
+
+
+def _timed(setup: OverheadSetup, step: Callable[[int], Any], device: Any) -> tuple[float, int]:
+    """(seconds from the end of warm-up to the end of the last step, torch threads in use)."""
+    import torch
+
+    for i in range(setup.warmup_steps):
+        step(i)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    threads = torch.get_num_threads()
+    start = time.perf_counter()
+    loss = None
+    for i in range(setup.steps):
+        loss = step(setup.warmup_steps + i)
+    float(loss.detach())  # one host sync at the end: the clock stops when the device is done
+    return time.perf_counter() - start, threads
+
+
+def bare(setup: OverheadSetup) -> dict[str, Any]:
+    """The plain loop, in this process (the bench runs it in a fresh one: `in_fresh_process`)."""
+    import torch
+
+    from raytrain_fast.engine import training_device
+
+    setup = setup.resolved()
+    device = training_device()
+    set_threads(setup, device)
+    model, optimizer, batches, autocast = build_bare(setup, device)
+
+    def step(i: int) -> torch.Tensor:
+        tokens = batches[i % batches.shape[0]]
+        with autocast():
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), setup.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    seconds, threads = _timed(setup, step, device)
+    return measurement(setup, seconds=seconds, precision=setup.precision, threads=threads, niceness=os.nice(0))
+
+
+def bare_deepspeed(setup: OverheadSetup) -> dict[str, Any]:
+    """The bare loop through our DeepSpeed engine (the run's engine and optim config), no Ray.
+    Makes a process group: call it in a fresh process (`in_fresh_process`)."""
+    import torch
+    import torch.distributed as dist
+
+    from raytrain_fast.engine.process_group import single_process_group
+    from raytrain_fast.engine import build_engine, select_accelerator, training_device
+    from raytrain_fast.model import build_model
+
+    setup = setup.resolved()
+    select_accelerator()
+    device = training_device()
+    set_threads(setup, device)
+    config = run_config(setup)
+    single_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        torch.manual_seed(setup.seed)
+        model = build_model(config.model, device)
+        engine = build_engine(
+            model, engine=config.engine, optim=config.optim, micro_batch=setup.micro_batch, grad_accum=1, world_size=1,
+            total_steps=config.train.steps,
+        )
+        batches = _batches(setup, device)
+
+        def step(i: int) -> torch.Tensor:
+            tokens = batches[i % batches.shape[0]]
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+        seconds, threads = _timed(setup, step, device)
+        precision = "bf16" if engine.bfloat16_enabled() else "fp32"
+    finally:
+        dist.destroy_process_group()
+    return measurement(setup, seconds=seconds, precision=precision, threads=threads, niceness=os.nice(0))
+
+
+IN_PROCESS_VARIANTS = {"bare": bare, "bare_deepspeed": bare_deepspeed}
+
+
+def in_fresh_process(variant: str, setup: OverheadSetup, *, timeout_s: float = 1800) -> dict[str, Any]:
+    """Run `bare` or `bare_deepspeed` in a new Python process (DeepSpeed and process groups are
+    per process; no state of an earlier variant carries over)."""
+    if variant not in IN_PROCESS_VARIANTS:
+        raise ValueError(f"{variant!r} does not run in a subprocess: one of {', '.join(IN_PROCESS_VARIANTS)}")
+    setup = setup.resolved()
+    with tempfile.TemporaryDirectory(prefix="raytrain-fast-bench-") as scratch:
+        out = os.path.join(scratch, "result.json")
+        env = {**os.environ, "OMP_NUM_THREADS": str(setup.threads)}
+        code = "from raytrain_fast.bench.bare_loops import process_main; process_main()"
+        done = subprocess.run(
+            [sys.executable, "-c", code, variant, json.dumps(dataclasses.asdict(setup)), out],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s, check=False,
+        )
+        if done.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"bench variant {variant} failed (exit {done.returncode}):\n{done.stdout[-4000:]}")
+        with open(out) as stream:
+            return json.load(stream)
+
+
+def process_main() -> None:
+    variant, setup_json, out = sys.argv[1:4]
+    result = IN_PROCESS_VARIANTS[variant](OverheadSetup(**json.loads(setup_json)))
+    with open(out, "w") as stream:
+        json.dump(result, stream)
