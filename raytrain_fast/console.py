@@ -134,3 +134,12 @@ def wrap_std_streams() -> tuple:
     originals = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = ConsoleStream(sys.stdout), ConsoleStream(sys.stderr)
     return originals
+
+
+def nothing_to_do(name: str | None, *, steps: int, saved_step: int) -> str:
+    """The one line for a run that already reached train.steps, whether the driver finds it in storage
+    before Ray starts or a worker finds it after a restart."""
+    return (
+        f"Run '{name}' already reached train.steps={steps} (checkpoint at step {saved_step}); "
+        f"nothing to do. To train further: --set train.steps={max(steps * 2, saved_step + steps)}"
+    )

@@ -264,7 +264,8 @@ def test_auto_under_a_small_budget_fits_keeps_the_global_batch_and_is_cached(ray
     import dataclasses
 
     from raytrain_fast.microbatch.auto import resolve_micro_batch
-    from raytrain_fast.launch.trainer import resolve_resources, run
+    from raytrain_fast.launch.checks import resolve_resources
+    from raytrain_fast.launch.trainer import run
     from raytrain_fast.metrics import read_metrics
 
     # GB. Measured on the 2-core CI machine: a probe peaks at about 0.75 GB with one sequence of 2048
@@ -305,7 +306,7 @@ def test_auto_under_a_small_budget_fits_keeps_the_global_batch_and_is_cached(ray
 @pytest.mark.slow
 def test_auto_turns_activation_checkpointing_on_under_a_budget_only_it_meets(ray_session, tmp_path, capfd):
     from raytrain_fast.microbatch.auto import resolve_micro_batch
-    from raytrain_fast.launch.trainer import resolve_resources
+    from raytrain_fast.launch.checks import resolve_resources
 
     # One sequence of 4096 tokens through 12 blocks with a 32x-wide MLP: activations are most of the
     # memory. Measured 3 times each on the 2-core CI machine (micro_batch=1): the probe peaks at

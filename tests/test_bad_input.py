@@ -359,7 +359,7 @@ def test_shared_storage_is_accepted_on_two_nodes(two_node_cluster, isolated, mon
     import ray
 
     from raytrain_fast.config import load_config
-    from raytrain_fast.launch.trainer import resolve_resources
+    from raytrain_fast.launch.checks import resolve_resources
 
     monkeypatch.setenv("RAY_ADDRESS", two_node_cluster)
     config = load_config("tiny", [f"storage.uri={isolated}/runs", f"data.cache_dir={isolated}/cache", "storage.shared=true",
@@ -388,12 +388,12 @@ def test_debug_shows_the_traceback(capsys):
 
 
 def test_a_finished_run_is_nothing_to_do_before_ray_starts(isolated, monkeypatch, capsys):
-    import raytrain_fast.launch.trainer as trainer
+    import raytrain_fast.launch.checks as checks
 
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray was started for a run that had nothing to do")
 
-    monkeypatch.setattr(trainer, "_ensure_ray", no_ray)
+    monkeypatch.setattr(checks, "ensure_ray", no_ray)
     complete_checkpoint(isolated)
     assert main(["pretrain", "--set", f"storage.uri={isolated}/runs"]) == 0
     out = capsys.readouterr().out

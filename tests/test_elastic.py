@@ -309,9 +309,9 @@ def test_the_coordinator_lives_on_the_drivers_node_even_when_it_has_no_cpus(clus
 
 _WHICH_CLUSTER_THE_JOB_SEES = r"""
 import ray
-from raytrain_fast.launch.trainer import _ensure_ray
+from raytrain_fast.launch.ray_address import ensure_ray
 
-_ensure_ray()
+ensure_ray()
 
 @ray.remote(num_cpus=0)
 def resolved():  # what the state API in Ray Train's placement-group cleaner does: no address given

@@ -15,7 +15,7 @@ from raytrain_fast.checkpoint.init_from import load_initial_weights
 from raytrain_fast.checkpoint.hf_import import init_from_problems
 from raytrain_fast.config import load_config
 from raytrain_fast.errors import ConfigError
-from raytrain_fast.launch.trainer import check_before_ray
+from raytrain_fast.launch.checks import check_before_ray
 from raytrain_fast.model import build_model
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
 

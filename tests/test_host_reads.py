@@ -17,7 +17,7 @@ import pytest
 
 from raytrain_fast.checkpoint import list_runs
 from raytrain_fast.config import load_config
-from raytrain_fast.launch.trainer import prepare_training_data, resolve_resources
+from raytrain_fast.launch.checks import prepare_training_data, resolve_resources
 from raytrain_fast.storage import StorageConfig
 from tests.s3_server import free_port
 
@@ -38,7 +38,7 @@ def _train_counting_reads(address: str, loop_config: dict, port: int, out_path: 
     from ray.train.torch import TorchTrainer
 
     from raytrain_fast.checkpoint import Checkpointer
-    from raytrain_fast.loop import train_loop
+    from raytrain_fast.loop import steps, train_loop
     from raytrain_fast.loop.evaluation import Evaluator
     from raytrain_fast.metrics import TrainMetrics
 
@@ -76,7 +76,7 @@ def _train_counting_reads(address: str, loop_config: dict, port: int, out_path: 
                 phase[0] = "loop" if outer == "setup" and name == "step" else outer
         return wrapper
 
-    train_loop.train_step = in_phase("step", train_loop.train_step)  # looked up by name on every step
+    steps.train_step = in_phase("step", steps.train_step)  # looked up by name on every step
     TrainMetrics.log = in_phase("log", TrainMetrics.log)
     Checkpointer.save = in_phase("checkpoint", Checkpointer.save)
     Evaluator.run = in_phase("eval", Evaluator.run)

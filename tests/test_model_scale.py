@@ -19,7 +19,7 @@ from raytrain_fast.checkpoint.checkpointing import TrainState, rng_states, set_r
 from raytrain_fast.config import load_config
 from raytrain_fast.engine.compile import compile_blocks, resolve_compile
 from raytrain_fast.errors import CheckpointError
-from raytrain_fast.launch.trainer import keep_checkpoint_precision
+from raytrain_fast.launch.resume import keep_checkpoint_precision
 from raytrain_fast.metrics.memory import peak_memory_gb, reset_peak_memory
 from raytrain_fast.model import GPT, ModelConfig, build_model, chunked_cross_entropy
 

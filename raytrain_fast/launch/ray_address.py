@@ -37,3 +37,22 @@ def job_env(env_vars: dict[str, str] | None, address: str | None) -> dict[str, s
     if address is None:
         return env_vars or None
     return {**(env_vars or {}), "RAY_ADDRESS": address}
+
+
+def ensure_ray(env_vars: dict[str, str] | None = None) -> None:
+    """Join RAY_ADDRESS (a cluster, or the job's cluster under `ray job submit`), else start a local
+    instance; nothing when Ray is already initialized in this process."""
+    import ray
+
+    if not ray.is_initialized():
+        # Ray starts its worker processes (our training workers among them) at niceness 15, so any
+        # process at normal priority on the machine takes the CPU from training. A local instance
+        # started here runs them at 0 (no effect when joining a running cluster).
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        # Joins RAY_ADDRESS (a cluster, or the job's cluster under `ray job submit`), else starts a
+        # local instance. env_vars reach every process of the job (Ray Train's controller too), and
+        # so does the joined cluster's address (see launch/ray_address.py).
+        address = cluster_address()
+        env_vars = job_env(env_vars, address)
+        ray.init(address=address, log_to_driver=True, configure_logging=False,
+                 runtime_env={"env_vars": env_vars} if env_vars else None)

@@ -1,9 +1,10 @@
 """The per-worker step loop that Ray's TorchTrainer runs on every worker.
 
 `train_loop_per_worker` reads as a table of contents: restore, build the data, the model and the
-engine, the metrics and the evaluator, then the steps. Hot path: `train_step` only. Every side
-concern (metrics, evaluation, checkpoint) asks whether this step is its step. The loss stays on the device; the host reads it
-only on log steps.
+engine, the metrics and the evaluator, then the steps (loop/steps.py: `run_steps`, whose docstring
+names the order of events on a step). Hot path: `train_step` only. Every side concern (metrics,
+evaluation, checkpoint, preemption, run health) says whether this step is its step. The loss stays on
+the device; the host reads it only on log steps.
 
 What the loop takes from outside comes in the loop config as objects (loop/hooks.py): a
 `LoopHooks` (fault injection, drills, the sequence recorder; the default does nothing) and an
@@ -15,8 +16,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,77 +24,21 @@ import torch
 from raytrain_fast.checkpoint import Checkpointer, TrainState
 from raytrain_fast.checkpoint.init_from import load_initial_weights
 from raytrain_fast.config import Config
+from raytrain_fast.console import nothing_to_do
 from raytrain_fast.coordinator import Coordinator
 from raytrain_fast.engine import apply_deepspeed_patches, apply_optim_settings, build_engine, enable_tf32, select_accelerator, training_device
 from raytrain_fast.engine.compile import compile_blocks
 from raytrain_fast.loop.evaluation import Evaluator, resolve_eval
 from raytrain_fast.loop.health import DivergenceStop, HealthMonitor, Rollback
-from raytrain_fast.loop.hooks import LoopHooks, RankHooks, WindowCallback
-from raytrain_fast.loop.preemption import PreemptionNotice
+from raytrain_fast.loop.hooks import LoopHooks
+from raytrain_fast.loop.steps import run_steps
+from raytrain_fast.loop.worker import Worker
 from raytrain_fast.metrics import SinkWriter, TrainMetrics, build_sinks, mfu_inputs
 from raytrain_fast.metrics.host import run_at_normal_priority
 from raytrain_fast.model import build_model
 from raytrain_fast.storage import redact
 from raytrain_fast.storage.filesystem import resolve_filesystem, use_shipped_s3_filesystem
 from raytrain_fast.watchdog.heartbeat import Heartbeat, NoHeartbeat, set_new_group_timeout
-
-# Bit flags agreed across ranks on log steps (see TrainMetrics.log).
-_TIME_DUE = 1  # this rank's checkpoint.every_minutes timer is due
-_STOP = 2  # the driver got a stop notice (SIGTERM / Ctrl-C): save now and stop
-_PREEMPTED = 4  # Ray is draining a node of the run: save now and go on (loop/preemption.py)
-
-
-def train_step(
-    engine: Any, data: Iterator[tuple[torch.Tensor, torch.Tensor]], metrics: TrainMetrics, *, grad_accum: int,
-    on_batch=None, on_loss=None,
-) -> None:
-    """One optimizer step: grad_accum micro-batches of forward + backward, then DeepSpeed's step.
-
-    The detached loss and grad norm go into on-device accumulators: no host sync here. `on_loss`:
-    a drill's (loop/hooks.py), or None.
-    """
-    metrics.begin_step()
-    for _ in range(grad_accum):
-        tokens, seq_ids = next(data)  # tokens: (B, T + 1)
-        metrics.lap("data")
-        if on_batch is not None:
-            on_batch(seq_ids)
-        loss = engine(tokens[:, :-1], tokens[:, 1:])
-        if on_loss is not None:
-            loss = on_loss(loss)
-        metrics.lap("forward")
-        engine.backward(loss)
-        metrics.lap("backward")
-        engine.step()  # applies the optimizer only at the accumulation boundary
-        metrics.lap("optimizer")
-        metrics.add_loss(loss)
-    metrics.add_grad_norm(engine.get_global_grad_norm())
-
-
-@dataclass(kw_only=True)
-class Worker:
-    """What every setup step of one worker needs: its config, place in the group and hooks."""
-
-    config: Config
-    rank: int
-    world_size: int
-    grad_accum: int
-    device: torch.device
-    hooks: RankHooks
-    niceness: int
-    """This worker's niceness after setup (0 unless lowering it was not permitted)."""
-    manifest: Any
-    """The prepared data's manifest (training shards and the validation split)."""
-
-    @property
-    def tokens_per_step(self) -> int:
-        train = self.config.train
-        return train.micro_batch * self.grad_accum * self.world_size * self.config.data.seq_len
-
-    @property
-    def run_uri(self) -> str:
-        return f"{self.config.storage.uri.rstrip('/')}/{self.config.name}"
-
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     worker = setup_worker(loop_config)
@@ -278,12 +222,7 @@ def note_hangs(worker: Worker, coordinator: Coordinator, metrics: TrainMetrics, 
 
 def _say_nothing_to_do(worker: Worker, state: TrainState) -> None:
     if worker.rank == 0:
-        steps = worker.config.train.steps
-        print(
-            f"Run '{worker.config.name}' already reached train.steps={steps} (checkpoint at step {state.step}); "
-            f"nothing to do. To train further: --set train.steps={steps * 2}",
-            flush=True,
-        )
+        print(nothing_to_do(worker.config.name, steps=worker.config.train.steps, saved_step=state.step), flush=True)
 
 
 def build_health(worker: Worker, checkpointer: Checkpointer, state: TrainState) -> HealthMonitor:
@@ -466,78 +405,3 @@ def build_metrics(worker: Worker, state: TrainState, engine: Any, mfu: Any, sink
         measured_peak_flops=mfu.measured_peak_flops, memory_budget_gb=config.resources.memory_budget_gb,
         sinks=sinks if sinks is not None else (), niceness=worker.niceness,
     )
-
-
-def run_steps(
-    worker: Worker, *, engine: Any, data: Any, metrics: TrainMetrics, evaluator: Evaluator, checkpointer: Checkpointer,
-    coordinator: Coordinator, state: TrainState, on_window: WindowCallback | None, save_checkpoints: bool,
-    health: HealthMonitor, compiled: bool = False, heartbeat: Heartbeat | NoHeartbeat | None = None,
-) -> None:
-    """The steps, up to train.steps or a stop notice. On log steps every rank takes part in one
-    collective (the one host sync of the window), which also carries each rank's flags, so every
-    rank saves (a timed checkpoint is due on some rank) and stops (a stop notice reached rank 0) at
-    the same step. An evaluation (its own collective and read) follows the drain on its cadence and
-    before every save on a log step, so such a checkpoint's metrics carry a fresh val/loss."""
-    train, hooks = worker.config.train, worker.hooks
-    heartbeat = heartbeat or NoHeartbeat()
-    batches = hooks.batches(data, current_step=lambda: state.step)
-    start_step, last = state.step, {}
-    preemption = PreemptionNotice()
-    compiling = compiled  # the first step compiles the blocks: timed apart (time/compile_s)
-    while state.step < train.steps:
-        with metrics.compile_timer(state.step + 1, active=compiling):
-            train_step(engine, batches, metrics, grad_accum=worker.grad_accum, on_batch=hooks.on_batch, on_loss=hooks.on_loss)
-        compiling = False
-        state.step += 1
-        state.tokens += worker.tokens_per_step
-        metrics.end_step(state.step)
-        hooks.after_step(state.step)
-
-        agreed, logged = 0, metrics.is_log_step(state.step)
-        if logged:
-            flags = (_TIME_DUE if checkpointer.due_by_time() else 0) | (
-                _STOP if worker.rank == 0 and coordinator.stop_requested() else 0
-            ) | (_PREEMPTED if preemption.flag() else 0)
-            last = metrics.log(state.step, lr=engine.get_lr()[0], flags=flags, epoch=getattr(data, "epochs", None))
-            agreed = metrics.flags_any_rank
-            health.check_window(state.step, last, metrics)  # may raise Rollback or DivergenceStop (every rank alike)
-        on_notice = save_checkpoints and preemption.save_due(bool(agreed & _PREEMPTED))
-        saving = save_checkpoints and (
-            checkpointer.due_by_steps(state.step, train.steps) or bool(agreed & (_TIME_DUE | _STOP)) or on_notice
-        )
-        saving = saving and health.may_save(state.step, metrics, logged=logged)
-        if evaluator.due(state.step, logged=logged, saving=saving):
-            last = {**last, **evaluator.run(engine, metrics, step=state.step)}
-        if logged and on_window is not None:
-            on_window(step=state.step, metrics=last)
-
-        if saving:
-            heartbeat.pause("save")  # a save's time depends on the storage: the hang watchdog leaves it alone
-            state.data_position, state.health = data.position.to_dict(), health.state_record()
-            blocked_s = checkpointer.save(
-                engine, state, metrics={"step": state.step, "tokens": state.tokens, "start_step": start_step, **last}
-            )
-            if on_notice:  # the node may go at its deadline: this checkpoint must be in storage first
-                checkpointer.wait_for_upload()
-                _report_preemption_save(worker, preemption, metrics, step=state.step)
-            metrics.record_checkpoint(blocked_s=blocked_s, upload_s=checkpointer.take_upload_s())
-            metrics.flush_sinks()
-        if agreed & _STOP:
-            checkpointer.finish()
-            if worker.rank == 0:
-                saved = f"saved a checkpoint at step {state.step}" if save_checkpoints else "no checkpoint (a sweep trial)"
-                print(
-                    f"Stop requested ({coordinator.stop_requested() or 'notice'}): {saved} and stopped. "
-                    "The same command continues from there.", flush=True,
-                )
-            return
-    checkpointer.finish()
-
-
-def _report_preemption_save(worker: Worker, preemption: PreemptionNotice, metrics: TrainMetrics, *, step: int) -> None:
-    """The notice's checkpoint is in storage (this rank's part; rank 0's Ray report waited for every
-    rank's write): print the time it took from the notice, and log it."""
-    values = preemption.saved(step=step)
-    if worker.rank == 0:
-        print(preemption.message(step=step, metrics=values), flush=True)
-    metrics.emit(step, values)

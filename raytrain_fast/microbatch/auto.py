@@ -156,22 +156,7 @@ def probe_micro_batch(
         )
         tokens = torch.randint(0, config.model.vocab_size, (micro_batch, config.data.seq_len + 1), device=device)
         reset_peak_memory(device)  # as the training loop does once set up: the same statistic
-
-        def optimizer_step() -> torch.Tensor:
-            for _ in range(grad_accum):
-                loss = engine(tokens[:, :-1], tokens[:, 1:])
-                engine.backward(loss)
-                engine.step()
-            return loss
-
-        for _ in range(warmup_steps):
-            optimizer_step()
-        loss = None
-        start = time.perf_counter()
-        for _ in range(timed_steps):
-            loss = optimizer_step()
-        float(loss.detach())  # host sync: the clock stops when the device is done
-        elapsed = time.perf_counter() - start
+        elapsed = _timed_steps(engine, tokens, grad_accum=grad_accum, warmup_steps=warmup_steps, timed_steps=timed_steps)
         probe.tokens_per_sec = timed_steps * grad_accum * micro_batch * config.data.seq_len / elapsed
         probe.peak_gb = peak_memory_gb(device)
         outcome = classify_peak(probe.peak_gb, budget_gb)
@@ -188,6 +173,25 @@ def probe_micro_batch(
             dist.destroy_process_group()
     probe.status, probe.reason = outcome.status, outcome.reason
     return probe
+
+
+def _timed_steps(engine: Any, tokens: Any, *, grad_accum: int, warmup_steps: int, timed_steps: int) -> float:
+    """Seconds of `timed_steps` optimizer steps after `warmup_steps` untimed ones, on one batch."""
+    def optimizer_step() -> Any:
+        for _ in range(grad_accum):
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+        return loss
+
+    for _ in range(warmup_steps):
+        optimizer_step()
+    loss = None
+    start = time.perf_counter()
+    for _ in range(timed_steps):
+        loss = optimizer_step()
+    float(loss.detach())  # host sync: the clock stops when the device is done
+    return time.perf_counter() - start
 
 
 def probe_in_fresh_process(config: Config, *, micro_batch: int, grad_accum: int, budget_gb: float | None) -> Probe:

@@ -191,7 +191,7 @@ def _prepare(config: Config, spec: SweepSpec, *, first_micro_batch: int, create_
     once, derive the concurrency, and create the sweep's directory."""
     import ray
 
-    from raytrain_fast.launch.trainer import prepare_training_data, resolve_resources
+    from raytrain_fast.launch.checks import prepare_training_data, resolve_resources
     from raytrain_fast.storage import resolve_filesystem
 
     name = spec.name or f"{config.name}-sweep"

@@ -70,7 +70,8 @@ def run_trial(params: dict[str, Any], *, base_config: dict[str, Any], data_uri: 
 
     from raytrain_fast.config import Config, validate
     from raytrain_fast.coordinator import start_coordinator
-    from raytrain_fast.launch.trainer import build_trainer, max_sequences
+    from raytrain_fast.launch.checks import max_sequences
+    from raytrain_fast.launch.trainer import build_trainer
 
     # The controller picks up reports when it polls the workers (every 2 s by default) and each
     # worker's result queue holds one: a log window shorter than that would wait in report() and

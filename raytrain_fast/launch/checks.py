@@ -1,0 +1,221 @@
+"""Everything checked and resolved before any worker starts: validation, storage, the data against
+the model, what the run resumes from (launch/resume.py), then, on the cluster, the resources and
+the precision measured where the workers run, and the training data prepared once."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from raytrain_fast.config import Config, validate
+from raytrain_fast.engine import resolve_precision
+from raytrain_fast.errors import ConfigError
+from raytrain_fast.launch.ray_address import ensure_ray
+from raytrain_fast.launch.resume import (
+    RunSnapshot,
+    check_resume_policy,
+    keep_checkpoint_batch,
+    keep_checkpoint_precision,
+    set_aside_later_checkpoints,
+    storage_path,
+)
+from raytrain_fast.loop.evaluation import resolve_eval
+from raytrain_fast.storage import check_storage
+from raytrain_fast.storage.filesystem import checksum_env
+
+logger = logging.getLogger("raytrain_fast")
+
+
+def _read_snapshot(config: Config) -> RunSnapshot | None:
+    """The run's checkpoints, or None where storage cannot be read yet: `check_storage` then names
+    the problem, after validation (a malformed storage.uri is validation's to name)."""
+    try:
+        return RunSnapshot.read(config)
+    except Exception:  # noqa: BLE001 - reported with a clear message by the checks that follow
+        return None
+
+
+def check_before_ray(config: Config, *, create_bucket: bool = False):
+    """Everything decided without a cluster: validation, storage reachable and writable, the
+    resume policy. Returns (config with absolute local paths, TrainState of the checkpoint to resume or None)."""
+    snapshot = _read_snapshot(config)  # the run's checkpoints, listed once (launch/resume.py)
+    config = keep_checkpoint_batch(config, snapshot)  # before validation: a resize may need another micro_batch
+    validate(config)
+    config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, uri=storage_path(config.storage.uri)))
+    if config.data.source != "stdlib" and "://" not in config.data.source:  # so is a saved run config's source
+        config = dataclasses.replace(
+            config, data=dataclasses.replace(config.data, source=os.path.abspath(os.path.expanduser(config.data.source)))
+        )
+    if config.checkpoint.init_from:  # resolved here: the workers' working directory differs
+        config = dataclasses.replace(
+            config, checkpoint=dataclasses.replace(config.checkpoint, init_from=storage_path(config.checkpoint.init_from))
+        )
+        from raytrain_fast.checkpoint.hf_import import init_from_problems
+
+        problems = init_from_problems(config.checkpoint.init_from, config.model, config.storage)  # a Hugging Face dir
+        if problems:
+            raise ConfigError(problems)
+    check_storage(config.storage, create_bucket=create_bucket)  # reachable and writable, in seconds
+    check_data_matches_model(config)  # after the storage probe (an s3:// source is read), before anything is printed
+    snapshot = snapshot or RunSnapshot.read(config)  # storage is reachable now: its errors are real
+    state = check_resume_policy(config, snapshot)
+    config = keep_checkpoint_precision(config, state)
+    set_aside_later_checkpoints(config, snapshot)  # the last step: every check passed
+    return config, state
+
+
+def check_data_matches_model(config: Config) -> None:
+    """Data-versus-model problems in a second, before Ray starts: a prepared data.source's manifest
+    (seq_len, vocabulary, sequences per worker) against the config, or, for a source prepared on the
+    fly, the tokenizer's vocabulary against model.vocab_size. `prepare_training_data` checks the
+    prepared corpus again once it exists (a source prepared on the fly has no manifest before)."""
+    from raytrain_fast.data import check_manifest_matches, load_manifest
+    from raytrain_fast.data.cache import STDLIB, is_prepared
+    from raytrain_fast.data.tokenizer import load_tokenizer
+
+    data, model = config.data, config.model
+    if data.sources:  # a mixture: data/mixture.py checks every source (storage, tokenizer, seq_len, model)
+        from raytrain_fast.data.mixture import check_sources_before_start
+
+        return check_sources_before_start(config)
+    if data.source != STDLIB and is_prepared(data.source, config.storage):
+        micro_batch = config.train.micro_batch if isinstance(config.train.micro_batch, int) else None
+        problems = check_manifest_matches(
+            load_manifest(data.source, config.storage), seq_len=data.seq_len, vocab_size=model.vocab_size,
+            micro_batch=micro_batch, world_size=config.resources.num_workers if micro_batch else None,
+            max_sequences=max_sequences(config),
+        )
+        problems += [
+            f"data.{key} applies to a source prepared on the fly, but {data.source} is already prepared: run "
+            f"`raytrain-fast prepare-data` again with --{key.replace('_', '-')}, or leave data.{key} unset"
+            for key in ("val_fraction", "val_input") if getattr(data, key) is not None
+        ]
+    else:
+        vocab = load_tokenizer(data.tokenizer, config.storage).info.vocab_size
+        problems = [] if vocab <= model.vocab_size else [
+            f"model.vocab_size ({model.vocab_size}) is smaller than data.tokenizer's vocabulary ({vocab} tokens); "
+            f"set model.vocab_size >= {vocab} (a multiple of 64 is fastest: {-(-vocab // 64) * 64})"
+        ]
+    if problems:
+        raise ConfigError(problems)
+
+
+def resolve_resources(
+    config: Config, *, create_bucket: bool = False, checked: bool = False, announce_precision: bool = True
+) -> Config:
+    """Fill in `auto` values from the cluster, then validate everything before a worker starts.
+    checked: `check_before_ray` already ran on this config. announce_precision: print the
+    `Precision:` line (a resumed run's came from `keep_checkpoint_precision`)."""
+    import ray
+
+    if not checked:
+        config, _ = check_before_ray(config, create_bucket=create_bucket)
+    ensure_ray(checksum_env(config.storage))
+    check_storage_on_cluster(config)
+    cluster = ray.cluster_resources()
+    cpus, gpus = cluster.get("CPU", 0.0), cluster.get("GPU", 0.0)
+    validate(config, cluster_cpus=cpus, cluster_gpus=gpus)
+
+    resources = config.resources
+    needed = resources.fewest_workers  # an elastic run starts with what the cluster holds, from min_workers on
+    use_gpu = gpus >= needed if resources.use_gpu == "auto" else bool(resources.use_gpu)
+    if resources.use_gpu == "auto" and 0 < gpus < needed:
+        print(
+            f"Warning: the cluster has {gpus:g} GPUs for {needed} workers, so resources.use_gpu=auto "
+            "trains on CPUs. Lower resources.num_workers to use the GPUs.", flush=True,
+        )
+    cpus_per_worker = resources.cpus_per_worker
+    if cpus_per_worker == 0:
+        cpus_per_worker = 4 if use_gpu else max(1, int(cpus // resources.num_workers))
+        cpus_per_worker = min(cpus_per_worker, max(1, int(cpus // resources.num_workers)))
+    precision = config.engine.precision
+    if precision == "auto":  # measured where the workers run: the driver may have no GPU, or another CPU
+        precision, reason = resolve_precision_on_a_worker(use_gpu=use_gpu, cpus_per_worker=cpus_per_worker)
+        logger.info("precision: %s (%s)", precision, reason)
+        print(f"Precision: {precision} ({reason})", flush=True)
+    elif announce_precision:
+        print(f"Precision: {precision} (engine.precision={precision}, set explicitly)", flush=True)
+    return dataclasses.replace(
+        config,
+        resources=dataclasses.replace(resources, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker),
+        engine=dataclasses.replace(config.engine, precision=precision),
+    )
+
+
+def check_storage_on_cluster(config: Config) -> None:
+    """A local storage.uri or data.cache_dir on a Ray cluster of several nodes is refused (unless
+    storage.shared), before any worker starts: see storage.config.multi_node_storage_problems."""
+    import ray
+
+    from raytrain_fast.config.storage import multi_node_storage_problems
+
+    nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    problems = multi_node_storage_problems(config.storage, cache_dir=config.data.cache_dir, nodes=nodes)
+    if problems:
+        raise ConfigError(problems)
+
+
+def resolve_precision_on_a_worker(*, use_gpu: bool, cpus_per_worker: int) -> tuple[str, str]:
+    """engine.precision=auto, decided in a Ray task with a training worker's resources (its GPU, or
+    its CPUs and thread count), so on a cluster it is the workers' hardware that is measured."""
+    import ray
+
+    def resolve() -> tuple[str, str]:
+        import torch
+
+        if not use_gpu:
+            torch.set_num_threads(cpus_per_worker)  # a Ray process starts with one thread
+        return resolve_precision("auto", use_gpu=use_gpu)
+
+    task = ray.remote(resolve).options(num_cpus=0 if use_gpu else cpus_per_worker, num_gpus=1 if use_gpu else 0)
+    return ray.get(task.remote())
+
+
+def max_sequences(config: Config) -> int | None:
+    """data.max_tokens as whole sequences; None = all of the prepared data."""
+    if config.data.max_tokens <= 0:
+        return None
+    return max(1, config.data.max_tokens // (config.data.seq_len + 1))
+
+
+def prepare_training_data(config: Config) -> str:
+    """Prepare data.source once (cached) and check it against the model; returns the manifest URI."""
+    from raytrain_fast.data import check_manifest_matches, ensure_prepared_corpus, load_manifest
+    from raytrain_fast.errors import ConfigError
+
+    cache_dir = config.data.cache_dir or f"{config.storage.uri.rstrip('/')}/_prepared"
+    uri = ensure_prepared_corpus(
+        config.data.source, seq_len=config.data.seq_len, cache_dir=cache_dir,
+        tokenizer=config.data.tokenizer, storage=config.storage,
+        val_fraction=config.data.val_fraction, val_input=config.data.val_input,
+    )
+    manifest = load_manifest(uri, config.storage)
+    problems = check_manifest_matches(
+        manifest, seq_len=config.data.seq_len, vocab_size=config.model.vocab_size,
+        micro_batch=config.train.micro_batch, world_size=config.resources.num_workers,
+        max_sequences=max_sequences(config),
+    )
+    if problems:
+        raise ConfigError(problems)
+    _, notes = resolve_eval(config, manifest)  # the workers resolve it the same way; errors surface here, before them
+    used = min(manifest.num_sequences, max_sequences(config) or manifest.num_sequences)
+    print(f"Data: {used:,} sequences of {config.data.seq_len + 1} tokens from {uri}", flush=True)
+    from raytrain_fast.data.corpus import repetition_warning
+
+    if warning := repetition_warning(sequences_per_epoch=used, steps=config.train.steps, global_batch=config.train.global_batch):
+        print(warning, flush=True)
+    for note in notes:
+        print(note, flush=True)
+    return uri
+
+
+def keep_ray_data_actors_on_this_node() -> None:
+    """Ray Data keeps cluster-wide detached actors (its stats actor, its autoscaling coordinator),
+    pinned to the node of the process that first needs them: without this, a training worker's node.
+    When that node goes (preemption, an elastic shrink), every later dataset fails with
+    ActorDiedError. Created here first, they live on the driver's node. Ray 2.60's private helpers;
+    where they are missing, a one-row dataset run here creates the same actors."""
+    from raytrain_fast._ray_compat import create_ray_data_cluster_actors
+
+    create_ray_data_cluster_actors()

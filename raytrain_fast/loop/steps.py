@@ -1,0 +1,194 @@
+"""The steps of one worker, from the first to train.steps or an agreed stop.
+
+`run_steps` is the table of contents of a step; `StepRun` holds the parts a step uses, and each
+part says whether this step is its step: the metrics whether it is a log step, the checkpointer
+whether a save is due by its cadence, the preemption notice whether its save is due, the health
+check whether the state may be saved, the evaluator whether an evaluation is due.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from raytrain_fast.loop.preemption import PreemptionNotice
+from raytrain_fast.watchdog.heartbeat import NoHeartbeat
+
+if TYPE_CHECKING:
+    from raytrain_fast.checkpoint import Checkpointer, TrainState
+    from raytrain_fast.coordinator import Coordinator
+    from raytrain_fast.loop.evaluation import Evaluator
+    from raytrain_fast.loop.health import HealthMonitor
+    from raytrain_fast.loop.hooks import WindowCallback
+    from raytrain_fast.loop.worker import Worker
+    from raytrain_fast.metrics import TrainMetrics
+
+
+class Notice(enum.IntFlag):
+    """What one rank knows on a log step and every rank must act on at the same step: sent as bit
+    flags in the log step's one collective (metrics/agreement.py)."""
+
+    CHECKPOINT_TIME = 1  # this rank's checkpoint.every_minutes timer is due
+    STOP = 2  # the driver got a stop notice (SIGTERM / Ctrl-C): save now and stop
+    PREEMPTED = 4  # Ray is draining a node of the run: save now and go on (loop/preemption.py)
+
+
+def train_step(
+    engine: Any, data: Iterator[tuple[torch.Tensor, torch.Tensor]], metrics: TrainMetrics, *, grad_accum: int,
+    on_batch=None, on_loss=None,
+) -> None:
+    """One optimizer step: grad_accum micro-batches of forward + backward, then DeepSpeed's step.
+
+    The detached loss and grad norm go into on-device accumulators: no host sync here. `on_loss`:
+    a drill's (loop/hooks.py), or None.
+    """
+    metrics.begin_step()
+    for _ in range(grad_accum):
+        tokens, seq_ids = next(data)  # tokens: (B, T + 1)
+        metrics.lap("data")
+        if on_batch is not None:
+            on_batch(seq_ids)
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+        if on_loss is not None:
+            loss = on_loss(loss)
+        metrics.lap("forward")
+        engine.backward(loss)
+        metrics.lap("backward")
+        engine.step()  # applies the optimizer only at the accumulation boundary
+        metrics.lap("optimizer")
+        metrics.add_loss(loss)
+    metrics.add_grad_norm(engine.get_global_grad_norm())
+
+
+def run_steps(worker: Worker, **parts: Any) -> None:
+    """The steps, up to train.steps or an agreed stop. The order of events on a step:
+
+    1. train: grad_accum micro-batches and the optimizer step, with no host sync;
+    2. on log steps, the agreement: ONE collective drains the window's metrics and carries each
+       rank's notices (checkpoint timer due, stop, preemption), so every rank acts alike; the
+       health check then reads the window (it may raise Rollback or DivergenceStop, every rank alike);
+    3. whether to save: the checkpointer's cadence, an agreed notice, and the health check's consent;
+    4. an evaluation, on its cadence and before every save on a log step (the checkpoint's metrics
+       then carry a fresh val/loss);
+    5. the window callback (a sweep trial's report);
+    6. the save;
+    7. an agreed stop ends the steps."""
+    run = StepRun(worker=worker, **parts)
+    while run.state.step < worker.config.train.steps:
+        step = run.train()
+        logged = run.agree(step)
+        saving = run.is_save_step(step, logged=logged)
+        run.evaluate(step, logged=logged, saving=saving)
+        run.report(step, logged=logged)
+        if saving:
+            run.save(step)
+        if run.agreed & Notice.STOP:
+            return run.stop(step)
+    run.checkpointer.finish()
+
+
+@dataclass(kw_only=True)
+class StepRun:
+    """What the steps use, and one method per event of a step (see `run_steps`)."""
+
+    worker: Worker
+    engine: Any
+    data: Any
+    metrics: TrainMetrics
+    evaluator: Evaluator
+    checkpointer: Checkpointer
+    coordinator: Coordinator
+    state: TrainState
+    health: HealthMonitor
+    on_window: WindowCallback | None = None
+    save_checkpoints: bool = True
+    compiled: bool = False
+    """The first step compiles the blocks: timed apart (time/compile_s)."""
+    heartbeat: Any = None
+    preemption: PreemptionNotice = field(default_factory=PreemptionNotice)
+    agreed: Notice = Notice(0)
+    """The notices any rank raised at this step's agreement (none on steps that are not log steps)."""
+
+    def __post_init__(self) -> None:
+        self.heartbeat = self.heartbeat or NoHeartbeat()
+        self.batches = self.worker.hooks.batches(self.data, current_step=lambda: self.state.step)
+        self.start_step, self.last = self.state.step, {}
+        self.on_notice = False
+
+    def train(self) -> int:
+        """One optimizer step; the step count, tokens, metrics and drills move on."""
+        worker, state, hooks = self.worker, self.state, self.worker.hooks
+        with self.metrics.compile_timer(state.step + 1, active=self.compiled):
+            train_step(self.engine, self.batches, self.metrics, grad_accum=worker.grad_accum,
+                       on_batch=hooks.on_batch, on_loss=hooks.on_loss)
+        self.compiled = False
+        state.step += 1
+        state.tokens += worker.tokens_per_step
+        self.metrics.end_step(state.step)
+        hooks.after_step(state.step)
+        return state.step
+
+    def agree(self, step: int) -> bool:
+        """On a log step: the one collective, with this rank's notices; then the health check. Returns
+        whether this is a log step."""
+        self.agreed = Notice(0)
+        if not self.metrics.is_log_step(step):
+            return False
+        mine = Notice(0)
+        if self.checkpointer.due_by_time():
+            mine |= Notice.CHECKPOINT_TIME
+        if self.worker.rank == 0 and self.coordinator.stop_requested():
+            mine |= Notice.STOP
+        if self.preemption.flag():
+            mine |= Notice.PREEMPTED
+        self.last = self.metrics.log(step, lr=self.engine.get_lr()[0], flags=int(mine), epoch=getattr(self.data, "epochs", None))
+        self.agreed = Notice(self.metrics.agreement.flags)
+        self.health.check_window(step, self.last, self.metrics)
+        return True
+
+    def is_save_step(self, step: int, *, logged: bool) -> bool:
+        if not self.save_checkpoints:
+            return False
+        self.on_notice = self.preemption.save_due(bool(self.agreed & Notice.PREEMPTED))
+        due = (
+            self.checkpointer.due_by_steps(step, self.worker.config.train.steps)
+            or bool(self.agreed & (Notice.CHECKPOINT_TIME | Notice.STOP)) or self.on_notice
+        )
+        return due and self.health.may_save(step, self.metrics, logged=logged)
+
+    def evaluate(self, step: int, *, logged: bool, saving: bool) -> None:
+        if self.evaluator.due(step, logged=logged, saving=saving):
+            self.last = {**self.last, **self.evaluator.run(self.engine, self.metrics, step=step)}
+
+    def report(self, step: int, *, logged: bool) -> None:
+        if logged and self.on_window is not None:
+            self.on_window(step=step, metrics=self.last)
+
+    def save(self, step: int) -> None:
+        state = self.state
+        self.heartbeat.pause("save")  # a save's time depends on the storage: the hang watchdog leaves it alone
+        state.data_position, state.health = self.data.position.to_dict(), self.health.state_record()
+        blocked_s = self.checkpointer.save(
+            self.engine, state, metrics={"step": step, "tokens": state.tokens, "start_step": self.start_step, **self.last}
+        )
+        if self.on_notice:  # the node may go at its deadline: this checkpoint must be in storage first
+            self.checkpointer.wait_for_upload()
+            values = self.preemption.saved(step=step)
+            if self.worker.rank == 0:
+                print(self.preemption.message(step=step, metrics=values), flush=True)
+            self.metrics.emit(step, values)
+        self.metrics.record_checkpoint(blocked_s=blocked_s, upload_s=self.checkpointer.take_upload_s())
+        self.metrics.flush_sinks()
+
+    def stop(self, step: int) -> None:
+        self.checkpointer.finish()
+        if self.worker.rank == 0:
+            saved = f"saved a checkpoint at step {step}" if self.save_checkpoints else "no checkpoint (a sweep trial)"
+            print(
+                f"Stop requested ({self.coordinator.stop_requested() or 'notice'}): {saved} and stopped. "
+                "The same command continues from there.", flush=True,
+            )
