@@ -200,7 +200,7 @@ class _ReadMixturePieces:
 
 class MixtureIterator(BatchIterator):
     """BatchIterator over a mixture: the same micro-batches, ranks, prefetch and checks, with global
-    index g drawn from source `schedule.locate(g)`. seq_ids are each source's own; `source_ids` says whose.
+    index g drawn from source `schedule.locate(g)`. seq_ids are each source's own (`plan` says whose).
 
     `position`: a MixturePosition (or its dict) of the same sources and weights, or None (the start).
     """
