@@ -15,7 +15,7 @@ import yaml
 
 from raytrain_fast._dataclass_yaml import from_dict, to_dict
 from raytrain_fast.config.checkpoint import CheckpointConfig, allowed_groups
-from raytrain_fast.config.data import BYTE_VOCAB_SIZE, DataConfig
+from raytrain_fast.config.data import BYTE_VOCAB_SIZE, DataConfig, data_sources_problems, document_masking_problems
 from raytrain_fast.config.engine import EngineConfig, OptimConfig, wsd_decay_steps
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.config.resources import ResourcesConfig
@@ -221,6 +221,8 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
         problems += _not_positive(section, getattr(config, section), names)
     problems += _model_problems(config.model, config.data)
     problems += _data_problems(config.data)
+    problems += data_sources_problems(config.data)
+    problems += document_masking_problems(config.data, dropout=config.model.dropout, use_gpu=config.resources.use_gpu, cluster_gpus=cluster_gpus)
     problems += _optim_problems(config)
     problems += _batch_problems(config.train, config.resources)
     problems += _elastic_batch_problems(config)
