@@ -210,6 +210,10 @@ def test_bad_mixtures_are_named_with_the_fix(local_uris, tmp_path):
     with pytest.raises(ConfigError, match=r"data.sources '.*empty-text' is empty .*add text to it, or remove it"):
         check_mixture(mixture_config(web, code, str(tmp_path / "empty-text")))
     assert [s.name for s in check_mixture(mixture_config(web, code, local_uris["papers"]))] == ["web", "code", "papers"]
+    # A source smaller than a micro-batch (papers: 16 sequences) is fine: it cycles. A model too small for the vocabulary is not.
+    check_mixture(mixture_config(web, code, local_uris["papers"], overrides=["train.micro_batch=64"]))
+    with pytest.raises(ConfigError, match=r"data.sources 'web': model.vocab_size \(200\) is smaller"):
+        check_mixture(mixture_config(web, code, local_uris["papers"], overrides=["model.vocab_size=200"]))
 
 
 class _Recorded:
