@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -121,6 +122,9 @@ class _TokenizeBatch:
         self.spec, self.filesystems, self.text_field = spec, filesystems, text_field
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[pa.Table]:
+        # Ray gave this task one CPU: a Hugging Face tokenizer's encode_batch would start a thread per
+        # core of the node in every task (N tasks x N threads); one thread each keeps to what Ray gave.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
         parts: list[Part] = []
         size = 0
         for i, location, path, fraction in zip(batch["index"], batch["location"], batch["path"], batch["val_fraction"]):
