@@ -6,6 +6,7 @@ the loss after an end-of-document id is masked; the GPU path (flex attention) ag
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from raytrain_fast.config.data import DataConfig
 from raytrain_fast.model import GPT, ModelConfig, build_model, document_masking
 from raytrain_fast.model.documents import (
-    DocumentMasking, dense_block_causal_mask, document_ids, document_layout, document_positions, flex_block_causal_mask,
+    DocumentMasking, attend, dense_block_causal_mask, document_ids, document_layout, document_positions, flex_block_causal_mask,
 )
 
 pytestmark = pytest.mark.unit
@@ -166,8 +167,12 @@ def test_the_gpu_paths_block_mask_keeps_the_same_documents_as_the_cpu_mask():
     doc_ids = document_ids(tokens, EOD)
     q, k, v = (torch.randn(2, 4, 256, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_block_causal_mask(doc_ids))
-    flex = flex_attention(q, k, v, block_mask=flex_block_causal_mask(doc_ids))
+    block_mask = flex_block_causal_mask(doc_ids)
+    flex = flex_attention(q, k, v, block_mask=block_mask)
     assert (dense - flex).abs().max().item() <= 1e-5
+    # As a compiled block calls it on a GPU (engine.compile: auto is on there): flex inside the compile.
+    compiled = torch.compile(lambda q, k, v, mask: attend(q, k, v, mask, dropout_p=0.0))(q, k, v, block_mask)
+    assert (dense - compiled).abs().max().item() <= 1e-5
     unmasked = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert (flex - unmasked).abs().max().item() > 1e-2
 
@@ -188,3 +193,37 @@ def test_on_a_gpu_flex_attention_gives_each_document_its_logits_alone(shape):
         model.documents = None
         diffs = [(packed[r, a:b] - model(tokens[r:r + 1, a:b])[0]).abs().max().item() for r, s in enumerate(spans) for a, b in s]
     assert max(diffs) <= 1e-4, diffs  # fp32 on a GPU: TF32 is off by default for plain torch
+
+
+def _loop_passes_documents() -> bool:
+    import inspect
+
+    from raytrain_fast.loop import train_loop
+
+    return "document_masking(" in inspect.getsource(train_loop)
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(not _loop_passes_documents(), reason="the step loop does not pass data.document_masking to build_model yet "
+                    "(loop/train_loop.py: build_model(..., documents=document_masking(config.data, eod_id=...)))")
+def test_a_real_run_trains_with_masking_on_through_the_loop(ray_session, tmp_path):
+    import json
+
+    from raytrain_fast.launch.trainer import run
+    from tests.test_train import by_step, micro_config
+
+    # Short documents (one per JSON line, ~70 bytes), so that most 32-token rows hold an end of document.
+    lines = [json.dumps({"text": f"doc {i}: " + "the quick brown fox jumps over the lazy dog "[: 20 + i % 40]}) for i in range(3000)]
+    (tmp_path / "short.jsonl").write_text("\n".join(lines) + "\n")
+    common = ("resources.num_workers=1", "train.micro_batch=8", "train.steps=6", "train.log_every=3",
+              "checkpoint.every_steps=3", "engine.precision=fp32", f"data.source={tmp_path / 'short.jsonl'}",
+              "data.max_tokens=0", "eval.sequences=8")
+    losses = {}
+    for masking in (False, True):
+        result = run(micro_config(tmp_path, f"masking-{masking}", *common, f"data.document_masking={masking}"))
+        steps = by_step(result)
+        losses[masking] = [steps[s]["train/loss"] for s in (3, 6)]
+        assert all(map(math.isfinite, losses[masking])) and math.isfinite(steps[6]["val/loss"])
+    # Same seed, same data, same weights at step 0: only masking differs. A loop that dropped the setting
+    # would train the masked run to the unmasked run's losses.
+    assert abs(losses[True][0] - losses[False][0]) > 1e-3, losses

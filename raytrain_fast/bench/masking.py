@@ -4,8 +4,8 @@ and on, interleaved, per dtype (docs/data.md#document-masking).
     python -m raytrain_fast.bench.masking --d-model 384 --layers 6 --heads 6 --seq-len 256 --micro-batch 8
 
 One model per dtype; the variants share its weights (masking is switched on the same module), run
-in alternating order round after round, and are summarised alike: the median step time over every
-timed step of every round. Rows are packed like prepare-data's: documents of random lengths (a
+in alternating order round after round, and are summarised alike: the median step time (wall clock
+and this process's CPU time) over every timed step of every round. Rows are packed like prepare-data's: documents of random lengths (a
 geometric distribution of mean `--mean-doc`), each ended by the end-of-document id.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -33,23 +34,25 @@ def packed_batch(*, micro_batch: int, seq_len: int, mean_doc: int, seed: int) ->
     return tokens.masked_fill(ends, EOD_TOKEN)
 
 
-def time_steps(model, batch: torch.Tensor, steps: int) -> list[float]:
-    """Seconds of each of `steps` forward + backward passes (gradients cleared between them)."""
+def time_steps(model, batch: torch.Tensor, steps: int) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of each of `steps` forward + backward passes (gradients cleared between).
+    CPU time is this process's, all threads: on a shared machine it counts the work, not the wait
+    for a core (spin-waiting threads count too, alike in both variants)."""
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         model(batch[:, :-1], batch[:, 1:]).backward()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - wall, time.process_time() - cpu))
         model.zero_grad(set_to_none=True)
     return times
 
 
-def measure(config: ModelConfig, batch: torch.Tensor, *, dtype: torch.dtype, rounds: int, steps: int) -> dict[str, float]:
-    """Median step seconds of masking off and on, interleaved (the order alternates by round)."""
+def measure(config: ModelConfig, batch: torch.Tensor, *, dtype: torch.dtype, rounds: int, steps: int) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) step seconds of masking off and on, interleaved (the order alternates by round)."""
     torch.manual_seed(0)
     model = build_model(config, "cpu").to(dtype).train()
     masking = DocumentMasking(eod_id=EOD_TOKEN)
-    times: dict[str, list[float]] = {"off": [], "on": []}
+    times: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
     for variant in ("off", "on"):  # warm-up, untimed: first-call allocations
         model.documents = masking if variant == "on" else None
         time_steps(model, batch, 1)
@@ -57,7 +60,10 @@ def measure(config: ModelConfig, batch: torch.Tensor, *, dtype: torch.dtype, rou
         for variant in ("off", "on") if round_index % 2 == 0 else ("on", "off"):
             model.documents = masking if variant == "on" else None
             times[variant] += time_steps(model, batch, steps)
-    return {variant: statistics.median(values) for variant, values in times.items()}
+    return {
+        variant: (statistics.median(t[0] for t in values), statistics.median(t[1] for t in values))
+        for variant, values in times.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,8 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         record = {
             "architecture": args.architecture, "d_model": args.d_model, "layers": args.layers, "seq_len": args.seq_len,
             "micro_batch": args.micro_batch, "dtype": name, "threads": args.threads, "rounds": args.rounds,
-            "steps": args.steps, "off_ms": round(median["off"] * 1e3, 2), "on_ms": round(median["on"] * 1e3, 2),
-            "on_over_off": round(median["on"] / median["off"], 3),
+            "steps": args.steps, "load_1min": round(os.getloadavg()[0], 1),
+            "wall_off_ms": round(median["off"][0] * 1e3, 1), "wall_on_ms": round(median["on"][0] * 1e3, 1),
+            "wall_on_over_off": round(median["on"][0] / median["off"][0], 3),
+            "cpu_off_ms": round(median["off"][1] * 1e3, 1), "cpu_on_ms": round(median["on"][1] * 1e3, 1),
+            "cpu_on_over_off": round(median["on"][1] / median["off"][1], 3),
         }
         print(json.dumps(record), flush=True)
     return 0

@@ -126,8 +126,8 @@ def masked_targets(tokens: torch.Tensor, targets: torch.Tensor, masking: Documen
 
 @functools.cache
 def _compiled_flex_attention():
-    # flex attention is only fast compiled (eager runs an unfused reference); torch's own advice is
-    # one module-level torch.compile of it, which a compiled block inlines.
+    # flex attention is only fast compiled (eager runs an unfused reference): torch's advice is one
+    # torch.compile of the function, for blocks that are not compiled themselves.
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
@@ -141,4 +141,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, *, drop
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
     assert dropout_p == 0.0, "flex attention has no dropout; validation refuses model.dropout > 0 with masking on a GPU"
+    if torch.compiler.is_compiling():  # inside a compiled block (engine.compile): that compile takes flex in
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=mask)
     return _compiled_flex_attention()(q, k, v, block_mask=mask)
