@@ -132,6 +132,7 @@ def test_activation_checkpointing_keeps_the_masked_gradients(shape):
         torch.testing.assert_close(recomputed, plain, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.e2e  # torch.compile of the blocks: 12-27 s on the 2-core machine
 def test_compiled_blocks_give_the_eager_masked_loss_and_gradients():
     from raytrain_fast.engine.compile import compile_blocks
 

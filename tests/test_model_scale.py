@@ -115,6 +115,7 @@ def test_chunked_loss_is_on_from_a_large_vocabulary_and_never_holds_the_full_log
 # --------------------------------------------------------------------------- each feature keeps the result
 
 
+@pytest.mark.e2e  # two 20-step training runs per case: 25-45 s each on the 2-core machine
 @pytest.mark.parametrize("changes", [
     {"activation_checkpointing": "full"},
     {"activation_checkpointing": "every_n", "activation_checkpointing_n": 2},
