@@ -180,3 +180,18 @@ def test_s3_inputs_prepare_and_train(s3_server, ray_session, monkeypatch, tmp_pa
     result = run(config)
     steps = [metrics["step"] for _, metrics in result.checkpoints]
     assert steps == [4] and np.isfinite([m["train/loss"] for _, m in result.checkpoints]).all()
+
+
+def test_train_tokenizer_reads_the_same_inputs(tmp_path):
+    pytest.importorskip("tokenizers")
+    from raytrain_fast.data.train_tokenizer import train_tokenizer
+
+    docs = documents("body", 60)
+    pq.write_table(pa.table({"body": docs}), tmp_path / "posts.parquet", row_group_size=10)
+    (tmp_path / "more.jsonl.zst").write_bytes(zstd_bytes(jsonl([{"body": d} for d in docs[:20]] + [{"id": 1}])))
+    made = train_tokenizer(inputs=[str(tmp_path / "posts.parquet"), str(tmp_path / "more.jsonl.zst")], output=str(tmp_path / "tok"),
+                           vocab_size=300, text_field="body", verbose=False)
+    assert made.num_files == 2 and made.num_documents == 80 and made.num_bytes == sum(len(d.encode()) for d in docs + docs[:20])
+    assert [s.reason for s in made.skipped] == ["1 JSONL records skipped: 1 no string 'body' field (first at line 21)"]
+    with pytest.raises(DataError, match="no column 'text'.*'body' \\(string\\)"):
+        train_tokenizer(inputs=[str(tmp_path / "posts.parquet")], output=str(tmp_path / "tok2"), vocab_size=300, verbose=False)
