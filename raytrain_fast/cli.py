@@ -220,15 +220,15 @@ def pretrain(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     from raytrain_fast.errors import ConfigError
-    from raytrain_fast.loop.hooks import LoopHooks
+    from raytrain_fast.drills import parse_drills
 
     config = load_config(args.config, overrides, name=args.name)
     try:
-        hooks = LoopHooks.from_cli(args.drill)
+        hooks = parse_drills(args.drill)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if hooks.active():
-        print(f"Drills on: {hooks.active()}", flush=True)
+        print(f"Drills on: {', '.join(hooks.active())}", flush=True)
     result = run(config, create_bucket=args.create_bucket, hooks=hooks)
     _settle_worker_output()
     if result.stopped_by:

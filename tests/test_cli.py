@@ -40,11 +40,11 @@ def test_job_entry_point_parses_the_same_arguments():
 
 
 def test_drills_are_asked_for_by_name_and_a_bad_one_is_refused_before_ray(capsys):
-    from raytrain_fast.loop.hooks import LoopHooks
+    from raytrain_fast.drills import FailOnce, LoopHooks, SlowData, SlowSink, parse_drills
 
-    hooks = LoopHooks.from_cli(["slow_data=0.1:40:0", "slow-sink=2", "fail_once_at=150:/tmp/m:1:kill"])
-    assert hooks == LoopHooks(slow_data="0.1:40:0", slow_sink=2.0, fail_once_at="150:/tmp/m:1:kill")
-    assert LoopHooks().active() == {} and hooks.for_rank(1).on_batch is None
+    hooks = parse_drills(["slow_data=0.1:40:0", "slow-sink=2", "fail_once_at=150:/tmp/m:1:kill"])
+    assert hooks == LoopHooks(SlowData(0.1, 40, 0), SlowSink(2.0), FailOnce(150, "/tmp/m", 1, kill=True))
+    assert LoopHooks().active() == [] and hooks.for_rank(1).on_batch is None
     for bad, says in [("slow_dat=1", "NAME one of"), ("slow_step=x", "malformed SPEC for slow_step"),
                       ("fail_once_at=/tmp/m", "malformed SPEC for fail_once_at"), ("slow_sink", "expected NAME=SPEC")]:
         assert main(["pretrain", "--drill", bad]) == 2, bad

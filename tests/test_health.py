@@ -21,7 +21,7 @@ from raytrain_fast.checkpoint.manifest import state_health
 from raytrain_fast.errors import DivergenceError
 from raytrain_fast.launch.trainer import run
 from raytrain_fast.loop.health import SpikeCheck
-from raytrain_fast.loop.hooks import LoopHooks
+from raytrain_fast.drills import LoopHooks, Nonfinite, Spike, parse_drills
 from raytrain_fast.metrics.sinks import read_metrics
 from raytrain_fast.report import diagnose, load_run
 from tests.test_train import micro_config as train_micro_config
@@ -64,7 +64,7 @@ def test_a_planted_nan_gradient_rolls_back_skips_and_finishes_like_a_clean_run(r
     clean = run(micro_config(tmp_path, "clean"))
     # Rank 1's gradient (not its loss) is NaN in step 12: the all-reduced gradient norm of both ranks
     # is NaN, the update is skipped on the device, and the drain at step 15 rolls back to step 10.
-    planted = run(micro_config(tmp_path, "planted"), hooks=LoopHooks(nonfinite="12:1:grad"))
+    planted = run(micro_config(tmp_path, "planted"), hooks=LoopHooks(Nonfinite(12, rank=1, what="grad")))
 
     run_dir = tmp_path / "runs" / "planted"
     records = json.loads((run_dir / "health.json").read_text())["rollbacks"]
@@ -130,7 +130,7 @@ def test_a_planted_loss_spike_is_warned_once_recorded_and_reported(ray_session, 
     held to 'the planted one alone'."""
     config = micro_config(tmp_path, "spiky", "resources.num_workers=1", "train.steps=40", "train.log_every=2",
                           "checkpoint.every_steps=20")
-    run(config, hooks=LoopHooks(spike="30:0"))  # step 30's loss x1000 on rank 0: the window ending at 30
+    run(config, hooks=LoopHooks(Spike(30, rank=0)))  # step 30's loss x1000 on rank 0: the window ending at 30
     printed = capfd.readouterr()
     text = printed.out + printed.err
     warnings = [line for line in text.splitlines() if "spike (median +" in line]
@@ -210,7 +210,7 @@ def test_resume_export_and_retention_keep_to_the_newest_healthy_checkpoint(tmp_p
 
 
 def test_the_spike_and_nonfinite_drills_plant_once_at_their_step_on_their_rank():
-    hooks = LoopHooks.from_cli(["spike=3:1"])
+    hooks = parse_drills(["spike=3:1"])
     assert hooks.for_rank(0).on_loss is None
     rank1 = hooks.for_rank(1)
     seen = []
@@ -218,10 +218,10 @@ def test_the_spike_and_nonfinite_drills_plant_once_at_their_step_on_their_rank()
         seen.append(rank1.on_loss(torch.tensor(2.0)).item())
         rank1.after_step(step)
     assert seen == [2.0, 2.0, 2000.0, 2.0, 2.0]
-    nan = LoopHooks.from_cli(["nonfinite=1"]).for_rank(0)
+    nan = parse_drills(["nonfinite=1"]).for_rank(0)
     assert math.isnan(nan.on_loss(torch.tensor(2.0)).item())
     with pytest.raises(ValueError, match="malformed SPEC"):
-        LoopHooks.from_cli(["spike=3:1:grad"])
+        parse_drills(["spike=3:1:grad"])
 
 
 def test_bench_health_times_both_variants_the_same_way_from_a_fresh_shell():

@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from raytrain_fast.loop.hooks import LoopHooks
+from raytrain_fast.drills import CpuBurn, HoldMemory, LoopHooks
 from raytrain_fast.report import make_report
 from raytrain_fast.report.load import load_run
 
@@ -42,7 +42,7 @@ def contended_run(ray_session, tmp_path_factory):
         ],
         name="contended",
     )
-    hooks = LoopHooks(cpu_burn=f"{BURN_FROM}:{BURN_TO}:{BURNERS}", hold_memory=f"{HOLD_GB}:{HOLD_FROM}")
+    hooks = LoopHooks(CpuBurn(BURN_FROM, BURN_TO, BURNERS), HoldMemory(HOLD_GB, HOLD_FROM))
     run(config, hooks=hooks)
     return tmp_path / "runs"
 

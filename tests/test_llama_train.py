@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from raytrain_fast.launch.trainer import run
-from raytrain_fast.loop.hooks import LoopHooks
+from raytrain_fast.drills import LoopHooks, RecordSequences, parse_drills
 from tests.test_train import by_step, micro_config, recorded_sequences
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -21,13 +21,13 @@ def test_a_llama_run_resumes_on_another_worker_count_on_the_same_data_lr_and_los
     straight_dir, before, after = tmp_path / "straight", tmp_path / "before", tmp_path / "after"
     for directory in (straight_dir, before, after):
         directory.mkdir()
-    straight = run(micro_config(tmp_path, "llama-straight", *LLAMA), hooks=LoopHooks(record_sequences=str(straight_dir)))
+    straight = run(micro_config(tmp_path, "llama-straight", *LLAMA), hooks=LoopHooks(RecordSequences(str(straight_dir))))
 
     marker = f"15:{tmp_path / 'failed-once'}:0"
     with pytest.raises(Exception, match="injected failure at step 15"):
-        run(micro_config(tmp_path, "llama-resized", *LLAMA), hooks=LoopHooks(fail_once_at=marker, record_sequences=str(before)))
+        run(micro_config(tmp_path, "llama-resized", *LLAMA), hooks=parse_drills([f"fail_once_at={marker}", f"record_sequences={before}"]))
     resumed = run(micro_config(tmp_path, "llama-resized", *LLAMA, "resources.num_workers=1"),
-                  hooks=LoopHooks(fail_once_at=marker, record_sequences=str(after)))
+                  hooks=parse_drills([f"fail_once_at={marker}", f"record_sequences={after}"]))
     assert "Resized at step 10: 2 -> 1 workers" in capfd.readouterr().out
 
     reference, final = by_step(straight), by_step(resumed)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_fast.cli import main
-from raytrain_fast.loop.hooks import LoopHooks
+from raytrain_fast.drills import LoopHooks, SlowData, SlowSink, SlowStep, SlowUpload
 from raytrain_fast.report import diagnose, from_records, make_report, report_for
 from raytrain_fast.report.findings.checkpoint_stall import CHECKPOINT_BLOCKED_SHARE
 from raytrain_fast.report.findings.data_bound import DATA_WAIT_FRAC
@@ -380,10 +380,10 @@ def _config(tmp_path: Path, name: str, *extra: str):
 # windows 9 and 12). Sizes keep each share about twice its threshold even after the slowdown dilutes
 # it, on a busy 2-core machine.
 DRILLS = LoopHooks(
-    slow_data="0.2",
-    slow_step="0.2:0:1,0.3:13",
-    slow_sink=2.0,  # a record every ~2 s, a queue of 1: records are dropped
-    slow_upload="0.15",
+    SlowData(0.2),
+    SlowStep(0.2, rank=1), SlowStep(0.3, from_step=13),
+    SlowSink(2.0),  # a record every ~2 s, a queue of 1: records are dropped
+    SlowUpload(0.15),
 )
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from raytrain_fast.config import load_config
 from raytrain_fast.launch.trainer import run
-from raytrain_fast.loop.hooks import LoopHooks
+from raytrain_fast.drills import FailOnce, LoopHooks, SlowUpload
 from raytrain_fast.metrics.sinks import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -100,7 +100,7 @@ def test_retention_waits_for_every_rank_upload(late_rank, ray_session, s3_server
         "checkpoint.upload=async", "checkpoint.keep_last=1", "checkpoint.keep_best=1", "checkpoint.best_mode=max",
         "checkpoint.best_metric=train/loss",
     )
-    run(config, hooks=LoopHooks(slow_upload=f"2:{late_rank}"))
+    run(config, hooks=LoopHooks(SlowUpload(2, rank=late_rank)))
     records = read_metrics(f"{config.storage.uri}/{config.name}", storage=config.storage)
     loss = {r["step"]: r["train/loss"] for r in records}
     best = max((4, 8, 12), key=lambda step: loss[step])  # keep_best=1 by the highest loss, as configured
@@ -120,7 +120,7 @@ def test_worker_failure_resumes_from_the_last_complete_checkpoint_with_the_same_
     _, straight, expected = uninterrupted
     fail_step = random.Random().randint(EVERY + 1, STEPS - 1)  # after the first checkpoint
     marker = tmp_path / "failed"
-    hooks = LoopHooks(fail_once_at=f"{fail_step}:{marker}:1" + (":kill" if how == "kill" else ""))
+    hooks = LoopHooks(FailOnce(fail_step, str(marker), rank=1, kill=how == "kill"))
     # Sync upload: a checkpoint is complete when its report returns, so which one the restart finds
     # does not depend on upload timing (an async one still in flight at the crash is incomplete
     # and rightly skipped; the 2-worker local tests run with async upload).

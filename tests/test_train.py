@@ -10,7 +10,7 @@ import pytest
 
 from raytrain_fast.config import load_config
 from raytrain_fast.launch.trainer import run
-from raytrain_fast.loop.hooks import LoopHooks
+from raytrain_fast.drills import FailOnce, LoopHooks, RecordSequences
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -49,7 +49,7 @@ def recorded_sequences(directory: Path) -> dict[int, dict[int, list[int]]]:
 @pytest.fixture(scope="module")
 def uninterrupted(ray_session, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("uninterrupted")
-    result = run(micro_config(tmp_path, "straight"), hooks=LoopHooks(record_sequences=str(tmp_path)))
+    result = run(micro_config(tmp_path, "straight"), hooks=LoopHooks(RecordSequences(str(tmp_path))))
     result.sequences = recorded_sequences(tmp_path)
     return result
 
@@ -67,7 +67,7 @@ def test_two_worker_zero2_bf16_loss_falls_and_checkpoint_has_both_shards(uninter
 
 def test_rerun_with_same_name_resumes_at_the_right_step_and_lr(uninterrupted, ray_session, tmp_path):
     marker = tmp_path / "failed-once"
-    hooks = LoopHooks(fail_once_at=f"25:{marker}:1", record_sequences=str(tmp_path))
+    hooks = LoopHooks(FailOnce(25, str(marker), rank=1), RecordSequences(str(tmp_path)))
     config = micro_config(tmp_path, "crashy")
     with pytest.raises(Exception, match="injected failure at step 25 on rank 1"):
         run(config, hooks=hooks)  # max_failures=0: the job dies, as a preempted job would
@@ -104,7 +104,7 @@ def test_evaluation_never_changes_what_or_how_it_trains(uninterrupted, ray_sessi
     evaluated = by_step(uninterrupted)
     assert all(0 < evaluated[step]["val/loss"] < math.log(257) for step in (10, 20, 30))
     assert all(evaluated[step]["time/eval_s"] > 0 for step in (10, 20, 30))
-    plain = run(micro_config(tmp_path, "no-eval", "eval.enabled=false"), hooks=LoopHooks(record_sequences=str(tmp_path)))
+    plain = run(micro_config(tmp_path, "no-eval", "eval.enabled=false"), hooks=LoopHooks(RecordSequences(str(tmp_path))))
     assert recorded_sequences(tmp_path) == uninterrupted.sequences
     for step, metrics in by_step(plain).items():
         assert "val/loss" not in metrics
@@ -180,9 +180,9 @@ def test_resize_round_trip_two_one_two_workers(uninterrupted, ray_session, tmp_p
         record.mkdir()
         config = micro_config(tmp_path, "resize", f"resources.num_workers={workers}")
         if stop_at is None:
-            results.append(run(config, hooks=LoopHooks(record_sequences=str(record))))
+            results.append(run(config, hooks=LoopHooks(RecordSequences(str(record)))))
         else:
-            hooks = LoopHooks(fail_once_at=f"{stop_at}:{tmp_path / f'stopped{index}'}:0", record_sequences=str(record))
+            hooks = LoopHooks(FailOnce(stop_at, str(tmp_path / f'stopped{index}'), rank=0), RecordSequences(str(record)))
             with pytest.raises(Exception, match=f"injected failure at step {stop_at}"):
                 run(config, hooks=hooks)
     out = capfd.readouterr().out

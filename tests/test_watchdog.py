@@ -185,18 +185,18 @@ def test_bad_watchdog_settings_are_named(tmp_path):
 
 
 def test_the_hang_drill_spec_is_checked_before_a_run():
-    from raytrain_fast.loop.hooks import LoopHooks
+    from raytrain_fast.drills import Hang, LoopHooks, parse_drills
 
-    assert LoopHooks.from_cli(["hang=30:/tmp/m:1"]).hang == "30:/tmp/m:1"
+    assert parse_drills(["hang=30:/tmp/m:1"]) == LoopHooks(Hang(30, "/tmp/m", rank=1))
     for bad in ("hang=/tmp/m", "hang=0:/tmp/m", "hang=3:"):
         with pytest.raises(ValueError, match="malformed SPEC for hang"):
-            LoopHooks.from_cli([bad])
+            parse_drills([bad])
 
 
 def test_the_sleeping_hang_drill_freezes_its_step_once(tmp_path):
     import time
 
-    from raytrain_fast.loop import drills
+    from raytrain_fast.drills import plants as drills
 
     step = [0]
     marker = tmp_path / "froze"
@@ -218,7 +218,7 @@ HANG_TIMEOUT_S = 10
 @pytest.mark.slow
 def test_a_frozen_worker_is_named_with_its_stack_and_the_run_resumes(ray_session, tmp_path, capfd):
     from raytrain_fast.launch.trainer import run
-    from raytrain_fast.loop.hooks import LoopHooks
+    from raytrain_fast.drills import Hang, LoopHooks
 
     marker = tmp_path / "froze"
     config = load_config("tiny", [
@@ -227,7 +227,7 @@ def test_a_frozen_worker_is_named_with_its_stack_and_the_run_resumes(ray_session
         "checkpoint.every_steps=10", "optim.warmup_steps=3", "resources.num_workers=2", "resources.max_failures=1",
         "engine.precision=fp32", f"watchdog.hang_timeout_s={HANG_TIMEOUT_S}", f"storage.uri={tmp_path / 'runs'}",
     ], name="frozen")
-    result = run(config, hooks=LoopHooks(hang=f"15:{marker}:1"))
+    result = run(config, hooks=LoopHooks(Hang(15, str(marker), rank=1)))
 
     assert max(m["step"] for _, m in result.checkpoints) == 30  # resumed and finished
     froze_at = float(marker.read_text())

@@ -1,6 +1,6 @@
 """Loop hooks the overhead bench passes to the package's own loop (`launch.trainer.run(config, hooks=...)`).
 
-The loop takes side concerns as a `LoopHooks` object (loop/hooks.py); this subclass adds two things
+The loop takes side concerns as `StepHooks` objects (loop/hooks.py); this one adds two things
 through the `batches` hook, the one place every step passes through before it starts:
 
 - a clock: rank 0 notes `time.perf_counter()` when the loop asks for the first micro-batch of step
@@ -25,12 +25,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from raytrain_fast.loop.hooks import LoopHooks, RankHooks
+from raytrain_fast.loop.hooks import StepHooks
 
 
 @dataclass(frozen=True, kw_only=True)
-class ClockHooks(LoopHooks):
-    """`LoopHooks` (every drill still works) plus the bench's clock and in-memory batches."""
+class ClockHooks(StepHooks):
+    """The bench's clock and in-memory batches: a `StepHooks` the bench passes in `LoopHooks(...)`.
+    First among the hooks (its batches replace the run's data); a drill passed beside it wraps its
+    batches and still applies."""
+
+    order = -1
 
     timing_file: str = ""
     """Where rank 0 writes {"start_step", "end_step", "seconds", ...} once step end_step is done."""
@@ -41,8 +45,8 @@ class ClockHooks(LoopHooks):
     memory_batches: tuple[int, int, int] | None = None
     """(micro_batch, seq_len, seed): train on in-memory random batches instead of the run's data."""
 
-    def for_rank(self, rank: int) -> RankHooks:
-        return _ClockRankHooks(self, rank)
+    def for_rank(self, rank: int) -> StepHooks:
+        return _ClockRank(self, rank)
 
 
 def in_memory_batches(*, micro_batch: int, seq_len: int, seed: int, device: Any = "cpu") -> Iterator[tuple[Any, Any]]:
@@ -58,10 +62,11 @@ def in_memory_batches(*, micro_batch: int, seq_len: int, seed: int, device: Any 
         i += 1
 
 
-class _ClockRankHooks(RankHooks):
+class _ClockRank(StepHooks):
+    order = -1
+
     def __init__(self, hooks: ClockHooks, rank: int) -> None:
-        super().__init__(hooks, rank)
-        self._clock = hooks
+        self._clock, self.rank = hooks, rank
 
     def batches(self, data: Iterator[Any], *, current_step: Callable[[], int]) -> Iterator[Any]:
         clock = self._clock
@@ -72,7 +77,6 @@ class _ClockRankHooks(RankHooks):
             close = getattr(data, "close", None)
             if close is not None:
                 close()  # the Ray Data pipeline stops: nothing of it runs during the steps
-        source = super().batches(source, current_step=current_step)  # the drills (slow_data) still apply
         if self.rank != 0 or not clock.timing_file:
             return source
         return _clocked(source, current_step, clock)

@@ -181,6 +181,7 @@ def raytrain_fast_loop(setup: OverheadSetup, *, storage_dir: str, memory: bool =
     in-memory batches instead of the Ray Data ingest. Adds the run's own window statistics and
     the checkpoints that fell inside the timed window. The run's directory is removed unless `keep_run`."""
     from raytrain_fast.bench.loop_clock import ClockHooks
+    from raytrain_fast.loop.hooks import LoopHooks
     from raytrain_fast.checkpoint.layout import STATE_FILE
     from raytrain_fast.launch.trainer import run as run_training
     from raytrain_fast.metrics.sinks import read_metrics
@@ -190,10 +191,10 @@ def raytrain_fast_loop(setup: OverheadSetup, *, storage_dir: str, memory: bool =
     name = f"bench-overhead-{uuid.uuid4().hex[:8]}"
     config = run_config(setup, storage_dir=storage_dir, name=name)
     timing_file = os.path.join(tempfile.mkdtemp(prefix="raytrain-fast-bench-"), "timing.json")
-    hooks = ClockHooks(
+    hooks = LoopHooks(ClockHooks(
         timing_file=timing_file, start_step=setup.warmup_steps, end_step=setup.end_step,
         memory_batches=(setup.micro_batch, setup.seq_len, setup.seed) if memory else None,
-    )
+    ))
     os.environ.setdefault("WANDB_SILENT", "true")
     result = run_training(config, hooks=hooks)
     with open(timing_file) as stream:

@@ -23,6 +23,7 @@ import json
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -46,12 +47,13 @@ class Checkpointer:
 
     def __init__(
         self, config: CheckpointConfig, *, rank: int, world_size: int, run_config: dict[str, Any],
-        local_mode_run: tuple[Any, str] | None = None, upload_delay_s: float = 0.0,
+        local_mode_run: tuple[Any, str] | None = None, before_upload: Callable[[], None] | None = None,
     ) -> None:
         """`local_mode_run`: (filesystem, run path) to use under Ray Train's local mode
         (`ScalingConfig(num_workers=0)`: the loop runs in the calling process, Ray has no storage
         context and its report uploads nothing, so saves upload synchronously here).
-        `upload_delay_s`: a drill (loop/drills.py) that makes this rank's uploads start late."""
+        `before_upload`: called on the upload thread before each upload of this rank (a caller's
+        hook, e.g. a drill that makes the uploads start late; loop/hooks.py)."""
         import ray.train
 
         self.config = config
@@ -79,7 +81,7 @@ class Checkpointer:
         self.retention = Retention(config, filesystem=self.filesystem, run_path=self.run_path)
         self.uploader = Uploader(
             filesystem=self.filesystem, run_path=self.run_path, attempts=config.upload_attempts,
-            delay_s=upload_delay_s, after_upload=self._after_upload if rank == 0 else None,
+            before_upload=before_upload, after_upload=self._after_upload if rank == 0 else None,
         )
         self.restorer = Restorer(
             filesystem=self.filesystem, run_path=self.run_path, rank=rank, world_size=world_size,

@@ -15,13 +15,13 @@ class Uploader:
     """Copies a rank's local checkpoint directory into the run's storage."""
 
     def __init__(
-        self, *, filesystem: Any, run_path: str, attempts: int, delay_s: float = 0.0,
+        self, *, filesystem: Any, run_path: str, attempts: int, before_upload: Callable[[], None] | None = None,
         after_upload: Callable[[str, str], None] | None = None,
     ) -> None:
         """`after_upload(local_dir, dir_name)`: run in the upload thread once the files are in (rank 0
-        says so and prunes). `delay_s`: a drill (loop/drills.py) that makes the uploads start late."""
+        says so and prunes). `before_upload()`: run in the upload thread first (a caller's hook)."""
         self.filesystem, self.run_path = filesystem, run_path
-        self.attempts, self.delay_s, self.after_upload = attempts, delay_s, after_upload
+        self.attempts, self.before_upload, self.after_upload = attempts, before_upload, after_upload
         self._idle = threading.Event()
         self._idle.set()
         self.last_upload_s: float | None = None
@@ -44,7 +44,8 @@ class Uploader:
         destination = f"{self.run_path}/{dir_name}"
         start = time.perf_counter()
         try:
-            time.sleep(self.delay_s)
+            if self.before_upload is not None:
+                self.before_upload()
             self._copy(checkpoint, destination, dir_name)
             self.last_upload_s = time.perf_counter() - start
             if self.after_upload is not None:

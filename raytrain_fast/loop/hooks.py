@@ -1,43 +1,18 @@
-"""What the step loop takes from outside: a hooks object for fault injection, drills and the
-sequence recorder, and a window callback (a sweep trial's Tune report).
+"""What the step loop takes from outside: hooks for drills, fault injection, the sequence recorder
+and a bench's clock, and a window callback (a sweep trial's Tune report).
 
-Both are passed in by the caller, never read from the environment: a normal run builds the default
-`LoopHooks()`, whose every hook is a no-op that the loop skips, so no variable left in a shell can
-inject a failure into a real run. Only tests and `raytrain-fast pretrain --drill NAME=SPEC` build
-other hooks. `LoopHooks` is a small picklable dataclass (it travels to the workers in the loop
-config); each worker turns it into its rank's `RankHooks`.
-
-Drill specs (see loop/drills.py for what each one plants):
-- fail_once_at="<step>:<marker file>[:<rank>[:kill]]": one worker raises (or, with `kill`, dies by
-  SIGKILL as on a lost node) when it completes <step>, once: the marker file records that it happened.
-- record_sequences="<dir>": every rank appends the sequence ids of each step to <dir>/rank<r>.jsonl
-  (tests that prove a resumed run sees exactly the same data).
-- slow_data / slow_step="<seconds>[:<from_step>[:<rank>]]", comma-separated specs add up.
-- slow_sink="<seconds>": rank 0's metric sinks sleep this long before each record.
-- slow_upload="<seconds>[:<rank>]": each checkpoint upload of <rank> (default every rank) starts late.
-- cpu_burn="<from_step>:<to_step>[:<processes>]": busy processes at normal priority beside rank 0
-  between two steps (host contention, a stall).
-- hold_memory="<GB>:<from_step>": rank 0 holds that much host memory from a step on (memory pressure).
-- hang="<step>:<marker file>[:<rank>[:<seconds>]]": <rank> (default 0) freezes inside <step>, once
-  (the marker file records it): SIGSTOP of its own process, or with <seconds> a sleep of its training
-  thread (the hang watchdog, watchdog/).
-- nonfinite="<step>[:<rank>[:loss|grad]]": <rank> (default 0) makes its loss (default) or only its
-  gradient NaN in step <step>, once per worker process (divergence, loop/health.py).
-- spike="<step>[:<rank>]": <rank> (default 0) multiplies its loss by 1000 in step <step>, once per
-  worker process (a loss and gradient-norm spike).
+Both are passed in by the caller, never read from the environment. A normal run passes
+`LoopHooks()`, which holds no hook, so the loop skips every call and no variable left in a shell can
+inject a failure into a real run. A hook is a `StepHooks` object: the drills (raytrain_fast/drills/,
+which the loop never imports: they arrive pickled in the loop config), built by tests or by
+`raytrain-fast pretrain --drill NAME=SPEC`, and the overhead bench's clock. Each worker turns the
+run's `LoopHooks` into its rank's `RankHooks`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import signal
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
-
-from raytrain_fast.loop import drills
 
 T = TypeVar("T")
 
@@ -45,129 +20,109 @@ WindowCallback = Callable[..., None]
 """Called on rank every log step as `on_window(step=..., metrics=...)` with the window's metrics."""
 
 
-@dataclass(frozen=True, kw_only=True)
+class StepHooks:
+    """One concern the loop takes from outside. Every method does nothing by default; the loop calls
+    only what some hook overrides. `order`: where this hook's wrappers and calls go among the others
+    (lower first: data sources, then drills, then whatever observes them)."""
+
+    order = 1
+
+    def for_rank(self, rank: int) -> StepHooks | None:
+        """This hook on worker `rank` (per-rank state is built here, on the worker), or None where it
+        does nothing."""
+        return self
+
+    def batches(self, data: Iterator[T], *, current_step: Callable[[], int]) -> Iterator[T]:
+        """The micro-batches the loop trains on (`data`, or an iterator around it)."""
+        return data
+
+    def on_batch(self, seq_ids: Any) -> None:
+        """Each micro-batch's sequence ids."""
+
+    def on_loss(self, loss: Any) -> Any:
+        """Each micro-batch's loss; returns the loss to back-propagate."""
+        return loss
+
+    def after_step(self, step: int) -> None:
+        """Step `step` is done."""
+
+    def sinks(self, sinks: Sequence[Any]) -> list[Any]:
+        """Rank 0's metric sinks (or sinks around them)."""
+        return list(sinks)
+
+    def before_upload(self) -> None:
+        """Each checkpoint upload of this rank is about to start (on the upload thread)."""
+
+    def close(self) -> None:
+        """The loop ends: stop what the hook started."""
+
+
 class LoopHooks:
-    """Fault injection, drills and the sequence recorder; the default injects nothing."""
+    """The hooks a run passes to its loop (picklable: it travels in the loop config); none by default."""
 
-    fail_once_at: str = ""
-    record_sequences: str = ""
-    slow_data: str = ""
-    slow_step: str = ""
-    slow_sink: float = 0.0
-    slow_upload: str = ""
-    cpu_burn: str = ""
-    hold_memory: str = ""
-    hang: str = ""
-    nonfinite: str = ""
-    spike: str = ""
+    def __init__(self, *hooks: StepHooks) -> None:
+        self.hooks = tuple(hooks)
 
-    @classmethod
-    def from_cli(cls, items: Sequence[str]) -> LoopHooks:
-        """`--drill NAME=SPEC` items (NAME a field above). Raises ValueError naming the bad item."""
-        names = {f.name: f.type for f in dataclasses.fields(cls)}
-        values: dict[str, Any] = {}
-        for item in items:
-            name, sep, spec = item.partition("=")
-            name = name.strip().replace("-", "_")
-            if not sep or name not in names:
-                raise ValueError(f"--drill {item!r}: expected NAME=SPEC with NAME one of {', '.join(names)}")
-            try:
-                values[name] = float(spec) if name == "slow_sink" else spec
-                if name in ("slow_data", "slow_step"):
-                    drills.specs(spec, 0)
-                elif name == "slow_upload":
-                    drills.upload_delay_s(spec, 0)
-                elif name == "cpu_burn":
-                    drills.cpu_burn_range(spec)
-                elif name == "hold_memory":
-                    drills.hold_memory_spec(spec)
-                elif name == "hang":
-                    drills.hang_spec(spec)
-                elif name in ("nonfinite", "spike"):
-                    drills.nonfinite_spec(spec, kind="spike" if name == "spike" else "")
-                elif name == "fail_once_at" and (len(spec.split(":")) < 2 or not spec.split(":")[0].isdigit()):
-                    raise ValueError
-            except ValueError:
-                raise ValueError(f"--drill {item!r}: malformed SPEC for {name} (see loop/hooks.py for each form)") from None
-        return cls(**values)
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LoopHooks) and self.hooks == other.hooks
 
-    def active(self) -> dict[str, Any]:
-        """The hooks that are set (for a one-line notice on the driver)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name)}
+    def __repr__(self) -> str:
+        return f"LoopHooks({', '.join(map(repr, self.hooks))})"
+
+    def active(self) -> list[str]:
+        """The hooks set, one short description each (for a one-line notice on the driver)."""
+        return [repr(hook) for hook in self.hooks]
 
     def for_rank(self, rank: int) -> RankHooks:
-        return RankHooks(self, rank)
+        mine = [hook.for_rank(rank) for hook in sorted(self.hooks, key=lambda hook: hook.order)]
+        return RankHooks([hook for hook in mine if hook is not None], rank)
+
+
+def _overrides(hook: StepHooks, name: str) -> bool:
+    return getattr(type(hook), name) is not getattr(StepHooks, name)
 
 
 class RankHooks:
-    """One worker's hooks, built once. Every method returns its input (or does nothing) when unset."""
+    """One worker's hooks, built once. `on_batch`, `on_loss` and `before_upload` are None where no
+    hook overrides them (the loop and the checkpointer then skip the call: nothing on the hot path)."""
 
-    def __init__(self, hooks: LoopHooks, rank: int) -> None:
-        self.rank = rank
-        self._hooks = hooks
-        self._slow_step = drills.specs(hooks.slow_step, rank)
-        self._recorder = _SequenceRecorder(hooks.record_sequences, rank) if hooks.record_sequences else None
-        self.on_batch: Callable[[Any], None] | None = self._recorder.add if self._recorder else None
-        """Called with each micro-batch's sequence ids, or None (the loop then skips the call)."""
-        self.upload_delay_s = drills.upload_delay_s(hooks.slow_upload, rank)
-        burn = drills.cpu_burn_range(hooks.cpu_burn) if rank == 0 else None
-        self._burner = drills.CpuBurner(burn) if burn else None
-        hold = drills.hold_memory_spec(hooks.hold_memory) if rank == 0 else None
-        self._memory = drills.MemoryHolder(hold) if hold else None
-        nonfinite = drills.nonfinite_spec(hooks.nonfinite) or drills.nonfinite_spec(hooks.spike, kind="spike")
-        self._nonfinite = drills.NonfinitePlanter(nonfinite[0], nonfinite[2]) if nonfinite and nonfinite[1] == rank else None
-        self.on_loss: Callable[[Any], Any] | None = self._nonfinite.plant if self._nonfinite else None
-        """Called with each micro-batch's loss, returns the loss to back-propagate; or None (skipped)."""
+    def __init__(self, hooks: Sequence[StepHooks], rank: int) -> None:
+        self.rank, self.hooks = rank, list(hooks)
+        self.on_batch = self._chain("on_batch")
+        self.on_loss = self._chain("on_loss", returns=True)
+        self.before_upload = self._chain("before_upload")
+        self._after_step = [hook.after_step for hook in self.hooks if _overrides(hook, "after_step")]
+
+    def _chain(self, name: str, *, returns: bool = False) -> Callable[..., Any] | None:
+        calls = [getattr(hook, name) for hook in self.hooks if _overrides(hook, name)]
+        if not calls:
+            return None
+        if len(calls) == 1:
+            return calls[0]
+
+        def chained(*args: Any) -> Any:
+            value = args[0] if args else None
+            for call in calls:
+                result = call(*(value,) if args else ())
+                value = result if returns else value
+            return value
+
+        return chained
 
     def batches(self, data: Iterator[T], *, current_step: Callable[[], int]) -> Iterator[T]:
-        data = drills.slow_data(data, drills.specs(self._hooks.slow_data, self.rank), current_step=current_step)
-        hang = drills.hang_spec(self._hooks.hang)
-        if hang is not None and hang[2] == self.rank:
-            data = drills.hang_data(data, hang, current_step=current_step)
+        for hook in self.hooks:
+            data = hook.batches(data, current_step=current_step)
         return data
 
     def sinks(self, sinks: Sequence[Any]) -> list[Any]:
-        return drills.slow_sinks(sinks, self._hooks.slow_sink)
+        for hook in self.hooks:
+            sinks = hook.sinks(sinks)
+        return list(sinks)
 
     def after_step(self, step: int) -> None:
-        if self._recorder is not None:
-            self._recorder.end_step(step)
-        if self._hooks.fail_once_at:
-            _maybe_fail(self._hooks.fail_once_at, step=step, rank=self.rank)
-        if self._slow_step:
-            drills.sleep_for(self._slow_step, step)
-        if self._burner is not None:
-            self._burner.step(step)
-        if self._memory is not None:
-            self._memory.step(step)
-        if self._nonfinite is not None:
-            self._nonfinite.completed(step)
+        for call in self._after_step:
+            call(step)
 
     def close(self) -> None:
-        """Stop what a drill started (the cpu_burn processes)."""
-        if self._burner is not None:
-            self._burner.stop()
-
-
-def _maybe_fail(spec: str, *, step: int, rank: int) -> None:
-    fail_step, marker, *rest = spec.split(":")
-    fail_rank = int(rest[0]) if rest else 0
-    if step == int(fail_step) and rank == fail_rank and not os.path.exists(marker):
-        open(marker, "w").close()
-        if rest[1:] == ["kill"]:
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"injected failure at step {step} on rank {rank} (drill fail_once_at)")
-
-
-class _SequenceRecorder:
-    def __init__(self, directory: str, rank: int) -> None:
-        self.path = os.path.join(directory, f"rank{rank}.jsonl")
-        self._ids: list[int] = []
-
-    def add(self, seq_ids: Any) -> None:
-        self._ids.extend(seq_ids.tolist())  # a host read: only when recording is on (tests)
-
-    def end_step(self, step: int) -> None:
-        with open(self.path, "a") as out:
-            out.write(json.dumps({"step": step, "ids": self._ids}) + "\n")
-        self._ids = []
+        for hook in self.hooks:
+            hook.close()

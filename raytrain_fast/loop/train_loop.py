@@ -150,7 +150,7 @@ def restore(worker: Worker) -> tuple[Checkpointer, TrainState, TrainState | None
     checkpointer = Checkpointer(
         config.checkpoint, rank=worker.rank, world_size=worker.world_size, run_config=redact(config.to_dict()),
         local_mode_run=(filesystem, f"{storage_root.rstrip('/')}/{config.name}"),
-        upload_delay_s=worker.hooks.upload_delay_s,
+        before_upload=worker.hooks.before_upload,
     )
     restored = checkpointer.restore_state()
     state = restored or TrainState(

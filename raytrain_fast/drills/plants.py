@@ -1,7 +1,5 @@
-"""Drills: plant a performance problem in a real run, to check that the metrics, the slowdown
-detector and `raytrain-fast report` name it (tests, and people learning what each problem looks
-like). They reach the loop only through `LoopHooks` (loop/hooks.py), built by a test or by
-`raytrain-fast pretrain --drill NAME=SPEC`; nothing here reads the environment.
+"""How each drill plants its problem (the typed drills in drills/kinds.py use these). The spec
+forms, as `raytrain-fast pretrain --drill NAME=SPEC` takes them (drills/specs.py parses them):
 
 - slow_data="<seconds>[:<from_step>[:<rank>]]": sleep before each micro-batch is fetched, from
   optimizer step <from_step> on (default 0), on <rank> only (default every rank). The loop counts it
@@ -125,16 +123,6 @@ def slow_sinks(sinks: Sequence[Any], seconds: float) -> list[Any]:
     if not seconds:
         return list(sinks)
     return [_SlowSink(sink, seconds) for sink in sinks]
-
-
-def upload_delay_s(text: str, rank: int) -> float:
-    """Seconds each checkpoint upload of `rank` starts late, from "<seconds>[:<rank>]" specs."""
-    total = 0.0
-    for item in filter(None, text.split(",")):
-        seconds, _, only_rank = item.partition(":")
-        if not only_rank or int(only_rank) == rank:
-            total += float(seconds)
-    return total
 
 
 # A busy loop at niceness 0 that also ends by itself: when its parent (the worker) is gone, or after
