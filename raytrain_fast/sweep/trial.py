@@ -4,6 +4,7 @@ the Train V2 + Tune pattern), and the worker-side report it needs."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -73,10 +74,6 @@ def run_trial(params: dict[str, Any], *, base_config: dict[str, Any], data_uri: 
     from raytrain_fast.launch.checks import max_sequences
     from raytrain_fast.launch.trainer import build_trainer
 
-    # The controller picks up reports when it polls the workers (every 2 s by default) and each
-    # worker's result queue holds one: a log window shorter than that would wait in report() and
-    # its wait would count in the next window's tokens/s. Propagated by Ray Train to the controller.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     micro_batch = int(params["micro_batch"])
     checkpointing = params.get("activation_checkpointing")  # only in a sweep over it
     trial_id = ray.tune.get_context().get_trial_id()
@@ -97,14 +94,31 @@ def run_trial(params: dict[str, Any], *, base_config: dict[str, Any], data_uri: 
     try:
         # A short measurement run: every log window goes to Tune (early stopping needs intermediate
         # results), no checkpoints.
-        build_trainer(
-            config, data_uri=data_uri, save_checkpoints=False, callbacks=[TuneReportCallback()],
-            on_window=functools.partial(report_window, memory_budget_gb=config.resources.memory_budget_gb),
-        ).fit()
+        # The controller picks up reports when it polls the workers (every 2 s by default) and each
+        # worker's result queue holds one: a log window shorter than that would wait in report() and
+        # its wait would count in the next window's tokens/s. Ray Train hands the variable to the
+        # controller it starts in fit(); set for this trial's fit only.
+        with _environment(RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2"):
+            build_trainer(
+                config, data_uri=data_uri, save_checkpoints=False, callbacks=[TuneReportCallback()],
+                on_window=functools.partial(report_window, memory_budget_gb=config.resources.memory_budget_gb),
+            ).fit()
     except Exception as error:  # noqa: BLE001 - every failure is a failed trial with its reason
         raise TrialFailed(f"{FAILED_MARK}{failure_reason(error)}") from None
     finally:
         ray.kill(coordinator)
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    """Environment variables set (where not set already) for the block only."""
+    added = {key: value for key, value in values.items() if key not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def _check_data(config, *, data_uri: str, max_sequences: int | None) -> None:
