@@ -196,17 +196,7 @@ def test_on_a_gpu_flex_attention_gives_each_document_its_logits_alone(shape):
     assert max(diffs) <= 1e-4, diffs  # fp32 on a GPU: TF32 is off by default for plain torch
 
 
-def _loop_passes_documents() -> bool:
-    import inspect
-
-    from raytrain_fast.loop import train_loop
-
-    return "document_masking(" in inspect.getsource(train_loop)
-
-
 @pytest.mark.ray
-@pytest.mark.skipif(not _loop_passes_documents(), reason="the step loop does not pass data.document_masking to build_model yet "
-                    "(loop/train_loop.py: build_model(..., documents=document_masking(config.data, eod_id=...)))")
 def test_a_real_run_trains_with_masking_on_through_the_loop(ray_session, tmp_path):
     import json
 

@@ -35,7 +35,7 @@ from raytrain_fast.loop.steps import run_steps
 from raytrain_fast.loop.worker import Worker
 from raytrain_fast.metrics import SinkWriter, TrainMetrics, build_sinks, mfu_inputs
 from raytrain_fast.metrics.host import run_at_normal_priority
-from raytrain_fast.model import build_model
+from raytrain_fast.model import build_model, document_masking
 from raytrain_fast.storage import redact
 from raytrain_fast.storage.filesystem import resolve_filesystem, use_shipped_s3_filesystem
 from raytrain_fast.watchdog.heartbeat import Heartbeat, NoHeartbeat, set_new_group_timeout
@@ -318,7 +318,8 @@ def build_model_and_measure(worker: Worker, state: TrainState, coordinator: Coor
     once per run (FLOPs per token, the achievable peak: counted on the eager model before anything
     else runs beside it, shared through the coordinator actor, kept in checkpoints)."""
     config, rank = worker.config, worker.rank
-    model = build_model(config.model, worker.device)  # weights made on the device: no host copy first
+    documents = document_masking(config.data, eod_id=worker.manifest.tokenizer.eod_id)  # None unless data.document_masking
+    model = build_model(config.model, worker.device, documents=documents)  # weights made on the device: no host copy first
     if restored is None and config.checkpoint.init_from:
         source = load_initial_weights(
             model, config.checkpoint.init_from, storage=config.storage, rank=rank, world_size=worker.world_size
