@@ -168,6 +168,29 @@ CASES = [
          ["data.seq_len is 128 but .*/data was prepared with seq_len 8", "set data.seq_len=8"], setup="prepared"),
     Case("data-fewer-than-a-batch", ["pretrain", *_s("data.source={tmp}/data", "data.seq_len=8", "data.max_tokens=50")], 2,
          [r"has 5 sequences to use: 5 per worker, fewer than one micro-batch of 16", "lower train.micro_batch"], setup="prepared"),
+    # ---- mixtures (data.sources)
+    Case("mixture-weight-not-positive", ["pretrain", *_s("data.sources=[{source: stdlib, weight: 0.7}, {source: stdlib, name: b, weight: 0}]")], 2,
+         [r"data.sources\[1\].weight must be a number > 0, got 0", "give every source a positive share"]),
+    Case("mixture-weight-not-a-number", ["pretrain", *_s("data.sources=[{source: stdlib, weight: lots}]")], 2,
+         [r"data.sources\[0\].weight: expected a number, got 'lots'"]),
+    Case("mixture-source-missing", ["pretrain", *_s("data.sources=[{source: '{tmp}/data', weight: 0.7}, {source: '{tmp}/nope', weight: 0.3}]",
+                                                    "data.seq_len=8")], 2,
+         ["data.sources '.*/nope' does not exist", "or remove it from data.sources"], setup="prepared"),
+    Case("mixture-source-empty", ["pretrain", *_s("data.sources=[{source: '{tmp}/data', weight: 0.7}, {source: '{tmp}/empty', weight: 0.3}]",
+                                                  "data.seq_len=8")], 2,
+         ["data.sources '.*/empty' is empty", "add text to it, or remove it from data.sources"], setup="mixture_empty_source"),
+    Case("mixture-seq-len-differs", ["pretrain", *_s("data.sources=[{source: '{tmp}/data', weight: 0.7}, {source: '{tmp}/data16', weight: 0.3}]",
+                                                     "data.seq_len=8")], 2,
+         ["prepared with seq_len 16 but data.seq_len is 8", "prepare every source with --seq-len 8"], setup="mixture_seq_lens"),
+    Case("mixture-tokenizers-differ", ["pretrain", *_s("data.sources=[{source: '{tmp}/data', weight: 0.7}, {source: '{tmp}/bpe', weight: 0.3}]",
+                                                       "data.seq_len=8")], 2,
+         ["was tokenized with .*tok.* but 'data' with byte", "prepare every source with the same --tokenizer"], setup="mixture_tokenizers"),
+    Case("prepare-parquet-without-column", ["prepare-data", "--input", "{tmp}/posts.parquet", "--output", "{tmp}/data", "--seq-len", "8"], 2,
+         [r"posts.parquet: the Parquet file has no column 'text'; its columns: 'id' \(int64\), 'body' \(string\)",
+          "Set --text-field to the column that holds the text"], setup="parquet_posts"),
+    Case("prepare-jsonl-every-record-bad", ["prepare-data", "--input", "{tmp}/posts.jsonl", "--output", "{tmp}/data", "--seq-len", "8"], 2,
+         [r"posts.jsonl: no usable JSONL records: 3 no string 'text' field \(first at line 1\)",
+          "The fields its records have: 'id', 'body'; set --text-field"], setup="jsonl_posts"),
     Case("prepare-tokenizer-dir-without-file", ["prepare-data", "--input", "{tmp}/in.txt", "--output", "{tmp}/data", "--seq-len", "8",
                                                 "--tokenizer", "{tmp}/model"], 2,
          ["is a directory without a tokenizer.json", "train-tokenizer"], setup="model_dir_without_tokenizer"),
@@ -247,12 +270,46 @@ def text(tmp: Path) -> None:
     (tmp / "in.txt").write_text("Some text for the tokenizer. " * 20)
 
 
+def parquet_posts(tmp: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": [1, 2, 3], "body": ["A post. " * 20] * 3}), tmp / "posts.parquet")
+
+
+def jsonl_posts(tmp: Path) -> None:
+    (tmp / "posts.jsonl").write_text("".join(f'{{"id": {i}, "body": "A post."}}\n' for i in range(3)))
+
+
 def prepared(tmp: Path) -> None:
     from raytrain_fast.data import prepare_data
 
     text(tmp)
     (tmp / "other.txt").write_text("Other text. " * 40)
     prepare_data(inputs=[str(tmp / "in.txt")], output=str(tmp / "data"), seq_len=8, parallel=False, verbose=False)
+
+
+def mixture_empty_source(tmp: Path) -> None:
+    prepared(tmp)
+    (tmp / "empty").mkdir()
+    (tmp / "empty" / "a.txt").write_text("")
+
+
+def mixture_seq_lens(tmp: Path) -> None:
+    from raytrain_fast.data import prepare_data
+
+    prepared(tmp)
+    prepare_data(inputs=[str(tmp / "other.txt")], output=str(tmp / "data16"), seq_len=16, parallel=False, verbose=False)
+
+
+def mixture_tokenizers(tmp: Path) -> None:
+    from raytrain_fast.data import prepare_data
+    from raytrain_fast.data.train_tokenizer import train_tokenizer
+
+    prepared(tmp)
+    (tmp / "words.txt").write_text(" ".join(f"word{i % 50} text{i % 7}" for i in range(3000)))
+    train_tokenizer(inputs=[str(tmp / "words.txt")], output=str(tmp / "tok"), vocab_size=300, verbose=False)
+    prepare_data(inputs=[str(tmp / "words.txt")], output=str(tmp / "bpe"), seq_len=8, tokenizer=str(tmp / "tok"), parallel=False, verbose=False)
 
 
 def model_dir_without_tokenizer(tmp: Path) -> None:
