@@ -195,3 +195,31 @@ def test_train_tokenizer_reads_the_same_inputs(tmp_path):
     assert [s.reason for s in made.skipped] == ["1 JSONL records skipped: 1 no string 'body' field (first at line 21)"]
     with pytest.raises(DataError, match="no column 'text'.*'body' \\(string\\)"):
         train_tokenizer(inputs=[str(tmp_path / "posts.parquet")], output=str(tmp_path / "tok2"), vocab_size=300, verbose=False)
+
+
+def test_one_parquet_file_is_cut_into_row_group_pieces_for_every_cpu(tmp_path, ray_session):
+    from raytrain_fast.data.inputs import list_inputs
+    from raytrain_fast.data.tokenizing import _work_items
+    from raytrain_fast.storage import StorageConfig as Storage
+
+    rows: list = documents("row", 90)
+    for i in (2, 47, 80):
+        rows[i] = None  # nulls in the first and the second half: one count, the first row of all
+    rows[50] = ""
+    pq.write_table(pa.table({"text": rows}), tmp_path / "one.parquet", row_group_size=10)  # 9 row groups
+    listing, filesystems = list_inputs([str(tmp_path / "one.parquet")], Storage())
+    items = _work_items(listing.sources, filesystems, num_cpus=2)
+    assert [(i["piece"], i["first_group"], i["end_group"]) for i in items] == [(0, 0, 4), (1, 4, 9)]
+    assert [i["end_group"] for i in _work_items(listing.sources * 2, filesystems, num_cpus=2)] == [-1, -1]  # enough files
+
+    in_ray = prepare_data(inputs=[str(tmp_path / "one.parquet")], output=str(tmp_path / "ray"), seq_len=16, parallel=True)
+    in_process = prepare_data(inputs=[str(tmp_path / "one.parquet")], output=str(tmp_path / "local"), seq_len=16, parallel=False)
+    assert [(s.reason, s.partial) for s in in_ray.skipped] == [(s.reason, s.partial) for s in in_process.skipped] == [
+        ("4 Parquet rows skipped: 3 null 'text' (first at row 3), 1 empty 'text' (first at row 51)", True)]
+    assert in_ray.sources_hash == in_process.sources_hash and in_ray.sources == in_process.sources
+    used = [r for r in rows if r]
+    assert packed_documents(in_ray) == packed_documents(in_process) == training(in_ray, used)[: len(packed_documents(in_ray))]
+
+    pq.write_table(pa.table({"text": [None] * 20 + [""] * 20}), tmp_path / "bad.parquet", row_group_size=10)
+    with pytest.raises(DataError, match=r"no usable Parquet rows: 20 null 'text' \(first at row 1\), 20 empty 'text' \(first at row 21\)"):
+        prepare_data(inputs=[str(tmp_path / "bad.parquet")], output=str(tmp_path / "bad"), seq_len=16, parallel=True)

@@ -102,6 +102,41 @@ class _Records:
     def summary(self) -> str:
         return ", ".join(f"{n} {problem} (first at {self.unit} {self.first[problem]})" for problem, n in self.bad.items())
 
+    def to_json(self) -> str:
+        return json.dumps({"field": self.field, "unit": self.unit, "bad": self.bad, "first": self.first, "fields": self.fields})
+
+    @classmethod
+    def merged(cls, texts: list[str]) -> _Records:
+        """The records of a file read in pieces (`to_json` of each, in file order)."""
+        records = None
+        for data in map(json.loads, texts):
+            records = records or cls(data["field"], data["unit"])
+            for problem, n in data["bad"].items():
+                records.count(problem, data["first"][problem], n)
+            records.fields.update(data["fields"])
+        return records
+
+
+def verdict_of_pieces(records: list[str], *, num_documents: int, text_field: str) -> tuple[str, str, str]:
+    """`verdict` of a Parquet file read in pieces (FileReader.row_groups), from each piece's `records_json`."""
+    return verdict(_Records.merged(records), num_documents=num_documents, text_field=text_field)
+
+
+def verdict(records: _Records, *, num_documents: int, text_field: str) -> tuple[str, str, str]:
+    """(skip_reason, partial_reason, fatal) of a file once read: used (maybe without some records),
+    skipped (nothing in it), or an error (every record bad)."""
+    what, none = ("JSONL records", "no JSONL records") if records.unit == "line" else ("Parquet rows", "no rows")
+    summary = records.summary()
+    if num_documents:
+        return "", (f"{sum(records.bad.values())} {what} skipped: {summary}" if records.bad else ""), ""
+    if not records.bad:
+        return none, "", ""
+    found = ", ".join(f"'{name}'" for name, _ in records.fields.most_common(8)) or "none (no line is a JSON object)"
+    return "", "", (
+        f"no usable {what}: {summary}. The fields its records have: {found}; "
+        f"set --text-field to the one that holds the text (now '{text_field}')"
+    )
+
 
 class FileReader:
     """One input's documents (UTF-8 bytes) in batches of about BATCH_BYTES, read as a stream.
@@ -112,11 +147,15 @@ class FileReader:
 
     def __init__(
         self, location: str, path: str, filesystems: dict[str, pafs.FileSystem], *,
-        text_field: str = DEFAULT_TEXT_FIELD, batch_bytes: int = BATCH_BYTES,
+        text_field: str = DEFAULT_TEXT_FIELD, batch_bytes: int = BATCH_BYTES, row_groups: tuple[int, int] | None = None,
     ) -> None:
         self.location, self.path, self.filesystems = location, path, filesystems
         self.text_field, self.batch_bytes = text_field, batch_bytes
-        self.sha256 = self.skip_reason = self.partial_reason = self.fatal = ""
+        self.row_groups = row_groups
+        """A Parquet file's row groups [first, end) only: a piece of a file read by several tasks. Its
+        records are left in `records_json` for the verdict over all pieces (`verdict`), and only the
+        first piece hashes the file."""
+        self.sha256 = self.skip_reason = self.partial_reason = self.fatal = self.records_json = ""
         self.num_documents = 0
 
     def batches(self) -> Iterator[list[bytes]]:
@@ -202,7 +241,7 @@ class FileReader:
                     batch, size = [], 0
         if batch:
             yield batch
-        self._conclude(records, "JSONL records", "no JSONL records")
+        self._conclude(records)
 
     def _json_record(self, line: str, number: int, records: _Records) -> bytes | None:
         try:  # not splitlines() upstream: JSON strings may hold U+2028
@@ -221,24 +260,17 @@ class FileReader:
             return value.encode("utf-8")
         return None
 
-    def _conclude(self, records: _Records, what: str, none: str) -> None:
-        """The file's verdict once read: used (maybe without some records), skipped, or fatal."""
-        summary = records.summary()
-        if self.num_documents:
-            if records.bad:
-                self.partial_reason = f"{sum(records.bad.values())} {what} skipped: {summary}"
-        elif not records.bad:
-            self.skip_reason = self.skip_reason or none
-        else:
-            found = ", ".join(f"'{name}'" for name, _ in records.fields.most_common(8)) or "none (no line is a JSON object)"
-            self.fatal = (
-                f"no usable {what}: {summary}. The fields its records have: {found}; "
-                f"set --text-field to the one that holds the text (now '{self.text_field}')"
-            )
+    def _conclude(self, records: _Records) -> None:
+        if self.row_groups is not None:
+            self.records_json = records.to_json()
+            return
+        skip, self.partial_reason, self.fatal = verdict(records, num_documents=self.num_documents, text_field=self.text_field)
+        self.skip_reason = self.skip_reason or skip
 
     def _parquet(self) -> Iterator[list[bytes]]:
         # Parquet is read by random access (footer first), so the file's hash is a pass of its own.
-        self.sha256 = file_sha256(self.location, self.path, self.filesystems)
+        if self.row_groups is None or self.row_groups[0] == 0:
+            self.sha256 = file_sha256(self.location, self.path, self.filesystems)
         with contextlib.ExitStack() as stack:
             handle = self.path if self.location == "local" else stack.enter_context(
                 self.filesystems[self.location].open_input_file(self.path))
@@ -258,8 +290,10 @@ class FileReader:
         metadata = parquet.metadata
         row_bytes = sum(metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups)) / max(1, metadata.num_rows)
         rows = max(1, min(65536, int(self.batch_bytes / max(1.0, row_bytes))))
-        start = 0
-        for record_batch in parquet.iter_batches(batch_size=rows, columns=[self.text_field], use_threads=False):
+        first, end = self.row_groups or (0, metadata.num_row_groups)
+        start = sum(metadata.row_group(i).num_rows for i in range(first))
+        batches = parquet.iter_batches(batch_size=rows, row_groups=range(first, end), columns=[self.text_field], use_threads=False)
+        for record_batch in batches:
             column = record_batch.column(0)
             if pa.types.is_dictionary(column.type):
                 column = column.dictionary_decode()
@@ -273,7 +307,7 @@ class FileReader:
             documents = [value for value in column.to_pylist() if value]
             if documents:
                 yield documents
-        self._conclude(records, "Parquet rows", "no rows")
+        self._conclude(records)
 
 
 class _Prepended:
@@ -310,5 +344,5 @@ def parquet_column_problem(schema: pa.Schema, text_field: str) -> str:
 
 __all__ = [
     "BATCH_BYTES", "CODECS", "DEFAULT_TEXT_FIELD", "FileReader", "JSONL_SUFFIXES", "PARQUET_SUFFIXES", "file_sha256",
-    "input_format", "parquet_column_problem",
+    "input_format", "parquet_column_problem", "verdict", "verdict_of_pieces",
 ]

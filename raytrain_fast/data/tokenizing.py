@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from raytrain_fast.data.ingest import NODE_ID_LABEL
 from raytrain_fast.data.inputs import Source
-from raytrain_fast.data.readers import FileReader
+from raytrain_fast.data.readers import FileReader, input_format, verdict_of_pieces
 from raytrain_fast.data.tokenizer import TokenizerSpec
 
 _BLOCK_BYTES = 16 << 20
@@ -36,6 +37,10 @@ class Part:
 
     index: int
     """The file's position in the listing."""
+    piece: int = 0
+    """Which piece of a file read by several tasks (row groups of a Parquet file), in file order."""
+    records: str = ""
+    """A piece's last part: its unusable records (FileReader.records_json), for the file's verdict."""
     tokens: np.ndarray | None = None
     val_tokens: np.ndarray | None = None
     """The tokens of the documents chosen for validation (None: none were)."""
@@ -65,11 +70,12 @@ def is_validation_document(document: bytes, fraction: float) -> bool:
 
 def tokenize_file(
     index: int, source: Source, spec: TokenizerSpec, filesystems: dict[str, pafs.FileSystem], *, text_field: str,
+    piece: int = 0, row_groups: tuple[int, int] | None = None,
 ) -> Iterator[Part]:
-    """The parts of one file, its last part marked."""
-    reader = FileReader(source.location, source.path, filesystems, text_field=text_field)
+    """The parts of one file (or of one piece of it: row_groups), its last part marked."""
+    reader = FileReader(source.location, source.path, filesystems, text_field=text_field, row_groups=row_groups)
     for documents in reader.batches():
-        part = Part(index=index, num_documents=len(documents), num_bytes=sum(len(d) for d in documents))
+        part = Part(index=index, piece=piece, num_documents=len(documents), num_bytes=sum(len(d) for d in documents))
         if source.val_fraction > 0:
             chosen = [is_validation_document(d, source.val_fraction) for d in documents]
             if any(chosen):
@@ -79,8 +85,8 @@ def tokenize_file(
         part.tokens = spec.encode_documents(documents)
         yield part
     yield Part(
-        index=index, last=True, sha256=reader.sha256, skip_reason=reader.skip_reason,
-        partial_reason=reader.partial_reason, fatal=reader.fatal,
+        index=index, piece=piece, last=True, sha256=reader.sha256, skip_reason=reader.skip_reason,
+        partial_reason=reader.partial_reason, fatal=reader.fatal, records=reader.records_json,
     )
 
 
@@ -90,7 +96,7 @@ def results_local(sources: list[Source], spec: TokenizerSpec, filesystems: dict[
 
 
 _COLUMNS = {
-    "index": pa.int64(), "tokens": pa.large_binary(), "val_tokens": pa.large_binary(), "num_documents": pa.int64(),
+    "index": pa.int64(), "piece": pa.int64(), "records": pa.string(), "tokens": pa.large_binary(), "val_tokens": pa.large_binary(), "num_documents": pa.int64(),
     "val_documents": pa.int64(), "num_bytes": pa.int64(), "last": pa.bool_(), "sha256": pa.string(),
     "skip_reason": pa.string(), "partial_reason": pa.string(), "fatal": pa.string(),
 }
@@ -127,9 +133,12 @@ class _TokenizeBatch:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         parts: list[Part] = []
         size = 0
-        for i, location, path, fraction in zip(batch["index"], batch["location"], batch["path"], batch["val_fraction"]):
-            source = Source(uri=str(path), location=str(location), path=str(path), size=0, mtime_ns=None, val_fraction=float(fraction))
-            for part in tokenize_file(int(i), source, self.spec, self.filesystems, text_field=self.text_field):
+        for row in range(len(batch["index"])):
+            path, location, end = str(batch["path"][row]), str(batch["location"][row]), int(batch["end_group"][row])
+            source = Source(uri=path, location=location, path=path, size=0, mtime_ns=None, val_fraction=float(batch["val_fraction"][row]))
+            row_groups = None if end < 0 else (int(batch["first_group"][row]), end)
+            for part in tokenize_file(int(batch["index"][row]), source, self.spec, self.filesystems, text_field=self.text_field,
+                                      piece=int(batch["piece"][row]), row_groups=row_groups):
                 parts.append(part)
                 size += sum(0 if t is None else t.nbytes for t in (part.tokens, part.val_tokens))
                 if size >= _BLOCK_BYTES:
@@ -150,7 +159,7 @@ def results_ray(sources: list[Source], spec: TokenizerSpec, filesystems: dict[st
     if any(s.location == "local" for s in sources):
         # Local paths exist on this node only: keep the tasks here.
         remote_args["label_selector"] = {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}
-    items = [{"index": i, "location": s.location, "path": s.path, "val_fraction": s.val_fraction} for i, s in enumerate(sources)]
+    items = _work_items(sources, filesystems, num_cpus=num_cpus)
     dataset = ray.data.from_items(items, override_num_blocks=max(1, math.ceil(len(items) / files_per_task)))
     dataset = dataset.map_batches(
         _TokenizeBatch(spec, filesystems, text_field), batch_size=files_per_task, batch_format="numpy",
@@ -158,16 +167,73 @@ def results_ray(sources: list[Source], spec: TokenizerSpec, filesystems: dict[st
     )
     _quiet(dataset.context)
     dataset.context.execution_options.preserve_order = True
-    pending: dict[int, list[Part]] = {}
-    next_index = 0
+    order = [(item["index"], item["piece"]) for item in items]
+    pieces = _Pieces({item["index"]: item["piece"] + 1 for item in items}, text_field=text_field)
+    pending: dict[tuple[int, int], list[Part]] = {}
+    done = 0
     for table in dataset.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2):
         for part in _from_table(table, spec.dtype):
-            pending.setdefault(part.index, []).append(part)
-        while pending.get(next_index):  # preserve_order keeps blocks in order; this makes sure of it
-            parts = pending.pop(next_index)
-            yield from parts
-            next_index += parts[-1].last  # else more of this file is to come
-    assert not pending and next_index == len(sources), "Ray Data lost tokenized files"
+            pending.setdefault((part.index, part.piece), []).append(part)
+        while done < len(order) and pending.get(order[done]):  # preserve_order keeps blocks in order; this makes sure of it
+            parts = pending.pop(order[done])
+            yield from filter(None, map(pieces.join, parts))
+            done += parts[-1].last  # else more of this piece is to come
+    assert not pending and done == len(order), "Ray Data lost tokenized files"
+
+
+def _work_items(sources: list[Source], filesystems: dict[str, pafs.FileSystem], *, num_cpus: int) -> list[dict]:
+    """A task's unit of work: a file; with fewer files than CPUs, a Parquet file of several row groups
+    is cut into pieces of consecutive row groups (a footer read each), so that every CPU has work."""
+    per_file = math.ceil(num_cpus / len(sources)) if len(sources) < num_cpus else 1
+    items = []
+    for index, source in enumerate(sources):
+        item = {"index": index, "location": source.location, "path": source.path, "val_fraction": source.val_fraction,
+                "piece": 0, "first_group": 0, "end_group": -1}
+        groups = _num_row_groups(source, filesystems) if per_file > 1 and input_format(source.path)[0] == "parquet" else 0
+        num_pieces = min(per_file, groups)
+        if num_pieces < 2:
+            items.append(item)
+            continue
+        bounds = [round(k * groups / num_pieces) for k in range(num_pieces + 1)]
+        items += [{**item, "piece": k, "first_group": bounds[k], "end_group": bounds[k + 1]} for k in range(num_pieces)]
+    return items
+
+
+def _num_row_groups(source: Source, filesystems: dict[str, pafs.FileSystem]) -> int:
+    try:
+        return pq.read_metadata(source.path, filesystem=filesystems[source.location]).num_row_groups
+    except (OSError, pa.ArrowException):
+        return 0  # not Parquet after all: read whole, and skipped with the reason
+
+
+class _Pieces:
+    """Joins the pieces of a file read by several tasks back into one file's parts: a piece's last part
+    carries no tokens, so it is held back, and the final piece's one becomes the file's verdict."""
+
+    def __init__(self, num_pieces: dict[int, int], *, text_field: str) -> None:
+        self.num_pieces, self.text_field = num_pieces, text_field
+        self.records: list[str] = []
+        self.errors: list[str] = []
+        self.documents, self.sha256, self.fatal = 0, "", ""
+
+    def join(self, part: Part) -> Part | None:
+        if self.num_pieces[part.index] == 1:
+            return part
+        self.documents += part.num_documents
+        if not part.last:
+            return part
+        self.records += [part.records] if part.records else []
+        self.errors += [reason for reason in (part.skip_reason, part.partial_reason) if reason]
+        self.sha256, self.fatal = self.sha256 or part.sha256, self.fatal or part.fatal
+        if part.piece + 1 < self.num_pieces[part.index]:
+            return None
+        skip, partial, fatal = (verdict_of_pieces(self.records, num_documents=self.documents, text_field=self.text_field)
+                                if self.records else ("", "", ""))
+        if self.errors:  # a piece that could not be read (all of it, or from some row on)
+            skip, partial = ("", "; ".join(filter(None, [partial, *self.errors]))) if self.documents else (self.errors[0], "")
+        joined = Part(index=part.index, last=True, sha256=self.sha256, skip_reason=skip, partial_reason=partial, fatal=self.fatal or fatal)
+        self.__init__(self.num_pieces, text_field=self.text_field)
+        return joined
 
 
 @contextlib.contextmanager
