@@ -137,6 +137,10 @@ def test_every_variant_is_timed_the_same_way(ray_session, corpus_dir, tmp_path):
     assert sorted(ratios, key=ratios.get) == sorted(runs, key=lambda name: runs[name]["tokens_per_sec"])
     ours = runs["raytrain_fast"]
     assert report["ratio_vs_bare"] == ratios["raytrain_fast"]  # the headline is the table's entry
+    # Per round (one here): our variant over each other variant of the same round, and the spread.
+    assert set(report["round_ratios"]) == set(VARIANTS) - {"raytrain_fast"}
+    assert report["round_ratios"]["bare"]["per_round"] == [pytest.approx(ratios["raytrain_fast"])]
+    assert all(r["spread"] == 0.0 for r in report["round_ratios"].values())
     for key, baseline in (("ratio_vs_bare_in_ray_worker", "bare_in_ray_worker"), ("ratio_vs_typical_no_report", "typical_no_report")):
         assert (report[key] > 1) == (ours["tokens_per_sec"] > runs[baseline]["tokens_per_sec"]), key
     # Our loop: the checkpoint cadence puts one save inside the timed window; the memory variant

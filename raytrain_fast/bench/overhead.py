@@ -304,6 +304,22 @@ def compare(variants: Mapping[str, Callable[[], dict[str, Any]]], *, repeats: in
     return {"repeats": repeats, "order": order, "variants": {name: _summary(values) for name, values in runs.items()}}
 
 
+def round_ratios(detail: dict[str, Any], *, ours: str) -> dict[str, dict[str, Any]]:
+    """Per reference variant: our variant's tokens/s over the reference's in each round (the two ran
+    in the same round, minutes apart at most), and their spread (max - min). Two runs of the bench
+    agree when their medians differ by less than these spreads; a spread wider than the gap being
+    claimed says the window is too short to resolve it."""
+    variants = detail["variants"]
+    mine = variants[ours]["tokens_per_sec"]
+    out = {}
+    for name, summary in variants.items():
+        if name == ours:
+            continue
+        per_round = [a / b for a, b in zip(mine, summary["tokens_per_sec"])]
+        out[name] = {"per_round": per_round, "median": statistics.median(per_round), "spread": max(per_round) - min(per_round)}
+    return out
+
+
 def overhead_report(
     *, setup: OverheadSetup | None = None, variants: Sequence[str] = VARIANTS, repeats: int = 3,
     storage_dir: str | None = None,
@@ -345,6 +361,7 @@ def overhead_report(
                 head[key] = ours / medians[reference]
         runs = report["variants"]["raytrain_fast"]["runs"]
         head["raytrain_fast_window_median_tokens_per_sec"] = statistics.median(r["window_median_tokens_per_sec"] for r in runs)
+        head["round_ratios"] = round_ratios(report, ours="raytrain_fast")
     report["setup"] = dataclasses.asdict(setup)
     return {**head, "detail": report}
 
