@@ -133,9 +133,7 @@ def bench_data(
     import ray
     import torch
 
-    from raytrain_fast.data import BatchIterator, ensure_prepared_corpus, load_manifest
-    from raytrain_fast.data.mixture import MixtureIterator, Source
-    from raytrain_fast.model import ModelConfig
+    from raytrain_fast.data import ensure_prepared_corpus, load_manifest
 
     threads = threads or min(2, os.cpu_count() or 1)
     torch.set_num_threads(threads)
@@ -147,22 +145,12 @@ def bench_data(
     own_ray = not ray.is_initialized()
     if own_ray:
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, configure_logging=False, log_to_driver=False)
-    ingest = BatchIterator(manifest, rank=0, world_size=1, micro_batch=micro_batch, seed=seed, prefetch_batches=prefetch_batches)
-    mixture = MixtureIterator(
-        [Source(name=name, weight=weight, manifest=manifest) for name, weight in MIXTURE_WEIGHTS.items()],
-        rank=0, world_size=1, micro_batch=micro_batch, seed=seed, prefetch_batches=prefetch_batches,
-    )
+    trainers = _trainers(manifest, micro_batch=micro_batch, seq_len=seq_len, seed=seed, prefetch_batches=prefetch_batches)
     try:
-        model_config = ModelConfig(max_seq_len=max(seq_len, ModelConfig().max_seq_len))
-        trainers = {
-            "ingest": _Trainer(ingest, model_config=model_config, seed=seed),
-            "baseline": _Trainer(_parquet_loader(manifest, micro_batch=micro_batch, seed=seed), model_config=model_config, seed=seed),
-            "mixture": _Trainer(mixture, model_config=model_config, seed=seed),
-        }
         per_round = _run_rounds(trainers, steps=steps, warmup_steps=warmup_steps, rounds=rounds, verbose=verbose)
     finally:
-        ingest.close()
-        mixture.close()
+        for trainer in trainers.values():
+            getattr(trainer.batches, "close", lambda: None)()  # the ingest paths' producer threads and pipelines
         if own_ray:
             from raytrain_fast._ray_compat import wait_for_ray_data_iterators
 
@@ -171,7 +159,7 @@ def bench_data(
 
     tokens_per_step = micro_batch * seq_len
     summaries = {name: trainer.summary(tokens_per_step) for name, trainer in trainers.items()}
-    summaries["mixture"].update(weights=MIXTURE_WEIGHTS, realised=_realised_shares(mixture))
+    summaries["mixture"].update(weights=MIXTURE_WEIGHTS, realised=_realised_shares(trainers["mixture"].batches))
     setup = {
         "steps_measured": per_round * rounds, "warmup_steps": warmup_steps, "rounds": rounds, "micro_batch": micro_batch,
         "seq_len": seq_len, "prefetch_batches": prefetch_batches, "precision": "fp32", "torch_threads": threads,
@@ -179,6 +167,22 @@ def bench_data(
         "prepare_s": prepare_s,
     }
     return _result(summaries, setup)
+
+
+def _trainers(manifest, *, micro_batch: int, seq_len: int, seed: int, prefetch_batches: int) -> dict[str, _Trainer]:
+    """The three paths, each feeding its own copy of the tiny model (same seed, same weights)."""
+    from raytrain_fast.data import BatchIterator
+    from raytrain_fast.data.mixture import MixtureIterator, Source
+    from raytrain_fast.model import ModelConfig
+
+    model_config = ModelConfig(max_seq_len=max(seq_len, ModelConfig().max_seq_len))
+    sources = [Source(name=name, weight=weight, manifest=manifest) for name, weight in MIXTURE_WEIGHTS.items()]
+    batches = {
+        "ingest": BatchIterator(manifest, rank=0, world_size=1, micro_batch=micro_batch, seed=seed, prefetch_batches=prefetch_batches),
+        "baseline": _parquet_loader(manifest, micro_batch=micro_batch, seed=seed),
+        "mixture": MixtureIterator(sources, rank=0, world_size=1, micro_batch=micro_batch, seed=seed, prefetch_batches=prefetch_batches),
+    }
+    return {name: _Trainer(batch_source, model_config=model_config, seed=seed) for name, batch_source in batches.items()}
 
 
 def _result(summaries: dict[str, dict[str, Any]], setup: dict[str, Any]) -> dict[str, Any]:

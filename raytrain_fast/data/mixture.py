@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from raytrain_fast.data.ingest import BatchIterator, EpochOrder, SHUFFLE_WINDOW_SHARDS, locate_absolute, usable_rows
+from raytrain_fast.data.ingest import BatchIterator
+from raytrain_fast.data.order import SHUFFLE_WINDOW_SHARDS, EpochOrder, locate_absolute, usable_rows
 from raytrain_fast.data.manifest import Manifest
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
