@@ -299,3 +299,23 @@ def test_the_report_shows_the_realised_mixture_against_the_weights():
     lines = mixture_lines(run)
     assert lines[0].startswith("Mixture") and any(line.strip().startswith("web: weight 50%") for line in lines)
     assert realised_mixture(from_records([{"step": 10, "time": 1.0, "train/loss": 2.0}])) == []  # not a mixture
+
+
+def test_a_mixture_trains_through_the_loop_and_logs_tokens_per_source(local_uris, ray_session, tmp_path):
+    """pretrain on data.sources: the workers read the mixture, and the records' tokens per source hold the weights."""
+    from raytrain_fast.launch.trainer import run
+    from raytrain_fast.metrics.sinks import read_metrics
+    from tests.test_train import micro_config
+
+    items = ", ".join(f"{{source: '{local_uris[n]}', weight: {w}, name: {n}}}" for n, w in WEIGHTS.items())
+    steps, global_batch = 10, 8
+    config = micro_config(tmp_path, "mixed", f"data.sources=[{items}]", f"data.seq_len={SEQ_LEN}", "data.max_tokens=0",
+                          f"train.steps={steps}", "checkpoint.every_steps=10", "resources.num_workers=1")
+    result = run(config)
+    records = [r for r in read_metrics(result.run_dir) if "data/tokens/web" in r]
+    assert [r["step"] for r in records] == [5, 10]  # one per log window
+    sequences = {n: records[-1][f"data/tokens/{n}"] / SEQ_LEN for n in WEIGHTS}
+    assert sum(sequences.values()) == steps * global_batch
+    for name, weight in WEIGHTS.items():
+        assert abs(sequences[name] - weight * steps * global_batch) <= STATED_BOUND, (name, sequences)
+    assert result.checkpoint is not None and result.metrics["step"] == steps

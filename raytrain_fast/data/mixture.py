@@ -379,21 +379,9 @@ def open_mixture(
     )
 
 
-LOOP_READS_MIXTURES = False
-"""Whether the step loop builds a MixtureIterator for data.sources (launch/ and loop/ wire it); until
-then a mixture that passes every check is refused rather than silently trained as data.source."""
-
-
 def check_sources_before_start(config: Any) -> None:
     """The pretrain command's check of data.sources, before Ray starts: every problem in one ConfigError."""
-    from raytrain_fast.errors import ConfigError
-
     check_mixture(config)
-    if not LOOP_READS_MIXTURES:
-        raise ConfigError(
-            "data.sources passed every check, but this version's step loop does not read mixtures yet (docs/data.md#mixtures): "
-            "train on one data.source (`raytrain-fast bench data` measures a three-source mixture's input)"
-        )
 
 
 def _text_problem(source: str, storage: StorageConfig) -> str | None:

@@ -210,6 +210,24 @@ def prepare_training_data(config: Config) -> str:
     return uri
 
 
+def prepare_mixture_data(config: Config) -> list[str]:
+    """data.sources: every source prepared once (cached) and the mixture checked against the model;
+    returns the sources' manifest URIs, in order (the workers open the mixture from them)."""
+    from raytrain_fast.data.mixture import check_mixture, prepare_sources
+
+    cache_dir = config.data.cache_dir or f"{config.storage.uri.rstrip('/')}/_prepared"
+    uris = prepare_sources(config.data, config.storage, cache_dir=cache_dir)
+    sources = check_mixture(config, prepared=uris)
+    from raytrain_fast.data import load_manifest
+
+    _, notes = resolve_eval(config, load_manifest(uris[0], config.storage))  # as the workers resolve it
+    shares = ", ".join(f"{s.name} {s.weight:g}" for s in sources)
+    print(f"Data: a mixture of {len(sources)} sources ({shares}) of {config.data.seq_len + 1}-token sequences", flush=True)
+    for note in notes:
+        print(note, flush=True)
+    return uris
+
+
 def keep_ray_data_actors_on_this_node() -> None:
     """Ray Data keeps cluster-wide detached actors (its stats actor, its autoscaling coordinator),
     pinned to the node of the process that first needs them: without this, a training worker's node.

@@ -16,6 +16,7 @@ from raytrain_fast.launch.checks import (
     check_before_ray,
     keep_ray_data_actors_on_this_node,
     max_sequences,
+    prepare_mixture_data,
     prepare_training_data,
     resolve_resources,
 )
@@ -46,7 +47,7 @@ class RunResult:
 
 def build_trainer(
     config: Config, *, data_uri: str, hooks: LoopHooks | None = None, on_window: WindowCallback | None = None,
-    save_checkpoints: bool = True, callbacks: list | None = None,
+    save_checkpoints: bool = True, callbacks: list | None = None, data_uris: list[str] | None = None,
 ):
     """A TorchTrainer for an already resolved config (see `resolve_resources`).
 
@@ -67,6 +68,7 @@ def build_trainer(
         _train_loop_without_result_dumps,
         train_loop_config={
             "config": config.to_dict(), "data_uri": data_uri, "max_sequences": max_sequences(config),
+            "data_uris": data_uris or [data_uri],  # a mixture's sources (data.sources), else the one
             "hooks": hooks or LoopHooks(), "on_window": on_window, "save_checkpoints": save_checkpoints,
             # The driver's S3 filesystem (credentials inside, as in storage_filesystem): workers
             # use it for data and metrics too, whatever their own environment holds.
@@ -198,7 +200,7 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
 
     from raytrain_fast.coordinator import start_coordinator
 
-    data_uri = prepare_training_data(config)
+    data_uris = prepare_mixture_data(config) if config.data.sources else [prepare_training_data(config)]
     # One named actor per run, owned by this driver: it outlives worker-group restarts, so FLOPs
     # and the matmul peak are measured once per run. Kept referenced until fit() returns.
     coordinator = start_coordinator(config.name or "run")
@@ -206,7 +208,7 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
     keep_ray_data_actors_on_this_node()
     drop_ray_run_snapshot(config)
     with _StopOnSignal(coordinator) as stop:
-        result = build_trainer(config, data_uri=data_uri, hooks=hooks).fit()
+        result = build_trainer(config, data_uri=data_uris[0], data_uris=data_uris, hooks=hooks).fit()
     measurements = ray.get(coordinator.measurements.remote())
     diverged, message = ray.get(coordinator.wait.remote(DIVERGENCE_KEY, 0))
     ray.kill(coordinator)  # the next run of this name starts a fresh one (values come from checkpoints)

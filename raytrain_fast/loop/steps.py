@@ -147,6 +147,8 @@ class StepRun:
             mine |= Notice.PREEMPTED
         self.last = self.metrics.log(step, lr=self.engine.get_lr()[0], flags=int(mine), epoch=getattr(self.data, "epochs", None))
         self.agreed = Notice(self.metrics.agreement.flags)
+        if hasattr(self.data, "source_metrics"):  # a mixture: tokens and epochs per source, from its position
+            self.metrics.emit(step, self.data.source_metrics(seq_len=self.worker.config.data.seq_len))
         self.health.check_window(step, self.last, self.metrics)
         return True
 

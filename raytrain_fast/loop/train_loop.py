@@ -55,7 +55,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         model, mfu = build_model_and_measure(worker, state, coordinator, restored=restored)
         sinks = start_sinks(worker, state)  # W&B / TensorBoard open while the engine is built, not in the first steps
         engine, compiled = build_engine_for(worker, model, checkpointer, coordinator, restored=restored)
-        evaluator = build_evaluator(worker, engine)
+        evaluator = build_evaluator(worker, engine, data)
         metrics = build_metrics(worker, state, engine, mfu, sinks)  # built last: it freezes the heap for GC control
         note_resize(worker, restored, checkpointer, metrics, coordinator)
         note_hangs(worker, coordinator, metrics, step=state.step)
@@ -304,6 +304,11 @@ def build_data(worker: Worker, loop_config: dict[str, Any], state: TrainState):
     from raytrain_fast.data import BatchIterator, DataPosition
 
     config = worker.config
+    if config.data.sources:  # a mixture (data/mixture.py): its position is the mixture's
+        from raytrain_fast.data.mixture import open_mixture
+
+        return open_mixture(config, loop_config["data_uris"], rank=worker.rank, world_size=worker.world_size,
+                            device=worker.device, position=state.data_position)
     return BatchIterator(
         worker.manifest,
         rank=worker.rank, world_size=worker.world_size, micro_batch=config.train.micro_batch,
@@ -379,20 +384,24 @@ def build_engine_for(worker: Worker, model: Any, checkpointer: Checkpointer, coo
     return engine, compiled
 
 
-def build_evaluator(worker: Worker, engine: Any) -> Evaluator:
-    """This rank's share of the fixed validation set, on the device once (none when eval is off)."""
-    from raytrain_fast.data.validation import load_validation_tokens
+def build_evaluator(worker: Worker, engine: Any, data: Any) -> Evaluator:
+    """This rank's share of the fixed validation set, on the device once (none when eval is off); for
+    a mixture, each source's split with a val/loss of its own (data/validation.py)."""
+    from raytrain_fast.data.validation import load_mixture_validation, load_validation_tokens
 
     config = worker.config
-    tokens = None
-    if config.eval.enabled:
-        rows = load_validation_tokens(
-            worker.manifest, count=config.eval.sequences, rank=worker.rank, world_size=worker.world_size, storage=config.storage
-        )
+    tokens, total, splits = None, config.eval.sequences, None
+    share = dict(rank=worker.rank, world_size=worker.world_size, storage=config.storage)
+    if config.eval.enabled and config.data.sources:
+        rows, splits = load_mixture_validation(data.sources, count=config.eval.sequences, **share)
+        tokens, total = torch.from_numpy(rows).to(engine.device), len(rows)
+    elif config.eval.enabled:
+        rows = load_validation_tokens(worker.manifest, count=config.eval.sequences, **share)
         tokens = torch.from_numpy(rows).to(engine.device)
     return Evaluator(
-        tokens=tokens, total=config.eval.sequences, every_steps=config.eval.every_steps or 1, total_steps=config.train.steps,
+        tokens=tokens, total=total, every_steps=config.eval.every_steps or 1, total_steps=config.train.steps,
         micro_batch=config.eval.micro_batch or int(config.train.micro_batch), rank=worker.rank, world_size=worker.world_size,
+        sources=splits,
     )
 
 

@@ -29,6 +29,7 @@ from raytrain_fast.report.findings import (
     straggler,
 )
 from raytrain_fast.report.load import RunMetrics
+from raytrain_fast.report.mixture import mixture_lines
 from raytrain_fast.report.summary import summarize
 
 __all__ = ["Diagnosis", "Finding", "diagnose"]
@@ -57,6 +58,8 @@ class Diagnosis:
         lines = [f"Run '{run.name}' ({run.uri}):"]
         width = max(len(k) for k in self.summary) if self.summary else 0
         lines += [f"  {label:<{width}}  {value}" for label, value in self.summary.items()]
+        if mixture := mixture_lines(run):
+            lines += ["", *mixture]
         lines.append("")
         if not self.findings:
             lines.append("Diagnosis: no problems found in the steady part of the run.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from raytrain_fast.report.finding import duration, ms, pct
 from raytrain_fast.report.load import RunMetrics, median
+from raytrain_fast.report.mixture import mixture_facts
 
 
 def run_facts(run: RunMetrics) -> dict[str, str]:
@@ -38,6 +39,7 @@ def run_facts(run: RunMetrics) -> dict[str, str]:
         start = min(times) - float(first.get("time/step_s", 0.0)) * run.window_steps()[first["step"]]
         resumes = f", {len(run.restart_steps)} resume(s) and the pauses before them included" if run.restart_steps else ""
         facts["duration"] = f"{duration(max(times) - start)} from the first step to the last record{resumes}"
+    facts.update(mixture_facts(run))  # a mixture: each source's weight against its realised share
     return facts
 
 

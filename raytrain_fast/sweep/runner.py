@@ -200,6 +200,11 @@ def _prepare(config: Config, spec: SweepSpec, *, first_micro_batch: int, create_
     base = dataclasses.replace(
         config, name=name, train=dataclasses.replace(config.train, micro_batch=first_micro_batch, grad_accum=None)
     )
+    if config.data.sources:
+        raise ConfigError(
+            "raytrain-fast sweep times one data.source, and this config has data.sources (a mixture): sweep on one of "
+            "its sources (--set data.sources=[] data.source=<it>), then train the mixture with the micro-batch it picks"
+        )
     resolved = resolve_resources(_trial_config(base, spec), create_bucket=create_bucket)
     data_uri = prepare_training_data(resolved)
     # The trials read the prepared data; naming it keeps their own checks off the user's relative
