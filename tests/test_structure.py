@@ -13,7 +13,10 @@ import raytrain_fast
 pytestmark = pytest.mark.unit
 
 PACKAGE = Path(raytrain_fast.__file__).parent
-MAX_FUNCTION_LINES = 80
+MAX_FUNCTION_LINES = 60
+MAX_FILE_LINES = 500
+LONG_FILES: dict[str, str] = {}
+"""Files allowed over MAX_FILE_LINES, each with the reason (docs/architecture.md names the rule)."""
 
 
 def _unit(module: str) -> str | None:
@@ -172,13 +175,17 @@ def _functions(tree: ast.AST):
             yield node
 
 
-def test_no_function_is_longer_than_80_lines():
+def test_no_function_is_longer_than_60_lines_and_no_file_longer_than_500():
     long = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        for node in _functions(ast.parse(path.read_text())):
+        source = path.read_text()
+        name = str(path.relative_to(PACKAGE.parent))
+        if len(source.splitlines()) > MAX_FILE_LINES and name not in LONG_FILES:
+            long.append(f"{name}: {len(source.splitlines())} lines")
+        for node in _functions(ast.parse(source)):
             lines = node.end_lineno - node.lineno + 1
             if lines > MAX_FUNCTION_LINES:
-                long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({lines} lines)")
+                long.append(f"{name}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, "\n".join(long)
 
 

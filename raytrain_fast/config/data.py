@@ -36,6 +36,9 @@ class DataConfig:
     """`byte` (256 byte values + end-of-document, vocab 257), a path to a HuggingFace tokenizer.json or a
     directory holding one, e.g. train-tokenizer's output (needs `pip install tokenizers`); used when source
     is prepared on the fly."""
+    text_field: str = "text"
+    """The JSONL field or Parquet column that holds the text, for a source prepared on the fly
+    (prepare-data's --text-field)."""
     cache_dir: str | None = None
     """Where sources are prepared on the fly; null = `<storage.uri>/_prepared`. Must be readable by every node."""
     val_fraction: float | None = None

@@ -36,7 +36,6 @@ def is_prepared(uri: str, storage: StorageConfig) -> bool:
         return False
 
 
-_is_prepared = is_prepared  # the name launch/trainer.py imports
 
 
 def _fingerprint(inputs: list[str], storage: StorageConfig) -> str:

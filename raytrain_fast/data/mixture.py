@@ -324,16 +324,16 @@ def load_sources(data: Any, storage: StorageConfig, *, prepared: list[str] | Non
 
 def prepare_sources(data: Any, storage: StorageConfig, *, cache_dir: str, verbose: bool = True) -> list[str]:
     """The manifest URI of every source: prepared datasets as they are, text prepared once into cache_dir."""
-    from raytrain_fast.data.cache import _is_prepared, ensure_prepared_corpus
+    from raytrain_fast.data.cache import ensure_prepared_corpus, is_prepared
 
     uris = []
     for item in data.sources:
-        if _is_prepared(item.source, storage):
+        if is_prepared(item.source, storage):
             uris.append(item.source)
             continue
         uris.append(ensure_prepared_corpus(
             item.source, seq_len=data.seq_len, cache_dir=cache_dir, tokenizer=data.tokenizer, storage=storage,
-            verbose=verbose, val_fraction=data.val_fraction, val_input=data.val_input,
+            verbose=verbose, val_fraction=data.val_fraction, val_input=data.val_input, text_field=data.text_field,
         ))
     return uris
 
@@ -342,13 +342,13 @@ def check_mixture(config: Any, *, prepared: list[str] | None = None) -> list[Sou
     """Every problem of a config's data.sources against storage and the model, raised as one
     ConfigError before any worker starts; returns the loaded sources.
     `prepared`: manifest URIs from prepare_sources (without it, text sources not yet prepared are skipped)."""
-    from raytrain_fast.data.cache import STDLIB, _is_prepared
+    from raytrain_fast.data.cache import STDLIB, is_prepared
     from raytrain_fast.data.ingest import check_manifest_matches
     from raytrain_fast.errors import ConfigError
 
     data, storage = config.data, config.storage
     if prepared is None:  # before preparation: what is prepared already, and what is missing altogether
-        items = [i for i in data.sources if i.source == STDLIB or not _is_prepared(i.source, storage)]
+        items = [i for i in data.sources if i.source == STDLIB or not is_prepared(i.source, storage)]
         problems = [problem for i in items if (problem := _text_problem(i.source, storage))]
         view = dataclasses.replace(data, sources=[i for i in data.sources if i not in items])
         sources, load_problems = load_sources(view, storage)

@@ -188,7 +188,7 @@ def prepare_training_data(config: Config) -> str:
     uri = ensure_prepared_corpus(
         config.data.source, seq_len=config.data.seq_len, cache_dir=cache_dir,
         tokenizer=config.data.tokenizer, storage=config.storage,
-        val_fraction=config.data.val_fraction, val_input=config.data.val_input,
+        val_fraction=config.data.val_fraction, val_input=config.data.val_input, text_field=config.data.text_field,
     )
     manifest = load_manifest(uri, config.storage)
     problems = check_manifest_matches(
