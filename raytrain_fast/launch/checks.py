@@ -179,14 +179,18 @@ def max_sequences(config: Config) -> int | None:
     return max(1, config.data.max_tokens // (config.data.seq_len + 1))
 
 
+def _cache_dir(config: Config) -> str:
+    """Where sources are prepared on the fly: data.cache_dir, else `<storage.uri>/_prepared`."""
+    return config.data.cache_dir or f"{config.storage.uri.rstrip('/')}/_prepared"
+
+
 def prepare_training_data(config: Config) -> str:
     """Prepare data.source once (cached) and check it against the model; returns the manifest URI."""
     from raytrain_fast.data import check_manifest_matches, ensure_prepared_corpus, load_manifest
     from raytrain_fast.errors import ConfigError
 
-    cache_dir = config.data.cache_dir or f"{config.storage.uri.rstrip('/')}/_prepared"
     uri = ensure_prepared_corpus(
-        config.data.source, seq_len=config.data.seq_len, cache_dir=cache_dir,
+        config.data.source, seq_len=config.data.seq_len, cache_dir=_cache_dir(config),
         tokenizer=config.data.tokenizer, storage=config.storage,
         val_fraction=config.data.val_fraction, val_input=config.data.val_input, text_field=config.data.text_field,
     )
@@ -215,12 +219,9 @@ def prepare_mixture_data(config: Config) -> list[str]:
     returns the sources' manifest URIs, in order (the workers open the mixture from them)."""
     from raytrain_fast.data.mixture import check_mixture, prepare_sources
 
-    cache_dir = config.data.cache_dir or f"{config.storage.uri.rstrip('/')}/_prepared"
-    uris = prepare_sources(config.data, config.storage, cache_dir=cache_dir)
-    sources = check_mixture(config, prepared=uris)
-    from raytrain_fast.data import load_manifest
-
-    _, notes = resolve_eval(config, load_manifest(uris[0], config.storage))  # as the workers resolve it
+    uris = prepare_sources(config.data, config.storage, cache_dir=_cache_dir(config))
+    sources = check_mixture(config, prepared=uris)  # their manifests, loaded once, in order
+    _, notes = resolve_eval(config, sources[0].manifest)  # as the workers resolve it (from the first source)
     shares = ", ".join(f"{s.name} {s.weight:g}" for s in sources)
     print(f"Data: a mixture of {len(sources)} sources ({shares}) of {config.data.seq_len + 1}-token sequences", flush=True)
     for note in notes:

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from raytrain_fast.config.metrics import MetricsConfig
-from raytrain_fast.metrics.accumulators import PHASES, StepAccumulators
+from raytrain_fast.metrics.accumulators import StepAccumulators
 from raytrain_fast.metrics.agreement import StepAgreement
 from raytrain_fast.metrics.alerts import WindowAlerts
 from raytrain_fast.metrics.gc_control import GcControl
@@ -35,7 +35,7 @@ from raytrain_fast.metrics.progress import progress_line
 from raytrain_fast.metrics.sinks import MetricSink, SinkWriter
 from raytrain_fast.metrics.slowdown import SlowdownDetector, Window
 
-__all__ = ["PHASES", "TrainMetrics", "peak_memory_gb", "reset_peak_memory"]
+__all__ = ["TrainMetrics"]
 _HOST_FLOATS = 5  # per rank, gathered on log steps: seconds to reach the drain, data wait, GC, CPU share, CPU wait
 
 
