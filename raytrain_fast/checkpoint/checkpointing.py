@@ -181,18 +181,18 @@ class Checkpointer:
             finally:
                 shutil.rmtree(local_dir, ignore_errors=True)
 
-    def _after_upload(self, local_dir: str, dir_name: str) -> None:
+    def _after_upload(self, local_dir: str, dir_name: str, upload_s: float) -> None:
         """Rank 0, in the upload thread (off the step loop): say so, then apply retention."""
-        self._say_saved(local_dir, dir_name)
+        self._say_saved(local_dir, dir_name, upload_s)
         self.retention.prune()
 
-    def _say_saved(self, local_dir: str, dir_name: str) -> None:
+    def _say_saved(self, local_dir: str, dir_name: str, upload_s: float) -> None:
         """Rank 0's line for each checkpoint: its own files' size (the others' optimizer shards are
         about as large) and the upload's seconds."""
         size = sum(p.stat().st_size for p in Path(local_dir).rglob("*") if p.is_file())
         ranks = "" if self.world_size == 1 else " from rank 0"
         step = int(dir_name.rsplit("_", 1)[-1]) if dir_name.rsplit("_", 1)[-1].isdigit() else dir_name
-        print(f"Saved checkpoint at step {step} ({size / 1e6:.1f} MB{ranks}, uploaded in {self.uploader.last_upload_s:.1f} s)", flush=True)
+        print(f"Saved checkpoint at step {step} ({size / 1e6:.1f} MB{ranks}, uploaded in {upload_s:.1f} s)", flush=True)
 
     def take_upload_s(self) -> float | None:
         """Duration of the last finished upload, once (None if none finished since the last call)."""

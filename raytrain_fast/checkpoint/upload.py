@@ -16,14 +16,15 @@ class Uploader:
 
     def __init__(
         self, *, filesystem: Any, run_path: str, attempts: int, before_upload: Callable[[], None] | None = None,
-        after_upload: Callable[[str, str], None] | None = None,
+        after_upload: Callable[[str, str, float], None] | None = None,
     ) -> None:
-        """`after_upload(local_dir, dir_name)`: run in the upload thread once the files are in (rank 0
-        says so and prunes). `before_upload()`: run in the upload thread first (a caller's hook)."""
+        """`after_upload(local_dir, dir_name, upload_s)`: run in the upload thread once the files are in
+        (rank 0 says so and prunes). `before_upload()`: run in the upload thread first (a caller's hook)."""
         self.filesystem, self.run_path = filesystem, run_path
         self.attempts, self.before_upload, self.after_upload = attempts, before_upload, after_upload
         self._idle = threading.Event()
         self._idle.set()
+        self._lock = threading.Lock()  # the step loop takes the duration while the upload thread sets it
         self.last_upload_s: float | None = None
 
     def begin(self) -> None:
@@ -47,9 +48,11 @@ class Uploader:
             if self.before_upload is not None:
                 self.before_upload()
             self._copy(checkpoint, destination, dir_name)
-            self.last_upload_s = time.perf_counter() - start
-            if self.after_upload is not None:
-                self.after_upload(checkpoint.path, dir_name)
+            upload_s = time.perf_counter() - start
+            with self._lock:
+                self.last_upload_s = upload_s
+            if self.after_upload is not None:  # its own copy: the step loop may take last_upload_s meanwhile
+                self.after_upload(checkpoint.path, dir_name, upload_s)
         finally:
             self._idle.set()
         return ray.train.Checkpoint(destination, self.filesystem)
@@ -74,5 +77,6 @@ class Uploader:
 
     def take_upload_s(self) -> float | None:
         """Duration of the last finished upload, once (None if none finished since the last call)."""
-        value, self.last_upload_s = self.last_upload_s, None
+        with self._lock:
+            value, self.last_upload_s = self.last_upload_s, None
         return value
