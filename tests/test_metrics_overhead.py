@@ -152,6 +152,19 @@ def test_every_variant_is_timed_the_same_way(ray_session, corpus_dir, tmp_path):
     for name in ("raytrain_fast", "raytrain_fast_memory"):
         assert runs[name]["window_steps"] == 20
         assert runs[name]["windows_tokens_per_sec"] == pytest.approx(runs[name]["tokens_per_sec"], rel=0.05), name
+    assert report["raytrain_fast_over_window_median"] == pytest.approx(
+        ours["tokens_per_sec"] / report["raytrain_fast_window_median_tokens_per_sec"])
+    # Each variant's training process, counted over its timed window (/proc): its threads, context
+    # switches per step and the cores the rest of the machine took. A Ray worker holds Ray's threads
+    # beside torch's; the bare process far fewer.
+    for name, run in runs.items():
+        proc = run["proc"]
+        assert proc["threads"] >= 1 and proc["cpu_s_per_step"] > 0, name
+        assert proc["voluntary_switches_per_step"] >= 0 and proc["involuntary_switches_per_step"] >= 0, name
+        assert proc["other_processes_cores"] >= 0 and len(proc["other_processes_largest"]) <= 5, name
+        assert report["proc"][name]["threads"] == proc["threads"], name
+    assert runs["bare"]["proc"]["threads"] < runs["bare_in_ray_worker"]["proc"]["threads"]
+    assert runs["bare"]["proc"]["threads"] < runs["raytrain_fast"]["proc"]["threads"]
     # A report every step costs one controller poll per step: the typical loop cannot beat it.
     poll = report["ray_train_poll_interval_s"]
     assert runs["typical_ray_train"]["seconds"] >= 0.8 * setup.steps * poll

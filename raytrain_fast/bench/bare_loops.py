@@ -52,21 +52,26 @@ def build_bare(setup: OverheadSetup, device: Any):
     return model, optimizer, _batches(setup, device), autocast
 
 
-def _timed(setup: OverheadSetup, step: Callable[[int], Any], device: Any) -> tuple[float, int]:
-    """(seconds from the end of warm-up to the end of the last step, torch threads in use)."""
+def _timed(setup: OverheadSetup, step: Callable[[int], Any], device: Any) -> tuple[float, int, dict[str, Any]]:
+    """(seconds from the end of warm-up to the end of the last step, torch threads in use, the
+    process's /proc counters over those steps: bench/proc_counters.py)."""
     import torch
+
+    from raytrain_fast.bench import proc_counters
 
     for i in range(setup.warmup_steps):
         step(i)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     threads = torch.get_num_threads()
+    counters = proc_counters.snapshot()
     start = time.perf_counter()
     loss = None
     for i in range(setup.steps):
         loss = step(setup.warmup_steps + i)
     float(loss.detach())  # one host sync at the end: the clock stops when the device is done
-    return time.perf_counter() - start, threads
+    seconds = time.perf_counter() - start
+    return seconds, threads, proc_counters.window(counters, proc_counters.snapshot(), steps=setup.steps)
 
 
 def bare(setup: OverheadSetup) -> dict[str, Any]:
@@ -90,8 +95,8 @@ def bare(setup: OverheadSetup) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    seconds, threads = _timed(setup, step, device)
-    return measurement(setup, seconds=seconds, precision=setup.precision, threads=threads, niceness=os.nice(0))
+    seconds, threads, proc = _timed(setup, step, device)
+    return measurement(setup, seconds=seconds, precision=setup.precision, threads=threads, niceness=os.nice(0), proc=proc)
 
 
 def bare_deepspeed(setup: OverheadSetup) -> dict[str, Any]:
@@ -126,11 +131,11 @@ def bare_deepspeed(setup: OverheadSetup) -> dict[str, Any]:
             engine.step()
             return loss
 
-        seconds, threads = _timed(setup, step, device)
+        seconds, threads, proc = _timed(setup, step, device)
         precision = "bf16" if engine.bfloat16_enabled() else "fp32"
     finally:
         dist.destroy_process_group()
-    return measurement(setup, seconds=seconds, precision=precision, threads=threads, niceness=os.nice(0))
+    return measurement(setup, seconds=seconds, precision=precision, threads=threads, niceness=os.nice(0), proc=proc)
 
 
 IN_PROCESS_VARIANTS = {"bare": bare, "bare_deepspeed": bare_deepspeed}

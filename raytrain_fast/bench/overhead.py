@@ -59,6 +59,7 @@ from raytrain_fast.bench.bare_loops import IN_PROCESS_VARIANTS, bare, bare_deeps
 from raytrain_fast.bench.overhead_setup import (
     MODEL_SIZES,
     SIZE_DEFAULTS,
+    TYPICAL_RAY_TRAIN_MAX_STEPS,
     VARIANTS,
     OverheadSetup,
     measurement,
@@ -75,6 +76,7 @@ def _typical(setup: OverheadSetup, *, report: bool, wandb_dir: str) -> dict[str,
     from ray.train.torch import prepare_model
     from torch.utils.flop_counter import FlopCounterMode
 
+    from raytrain_fast.bench import proc_counters
     from raytrain_fast.engine import training_device
 
     device = training_device()
@@ -83,11 +85,11 @@ def _typical(setup: OverheadSetup, *, report: bool, wandb_dir: str) -> dict[str,
     model = prepare_model(model)
     run = wandb.init(project="raytrain-fast-bench", mode="offline", dir=wandb_dir, reinit="create_new")
     flops_per_step = 0.0
-    start = threads = None
+    start = threads = counters = None
     last = time.perf_counter()
     for i in range(setup.end_step):
         if i == setup.warmup_steps:  # step warmup_steps is done, its report included
-            threads, start = torch.get_num_threads(), time.perf_counter()
+            threads, counters, start = torch.get_num_threads(), proc_counters.snapshot(), time.perf_counter()
         tokens = batches[i % batches.shape[0]]
         if setup.flops_every and i % setup.flops_every == 0:
             with FlopCounterMode(display=False) as counter:
@@ -117,8 +119,9 @@ def _typical(setup: OverheadSetup, *, report: bool, wandb_dir: str) -> dict[str,
             ray.train.report({"loss": loss_value, "step": i})
     assert start is not None and threads is not None
     seconds = time.perf_counter() - start
+    proc = proc_counters.window(counters, proc_counters.snapshot(), steps=setup.steps)
     run.finish()
-    return measurement(setup, seconds=seconds, precision=setup.precision, threads=threads, niceness=os.nice(0))
+    return measurement(setup, seconds=seconds, precision=setup.precision, threads=threads, niceness=os.nice(0), proc=proc)
 
 
 def _worker_loop(config: dict[str, Any]) -> None:
@@ -151,6 +154,8 @@ def in_ray_worker(variant: str, setup: OverheadSetup, *, num_workers: int = 1) -
         raise ValueError(f"{variant!r} is not a Ray worker variant: one of {', '.join(RAY_WORKER_VARIANTS)}")
     ensure_ray()
     setup = setup.resolved()
+    if variant == "typical_ray_train":  # one step per controller poll: see TYPICAL_RAY_TRAIN_MAX_STEPS
+        setup = dataclasses.replace(setup, steps=min(setup.steps, TYPICAL_RAY_TRAIN_MAX_STEPS))
     use_gpu = torch.cuda.is_available()
     with tempfile.TemporaryDirectory(prefix="raytrain-fast-bench-") as scratch:
         result_file = os.path.join(scratch, "result.json")
@@ -211,7 +216,7 @@ def raytrain_fast_loop(setup: OverheadSetup, *, storage_dir: str, memory: bool =
         setup, seconds=clock["seconds"], precision=precision, threads=clock["threads"], niceness=clock["niceness"],
         **window, checkpoint_every=setup.checkpoint_every,
         checkpoints_in_window=[s for s in checkpoints if setup.warmup_steps < s <= setup.end_step],
-        memory_batches=clock["memory_batches"],
+        memory_batches=clock["memory_batches"], proc=clock.get("proc", {}),
     )
 
 
@@ -304,6 +309,21 @@ def compare(variants: Mapping[str, Callable[[], dict[str, Any]]], *, repeats: in
     return {"repeats": repeats, "order": order, "variants": {name: _summary(values) for name, values in runs.items()}}
 
 
+def proc_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median over a variant's runs of each /proc counter (bench/proc_counters.py), and the
+    largest other processes of its median-speed run; {} where no run has counters."""
+    counted = [run["proc"] for run in runs if run.get("proc")]
+    if not counted:
+        return {}
+    out: dict[str, Any] = {
+        key: statistics.median(proc[key] for proc in counted)
+        for key, value in counted[0].items() if isinstance(value, (int, float))
+    }
+    middle = sorted(runs, key=lambda run: run["tokens_per_sec"])[len(runs) // 2]
+    out["other_processes_largest"] = middle.get("proc", {}).get("other_processes_largest", {})
+    return out
+
+
 def round_ratios(detail: dict[str, Any], *, ours: str) -> dict[str, dict[str, Any]]:
     """Per reference variant: our variant's tokens/s over the reference's in each round (the two ran
     in the same round, minutes apart at most), and their spread (max - min). Two runs of the bench
@@ -348,6 +368,7 @@ def overhead_report(
         "ray_train_poll_interval_s": ray_train_poll_interval_s(),
         "loadavg_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
         "tokens_per_sec": medians,
+        "proc": {name: proc_summary(summary["runs"]) for name, summary in report["variants"].items()},
     }
     if "bare" in medians:
         head["ratio_to_bare"] = {name: value / medians["bare"] for name, value in medians.items()}
@@ -361,6 +382,8 @@ def overhead_report(
                 head[key] = ours / medians[reference]
         runs = report["variants"]["raytrain_fast"]["runs"]
         head["raytrain_fast_window_median_tokens_per_sec"] = statistics.median(r["window_median_tokens_per_sec"] for r in runs)
+        # The bench's figure against what the run printed (its log windows): they should agree within a few percent.
+        head["raytrain_fast_over_window_median"] = ours / head["raytrain_fast_window_median_tokens_per_sec"]
         head["round_ratios"] = round_ratios(report, ours="raytrain_fast")
     report["setup"] = dataclasses.asdict(setup)
     return {**head, "detail": report}

@@ -10,18 +10,27 @@ from typing import Any
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {"d_model": 128, "num_layers": 4, "num_heads": 4},  # the tiny preset
+    "medium": {"d_model": 384, "num_layers": 6, "num_heads": 6},
     "large": {"d_model": 512, "num_layers": 8, "num_heads": 8},
 }
 """Model shapes by name (the rest of the model is the tiny preset's: 320-row vocabulary, learned positions, tied embeddings)."""
 
 SIZE_DEFAULTS: dict[str, dict[str, int]] = {
     # log_every divides warmup_steps and steps: the window holds whole log windows.
-    "tiny": {"warmup_steps": 10, "steps": 30, "log_every": 10, "repeats": 3},
+    "tiny": {"warmup_steps": 50, "steps": 200, "log_every": 50, "repeats": 3},
+    "medium": {"seq_len": 256, "micro_batch": 8, "warmup_steps": 10, "steps": 40, "log_every": 10, "repeats": 3},
     "large": {"warmup_steps": 5, "steps": 30, "log_every": 5, "repeats": 3},
 }
-"""`raytrain-fast bench overhead` defaults per size (a large step is ~20x a tiny one on 2 CPU cores).
-The large window is 30 steps (about 45 s on 2 cores): with 10 its rounds spread as much as the gap
-being measured, and the one 350 MB checkpoint inside it was 7% of the window."""
+"""`raytrain-fast bench overhead` defaults per size, each variant's timed window a steady state of
+20-40 s on 2 CPU cores (issue 29): tiny 200 steps of ~0.12 s after 50 warm-up steps (the first
+log windows of a run are its slowest: allocator, kernel selection, W&B start-up); medium
+(d_model 384, 6 layers, seq 256, micro-batch 8) 40 steps of ~0.6 s after 10; large 30 steps of
+~1.3 s after 5. A 30-step tiny window (4 s, the old default) spread by 0.05-0.13 between rounds."""
+
+TYPICAL_RAY_TRAIN_MAX_STEPS = 30
+"""`typical_ray_train` reports every step and Ray Train takes one report per controller poll (2 s):
+its rate is the poll's, known to 0.1% in 30 steps, so it times at most this many (its run record
+says how many) instead of 200 tiny steps at 2 s each."""
 
 VARIANTS = (
     "bare", "bare_deepspeed", "bare_in_ray_worker", "raytrain_fast_memory", "raytrain_fast", "typical_no_report",

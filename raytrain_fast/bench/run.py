@@ -24,15 +24,16 @@ def add_parser(commands: Any) -> None:
         kinds, "overhead", "tokens/s of the full loop vs a bare PyTorch loop, the loops between them and a typical Ray Train loop",
     )
     overhead.add_argument(
-        "--model", default="tiny", choices=["tiny", "large"],
-        help="model size: tiny (the tiny preset, d_model 128, 4 layers) or large (d_model 512, 8 layers)",
+        "--model", default="tiny", choices=["tiny", "medium", "large"],
+        help="model size: tiny (the tiny preset, d_model 128, 4 layers), medium (d_model 384, 6 layers, seq 256, "
+        "micro-batch 8) or large (d_model 512, 8 layers)",
     )
     overhead.add_argument("--d-model", type=int, default=None, help="override the model width (the size becomes `custom`)")
     overhead.add_argument("--layers", type=int, default=None, help="override the number of layers (the size becomes `custom`)")
     overhead.add_argument("--heads", type=int, default=None, help="override the attention heads (the size becomes `custom`)")
-    overhead.add_argument("--steps", type=int, default=None, help="timed steps per variant and repeat (default: tiny 30, large 30)")
-    overhead.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first (default: tiny 10, large 5)")
-    overhead.add_argument("--log-every", type=int, default=None, help="our loop's log window (default: tiny 10, large 5)")
+    overhead.add_argument("--steps", type=int, default=None, help="timed steps per variant and repeat (default: tiny 200, medium 40, large 30)")
+    overhead.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first (default: tiny 50, medium 10, large 5)")
+    overhead.add_argument("--log-every", type=int, default=None, help="our loop's log window (default: tiny 50, medium 10, large 5)")
     overhead.add_argument("--repeats", type=int, default=None, help="rounds of all variants (default: 3)")
     overhead.add_argument(
         "--checkpoint-every", type=int, default=None,

@@ -1,0 +1,104 @@
+"""What a training process and the rest of the machine did during a timed window, from Linux's
+/proc counters (read at the two ends of the window, nothing sampled in between, so the steps are
+not slowed): the process's threads, its CPU seconds and context switches per step, and the CPU
+that every other process took meanwhile, with the largest of them by name.
+
+On 2 cores with 2 torch threads, every other process that wakes takes a core from one of the
+threads, and the other thread waits for it at the next parallel region: `other_processes_cores`
+and `involuntary_switches_per_step` show what a variant's neighbours cost it. Elsewhere than
+Linux the counters are absent ({}), never invented."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") and "SC_CLK_TCK" in os.sysconf_names else 100
+
+
+@dataclass
+class Snapshot:
+    wall: float
+    threads: int
+    cpu_s: float
+    voluntary: int
+    involuntary: int
+    others: dict[int, tuple[float, str]] = field(default_factory=dict)
+
+
+def _stat_cpu_s(path: str) -> tuple[float, str]:
+    """(user + system seconds, command name) of /proc/<pid>/stat or a task's stat."""
+    with open(path) as stream:
+        raw = stream.read()
+    name = raw[raw.index("(") + 1 : raw.rindex(")")]
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK, name
+
+
+def _switches(pid: int) -> tuple[int, int, int]:
+    """(threads, voluntary, involuntary context switches summed over the threads alive now)."""
+    threads = voluntary = involuntary = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as stream:
+                for line in stream:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        voluntary += int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches:"):
+                        involuntary += int(line.split()[1])
+            threads += 1
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            continue
+    return threads, voluntary, involuntary
+
+
+def _others(pid: int) -> dict[int, tuple[float, str]]:
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != pid:
+            try:
+                out[int(entry)] = _stat_cpu_s(f"/proc/{entry}/stat")
+            except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+                continue
+    return out
+
+
+def snapshot() -> Snapshot | None:
+    """This process's counters and every other process's CPU seconds now; None without /proc."""
+    if not os.path.isdir("/proc/self/task"):
+        return None
+    pid = os.getpid()
+    try:
+        cpu_s, _ = _stat_cpu_s(f"/proc/{pid}/stat")
+        threads, voluntary, involuntary = _switches(pid)
+        others = _others(pid)
+    except OSError:
+        return None
+    return Snapshot(time.perf_counter(), threads, cpu_s, voluntary, involuntary, others)
+
+
+def window(start: Snapshot | None, end: Snapshot | None, *, steps: int, top: int = 5) -> dict[str, Any]:
+    """The counters between two snapshots of the same process, per step of the window."""
+    if start is None or end is None or steps <= 0:
+        return {}
+    wall = end.wall - start.wall
+    by_name: dict[str, float] = {}
+    for pid, (cpu_s, name) in end.others.items():
+        before = start.others.get(pid, (0.0, name))[0]  # a process born in the window counts from 0
+        by_name[name] = by_name.get(name, 0.0) + max(0.0, cpu_s - before)
+    others_cpu = sum(by_name.values())
+    largest = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "threads": end.threads,
+        "cpu_s_per_step": (end.cpu_s - start.cpu_s) / steps,
+        "process_cores": (end.cpu_s - start.cpu_s) / wall if wall > 0 else 0.0,
+        "voluntary_switches_per_step": (end.voluntary - start.voluntary) / steps,
+        "involuntary_switches_per_step": (end.involuntary - start.involuntary) / steps,
+        "other_processes_cores": others_cpu / wall if wall > 0 else 0.0,
+        "other_processes_largest": {name: round(cpu / wall, 4) for name, cpu in largest if wall > 0},
+    }
+
+
+__all__ = ["Snapshot", "snapshot", "window"]
