@@ -205,7 +205,7 @@ CASES = [
     # ---- command line
     Case("unknown-command", ["pretrian"], 2, ["invalid choice: 'pretrian'"]),
     Case("bench-overhead-window", ["bench", "overhead", "--steps", "3"], 2,
-         [r"--steps \(3\) and --warmup-steps \(10\) must be multiples of --log-every \(10\)", "e.g. --steps 10 --warmup-steps 10"]),
+         [r"--steps \(3\) and --warmup-steps \(50\) must be multiples of --log-every \(50\)", "e.g. --steps 50 --warmup-steps 50"]),
     Case("bench-unknown-variant", ["bench", "overhead", "--variants", "bare,nope"], 2, ["--variants: unknown 'nope'; valid: bare, "]),
     Case("bench-health-rounds", ["bench", "health", "--rounds", "1"], 2, [r"bench health needs .*--rounds >= 2", "got --steps"]),
     Case("missing-required-flag", ["runs"], 2, ["the following arguments are required: --storage"]),
