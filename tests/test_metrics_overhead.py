@@ -163,6 +163,13 @@ def test_every_variant_is_timed_the_same_way(ray_session, corpus_dir, tmp_path):
         assert proc["voluntary_switches_per_step"] >= 0 and proc["involuntary_switches_per_step"] >= 0, name
         assert proc["other_processes_cores"] >= 0 and len(proc["other_processes_largest"]) <= 5, name
         assert report["proc"][name]["threads"] == proc["threads"], name
+    for name, run in runs.items():  # per thread, by name: together no more than the process
+        by_thread = run["proc"]["by_thread"]
+        assert sum(row["count"] for row in by_thread.values()) == run["proc"]["threads"], name
+        assert sum(row["cores"] for row in by_thread.values()) <= run["proc"]["process_cores"] * 1.05 + 0.02, name
+    # Our loop's own threads are named: the full loop's data producer runs; the memory variant closed it.
+    assert {"batches-rank0", "raytrain-fast-metric-sinks"} <= set(runs["raytrain_fast"]["proc"]["by_thread"])
+    assert "batches-rank0" not in runs["raytrain_fast_memory"]["proc"]["by_thread"]
     assert runs["bare"]["proc"]["threads"] < runs["bare_in_ray_worker"]["proc"]["threads"]
     assert runs["bare"]["proc"]["threads"] < runs["raytrain_fast"]["proc"]["threads"]
     # A report every step costs one controller poll per step: the typical loop cannot beat it.

@@ -311,7 +311,8 @@ def compare(variants: Mapping[str, Callable[[], dict[str, Any]]], *, repeats: in
 
 def proc_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The median over a variant's runs of each /proc counter (bench/proc_counters.py), and the
-    largest other processes of its median-speed run; {} where no run has counters."""
+    largest other processes and the per-thread counters of its median-speed run; {} where no run
+    has counters."""
     counted = [run["proc"] for run in runs if run.get("proc")]
     if not counted:
         return {}
@@ -320,7 +321,8 @@ def proc_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for key, value in counted[0].items() if isinstance(value, (int, float))
     }
     middle = sorted(runs, key=lambda run: run["tokens_per_sec"])[len(runs) // 2]
-    out["other_processes_largest"] = middle.get("proc", {}).get("other_processes_largest", {})
+    for key in ("other_processes_largest", "by_thread"):
+        out[key] = middle.get("proc", {}).get(key, {})
     return out
 
 

@@ -26,6 +26,9 @@ class Snapshot:
     voluntary: int
     involuntary: int
     others: dict[int, tuple[float, str]] = field(default_factory=dict)
+    per_thread: dict[int, tuple[str, float, int, int]] = field(default_factory=dict)
+    """tid -> (name, CPU s, voluntary, involuntary switches): the Python thread's name where the thread
+    is Python's, else the kernel's (torch's OpenMP threads carry the process's name)."""
 
 
 def _stat_cpu_s(path: str) -> tuple[float, str]:
@@ -37,21 +40,31 @@ def _stat_cpu_s(path: str) -> tuple[float, str]:
     return (int(fields[11]) + int(fields[12])) / _TICK, name
 
 
-def _switches(pid: int) -> tuple[int, int, int]:
-    """(threads, voluntary, involuntary context switches summed over the threads alive now)."""
-    threads = voluntary = involuntary = 0
+def _thread_names() -> dict[int, str]:
+    import threading
+
+    return {thread.native_id: thread.name for thread in threading.enumerate() if thread.native_id is not None}
+
+
+def _per_thread(pid: int) -> dict[int, tuple[str, float, int, int]]:
+    """Every thread alive now: (name, CPU s, voluntary, involuntary context switches)."""
+    names = _thread_names()
+    out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
+            cpu_s, kernel_name = _stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
+            voluntary = involuntary = 0
             with open(f"/proc/{pid}/task/{tid}/status") as stream:
                 for line in stream:
                     if line.startswith("voluntary_ctxt_switches:"):
-                        voluntary += int(line.split()[1])
+                        voluntary = int(line.split()[1])
                     elif line.startswith("nonvoluntary_ctxt_switches:"):
-                        involuntary += int(line.split()[1])
-            threads += 1
-        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+                        involuntary = int(line.split()[1])
+        except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):  # a thread that ended meanwhile
             continue
-    return threads, voluntary, involuntary
+        name = names.get(int(tid)) or f"{kernel_name} (native)"
+        out[int(tid)] = (name, cpu_s, voluntary, involuntary)
+    return out
 
 
 def _others(pid: int) -> dict[int, tuple[float, str]]:
@@ -72,11 +85,13 @@ def snapshot() -> Snapshot | None:
     pid = os.getpid()
     try:
         cpu_s, _ = _stat_cpu_s(f"/proc/{pid}/stat")
-        threads, voluntary, involuntary = _switches(pid)
+        per_thread = _per_thread(pid)
         others = _others(pid)
     except OSError:
         return None
-    return Snapshot(time.perf_counter(), threads, cpu_s, voluntary, involuntary, others)
+    voluntary = sum(t[2] for t in per_thread.values())
+    involuntary = sum(t[3] for t in per_thread.values())
+    return Snapshot(time.perf_counter(), len(per_thread), cpu_s, voluntary, involuntary, others, per_thread)
 
 
 def window(start: Snapshot | None, end: Snapshot | None, *, steps: int, top: int = 5) -> dict[str, Any]:
@@ -90,6 +105,14 @@ def window(start: Snapshot | None, end: Snapshot | None, *, steps: int, top: int
         by_name[name] = by_name.get(name, 0.0) + max(0.0, cpu_s - before)
     others_cpu = sum(by_name.values())
     largest = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    threads: dict[str, list[float]] = {}
+    for tid, (name, cpu_s, voluntary, involuntary) in end.per_thread.items():
+        _, cpu_before, voluntary_before, involuntary_before = start.per_thread.get(tid, (name, 0.0, 0, 0))
+        row = threads.setdefault(name, [0, 0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += cpu_s - cpu_before
+        row[2] += voluntary - voluntary_before
+        row[3] += involuntary - involuntary_before
     return {
         "threads": end.threads,
         "cpu_s_per_step": (end.cpu_s - start.cpu_s) / steps,
@@ -98,6 +121,12 @@ def window(start: Snapshot | None, end: Snapshot | None, *, steps: int, top: int
         "involuntary_switches_per_step": (end.involuntary - start.involuntary) / steps,
         "other_processes_cores": others_cpu / wall if wall > 0 else 0.0,
         "other_processes_largest": {name: round(cpu / wall, 4) for name, cpu in largest if wall > 0},
+        "by_thread": {  # this process's threads by name, the busiest first
+            name: {"count": int(count), "cores": round(cpu / wall, 4) if wall > 0 else 0.0,
+                   "voluntary_switches_per_step": round(voluntary / steps, 2),
+                   "involuntary_switches_per_step": round(involuntary / steps, 2)}
+            for name, (count, cpu, voluntary, involuntary) in sorted(threads.items(), key=lambda kv: -kv[1][1])
+        },
     }
 
 
