@@ -47,12 +47,17 @@ def _thread_names() -> dict[int, str]:
 
 
 def _per_thread(pid: int) -> dict[int, tuple[str, float, int, int]]:
-    """Every thread alive now: (name, CPU s, voluntary, involuntary context switches)."""
+    """Every thread alive now: (name, CPU s, voluntary, involuntary context switches). CPU from the
+    thread's schedstat (nanoseconds) where the kernel has it: a window of a fraction of a second
+    would otherwise be a few clock ticks."""
     names = _thread_names()
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             cpu_s, kernel_name = _stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
+            if os.path.exists(f"/proc/{pid}/task/{tid}/schedstat"):  # nanoseconds on the CPU, not 10 ms ticks
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as stream:
+                    cpu_s = int(stream.read().split()[0]) / 1e9
             voluntary = involuntary = 0
             with open(f"/proc/{pid}/task/{tid}/status") as stream:
                 for line in stream:
@@ -84,13 +89,13 @@ def snapshot() -> Snapshot | None:
         return None
     pid = os.getpid()
     try:
-        cpu_s, _ = _stat_cpu_s(f"/proc/{pid}/stat")
         per_thread = _per_thread(pid)
         others = _others(pid)
     except OSError:
         return None
     voluntary = sum(t[2] for t in per_thread.values())
     involuntary = sum(t[3] for t in per_thread.values())
+    cpu_s = sum(t[1] for t in per_thread.values())  # the threads alive now, as `by_thread` counts them
     return Snapshot(time.perf_counter(), len(per_thread), cpu_s, voluntary, involuntary, others, per_thread)
 
 
@@ -113,12 +118,15 @@ def window(start: Snapshot | None, end: Snapshot | None, *, steps: int, top: int
         row[1] += cpu_s - cpu_before
         row[2] += voluntary - voluntary_before
         row[3] += involuntary - involuntary_before
+    # The process's figures are its threads' (those alive at the end; one that ended inside the
+    # window is missing from both), so `by_thread` adds up to them.
+    cpu, voluntary_all, involuntary_all = (sum(row[i] for row in threads.values()) for i in (1, 2, 3))
     return {
         "threads": end.threads,
-        "cpu_s_per_step": (end.cpu_s - start.cpu_s) / steps,
-        "process_cores": (end.cpu_s - start.cpu_s) / wall if wall > 0 else 0.0,
-        "voluntary_switches_per_step": (end.voluntary - start.voluntary) / steps,
-        "involuntary_switches_per_step": (end.involuntary - start.involuntary) / steps,
+        "cpu_s_per_step": cpu / steps,
+        "process_cores": cpu / wall if wall > 0 else 0.0,
+        "voluntary_switches_per_step": voluntary_all / steps,
+        "involuntary_switches_per_step": involuntary_all / steps,
         "other_processes_cores": others_cpu / wall if wall > 0 else 0.0,
         "other_processes_largest": {name: round(cpu / wall, 4) for name, cpu in largest if wall > 0},
         "by_thread": {  # this process's threads by name, the busiest first
