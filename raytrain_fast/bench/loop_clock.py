@@ -89,14 +89,14 @@ def _clocked(source: Iterator[Any], current_step: Callable[[], int], clock: Cloc
 
     seen = -1
     start: tuple[float, float, int] | None = None
-    counters = None
+    # /proc is read one step early: it takes milliseconds, which must fall outside the run's timed
+    # log windows as well as the clock; the counters then span one step more.
+    counted_from, counters = max(0, clock.start_step - 1), None
     while True:
         done = current_step()
         if done != seen:  # the first micro-batch of step done + 1: step `done` is over
             seen = done
-            if done == max(0, clock.start_step - 1):
-                # One step early: reading /proc takes milliseconds, which must fall outside the run's
-                # timed log windows as well as the clock; the counters then span one step more.
+            if done == counted_from:
                 counters = proc_counters.snapshot()
             if done == clock.start_step:
                 start = (time.perf_counter(), time.time(), torch.get_num_threads())
@@ -106,7 +106,7 @@ def _clocked(source: Iterator[Any], current_step: Callable[[], int], clock: Cloc
                     "start_step": clock.start_step, "end_step": clock.end_step, "seconds": end[0] - start[0],
                     "start_time": start[1], "end_time": end[1], "threads": start[2], "niceness": os.nice(0),
                     "memory_batches": clock.memory_batches is not None,
-                    "proc": proc_counters.window(counters, proc_counters.snapshot(), steps=clock.end_step - max(0, clock.start_step - 1)),
+                    "proc": proc_counters.window(counters, proc_counters.snapshot(), steps=clock.end_step - counted_from),
                 })
         try:
             item = next(source)

@@ -21,14 +21,11 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") and "SC_CLK_TCK" in o
 @dataclass
 class Snapshot:
     wall: float
-    threads: int
-    cpu_s: float
-    voluntary: int
-    involuntary: int
-    others: dict[int, tuple[float, str]] = field(default_factory=dict)
     per_thread: dict[int, tuple[str, float, int, int]] = field(default_factory=dict)
     """tid -> (name, CPU s, voluntary, involuntary switches): the Python thread's name where the thread
-    is Python's, else the kernel's (torch's OpenMP threads carry the process's name)."""
+    is Python's, else the kernel's (torch's OpenMP threads carry the process's name). The process's
+    figures are summed from these in `window`."""
+    others: dict[int, tuple[float, str]] = field(default_factory=dict)
 
 
 def _stat_cpu_s(path: str) -> tuple[float, str]:
@@ -93,10 +90,7 @@ def snapshot() -> Snapshot | None:
         others = _others(pid)
     except OSError:
         return None
-    voluntary = sum(t[2] for t in per_thread.values())
-    involuntary = sum(t[3] for t in per_thread.values())
-    cpu_s = sum(t[1] for t in per_thread.values())  # the threads alive now, as `by_thread` counts them
-    return Snapshot(time.perf_counter(), len(per_thread), cpu_s, voluntary, involuntary, others, per_thread)
+    return Snapshot(time.perf_counter(), per_thread, others)
 
 
 def window(start: Snapshot | None, end: Snapshot | None, *, steps: int, top: int = 5) -> dict[str, Any]:
@@ -122,7 +116,7 @@ def window(start: Snapshot | None, end: Snapshot | None, *, steps: int, top: int
     # window is missing from both), so `by_thread` adds up to them.
     cpu, voluntary_all, involuntary_all = (sum(row[i] for row in threads.values()) for i in (1, 2, 3))
     return {
-        "threads": end.threads,
+        "threads": len(end.per_thread),
         "cpu_s_per_step": cpu / steps,
         "process_cores": cpu / wall if wall > 0 else 0.0,
         "voluntary_switches_per_step": voluntary_all / steps,
