@@ -167,6 +167,26 @@ def test_resume_continues_exactly_where_it_stopped(prepared, ray_session):
             assert reference[: k * MICRO_BATCH] + rest == reference, f"rank {rank}, resumed after {k} batches"
 
 
+def test_the_loop_takes_micro_batches_from_its_own_buffer_between_hand_overs(prepared, ray_session):
+    """Ray Data delivers HANDOVER_BATCHES micro-batches at a time and the producer thread hands them
+    over as one group: after the first next(), the rest of the group waits in the iterator's own
+    buffer, so the next steps touch no queue and wake no thread (issue 29). The order and positions
+    across group and chunk boundaries are the tests above."""
+    from raytrain_fast.data.ingest import HANDOVER_BATCHES
+
+    with BatchIterator(prepared, rank=0, world_size=1, micro_batch=MICRO_BATCH, seed=3) as it:
+        assert it._batches_per_chunk >= HANDOVER_BATCHES  # a whole group fits in the chunk
+        tokens, _ = next(it)
+        assert len(it._ready) == HANDOVER_BATCHES - 1
+        for left in range(HANDOVER_BATCHES - 2, -1, -1):
+            next_tokens, _ = next(it)
+            assert len(it._ready) == left
+            assert next_tokens.data_ptr() == tokens.data_ptr() + tokens.numel() * tokens.element_size()  # views of one batch
+            tokens = next_tokens
+        next(it)
+        assert len(it._ready) == HANDOVER_BATCHES - 1  # the next group
+
+
 def test_too_little_data_for_one_batch(prepared):
     with pytest.raises(DataError, match="fewer than one micro-batch"):
         BatchIterator(prepared, rank=0, world_size=4, micro_batch=32)

@@ -18,13 +18,15 @@ Reading goes through Ray Data: one small read task per (chunk, window) piece (nu
 time, on this node) reads the window's shards whole (sequential Parquet reads, never single rows),
 keeps this rank's rows and puts them in stream order in memory; `iter_torch_batches(prefetch_batches=...)`
 collates the next batches while the step runs. A producer thread starts the pipeline as soon as the
-iterator is built and hands batches over through a small queue, so the step loop only ever blocks on
-`queue.get()` (the loop times that wait itself: TrainMetrics' data wait). Each rank decodes every
+iterator is built and hands batches over through a small queue, `HANDOVER_BATCHES` micro-batches at a
+time (views of one collated tensor), so the step loop only ever blocks on `queue.get()`, once per group
+(the loop times that wait itself: TrainMetrics' data wait). Each rank decodes every
 shard of the windows it reads (W times the bytes over all ranks): the price of a world-size-free order.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import pickle
@@ -49,6 +51,11 @@ from raytrain_fast.storage import StorageConfig, resolve_filesystem
 logger = logging.getLogger("raytrain_fast")
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries its id under this label
 _WINDOWS_PER_DATASET = 2  # a Ray Dataset covers about this many windows' worth of micro-batches
+HANDOVER_BATCHES = 8
+"""Micro-batches per Ray Data batch and per hand-over to the step loop. Each batch Ray Data delivers
+wakes its prefetch, format and producer threads, and each wake takes a core from a torch thread (on
+2 cores, a step's parallel regions then wait for it): in groups, those wakes come once per 8 steps,
+and the loop takes 7 of 8 micro-batches from its own buffer without any thread (issue 29)."""
 STREAM = "sequence-shuffle-v1"
 """The stream a position belongs to; positions without it come from the older per-rank shard stream."""
 
@@ -284,7 +291,8 @@ class BatchIterator(Iterator):
         self._start_pipeline()
 
     def _start_pipeline(self) -> None:
-        self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch_batches)
+        self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch_batches)  # of groups of micro-batches
+        self._ready: collections.deque[_Item] = collections.deque()  # the group being taken
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name=f"batches-rank{self.rank}", daemon=True)
         self._thread.start()  # the pipeline warms up while the caller builds its model
@@ -302,10 +310,13 @@ class BatchIterator(Iterator):
         return self._position.epoch + self._position.consumed / self.sequences_per_epoch
 
     def __next__(self) -> tuple[Any, Any]:
-        item = self._queue.get()
-        if isinstance(item, _Failure):
-            self._queue.put(item)  # every later next() raises too
-            raise item.error
+        if not self._ready:
+            group = self._queue.get()
+            if isinstance(group, _Failure):
+                self._queue.put(group)  # every later next() raises too
+                raise group.error
+            self._ready.extend(group)
+        item = self._ready.popleft()
         self._position = item.position
         tokens = item.tokens
         if self.device.type != "cpu":
@@ -315,6 +326,7 @@ class BatchIterator(Iterator):
     def close(self) -> None:
         """Stop the producer thread and the Ray Data pipeline behind it."""
         self._stop.set()
+        self._ready.clear()
         while self._thread.is_alive():
             try:
                 while True:
@@ -379,32 +391,38 @@ class BatchIterator(Iterator):
             self._put(_Failure(error))
 
     def _produce_chunk(self, chunk: _Chunk) -> bool:
+        """The chunk's micro-batches, checked against the plan, handed over in groups of `HANDOVER_BATCHES`."""
+        group = min(HANDOVER_BATCHES, chunk.batches)
         batches = self._dataset(chunk.pieces).iter_torch_batches(
-            batch_size=self.micro_batch,
-            prefetch_batches=self.prefetch_batches,
+            batch_size=self.micro_batch * group,
+            prefetch_batches=1,  # one group ahead inside Ray Data, `prefetch_batches` groups in the queue
             collate_fn=_collate_class(),
             device="cpu",  # moved in next(): seq_ids stay on the host for bookkeeping
             pin_memory=self.device.type == "cuda",
-            drop_last=False,  # a chunk is a whole number of micro-batches
+            drop_last=False,  # a chunk is a whole number of micro-batches; its last group may be shorter
         )
         produced = 0
         for batch in batches:
-            if produced == chunk.batches:
-                raise DataError("internal: the data pipeline returned more batches than planned")
-            seq_ids = batch["seq_ids"]
-            expected = chunk.seq_ids[produced * self.micro_batch : (produced + 1) * self.micro_batch]
-            if not np.array_equal(seq_ids.numpy(), expected):
-                raise DataError(
-                    f"internal: the data pipeline returned sequences out of order (rank {self.rank}, batch "
-                    f"{chunk.first_batch + produced} after {self._start}); exact resume would break"
-                )
-            produced += 1
-            after = self._position_after(chunk.first_batch + produced)
-            if not self._put(_Item(tokens=batch["tokens"], seq_ids=seq_ids, position=after)):
+            items = []
+            for tokens, seq_ids in zip(batch["tokens"].split(self.micro_batch), batch["seq_ids"].split(self.micro_batch)):
+                if produced == chunk.batches:
+                    raise DataError("internal: the data pipeline returned more batches than planned")
+                self._check_order(chunk, produced, seq_ids)
+                produced += 1
+                items.append(_Item(tokens=tokens, seq_ids=seq_ids, position=self._position_after(chunk.first_batch + produced)))
+            if not self._put(items):
                 return False
         if produced != chunk.batches:
             raise DataError(f"internal: the data pipeline returned {produced} batches, {chunk.batches} were planned")
         return True
+
+    def _check_order(self, chunk: _Chunk, index: int, seq_ids: Any) -> None:
+        expected = chunk.seq_ids[index * self.micro_batch : (index + 1) * self.micro_batch]
+        if not np.array_equal(seq_ids.numpy(), expected):
+            raise DataError(
+                f"internal: the data pipeline returned sequences out of order (rank {self.rank}, batch "
+                f"{chunk.first_batch + index} after {self._start}); exact resume would break"
+            )
 
     def _read_function(self) -> Any:
         return _ReadPieces(self._filesystem)
