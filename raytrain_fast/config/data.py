@@ -50,7 +50,7 @@ class DataConfig:
     max_tokens: int = 0
     """Use at most this many tokens of the prepared data (0 = all of it). Handy for quick runs."""
     prefetch_batches: int = 2
-    """Batches Ray Data prepares ahead of the step loop."""
+    """Groups of 8 micro-batches ready ahead of the step loop (each group is one Ray Data batch, handed over at once)."""
     shuffle_seed: int = 0
     """Seed of the per-epoch shard order (and so of which sequences each worker sees)."""
     document_masking: bool = False
