@@ -114,11 +114,11 @@ def window(start: Snapshot | None, end: Snapshot | None, *, steps: int, top: int
         row[3] += involuntary - involuntary_before
     # The process's figures are its threads' (those alive at the end; one that ended inside the
     # window is missing from both), so `by_thread` adds up to them.
-    cpu, voluntary_all, involuntary_all = (sum(row[i] for row in threads.values()) for i in (1, 2, 3))
+    process_cpu_s, voluntary_all, involuntary_all = (sum(row[i] for row in threads.values()) for i in (1, 2, 3))
     return {
         "threads": len(end.per_thread),
-        "cpu_s_per_step": cpu / steps,
-        "process_cores": cpu / wall if wall > 0 else 0.0,
+        "cpu_s_per_step": process_cpu_s / steps,
+        "process_cores": process_cpu_s / wall if wall > 0 else 0.0,
         "voluntary_switches_per_step": voluntary_all / steps,
         "involuntary_switches_per_step": involuntary_all / steps,
         "other_processes_cores": others_cpu / wall if wall > 0 else 0.0,
