@@ -54,7 +54,7 @@ _WINDOWS_PER_DATASET = 2  # a Ray Dataset covers about this many windows' worth 
 HANDOVER_BATCHES = 8
 """Micro-batches per Ray Data batch and per hand-over to the step loop. Each batch Ray Data delivers
 wakes its prefetch, format and producer threads, and each wake takes a core from a torch thread (on
-2 cores, a step's parallel regions then wait for it): in groups, those wakes come once per 8 steps,
+2 cores, a step's parallel regions then wait for it): in groups, those wakes come once per 8 micro-batches,
 and the loop takes 7 of 8 micro-batches from its own buffer without any thread (issue 29)."""
 STREAM = "sequence-shuffle-v1"
 """The stream a position belongs to; positions without it come from the older per-rank shard stream."""
