@@ -15,7 +15,9 @@ from raytrain_fast.bench.overhead import (
     VARIANTS,
     OverheadSetup,
     compare,
+    drift_warning,
     in_ray_worker,
+    machine_drift,
     overhead_report,
     ray_train_poll_interval_s,
     raytrain_fast_loop,
@@ -60,6 +62,31 @@ def test_compare_interleaves_rotates_and_summarises():
     assert a["tokens_per_sec"] == [100.0, 120.0, 110.0]
     assert a["median"] == 110.0 and a["min"] == 100.0 and a["max"] == 120.0
     assert a["spread"] == pytest.approx(20.0 / 110.0)
+
+
+def test_machine_drift_is_the_spread_of_a_fixed_work_variants_cpu_seconds_per_step():
+    def variant(cpu_s_per_step: list[float]):
+        queue = list(cpu_s_per_step)
+
+        def run() -> dict:
+            cpu = queue.pop(0)
+            return {"tokens_per_sec": 1.0 / cpu, "proc": {"cpu_s_per_step": cpu}}
+
+        return run
+
+    quiet = compare({"bare": variant([0.200, 0.201, 0.199]), "raytrain_fast": variant([0.3, 0.2, 0.25])}, repeats=3)
+    drift = machine_drift(quiet)
+    assert drift["reference"] == "bare" and drift["cpu_s_per_step_per_round"] == [0.200, 0.201, 0.199]
+    assert drift["spread"] == pytest.approx(0.002 / 0.200) and drift["resolves_0_03"]
+    assert drift_warning(drift) is None
+    # A VM whose host got busy: the same steps took 15% more CPU seconds in one round.
+    busy = compare({"bare_in_ray_worker": variant([0.20, 0.23, 0.20]), "raytrain_fast": variant([0.2, 0.2, 0.2])}, repeats=3)
+    drift = machine_drift(busy)
+    assert drift["reference"] == "bare_in_ray_worker" and drift["spread"] == pytest.approx(0.15)
+    assert not drift["resolves_0_03"] and "moved by 15% between rounds" in drift_warning(drift)
+    # Our own loop does not measure the machine (its work is what is compared), and one round cannot.
+    assert machine_drift(compare({"raytrain_fast": variant([0.2, 0.3])}, repeats=2)) is None
+    assert machine_drift(compare({"bare": variant([0.2])}, repeats=1)) is None
 
 
 class FakeTime:
@@ -141,6 +168,7 @@ def test_every_variant_is_timed_the_same_way(ray_session, corpus_dir, tmp_path):
     assert set(report["round_ratios"]) == set(VARIANTS) - {"raytrain_fast"}
     assert report["round_ratios"]["bare"]["per_round"] == [pytest.approx(ratios["raytrain_fast"])]
     assert all(r["spread"] == 0.0 for r in report["round_ratios"].values())
+    assert report["machine_drift"] is None  # one round: nothing to compare the machine's speed with
     for key, baseline in (("ratio_vs_bare_in_ray_worker", "bare_in_ray_worker"), ("ratio_vs_typical_no_report", "typical_no_report")):
         assert (report[key] > 1) == (ours["tokens_per_sec"] > runs[baseline]["tokens_per_sec"]), key
     # Our loop: the checkpoint cadence puts one save inside the timed window; the memory variant

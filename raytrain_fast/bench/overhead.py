@@ -39,7 +39,8 @@ summed wall time of the windows in the timed span) next to it.
 The setup and sizes are in overhead_setup.py, the two loops outside Ray (`bare`, `bare_deepspeed`)
 in bare_loops.py, the rest here. `compare` runs the variants interleaved (round-robin, the order
 rotated every round so none always runs first or last); `overhead_report` adds medians, the ratio of
-each to `bare` and the headline ratios of `raytrain_fast`.
+each to `bare`, the headline ratios of `raytrain_fast` and `machine_drift` (how much the machine's
+own speed moved between rounds, read from a variant that does the same work every round).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -342,6 +344,41 @@ def round_ratios(detail: dict[str, Any], *, ours: str) -> dict[str, dict[str, An
     return out
 
 
+DRIFT_REFERENCES = ("bare", "bare_deepspeed", "bare_in_ray_worker")
+"""Variants whose work is identical in every round (in-memory batches, no checkpoint), the first
+one present measuring the machine's drift."""
+DRIFT_WARNING = 0.03
+"""The bench's reproducibility bar (two runs agree within 0.03): a machine that drifts more than
+this between rounds cannot show it."""
+
+
+def machine_drift(detail: dict[str, Any]) -> dict[str, Any] | None:
+    """How much this machine's own speed moved between the rounds: the CPU seconds per step of a
+    reference variant that does the same work in every round (`DRIFT_REFERENCES`), per round, and
+    their spread, (max - min) / median. On a quiet machine it is a few percent; on a VM whose host
+    is busy the same steps take more CPU seconds, and every variant's tokens/s moves with it, so
+    ratios closer than this spread are not resolved (docs/benchmarks.md, session 16). None with
+    fewer than two rounds or no reference variant."""
+    for name in DRIFT_REFERENCES:
+        runs = detail["variants"].get(name, {}).get("runs", [])
+        per_round = [run["proc"]["cpu_s_per_step"] for run in runs if run.get("proc", {}).get("cpu_s_per_step")]
+        if len(per_round) >= 2:
+            spread = (max(per_round) - min(per_round)) / statistics.median(per_round)
+            return {"reference": name, "cpu_s_per_step_per_round": per_round, "spread": spread, "resolves_0_03": spread <= DRIFT_WARNING}
+    return None
+
+
+def drift_warning(drift: dict[str, Any] | None) -> str | None:
+    """One line for the console when the machine drifted more than the bench can resolve."""
+    if drift is None or drift["resolves_0_03"]:
+        return None
+    return (
+        f"This machine's own speed moved by {drift['spread']:.0%} between rounds ({drift['reference']}'s CPU seconds per step, "
+        f"the same work every round): ratios closer than that are not resolved here. Run on a quiet machine "
+        f"(nothing else running, no busy VM host), or with more --repeats and compare the medians of round_ratios."
+    )
+
+
 def overhead_report(
     *, setup: OverheadSetup | None = None, variants: Sequence[str] = VARIANTS, repeats: int = 3,
     storage_dir: str | None = None,
@@ -387,11 +424,15 @@ def overhead_report(
         # The bench's figure against what the run printed (its log windows): they should agree within a few percent.
         head["raytrain_fast_over_window_median"] = ours / head["raytrain_fast_window_median_tokens_per_sec"]
         head["round_ratios"] = round_ratios(report, ours="raytrain_fast")
+    head["machine_drift"] = machine_drift(report)
+    warning = drift_warning(head["machine_drift"])
+    if warning:
+        print(warning, file=sys.stderr)
     report["setup"] = dataclasses.asdict(setup)
     return {**head, "detail": report}
 
 
 __all__ = [  # the setup and the loops outside Ray are handed on from their modules
     "MODEL_SIZES", "SIZE_DEFAULTS", "OverheadSetup", "VARIANTS", "bare", "bare_deepspeed", "compare", "in_fresh_process",
-    "in_ray_worker", "overhead_report", "raytrain_fast_loop", "ray_train_poll_interval_s", "run_config",
+    "in_ray_worker", "machine_drift", "overhead_report", "raytrain_fast_loop", "ray_train_poll_interval_s", "run_config",
 ]
