@@ -50,7 +50,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -279,12 +278,17 @@ def variant_runners(setup: OverheadSetup, names: Sequence[str], *, storage_dir: 
     return runners
 
 
+def _relative_spread(values: Sequence[float]) -> float:
+    """(max - min) / median; 0 where the median is 0."""
+    median = statistics.median(values)
+    return (max(values) - min(values)) / median if median else 0.0
+
+
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     values = [run["tokens_per_sec"] for run in runs]
-    median = statistics.median(values)
     return {
-        "tokens_per_sec": values, "median": median, "min": min(values), "max": max(values),
-        "spread": (max(values) - min(values)) / median if median else 0.0, "runs": runs,
+        "tokens_per_sec": values, "median": statistics.median(values), "min": min(values), "max": max(values),
+        "spread": _relative_spread(values), "runs": runs,
     }
 
 
@@ -363,13 +367,13 @@ def machine_drift(detail: dict[str, Any]) -> dict[str, Any] | None:
         runs = detail["variants"].get(name, {}).get("runs", [])
         per_round = [run["proc"]["cpu_s_per_step"] for run in runs if run.get("proc", {}).get("cpu_s_per_step")]
         if len(per_round) >= 2:
-            spread = (max(per_round) - min(per_round)) / statistics.median(per_round)
+            spread = _relative_spread(per_round)
             return {"reference": name, "cpu_s_per_step_per_round": per_round, "spread": spread, "resolves_0_03": spread <= DRIFT_WARNING}
     return None
 
 
 def drift_warning(drift: dict[str, Any] | None) -> str | None:
-    """One line for the console when the machine drifted more than the bench can resolve."""
+    """One line for the console (`bench overhead` prints it on stderr) when the machine drifted more than the bench can resolve."""
     if drift is None or drift["resolves_0_03"]:
         return None
     return (
@@ -425,14 +429,11 @@ def overhead_report(
         head["raytrain_fast_over_window_median"] = ours / head["raytrain_fast_window_median_tokens_per_sec"]
         head["round_ratios"] = round_ratios(report, ours="raytrain_fast")
     head["machine_drift"] = machine_drift(report)
-    warning = drift_warning(head["machine_drift"])
-    if warning:
-        print(warning, file=sys.stderr)
     report["setup"] = dataclasses.asdict(setup)
     return {**head, "detail": report}
 
 
 __all__ = [  # the setup and the loops outside Ray are handed on from their modules
     "MODEL_SIZES", "SIZE_DEFAULTS", "OverheadSetup", "VARIANTS", "bare", "bare_deepspeed", "compare", "in_fresh_process",
-    "in_ray_worker", "machine_drift", "overhead_report", "raytrain_fast_loop", "ray_train_poll_interval_s", "run_config",
+    "drift_warning", "in_ray_worker", "machine_drift", "overhead_report", "raytrain_fast_loop", "ray_train_poll_interval_s", "run_config",
 ]

@@ -123,7 +123,7 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
     import contextlib
     import sys
 
-    from raytrain_fast.bench.overhead import ensure_ray, overhead_report
+    from raytrain_fast.bench.overhead import drift_warning, ensure_ray, overhead_report
     from raytrain_fast.bench.overhead_setup import SIZE_DEFAULTS, VARIANTS, OverheadSetup
 
     defaults = SIZE_DEFAULTS[args.model]
@@ -147,9 +147,13 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
         # The runs print their progress: to stderr, so that with --json stdout holds only the JSON.
         with contextlib.redirect_stdout(sys.stderr):
             ensure_ray()
-            return overhead_report(
+            report = overhead_report(
                 setup=setup, variants=variants, repeats=args.repeats or defaults["repeats"], storage_dir=scratch,
             )
+        warning = drift_warning(report["machine_drift"])
+        if warning:
+            print(warning, file=sys.stderr)
+        return report
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
