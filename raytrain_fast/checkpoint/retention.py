@@ -1,5 +1,6 @@
 """Which checkpoints a run keeps: the newest `keep_last` complete ones, the best `keep_best` by a
-metric, the newest healthy one, and anything newer than the oldest kept (still uploading)."""
+metric (one by default: a run that diverged keeps its best checkpoint from before, however old), the
+newest healthy one, and anything newer than the oldest kept (still uploading)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ class Retention:
         self.config, self.filesystem, self.run_path = config, filesystem, run_path
         # "auto" is resolved by the loop (loop/evaluation.py: val/loss when evaluating); left as is, the training loss.
         self.best_metric = "train/loss" if config.best_metric == "auto" else config.best_metric
-        self._best_cache: dict[str, float | None] = {}
+        self._best_cache: dict[str, dict[str, Any]] = {}
+        """Each checkpoint's metrics at save time (train_state.json), read once."""
 
     def prune(self) -> None:
         """Keep the newest keep_last COMPLETE checkpoints, the best keep_best, and anything newer
@@ -39,12 +41,21 @@ class Retention:
         # checkpoints of non-finite weights: this version saves none).
         keep.update(next(([p] for p in complete if not checkpoint_health(self.filesystem, p)), []))
         if self.config.keep_best > 0:
-            scored = [(value, path) for path in complete if (value := self._metric_of(path)) is not None]
-            scored.sort(reverse=self.config.best_mode == "max")
-            keep.update(path for _, path in scored[: self.config.keep_best])
+            keep.update(self.best(complete))
         for path in newest_first:
             if path not in keep:
                 self._delete(path)
+
+    def best(self, complete: list[str]) -> list[str]:
+        """The best keep_best of `complete` by best_metric; by train/loss when that is val/loss and no
+        checkpoint has one (evaluation off when they were saved)."""
+        metrics = [self.best_metric] + (["train/loss"] if self.best_metric == "val/loss" else [])
+        for metric in metrics:
+            scored = [(value, path) for path in complete if (value := self._metric_of(path, metric)) is not None]
+            if scored:
+                scored.sort(reverse=self.config.best_mode == "max" and metric == self.best_metric)
+                return [path for _, path in scored[: self.config.keep_best]]
+        return []
 
     def _delete(self, path: str) -> None:
         self.filesystem.delete_dir(path)
@@ -54,12 +65,12 @@ class Retention:
 
             self.filesystem.delete_dir(universal_cache_path(path))
 
-    def _metric_of(self, path: str) -> float | None:
+    def _metric_of(self, path: str, metric: str) -> float | None:
         if path not in self._best_cache:
             try:
                 with self.filesystem.open_input_stream(f"{path}/{STATE_FILE}") as stream:
-                    value = TrainState.from_json(stream.read().decode()).metrics.get(self.best_metric)
-                self._best_cache[path] = float(value) if value is not None and math.isfinite(value) else None
+                    self._best_cache[path] = dict(TrainState.from_json(stream.read().decode()).metrics)
             except (OSError, ValueError):
-                self._best_cache[path] = None
-        return self._best_cache[path]
+                self._best_cache[path] = {}
+        value = self._best_cache[path].get(metric)
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None

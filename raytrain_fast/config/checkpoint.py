@@ -31,11 +31,13 @@ class CheckpointConfig:
     """async: training continues while the checkpoint uploads (the next save waits for it); sync: wait."""
     keep_last: int = 3
     """Keep the newest this many checkpoints in storage (the newest is never deleted)."""
-    keep_best: int = 0
-    """Also keep the best this many checkpoints by `best_metric`. 0 = off."""
+    keep_best: int = 1
+    """Also keep the best this many checkpoints by `best_metric`, however old (a run that diverged
+    keeps the one from before it). 0 = off."""
     best_metric: str = "auto"
     """Metric that ranks checkpoints for keep_best (any metric the loop emits, e.g. train/loss);
-    auto = val/loss when evaluation is on (eval section), else train/loss."""
+    auto = val/loss when evaluation is on (eval section), else train/loss (and train/loss while no
+    checkpoint has a val/loss)."""
     best_mode: Literal["min", "max"] = "min"
     """Whether lower (min) or higher (max) best_metric is better."""
     resume: Literal["auto", "must", "never"] | int = "auto"

@@ -56,11 +56,21 @@ class HealthConfig:
     the state is not healthy). Either way the non-finite update itself never reaches the weights."""
     max_rollbacks: int = 3
     """Rollbacks this run may make (non-finite steps and spikes together) before it stops with an error."""
-    on_spike: Literal["warn", "rollback", "off"] = "warn"
+    on_spike: Literal["warn", "rollback", "stop", "off"] = "warn"
     """A window whose loss or gradient norm is far above its recent level (see spike_mads). warn: a
-    warning and a health/spike record; rollback: as for a non-finite window; off: not checked."""
+    warning and a health/spike record; rollback or stop: as for a non-finite window; off: not checked."""
     spike_mads: float = 10.0
     """A spike is a window value above median + spike_mads x MAD of the last spike_windows windows
     (and at least 50% above that median)."""
     spike_windows: int = 20
     """Windows of recent history the spike check compares with (it starts after 5 of them, past warm-up)."""
+    on_divergence: Literal["warn", "rollback", "stop", "off"] = "warn"
+    """A finite divergence after warm-up: a window loss above ln(model.vocab_size), what a uniform guess
+    scores, or a climb divergence_climb of the way from the run's best window back to it, held for
+    divergence_windows windows. warn: one warning per episode and a health/divergence record; rollback
+    or stop: as for a non-finite window (with rollback, no checkpoint is saved while the loss is above
+    that bound); off: not checked."""
+    divergence_windows: int = 3
+    """Log windows in a row above the climb bound that make a climb a divergence (and below it that end one)."""
+    divergence_climb: float = 0.5
+    """The climb bound: best + divergence_climb x (ln(vocab_size) - best), best = the run's lowest window loss."""

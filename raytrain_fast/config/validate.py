@@ -200,6 +200,9 @@ def _optim_problems(config: Config) -> list[str]:
         problems.append(f"health.max_rollbacks must be >= 0 (0 = stop at the first divergence), got {h.max_rollbacks}")
     if h.spike_mads <= 0 or h.spike_windows < 5:
         problems.append(f"health.spike_mads must be > 0 and health.spike_windows >= 5, got {h.spike_mads} and {h.spike_windows}")
+    if h.divergence_windows < 1 or not 0 < h.divergence_climb <= 1:
+        problems.append(f"health.divergence_windows must be >= 1 and health.divergence_climb in (0, 1], got "
+                        f"{h.divergence_windows} and {h.divergence_climb}")
     return problems + _not_positive("engine", e, ("reduce_bucket_size", "allgather_bucket_size"))
 
 

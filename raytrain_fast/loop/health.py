@@ -18,6 +18,10 @@ Policy (`health.*`, docs/health.md):
 
 Spikes: a window whose loss or gradient norm is above median + k x MAD of the recent windows
 (and at least 50% above the median) is recorded as health/spike and warned about, or rolled back.
+
+Finite divergence (loop/divergence.py): after warm-up, a window loss above what a uniform guess over
+the vocabulary scores, or a sustained climb far back from the run's best, is recorded as
+health/divergence once per episode and follows `health.on_divergence` (warn, rollback or stop).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_fast.config.train import HealthConfig
+from raytrain_fast.loop.divergence import DivergenceCheck
 
 logger = logging.getLogger("raytrain_fast.health")
 RECORD_FILE = "health.json"
@@ -39,26 +44,34 @@ DIVERGENCE_KEY = "health/divergence"
 """The key under which rank 0 posts a stop's message to the run's coordinator actor; the driver raises it."""
 _SPIKE_MIN_WINDOWS = 5
 _SPIKE_MIN_RISE = 0.5  # and at least 50% above the median: a MAD near zero alone is no spike
+_WARN_ADVICE = {
+    "on_divergence": "Lower optim.lr or lengthen optim.warmup_steps; checkpoint.keep_best keeps the checkpoint with "
+    "the lowest loss (health.on_divergence: stop ends such a run).",
+}
 
 
 class Rollback(Exception):
     """Every rank raises it at the same log step: go back to the newest healthy checkpoint."""
 
-    def __init__(self, *, step: int, what: str, loss: float, grad_norm: float) -> None:
+    def __init__(self, *, step: int, what: str, loss: float, grad_norm: float, setting: str = "on_nonfinite") -> None:
         super().__init__(f"{what} at step {step}")
-        self.step, self.what, self.loss, self.grad_norm = step, what, loss, grad_norm
+        self.step, self.what, self.loss, self.grad_norm, self.setting = step, what, loss, grad_norm, setting
 
 
 class DivergenceStop(Exception):
     """Every rank raises it at the same log step: the run stops (`message` says why and what to change)."""
 
-    def __init__(self, message: str, *, step: int, what: str, loss: float, grad_norm: float) -> None:
+    def __init__(self, message: str, *, step: int, what: str, loss: float, grad_norm: float,
+                 setting: str = "on_nonfinite", policy: str = "stop") -> None:
         super().__init__(message)
         self.step, self.what, self.loss, self.grad_norm = step, what, loss, grad_norm
+        self.setting, self.policy = setting, policy
+        """The health.* setting that decided (on_nonfinite, on_spike, on_divergence) and its value."""
 
     def record(self) -> dict[str, Any]:
         """What `<run>/health.json` keeps of the stop (the report's divergence finding)."""
-        return {"step": self.step, "what": self.what, "loss": self.loss, "grad_norm": self.grad_norm}
+        return {"step": self.step, "what": self.what, "loss": self.loss, "grad_norm": self.grad_norm,
+                "setting": f"health.{self.setting}", "policy": self.policy}
 
 
 @dataclass
@@ -86,7 +99,10 @@ class SpikeCheck:
 class HealthMonitor:
     """One per worker; the same decisions on every rank (they read the same all-reduced values)."""
 
-    def __init__(self, config: HealthConfig, *, rank: int, warmup_steps: int, rollbacks: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, config: HealthConfig, *, rank: int, warmup_steps: int, rollbacks: list[dict[str, Any]],
+        vocab_size: int | None = None, start_step: int = 0,
+    ) -> None:
         self.config, self.rank, self.warmup_steps = config, rank, warmup_steps
         self.rollbacks = list(rollbacks)
         """The run's rollbacks so far (from health.json / the restored state)."""
@@ -95,6 +111,11 @@ class HealthMonitor:
         self.last: dict[str, float] = {}
         self._loss = SpikeCheck(config.spike_mads, config.spike_windows)
         self._grad = SpikeCheck(config.spike_mads, config.spike_windows)
+        self.divergence = None if vocab_size is None or config.on_divergence == "off" else DivergenceCheck.for_vocabulary(
+            vocab_size, warmup_steps=warmup_steps, windows=config.divergence_windows, climb=config.divergence_climb,
+            start_step=start_step,
+        )
+        """The finite-divergence check (loop/divergence.py); None when off."""
 
     def check_window(self, step: int, values: dict[str, float], metrics: Any) -> None:
         """After a drain: decide on its loss and grad norm (`values`, the same on every rank).
@@ -105,8 +126,9 @@ class HealthMonitor:
         if not self.window_finite:
             metrics.emit(step, {"health/nonfinite": 1.0})
             metrics.mark_health("non-finite window", step)
-            self._act(self.config.on_nonfinite, step=step, what="a non-finite loss or gradient norm", loss=loss, grad=grad)
+            self._act("on_nonfinite", step=step, what="a non-finite loss or gradient norm", loss=loss, grad=grad)
             return
+        self._check_divergence(step, loss, grad, metrics)
         if self.config.on_spike == "off" or step <= self.warmup_steps:
             return
         spiked = [name for name, check, value in (("loss", self._loss, loss), ("gradient norm", self._grad, grad))
@@ -115,35 +137,64 @@ class HealthMonitor:
             metrics.emit(step, {"health/spike": 1.0, "health/spike_loss": loss, "health/spike_grad_norm": grad})
             metrics.mark_health("spike", step)
             what = f"a {' and '.join(spiked)} spike (median + {self.config.spike_mads:g} x MAD of the last windows)"
-            self._act(self.config.on_spike, step=step, what=what, loss=loss, grad=grad)
+            self._act("on_spike", step=step, what=what, loss=loss, grad=grad)
 
-    def _act(self, policy: str, *, step: int, what: str, loss: float, grad: float) -> None:
+    def _check_divergence(self, step: int, loss: float, grad: float, metrics: Any) -> None:
+        """A finite divergence (loop/divergence.py): once per episode, a health/divergence record and the policy."""
+        found = self.divergence.observe(step, loss) if self.divergence is not None else None
+        if found is not None:
+            metrics.emit(step, found.record())
+            metrics.mark_health("divergence", step)
+            self._act("on_divergence", step=step, what=f"a finite divergence: {found.describe()}", loss=loss, grad=grad)
+
+    def restart_at(self, step: int) -> None:
+        """A rollback went back to the checkpoint at `step`: the divergence episode ends there."""
+        if self.divergence is not None:
+            self.divergence.restart(step)
+
+    def _act(self, setting: str, *, step: int, what: str, loss: float, grad: float) -> None:
+        policy = getattr(self.config, setting)
         if policy == "warn":
             if self.rank == 0:
-                logger.warning("Step %d: %s (loss %s, grad norm %s); going on (health policy: warn).", step, what, loss, grad)
+                logger.warning("Step %d: %s (loss %s, grad norm %s); going on (health.%s: warn). %s", step, what,
+                               f"{loss:.4g}", f"{grad:.4g}", setting, _WARN_ADVICE.get(setting, ""))
             return
         if policy == "rollback" and len(self.rollbacks) < self.config.max_rollbacks:
-            raise Rollback(step=step, what=what, loss=loss, grad_norm=grad)
-        raise DivergenceStop(self.stop_message(step=step, what=what, loss=loss, grad=grad, policy=policy),
-                             step=step, what=what, loss=loss, grad_norm=grad)
+            raise Rollback(step=step, what=what, loss=loss, grad_norm=grad, setting=setting)
+        raise DivergenceStop(self.stop_message(step=step, what=what, loss=loss, grad=grad, setting=setting),
+                             step=step, what=what, loss=loss, grad_norm=grad, setting=setting, policy=policy)
 
     def may_save(self, step: int, metrics: Any, *, logged: bool) -> bool:
         """Whether the state may be saved now: every step since the last log step was finite. On a
         log step the drain told (no read); otherwise one collective and one host read (saves are rare)."""
+        if self.config.on_divergence == "rollback" and self.divergence is not None and self.divergence.suspect:
+            if self.rank == 0:  # a rollback must never land on a checkpoint of the climb it rolls back from
+                logger.warning("Step %d: not saving a checkpoint: the loss is above the divergence bound "
+                               "(health.on_divergence: rollback).", step)
+            return False
         healthy = self.window_finite if logged else metrics.window_finite()
         if not healthy and self.rank == 0:
             logger.warning("Step %d: not saving a checkpoint: a step since the last log step was not finite.", step)
         return healthy
 
-    def stop_message(self, *, step: int, what: str, loss: float, grad: float, policy: str) -> str:
+    def stop_message(self, *, step: int, what: str, loss: float, grad: float, setting: str, no_checkpoint: bool = False) -> str:
+        """Why the run stops, what was tried (`no_checkpoint`: a rollback found nothing to go back to) and what to change."""
+        policy = getattr(self.config, setting)
         tried = "; ".join(
             f"rolled back from step {r['detected_step']} to {r['to_step']} and skipped {r['skip_sequences']:,} sequences"
             for r in self.rollbacks
-        ) or ("nothing (the health policy is stop)" if policy == "stop" else "nothing (health.max_rollbacks=0)")
+        )
+        if no_checkpoint:
+            tried = (tried + "; then " if tried else "") + "no rollback: no checkpoint was saved before it"
+        elif not tried:
+            tried = f"nothing (health.{setting}: {policy})" if policy != "rollback" else \
+                f"nothing (health.max_rollbacks={self.config.max_rollbacks})"
+        kept = ("The update of a non-finite step never reached the weights, and every checkpoint saved is healthy"
+                if setting != "on_divergence" else "Every checkpoint saved holds finite weights, and checkpoint.keep_best keeps "
+                "the one with the lowest loss")
         return (
-            f"Training diverged: {what} in the window ending at step {step} (loss {loss}, grad norm {grad}). "
-            f"Tried: {tried}. The update of a non-finite step never reached the weights, and every "
-            "checkpoint saved is healthy: the newest one is what a rerun resumes from. To change: lower optim.lr, "
+            f"Training diverged: {what} in the window ending at step {step} (loss {loss:.4g}, grad norm {grad:.4g}). "
+            f"Tried: {tried}. {kept}: the newest one is what a rerun resumes from. To change: lower optim.lr, "
             "lengthen optim.warmup_steps, tighten optim.grad_clip, or skip the data window (a rerun after a rollback "
             f"skips it again); health.max_rollbacks={self.config.max_rollbacks} allows more tries."
         )

@@ -237,7 +237,8 @@ def build_health(worker: Worker, checkpointer: Checkpointer, state: TrainState) 
             print(f"Step {state.step}: skipping the data a rollback skipped here (health.json): now at {position}.", flush=True)
         state.data_position = position
     config = worker.config
-    return HealthMonitor(config.health, rank=worker.rank, warmup_steps=config.optim.warmup_steps, rollbacks=records)
+    return HealthMonitor(config.health, rank=worker.rank, warmup_steps=config.optim.warmup_steps, rollbacks=records,
+                         vocab_size=config.model.vocab_size, start_step=state.step)
 
 
 def roll_back(
@@ -254,10 +255,12 @@ def roll_back(
     detected_at = data.position.to_dict()
     restored = checkpointer.restore_state()
     if restored is None:
-        message = health.stop_message(step=rollback.step, what=rollback.what, loss=rollback.loss, grad=rollback.grad_norm, policy="rollback")
+        message = health.stop_message(step=rollback.step, what=rollback.what, loss=rollback.loss, grad=rollback.grad_norm,
+                                      setting=rollback.setting, no_checkpoint=True)
         raise DivergenceStop(f"{message} No checkpoint was saved before it, so there is nothing to roll back to: "
                              "set checkpoint.every_steps below the step it diverged at.",
-                             step=rollback.step, what=rollback.what, loss=rollback.loss, grad_norm=rollback.grad_norm)
+                             step=rollback.step, what=rollback.what, loss=rollback.loss, grad_norm=rollback.grad_norm,
+                             setting=rollback.setting, policy="rollback")
     checkpointer.load_into(engine)
     # The checkpoint may predate a resume that changed optim.*: this run's settings stay in force.
     apply_optim_settings(engine, optim=worker.config.optim, total_steps=worker.config.train.steps)
@@ -277,6 +280,7 @@ def roll_back(
     restored.global_batch = int(worker.config.train.micro_batch) * worker.grad_accum * worker.world_size
     data.close()
     metrics.restart_at(restored.step)
+    health.restart_at(restored.step)
     metrics.emit(rollback.step, {"health/rollback": 1.0, "health/rollback_to_step": float(restored.step),
                                  "health/skipped_sequences": float(skipped)})
     metrics.mark_health("rollback", rollback.step)

@@ -17,6 +17,7 @@ from raytrain_fast.report.findings import (
     corpus_repeated,
     data_bound,
     divergence,
+    finite_divergence,
     hang,
     host_contention,
     memory_pressure,
@@ -35,7 +36,7 @@ from raytrain_fast.report.summary import summarize
 __all__ = ["Diagnosis", "Finding", "diagnose"]
 
 # A hang, a divergence or a spike is a finding however short the run: each returns a list.
-EVENT_FINDINGS = (hang.find, divergence.find, spike.find)
+EVENT_FINDINGS = (hang.find, divergence.find, finite_divergence.find, spike.find)
 # The rest judge the steady windows; each returns a Finding, the reason it was skipped, or None.
 STEADY_FINDINGS = (
     data_bound.find, sink_backlog.find, memory_underused.find, slowdown.find, checkpoint_stall.find, straggler.find,

@@ -36,8 +36,7 @@ def find(run: RunMetrics) -> list[Finding]:
     if stop:
         evidence = [
             f"{stop['what']} in the window ending at step {stop['step']} (loss {stop['loss']:.4g}, grad norm {stop['grad_norm']:.4g})",
-            f"the run stopped there (health.on_nonfinite / health.on_spike: {run.setting('health', 'on_nonfinite', '?')} / "
-            f"{run.setting('health', 'on_spike', '?')}" + (f", after {len(run.rollbacks)} rollback(s)" if run.rollbacks else "") + ")",
+            f"the run stopped there ({_policy(run, stop)}" + (f", after {len(run.rollbacks)} rollback(s)" if run.rollbacks else "") + ")",
             "the update of a non-finite step never reached the weights, and every checkpoint saved is healthy: "
             + (f"the newest is at step {max(run.saved_steps)}" if run.saved_steps else "none was saved"),
         ]
@@ -58,6 +57,22 @@ def find(run: RunMetrics) -> list[Finding]:
             advice=_DIVERGENCE_ADVICE, numbers={"step": float(warned[0]), "windows": float(len(warned))},
         ))
     return findings
+
+
+def _policy(run: RunMetrics, stop: dict) -> str:
+    """The setting that stopped the run and its value, as health.json recorded them (a record without
+    them: the setting its kind of divergence follows, with the value the run's config gives, if any)."""
+    what = str(stop.get("what", ""))
+    setting = stop.get("setting") or (
+        "health.on_spike" if "spike" in what else "health.on_divergence" if "finite divergence" in what else "health.on_nonfinite"
+    )
+    policy = stop.get("policy") or run.setting("health", setting.split(".", 1)[1])
+    if policy == "rollback":
+        limit = run.setting("health", "max_rollbacks")
+        why = (f"health.max_rollbacks={limit if limit is not None else len(run.rollbacks)} spent" if run.rollbacks else
+               "health.max_rollbacks=0" if limit == 0 else "no checkpoint to roll back to")
+        return f"{setting}: rollback, {why}"
+    return f"{setting}: {policy}" if policy else setting
 
 
 _DIVERGENCE_ADVICE = [
