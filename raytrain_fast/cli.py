@@ -45,7 +45,8 @@ def _add_storage_args(parser: argparse.ArgumentParser) -> None:
 
 
 REGION_HELP = "S3 region (default: the AWS profile's or AWS_REGION)"
-TEXT_FIELD_HELP = "the JSONL field or Parquet column that holds each document's text (default: text)"
+TEXT_FIELD_HELP = ("the JSONL field or Parquet column that holds each document's text (default: text); several names, "
+                   "comma-separated (content,text), take the first each record or file has")
 PROFILE_HELP = "named AWS profile for credentials (default: the usual AWS chain: environment, ~/.aws, instance role)"
 
 
@@ -352,12 +353,11 @@ def prepare_data(args: argparse.Namespace) -> int:
         storage=storage, overwrite=args.overwrite, val_fraction=args.val_fraction, val_inputs=args.val_input,
         text_field=args.text_field,
     )
+    from raytrain_fast.next_steps import train_command
+
     held_out = f" (+ {manifest.validation.num_sequences:,} held out for validation)" if manifest.validation else " (no validation split)"
     print(f"Prepared {manifest.num_sequences:,} sequences of {args.seq_len + 1} tokens in {args.output}{held_out}")
-    # A run of its own: under an existing run's name the command would resume that run (and be
-    # refused, since its data differs).
-    name = "".join(c if c.isalnum() or c in "._-" else "-" for c in args.output.rstrip("/").rsplit("/", 1)[-1]).strip("-.") or "data"
-    print(f"Train on it: raytrain-fast pretrain --name {name}-run --set data.source={args.output} --set data.seq_len={args.seq_len}")
+    print(f"Train on it: {train_command(data=args.output, seq_len=args.seq_len, vocab_size=manifest.tokenizer.vocab_size)}")
     return 0
 
 
@@ -372,11 +372,14 @@ def train_tokenizer(args: argparse.Namespace) -> int:
         inputs=args.input, output=args.output, vocab_size=args.vocab_size, min_frequency=args.min_frequency,
         eod_token=args.eod_token, storage=storage, overwrite=args.overwrite, text_field=args.text_field,
     )
-    print(f"Trained a byte-level BPE of {result.vocab_size:,} tokens ({result.eod_token} = {result.eod_id} ends each document) in {args.output}")
-    rows = -(-result.vocab_size // 64) * 64
-    data = args.output.rstrip("/") + "-data"
-    print(f"Prepare data with it: raytrain-fast prepare-data --input {' '.join(args.input)} --output {data} --seq-len 1024 --tokenizer {args.output}")
-    print(f"Train on that data with --set model.vocab_size={rows} (or more; a multiple of 64 is fastest)")
+    from raytrain_fast.next_steps import model_vocab_size, prepare_command
+
+    command = prepare_command(inputs=args.input, output=args.output.rstrip("/") + "-data", tokenizer=args.output,
+                              text_field=args.text_field)
+    print(f"Prepare data with it: {command}")
+    print(f"(--seq-len 128 is the tiny preset's window; give your model's data.seq_len for another. prepare-data then "
+          f"prints the command that trains on it, with model.vocab_size={model_vocab_size(result.vocab_size)}: "
+          f"the {result.vocab_size:,} tokens, padded to a multiple of 64.)")
     return 0
 
 

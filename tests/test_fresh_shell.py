@@ -36,7 +36,7 @@ SESSION = [
     ("prepare-data", "raytrain-fast prepare-data --input texts --output prepared --seq-len 32 --val-fraction 0.2",
      "prepare-data:"),
     ("train-tokenizer", "raytrain-fast train-tokenizer --input texts --output tok --vocab-size 300",
-     "Trained a byte-level BPE"),
+     "Prepare data with it"),
     ("pretrain", f"raytrain-fast pretrain --config tiny --name shell {SETS} --set data.source=prepared --set storage.uri=runs",
      "Done. Run directory:"),
     ("runs", "raytrain-fast runs --storage runs", "shell"),

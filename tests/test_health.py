@@ -263,7 +263,7 @@ def test_each_nonfinite_policy_does_what_it_says():
 
     nan = {"train/loss": float("nan"), "train/grad_norm": 1.0}
     monitor, metrics = _monitor(on_nonfinite="stop")
-    with pytest.raises(DivergenceStop, match=r"Tried: nothing \(the health policy is stop\)"):
+    with pytest.raises(DivergenceStop, match=r"Tried: nothing \(health.on_nonfinite: stop\)"):
         monitor.check_window(10, nan, metrics)
     monitor, metrics = _monitor(on_nonfinite="warn")
     monitor.check_window(10, nan, metrics)  # goes on

@@ -116,7 +116,8 @@ def test_the_command_writes_a_tokenizer_that_transformers_loads(trained):
 
     # The progress and summary lines, prepare-data's style; the skipped inputs with their reasons.
     assert "train-tokenizer: 6/6 files" in done.stderr  # 4 texts, the JSONL and the binary; the hidden file is skipped unread
-    assert f"train-tokenizer: {VOCAB} tokens from 5 files (34 documents" in done.stderr
+    assert f"train-tokenizer: a byte-level BPE of {VOCAB} tokens in {out}, from 5 files (34 documents" in done.stderr
+    assert done.stderr.count("train-tokenizer: 6/6 files") == 1  # the progress once, not again at the end
     assert "binary file" in done.stderr and "hidden file" in done.stderr and "2 JSONL records skipped" in done.stderr
     assert "--tokenizer tok" in done.stdout and "model.vocab_size=320" in done.stdout  # 320: a multiple of 64
 

@@ -38,7 +38,8 @@ class DataConfig:
     is prepared on the fly."""
     text_field: str = "text"
     """The JSONL field or Parquet column that holds the text, for a source prepared on the fly
-    (prepare-data's --text-field)."""
+    (prepare-data's --text-field); several names, comma-separated (content,text), take the first each
+    record or file has."""
     cache_dir: str | None = None
     """Where sources are prepared on the fly; null = `<storage.uri>/_prepared`. Must be readable by every node."""
     val_fraction: float | None = None

@@ -18,7 +18,7 @@ from raytrain_fast.data.corpus import stdlib_files
 from raytrain_fast.data.manifest import MANIFEST_NAME, join_uri
 from raytrain_fast.data.inputs import canonical_input, list_sources
 from raytrain_fast.data.prepare import prepare_data
-from raytrain_fast.data.readers import DEFAULT_TEXT_FIELD
+from raytrain_fast.data.readers import DEFAULT_TEXT_FIELD, name_text_field_setting
 from raytrain_fast.data.tokenizer import load_tokenizer
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
@@ -125,13 +125,16 @@ def ensure_prepared_corpus(
         text_field=text_field,
     )
     info = json.dumps({"source": source, "seq_len": seq_len, "tokenizer": spec.info.name, "fingerprint": fingerprint}).encode()
-    if "://" in target:
-        prepare(output=target)
-        filesystem, path = resolve_filesystem(target, storage)
-        with filesystem.open_output_stream(join_uri(path, _CACHE_INFO)) as stream:
-            stream.write(info)
-    else:
-        _prepare_in_place(target, prepare, info, fingerprint=fingerprint, storage=storage, verbose=verbose)
+    try:
+        if "://" in target:
+            prepare(output=target)
+            filesystem, path = resolve_filesystem(target, storage)
+            with filesystem.open_output_stream(join_uri(path, _CACHE_INFO)) as stream:
+                stream.write(info)
+        else:
+            _prepare_in_place(target, prepare, info, fingerprint=fingerprint, storage=storage, verbose=verbose)
+    except DataError as error:  # its advice names pretrain's setting, not prepare-data's flag
+        raise DataError(name_text_field_setting(str(error), "data.text_field")) from None
     return target
 
 

@@ -5,6 +5,10 @@ compressed (`.gz`, `.zst`), never a whole JSONL or Parquet file in memory.
 A file that cannot be used is skipped with a reason; records that cannot be used are counted by
 reason, and the file is used without them; a file where every record is bad is an error (`fatal`)
 that names the fields or columns it has, so a wrong --text-field is never a silently empty corpus.
+
+The text field may name several fields, comma-separated (`content,text`): each JSONL record and each
+Parquet file uses the first of them it has, so inputs that keep their text under different names can
+be read together.
 """
 
 from __future__ import annotations
@@ -30,6 +34,25 @@ BATCH_BYTES = 8 << 20
 """Text handed on (to the tokenizer) at a time: bounds the memory of reading a file of any size."""
 _READ_BYTES = 4 << 20
 _TEXT_TYPES = (pa.string(), pa.large_string(), pa.string_view())
+
+
+TEXT_FIELD_SETTING = "--text-field"
+"""How the messages name the text-field setting; a caller with another name for it (pretrain's
+data.text_field) puts its own in (`name_text_field_setting`)."""
+
+
+def text_fields(text_field: str) -> list[str]:
+    """The names a text-field setting lists (comma-separated), in order of preference."""
+    return [name.strip() for name in text_field.split(",") if name.strip()] or [DEFAULT_TEXT_FIELD]
+
+
+def _quoted(text_field: str) -> str:
+    return " or ".join(f"'{name}'" for name in text_fields(text_field))
+
+
+def name_text_field_setting(message: str, setting: str) -> str:
+    """`message` with the text-field setting called `setting` (e.g. data.text_field)."""
+    return message.replace(TEXT_FIELD_SETTING, setting)
 
 
 def input_format(path: str) -> tuple[str, str | None]:
@@ -134,7 +157,8 @@ def verdict(records: _Records, *, num_documents: int, text_field: str) -> tuple[
     found = ", ".join(f"'{name}'" for name, _ in records.fields.most_common(8)) or "none (no line is a JSON object)"
     return "", "", (
         f"no usable {what}: {summary}. The fields its records have: {found}; "
-        f"set --text-field to the one that holds the text (now '{text_field}')"
+        f"set {TEXT_FIELD_SETTING} to the one that holds the text (now '{text_field}'; several names, comma-separated, "
+        "take the first each record has)"
     )
 
 
@@ -151,6 +175,7 @@ class FileReader:
     ) -> None:
         self.location, self.path, self.filesystems = location, path, filesystems
         self.text_field, self.batch_bytes = text_field, batch_bytes
+        self.fields = text_fields(text_field)
         self.row_groups = row_groups
         """A Parquet file's row groups [first, end) only: a piece of a file read by several tasks. Its
         records are left in `records_json` for the verdict over all pieces (`verdict`), and only the
@@ -251,11 +276,11 @@ class FileReader:
             return None
         if isinstance(record, dict):
             records.fields.update(record.keys())
-        value = record.get(self.text_field) if isinstance(record, dict) else None
+        value = next((record[n] for n in self.fields if isinstance(record.get(n), str)), None) if isinstance(record, dict) else None
         if not isinstance(value, str):
-            records.count(f"no string '{self.text_field}' field", number)
+            records.count(f"no string {_quoted(self.text_field)} field", number)
         elif not value:
-            records.count(f"empty '{self.text_field}'", number)
+            records.count(f"empty {_quoted(self.text_field)}", number)
         else:
             return value.encode("utf-8")
         return None
@@ -283,16 +308,16 @@ class FileReader:
             if problem:
                 self.fatal = problem
                 return
-            yield from self._parquet_batches(parquet)
+            yield from self._parquet_batches(parquet, parquet_text_column(parquet.schema_arrow, self.text_field))
 
-    def _parquet_batches(self, parquet: pq.ParquetFile) -> Iterator[list[bytes]]:
-        records = _Records(self.text_field, "row")
+    def _parquet_batches(self, parquet: pq.ParquetFile, column_name: str) -> Iterator[list[bytes]]:
+        records = _Records(column_name, "row")
         metadata = parquet.metadata
         row_bytes = sum(metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups)) / max(1, metadata.num_rows)
         rows = max(1, min(65536, int(self.batch_bytes / max(1.0, row_bytes))))
         first, end = self.row_groups or (0, metadata.num_row_groups)
         start = sum(metadata.row_group(i).num_rows for i in range(first))
-        batches = parquet.iter_batches(batch_size=rows, row_groups=range(first, end), columns=[self.text_field], use_threads=False)
+        batches = parquet.iter_batches(batch_size=rows, row_groups=range(first, end), columns=[column_name], use_threads=False)
         for record_batch in batches:
             column = record_batch.column(0)
             if pa.types.is_dictionary(column.type):
@@ -300,7 +325,7 @@ class FileReader:
             column = column.cast(pa.large_binary())
             null = np.asarray(column.is_null(), dtype=bool)
             empty = ~null & np.asarray(pc.equal(pc.binary_length(column), 0).fill_null(False), dtype=bool)
-            for problem, mask in ((f"null '{self.text_field}'", null), (f"empty '{self.text_field}'", empty)):
+            for problem, mask in ((f"null '{column_name}'", null), (f"empty '{column_name}'", empty)):
                 if mask.any():
                     records.count(problem, start + int(np.argmax(mask)) + 1, int(mask.sum()))
             start += len(column)
@@ -327,22 +352,30 @@ def _is_empty(error: Exception) -> bool:
     return "size is 0" in str(error) or "empty" in str(error).lower()
 
 
+def parquet_text_column(schema: pa.Schema, text_field: str) -> str | None:
+    """The first of the text field's names that `schema` has a column of (None: none)."""
+    return next((name for name in text_fields(text_field) if name in schema.names), None)
+
+
 def parquet_column_problem(schema: pa.Schema, text_field: str) -> str:
-    """Why `schema` has no text column `text_field` (naming the columns it has and the fix), or ""."""
-    if text_field not in schema.names:
+    """Why `schema` has no text column among `text_field`'s names (naming the columns it has and the fix), or ""."""
+    column = parquet_text_column(schema, text_field)
+    if column is None:
         columns = ", ".join(f"'{name}' ({schema.field(name).type})" for name in schema.names[:12]) or "none"
         return (
-            f"the Parquet file has no column '{text_field}'; its columns: {columns}. "
-            f"Set --text-field to the column that holds the text"
+            f"the Parquet file has no column {_quoted(text_field)}; its columns: {columns}. "
+            f"Set {TEXT_FIELD_SETTING} to the column that holds the text (several names, comma-separated, take the "
+            "first each file has, e.g. content,text)"
         )
-    column_type = schema.field(text_field).type
+    column_type = schema.field(column).type
     value_type = column_type.value_type if pa.types.is_dictionary(column_type) else column_type
     if value_type not in _TEXT_TYPES:
-        return f"the Parquet column '{text_field}' holds {column_type}, not text; set --text-field to a string column"
+        return f"the Parquet column '{column}' holds {column_type}, not text; set {TEXT_FIELD_SETTING} to a string column"
     return ""
 
 
 __all__ = [
-    "BATCH_BYTES", "CODECS", "DEFAULT_TEXT_FIELD", "FileReader", "JSONL_SUFFIXES", "PARQUET_SUFFIXES", "file_sha256",
-    "input_format", "parquet_column_problem", "verdict", "verdict_of_pieces",
+    "BATCH_BYTES", "CODECS", "DEFAULT_TEXT_FIELD", "FileReader", "JSONL_SUFFIXES", "PARQUET_SUFFIXES", "TEXT_FIELD_SETTING",
+    "file_sha256", "input_format", "name_text_field_setting", "parquet_column_problem", "parquet_text_column", "text_fields",
+    "verdict", "verdict_of_pieces",
 ]

@@ -160,10 +160,11 @@ def results_ray(sources: list[Source], spec: TokenizerSpec, filesystems: dict[st
         # Local paths exist on this node only: keep the tasks here.
         remote_args["label_selector"] = {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}
     items = _work_items(sources, filesystems, num_cpus=num_cpus)
-    dataset = ray.data.from_items(items, override_num_blocks=max(1, math.ceil(len(items) / files_per_task)))
-    dataset = dataset.map_batches(
+    num_blocks = max(1, math.ceil(len(items) / files_per_task))
+    dataset = ray.data.from_items(items, override_num_blocks=num_blocks)
+    dataset = dataset.map_batches(  # no more tasks at once than blocks: Ray Data warns of the idle rest otherwise
         _TokenizeBatch(spec, filesystems, text_field), batch_size=files_per_task, batch_format="numpy",
-        compute=ray.data.TaskPoolStrategy(size=num_cpus), **remote_args,
+        compute=ray.data.TaskPoolStrategy(size=min(num_cpus, num_blocks)), **remote_args,
     )
     _quiet(dataset.context)
     dataset.context.execution_options.preserve_order = True
@@ -255,8 +256,12 @@ def ray_running():
 
 
 def _quiet(context) -> None:
+    """prepare-data prints its own progress: no Ray Data progress bars, start line or finish line."""
+    import logging
+
     context.enable_progress_bars = False
     context.print_on_execution_start = False
+    logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(logging.WARNING)
 
 
 class Progress:

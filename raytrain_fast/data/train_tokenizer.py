@@ -69,11 +69,13 @@ class _Progress:
     def __init__(self, total_files: int, *, enabled: bool, every_s: float = 2.0) -> None:
         self.total, self.enabled, self.every_s = total_files, enabled, every_s
         self.start = self.last = time.perf_counter()
+        self.shown: tuple[int, int, int] | None = None
 
     def update(self, files: int, num_bytes: int, skipped: int, *, force: bool = False) -> None:
+        """A line at most every every_s; `force` (the end of reading) a line unless the last one said the same."""
         now = time.perf_counter()
-        if self.enabled and (force or now - self.last >= self.every_s):
-            self.last = now
+        if self.enabled and (now - self.last >= self.every_s or (force and self.shown != (files, num_bytes, skipped))):
+            self.last, self.shown = now, (files, num_bytes, skipped)
             print(
                 f"train-tokenizer: {files}/{self.total} files, {num_bytes:,} bytes, {skipped} skipped, {now - self.start:.1f}s",
                 file=sys.stderr, flush=True,
@@ -254,8 +256,9 @@ def _print_summary(result: TrainedTokenizer, *, min_frequency: int) -> None:
         "more text gives more merges)" if result.vocab_size < result.asked_vocab_size else ""
     )
     print(
-        f"train-tokenizer: {result.vocab_size:,} tokens{short} from {result.num_files} files ({result.num_documents:,} documents, "
-        f"{result.num_bytes:,} bytes) in {result.seconds:.1f}s; end-of-document {result.eod_token} = id {result.eod_id}",
+        f"train-tokenizer: a byte-level BPE of {result.vocab_size:,} tokens{short} in {result.output}, from {result.num_files} "
+        f"files ({result.num_documents:,} documents, {result.num_bytes:,} bytes) in {result.seconds:.1f}s; "
+        f"end-of-document {result.eod_token} = id {result.eod_id}",
         file=sys.stderr, flush=True,
     )
     if result.skipped:

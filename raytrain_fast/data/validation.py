@@ -84,4 +84,18 @@ def load_mixture_validation(
     return (np.concatenate(parts) if parts else np.zeros((0, width), dtype=np.int64)), splits
 
 
-__all__ = ["SourceSplit", "evaluation_ids", "load_mixture_validation", "load_validation_tokens", "rank_share"]
+def mixture_eval_note(sources: list) -> str | None:
+    """The line that says val/loss covers only some of a mixture's sources (those with a validation
+    split), or None when it covers all of them (or none: evaluation is off then)."""
+    covered = [s.name for s in sources if s.manifest.validation is not None and s.manifest.validation.num_sequences > 0]
+    left_out = [s.name for s in sources if s.name not in covered]
+    if not covered or not left_out:
+        return None
+    return (
+        f"Eval: val/loss covers {', '.join(covered)} only (their weights renormalised): {', '.join(left_out)} "
+        f"{'has' if len(left_out) == 1 else 'have'} no validation split, so none of its text is evaluated; prepare it "
+        "with a split (prepare-data --val-fraction, or data.val_fraction for a source prepared on the fly) to include it."
+    )
+
+
+__all__ = ["SourceSplit", "evaluation_ids", "load_mixture_validation", "load_validation_tokens", "mixture_eval_note", "rank_share"]

@@ -221,10 +221,12 @@ def prepare_mixture_data(config: Config) -> list[str]:
 
     uris = prepare_sources(config.data, config.storage, cache_dir=_cache_dir(config))
     sources = check_mixture(config, prepared=uris)  # their manifests, loaded once, in order
-    _, notes = resolve_eval(config, sources[0].manifest)  # as the workers resolve it (from the first source)
+    resolved, notes = resolve_eval(config, sources[0].manifest)  # as the workers resolve it (from the first source)
     shares = ", ".join(f"{s.name} {s.weight:g}" for s in sources)
     print(f"Data: a mixture of {len(sources)} sources ({shares}) of {config.data.seq_len + 1}-token sequences", flush=True)
-    for note in notes:
+    from raytrain_fast.data.validation import mixture_eval_note
+
+    for note in notes + ([covered] if resolved.eval.enabled and (covered := mixture_eval_note(sources)) else []):
         print(note, flush=True)
     return uris
 

@@ -49,12 +49,11 @@ class Diverged:
     """uniform (above the uniform-guess loss) or climb (a sustained climb above the bound)."""
 
     def describe(self) -> str:
+        best = f"the run's best window: {self.best:.4g} at step {self.best_step}" if math.isfinite(self.best) else "no better window before it"
         if self.kind == "uniform":
-            return (f"a loss of {self.loss:.4g}, above the {self.uniform:.4g} of a uniform guess over the vocabulary "
-                    f"(ln of model.vocab_size) after warm-up"
-                    + (f" (the run's best window: {self.best:.4g} at step {self.best_step})" if math.isfinite(self.best) else ""))
-        return (f"a loss climbing to {self.loss:.4g}, above {self.bound:.4g} since step {self.since} "
-                f"(the run's best window: {self.best:.4g} at step {self.best_step}; a uniform guess: {self.uniform:.4g})")
+            return (f"loss {self.loss:.4g}, above the {self.uniform:.4g} that a uniform guess over the vocabulary scores "
+                    f"(ln of model.vocab_size), after warm-up ({best})")
+        return f"loss {self.loss:.4g}, above {self.bound:.4g} since step {self.since} ({best}; a uniform guess: {self.uniform:.4g})"
 
     def record(self) -> dict[str, float]:
         """The health/divergence* metrics of the episode's first step."""

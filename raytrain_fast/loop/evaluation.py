@@ -130,7 +130,7 @@ class Evaluator:
         values = {"val/loss": loss, "val/ppl": math.exp(min(loss, 80.0)), "time/eval_s": seconds, **per_source}
         metrics.emit(step, values)
         if self.rank == 0:
-            print(f"step {step}/{self.total_steps}  val/loss {loss:.4f}  val/ppl {values['val/ppl']:.2f}  eval {seconds:.2f}s", flush=True)
+            print(f"step {step}/{self.total_steps}  val/loss {loss:.4f}  val/ppl {values['val/ppl']:.4g}  eval {seconds:.2f}s", flush=True)
         return values
 
     def _forward_all(self, engine: Any) -> None:

@@ -156,8 +156,9 @@ class HealthMonitor:
         policy = getattr(self.config, setting)
         if policy == "warn":
             if self.rank == 0:
-                logger.warning("Step %d: %s (loss %s, grad norm %s); going on (health.%s: warn). %s", step, what,
-                               f"{loss:.4g}", f"{grad:.4g}", setting, _WARN_ADVICE.get(setting, ""))
+                numbers = "" if setting == "on_divergence" else f" (loss {loss:.4g}, grad norm {grad:.4g})"
+                logger.warning("Step %d: %s%s; going on (health.%s: warn). %s", step, what, numbers, setting,
+                               _WARN_ADVICE.get(setting, ""))
             return
         if policy == "rollback" and len(self.rollbacks) < self.config.max_rollbacks:
             raise Rollback(step=step, what=what, loss=loss, grad_norm=grad, setting=setting)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 from html import escape
 
 from raytrain_fast.report.diagnose import Diagnosis
@@ -22,11 +23,20 @@ td, th { border: 1px solid #ccc; padding: 4px 10px; text-align: left; vertical-a
 figure { margin: 1.5em 0; }
 figcaption { color: #555; font-size: 0.9em; }
 img { max-width: 100%; }
+code { font-family: ui-monospace, monospace; background: #f3f3f3; padding: 0 0.2em; border-radius: 3px; }
 """
 
 
+_CODE = re.compile(r"`([^`]+)`")
+
+
+def inline(text: str) -> str:
+    """`text` as HTML: escaped, and each `code` span (the terminal text's backticks) set as code."""
+    return _CODE.sub(r"<code>\1</code>", escape(text))
+
+
 def _table(rows: dict[str, str]) -> list[str]:
-    return ["<table>", *(f"<tr><th>{escape(label)}</th><td>{escape(value)}</td></tr>" for label, value in rows.items()), "</table>"]
+    return ["<table>", *(f"<tr><th>{inline(label)}</th><td>{inline(value)}</td></tr>" for label, value in rows.items()), "</table>"]
 
 
 def _data_uri(path: str) -> str:
@@ -53,19 +63,19 @@ def render_html(run: RunMetrics, diagnosis: Diagnosis, plots: PlotResult, *, out
     if not diagnosis.findings:
         parts.append('<p class="clean">No problems found in the steady part of the run.</p>')
     for finding in diagnosis.findings:
-        parts.append(f'<div class="finding" id="{escape(finding.key)}"><h3>{escape(finding.title)}</h3>')
-        parts.append("<p>Based on:</p><ul>" + "".join(f"<li>{escape(e)}</li>" for e in finding.evidence) + "</ul>")
-        parts.append("<p>What to change:</p><ul>" + "".join(f"<li>{escape(a)}</li>" for a in finding.advice) + "</ul></div>")
+        parts.append(f'<div class="finding" id="{escape(finding.key)}"><h3>{inline(finding.title)}</h3>')
+        parts.append("<p>Based on:</p><ul>" + "".join(f"<li>{inline(e)}</li>" for e in finding.evidence) + "</ul>")
+        parts.append("<p>What to change:</p><ul>" + "".join(f"<li>{inline(a)}</li>" for a in finding.advice) + "</ul></div>")
     if diagnosis.skipped:
-        parts.append("<h3>Not checked</h3><ul>" + "".join(f'<li class="note">{escape(s)}</li>' for s in diagnosis.skipped) + "</ul>")
+        parts.append("<h3>Not checked</h3><ul>" + "".join(f'<li class="note">{inline(s)}</li>' for s in diagnosis.skipped) + "</ul>")
 
     parts.append("<h2>Plots</h2>")
     for plot in plots.plots:
         parts.append(
             f'<figure id="{escape(plot.file)}"><img src="{_data_uri(os.path.join(out_dir, plot.file))}" alt="{escape(plot.title)}">'
-            f"<figcaption>{escape(plot.caption)}</figcaption></figure>"
+            f"<figcaption>{inline(plot.caption)}</figcaption></figure>"
         )
     if plots.skipped:
-        parts.append("<h3>Plots not drawn</h3><ul>" + "".join(f'<li class="note">{escape(s)}</li>' for s in plots.skipped) + "</ul>")
+        parts.append("<h3>Plots not drawn</h3><ul>" + "".join(f'<li class="note">{inline(s)}</li>' for s in plots.skipped) + "</ul>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"

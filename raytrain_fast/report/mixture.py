@@ -91,7 +91,19 @@ def mixture_lines(run: RunMetrics) -> list[str]:
     for s in shares:
         window = f"; worst log window {pct(s.worst_window_share)} (step {s.worst_window_step:,})" if s.worst_window_step else ""
         lines.append(f"  {s.name}: weight {pct(s.weight)}, realised {pct(s.share)} of {s.tokens:,.0f} tokens{window}")
+    if note := evaluated_sources_note(run, [s.name for s in shares]):
+        lines.append(f"  {note}")
     return lines
+
+
+def evaluated_sources_note(run: RunMetrics, names: list[str]) -> str | None:
+    """What val/loss covers when only some sources were evaluated (val/loss/<name> is recorded for those)."""
+    evaluated = [n for n in names if run.has(f"val/loss/{n}")]
+    left_out = [n for n in names if n not in evaluated]
+    if not evaluated or not left_out:
+        return None
+    return (f"val/loss covers {', '.join(evaluated)} only: {', '.join(left_out)} had no validation split "
+            "(its text is not evaluated)")
 
 
 def mixture_facts(run: RunMetrics) -> dict[str, Any]:

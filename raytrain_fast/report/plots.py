@@ -66,7 +66,8 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
                 labels += l
             if labels:
                 if spec.legend_loc == "below":  # nothing on the axes to cover: spikes, band and lines stay visible
-                    axis.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, fontsize="small", frameon=False)
+                    axis.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=_legend_columns(labels),
+                                fontsize="small", frameon=False)
                 else:
                     axis.legend(handles, labels, loc=spec.legend_loc, fontsize="small")
             figure.tight_layout()
@@ -75,6 +76,17 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
         finally:
             plt.close(figure)
     return PlotResult(plots=plots, skipped=skipped)
+
+
+_FIGURE_PX, _CHAR_PX, _ENTRY_PX = 760, 6.5, 45
+"""The plot's width and, at fontsize small, a label character's and a legend entry's handle and gaps (pixels at dpi 100)."""
+
+
+def _legend_columns(labels: list[str]) -> int:
+    """Columns of a legend below the axes that fit in the figure's width: a wider legend would widen the
+    saved image (bbox_inches="tight") and squeeze the plot into part of it."""
+    widest = max(len(label) for label in labels) * _CHAR_PX + _ENTRY_PX
+    return max(1, min(3, len(labels), int(_FIGURE_PX // widest)))
 
 
 def _resume_spans(run: RunMetrics, axis) -> None:
@@ -109,8 +121,24 @@ def _loss(run: RunMetrics, axis) -> str | None:
         return "train/loss was not recorded"
     axis.plot(steps, loss, marker=".", label="train/loss")
     _val_loss(run, axis)
+    _divergence_marks(run, axis, dict(zip(steps, loss)))
     axis.set_ylabel("loss")
     return None
+
+
+def _divergence_marks(run: RunMetrics, axis, loss_at: dict[int, float]) -> None:
+    """The uniform-guess loss once the run's loss has come near it, and each divergence episode's start."""
+    import math
+
+    from raytrain_fast.report.findings.finite_divergence import episodes
+
+    vocab = run.setting("model", "vocab_size")
+    if isinstance(vocab, int) and loss_at and max(loss_at.values()) > 0.5 * math.log(vocab):
+        axis.axhline(math.log(vocab), color="tab:red", linestyle=":", linewidth=1,
+                     label=f"uniform guess, ln({vocab}) = {math.log(vocab):.2f}")
+    starts = [int(r["step"]) for r in episodes(run)[0] if int(r["step"]) in loss_at]
+    if starts:
+        axis.scatter(starts, [loss_at[s] for s in starts], color="tab:red", marker="x", s=60, zorder=4, label="divergence")
 
 
 def _val_loss(run: RunMetrics, axis) -> None:

@@ -4,6 +4,7 @@ after warm-up, or a sustained climb far back from the run's best window."""
 from __future__ import annotations
 
 import math
+import shlex
 from typing import Any
 
 from raytrain_fast.loop.divergence import DivergenceCheck
@@ -72,8 +73,9 @@ def _finding(run: RunMetrics, record: dict[str, Any], source: str) -> Finding:
         storage = run.uri[: -len(run.name)].rstrip("/") or "."
         evidence.append(f"checkpoints in the run now: steps {', '.join(map(str, run.saved_steps))}; the one with the "
                         f"lowest loss is step {best_step} (checkpoint.keep_best keeps it)")
-        advice.append(f"use the checkpoint from before it: raytrain-fast export --storage {storage} --name {run.name} "
-                      f"--step {best_step} --out {run.name}-step{best_step}")
+        command = shlex.join(["raytrain-fast", "export", "--storage", storage, "--name", run.name, "--step", str(best_step),
+                              "--out", f"{run.name}-step{best_step}"])
+        advice.append(f"use the checkpoint from before it: `{command}`")
     title = (f"Training diverged without a NaN at step {step}: loss {loss:.4g}"
              + (f", above a uniform guess ({uniform:.4g})" if loss > uniform else f", up from a best of {best:.4g}"))
     return Finding(key="divergence", title=title, evidence=evidence, advice=advice, numbers={

@@ -1,0 +1,54 @@
+"""The next-step commands the command line prints after `prepare-data` and `train-tokenizer`, built
+to run as printed: quoted for a shell, and with every setting the data needs against the preset it
+will train (model.vocab_size for a tokenizer's vocabulary, model.max_seq_len for a longer window).
+tests/test_printed_commands.py runs them as printed."""
+
+from __future__ import annotations
+
+import shlex
+
+from raytrain_fast.config import load_config
+from raytrain_fast.config.root import DEFAULT_PRESET
+from raytrain_fast.data.readers import DEFAULT_TEXT_FIELD
+
+VOCAB_MULTIPLE = 64
+"""model.vocab_size is padded to a multiple of this (the fastest output-layer shapes)."""
+
+
+def model_vocab_size(tokenizer_vocab_size: int) -> int:
+    """The smallest multiple of VOCAB_MULTIPLE that holds every token id."""
+    return -(-tokenizer_vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def run_name_for(output: str) -> str:
+    """A run name of its own for a prepared dataset (under an existing run's name the command would
+    resume that run, and be refused, since its data differs)."""
+    base = output.rstrip("/").rsplit("/", 1)[-1]
+    name = "".join(c if c.isalnum() or c in "._-" else "-" for c in base).strip("-.") or "data"
+    return f"{name}-run"
+
+
+def train_command(*, data: str, seq_len: int, vocab_size: int, preset: str = DEFAULT_PRESET) -> str:
+    """`raytrain-fast pretrain ...` on prepared data (`data`, its `seq_len` and tokenizer vocabulary):
+    the preset's model with what the data needs changed, under a run name of its own."""
+    model = load_config(preset).model
+    sets = [f"data.source={data}", f"data.seq_len={seq_len}"]
+    if model_vocab_size(vocab_size) > model.vocab_size:
+        sets.append(f"model.vocab_size={model_vocab_size(vocab_size)}")
+    if seq_len > model.max_seq_len:
+        sets.append(f"model.max_seq_len={seq_len}")
+    return shlex.join(["raytrain-fast", "pretrain", "--name", run_name_for(data), *(word for s in sets for word in ("--set", s))])
+
+
+def prepare_command(*, inputs: list[str], output: str, tokenizer: str, text_field: str = DEFAULT_TEXT_FIELD,
+                    preset: str = DEFAULT_PRESET) -> str:
+    """`raytrain-fast prepare-data ...` of `inputs` with a trained tokenizer, at the preset's window."""
+    seq_len = load_config(preset).data.seq_len
+    words = ["raytrain-fast", "prepare-data", "--input", *inputs, "--output", output, "--seq-len", str(seq_len),
+             "--tokenizer", tokenizer]
+    if text_field != DEFAULT_TEXT_FIELD:
+        words += ["--text-field", text_field]
+    return shlex.join(words)
+
+
+__all__ = ["VOCAB_MULTIPLE", "model_vocab_size", "prepare_command", "run_name_for", "train_command"]
