@@ -7,6 +7,7 @@ Unknown keys and wrong types are collected as problems (never skipped silently),
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -23,7 +24,9 @@ def from_dict(cls: type, data: Any, *, path: str, problems: list[str]) -> Any:
         key_path = f"{path}.{key}" if path else str(key)
         if key not in fields:
             known = ", ".join(sorted(fields))
-            problems.append(f"unknown key '{key_path}' (known keys here: {known})")
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.7)
+            hint = f"did you mean '{f'{path}.{close[0]}' if path else close[0]}'? " if close else ""
+            problems.append(f"unknown key '{key_path}' ({hint}known keys here: {known})")
             continue
         kwargs[key] = coerce(hints[key], value, path=key_path, problems=problems)
     return cls(**kwargs)

@@ -1,6 +1,7 @@
-"""Fast, fault-tolerant GPT pretraining on Ray Train + DeepSpeed ZeRO-2: train (resuming where a run
-stopped), list runs and their checkpoints, export weights, report on a run, prepare data, train a
-tokenizer, sweep micro-batches and benchmark. `raytrain-fast <command> --help` shows a command's options."""
+"""Fast, fault-tolerant pretraining of decoder-only language models (the GPT and Llama families) on Ray
+Train + DeepSpeed ZeRO-2: train (resuming where a run stopped), list runs and their checkpoints, export
+weights, report on a run, prepare data, train a tokenizer, sweep micro-batches and benchmark.
+`raytrain-fast <command> --help` shows a command's options."""
 
 from __future__ import annotations
 
@@ -45,6 +46,19 @@ def _add_storage_args(parser: argparse.ArgumentParser) -> None:
 
 
 REGION_HELP = "S3 region (default: the AWS profile's or AWS_REGION)"
+DRILL_NAMES = ("fail_once_at", "record_sequences", "slow_data", "slow_step", "slow_sink", "slow_upload", "cpu_burn",
+               "hold_memory", "hang", "nonfinite", "spike")
+"""drills.specs.PARSERS' names (tests/test_printed_commands.py keeps them equal), listed without importing the drills."""
+PRETRAIN_EPILOG = """\
+the data (data.source; default: stdlib, this Python's standard library source):
+  --set data.source=./texts             a text, JSONL or Parquet file, directory or glob, prepared on the fly
+  --set data.source=./prepared          a dataset made by `raytrain-fast prepare-data` (or an s3:// URI)
+  --set data.text_field=content         the JSONL field or Parquet column of the text (default: text)
+  --set 'data.sources=[{source: ./a, weight: 0.7}, {source: ./b, weight: 0.3}]'   a weighted mixture
+config keys:
+  raytrain-fast show-config --reference   every key, its default and what it does
+  raytrain-fast show-config [--config PRESET] [--set ...]   the resolved config, validated, without running
+  docs: docs/configuration.md (presets, --set), docs/data.md (data.source, prepare-data, mixtures)"""
 TEXT_FIELD_HELP = ("the JSONL field or Parquet column that holds each document's text (default: text); several names, "
                    "comma-separated (content,text), take the first each record or file has")
 PROFILE_HELP = "named AWS profile for credentials (default: the usual AWS chain: environment, ~/.aws, instance role)"
@@ -153,7 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"raytrain-fast {_version()}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (any position)")
     commands = parser.add_subparsers(dest="command", required=True)
-    pretrain = add_command(commands, "pretrain", "train a GPT on Ray (local by default; resumes a run of the same name)")
+    pretrain = add_command(commands, "pretrain", "train a decoder-only LM (a GPT or Llama preset) on Ray (local by default; "
+                           "resumes a run of the same name)")
+    pretrain.epilog = PRETRAIN_EPILOG
+    pretrain.formatter_class = argparse.RawDescriptionHelpFormatter
     _add_config_args(pretrain, name_help="run name; the same name resumes the run (default: the preset's name)")
     pretrain.add_argument(
         "--resume", type=_resume_policy, default=None, metavar="{auto,must,never,STEP}",
@@ -164,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_argument(
         "--drill", action="append", default=[], metavar="NAME=SPEC",
         help="plant a problem to see how metrics and the report name it, e.g. slow_data=0.2 or fail_once_at=50:/tmp/m "
-        "(names: fail_once_at, record_sequences, slow_data, slow_step, slow_sink, slow_upload, cpu_burn, hold_memory, hang; see docs/development.md#drills)",
+        f"(names: {', '.join(DRILL_NAMES)}; see docs/development.md#drills)",
     )
 
     runs = add_command(commands, "runs", "list the runs under a storage URI, their checkpoints, steps and completeness")

@@ -61,8 +61,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrain_fast.bench.model_worker import COMPILED_VARIANTS, worker_main
-from raytrain_fast.errors import ConfigError, RaytrainFastError
+from raytrain_fast.bench.model_worker import COMPILED_VARIANTS, VariantProcess, stopped_by_sigterm
+from raytrain_fast.errors import ConfigError
 
 
 VARIANTS = ("bare", "engine", "engine_ac", "engine_compiled", "engine_compiled_ac")
@@ -127,45 +127,6 @@ class ModelBenchSetup:
 
 def _say(message: str) -> None:
     print(f"[bench model] {message}", file=sys.stderr, flush=True)
-
-
-class _Worker:
-    """The parent's handle on one variant's process."""
-
-    def __init__(self, context: Any, job: dict[str, Any]) -> None:
-        self.name = job["name"]
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=worker_main, args=(child, job), name=f"bench-model-{self.name}", daemon=True)
-        self.process.start()
-        child.close()
-
-    def ask(self, command: str, argument: Any = None) -> dict[str, Any]:
-        self.conn.send((command, argument))
-        return self.answer()
-
-    def answer(self, timeout_s: float | None = None) -> dict[str, Any]:
-        if timeout_s is not None and not self.conn.poll(timeout_s):
-            raise RaytrainFastError(f"bench model: variant '{self.name}' did not finish its setup in {timeout_s:.0f} s")
-        try:
-            status, value = self.conn.recv()
-        except EOFError:
-            self.process.join(5)
-            raise RaytrainFastError(
-                f"bench model: the process of variant '{self.name}' died (exit code {self.process.exitcode}; "
-                "killed for memory? try a smaller --micro-batch or --seq-len, or fewer --variants)"
-            ) from None
-        if status != "ok":
-            raise RaytrainFastError(f"bench model: variant '{self.name}' failed:\n{value}")
-        return value
-
-    def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            self.conn.send(("exit", None))
-        self.process.join(30)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(10)
-        self.conn.close()
 
 
 class _LocalCoordinator:
@@ -304,11 +265,16 @@ def _cold_compile_caches(jobs: list[dict[str, Any]]) -> Any:
 
 def _measure(setup: ModelBenchSetup, jobs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Start every variant's process, warm each up in turn, then the timed rounds, one run at a time."""
+    with stopped_by_sigterm() as stopped:
+        return _measure_in(setup, jobs, stopped)
+
+
+def _measure_in(setup: ModelBenchSetup, jobs: list[dict[str, Any]], stopped: list[int]) -> dict[str, dict[str, Any]]:
     context = multiprocessing.get_context("spawn")
-    workers: list[_Worker] = []
+    workers: list[VariantProcess] = []
     try:
         _say(f"setting up {len(jobs)} variant process(es) at once...")
-        workers = [_Worker(context, job) for job in jobs]
+        workers = [VariantProcess(context, job) for job in jobs]
         results: dict[str, dict[str, Any]] = {}
         for worker in workers:
             results[worker.name] = {"info": worker.answer(timeout_s=_SETUP_TIMEOUT_S), "rounds": []}
@@ -343,7 +309,7 @@ def _measure(setup: ModelBenchSetup, jobs: list[dict[str, Any]]) -> dict[str, di
         return results
     finally:
         for worker in workers:
-            worker.stop()
+            worker.stop(now=bool(stopped))
 
 
 def _load_average() -> float | None:

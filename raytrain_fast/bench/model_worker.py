@@ -1,6 +1,7 @@
 """One variant of `raytrain-fast bench model` in its own process: builds the model and engine (or the
 bare optimizer), then answers the parent's commands over a pipe: info, warm-up, timed steps, memory,
-close. Memory statistics: bench/model.py's docstring."""
+close; and the bench's handle on it (`VariantProcess`), which ends it with the bench, SIGTERM included.
+Memory statistics: bench/model.py's docstring."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import os
 import time
 import traceback
 from typing import Any
+
+from raytrain_fast.errors import RaytrainFastError
 
 
 ENGINE_VARIANTS = {"engine", "engine_ac", "engine_compiled", "engine_compiled_ac"}
@@ -181,8 +184,23 @@ class _Variant:
             dist.destroy_process_group()
 
 
+def _end_with_parent() -> None:
+    """Linux: this process is killed when the bench's process ends, however it ends (SIGKILL too), so
+    a variant never runs on alone in the middle of a long setup or round."""
+    import ctypes
+    import multiprocessing
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it ended before the line above
+        os._exit(1)
+
+
 def worker_main(conn: Any, job: dict[str, Any]) -> None:
     """A variant's process: set up, then answer (command, argument) messages until `exit`."""
+    _end_with_parent()
     os.dup2(2, 1)  # DeepSpeed and torch print to stdout; the bench's stdout carries only its JSON
     os.environ.update(job["env"])
     variant = None
@@ -204,3 +222,69 @@ def worker_main(conn: Any, job: dict[str, Any]) -> None:
             with contextlib.suppress(Exception):
                 variant.close()
         conn.close()
+
+
+class VariantProcess:
+    """The parent's handle on one variant's process."""
+
+    def __init__(self, context: Any, job: dict[str, Any]) -> None:
+        self.name = job["name"]
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=worker_main, args=(child, job), name=f"bench-model-{self.name}", daemon=True)
+        self.process.start()
+        child.close()
+
+    def ask(self, command: str, argument: Any = None) -> dict[str, Any]:
+        self.conn.send((command, argument))
+        return self.answer()
+
+    def answer(self, timeout_s: float | None = None) -> dict[str, Any]:
+        if timeout_s is not None and not self.conn.poll(timeout_s):
+            raise RaytrainFastError(f"bench model: variant '{self.name}' did not finish its setup in {timeout_s:.0f} s")
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RaytrainFastError(
+                f"bench model: the process of variant '{self.name}' died (exit code {self.process.exitcode}; "
+                "killed for memory? try a smaller --micro-batch or --seq-len, or fewer --variants)"
+            ) from None
+        if status != "ok":
+            raise RaytrainFastError(f"bench model: variant '{self.name}' failed:\n{value}")
+        return value
+
+    def stop(self, *, now: bool = False) -> None:
+        """Ask the process to exit (`now`: end it at once, the bench itself was stopped)."""
+        if not now:
+            with contextlib.suppress(Exception):
+                self.conn.send(("exit", None))
+            self.process.join(30)
+        for end in (self.process.terminate, self.process.kill):
+            if self.process.is_alive():
+                end()
+                self.process.join(5)
+        self.conn.close()
+
+
+@contextlib.contextmanager
+def stopped_by_sigterm():
+    """SIGTERM (`kill`, a job's stop) becomes SystemExit(143) in the main thread, so the variant
+    processes are ended on the way out instead of outliving the bench; yields a list that holds
+    the signal's number once it came."""
+    import signal
+    import threading
+
+    came: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        came.append(signum)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGTERM, previous)

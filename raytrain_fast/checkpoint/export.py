@@ -32,7 +32,7 @@ from raytrain_fast.checkpoint.verify import list_checkpoint_dirs
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.model import GPT, ModelConfig, model_class
 from raytrain_fast.config.storage import StorageConfig
-from raytrain_fast.storage.filesystem import resolve_filesystem
+from raytrain_fast.storage.filesystem import resolve_filesystem, uri_of
 
 WEIGHTS_FILE = "model.safetensors"
 # An export writes its config.yaml under the same name as the run config in a checkpoint
@@ -264,7 +264,7 @@ def export_checkpoint(
             local_dir, out_dir, model_config=model_config, dtype=dtype, format=format, storage=storage,
             tokenizer=tokenizer, max_shard_bytes=max_shard_bytes,
             metadata={
-                "run": name, "step": checkpoint_step, "checkpoint": path,
+                "run": name, "step": checkpoint_step, "checkpoint": uri_of(path, like=storage_uri),
                 "skipped": [{"checkpoint": p.rsplit("/", 1)[-1], "reason": r} for p, r in skipped],
             },
         )

@@ -202,12 +202,28 @@ def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...
         data["name"] = name
     structure: list[str] = []
     loaded = from_dict(Config, data, path="", problems=structure)
-    problems.extend(structure)
+    problems.extend(_in_another_section(problem) for problem in structure)
     if problems:
         raise ConfigError(problems, source=str(path) + (" with --set overrides" if overrides else ""))
     if loaded.name is None:  # an old preset name stays the run's name: the run resumes under it
         loaded = dataclasses.replace(loaded, name=config if config in PRESET_ALIASES else path.stem)
     return loaded
+
+
+_UNKNOWN_KEY = re.compile(r"^unknown key '([A-Za-z_]+)\.([A-Za-z_]+)' \((?!did you mean)")
+
+
+def _in_another_section(problem: str) -> str:
+    """An unknown `section.key` whose key is a key of another section (train.lr: optim.lr) says so."""
+    match = _UNKNOWN_KEY.match(problem)
+    if not match:
+        return problem
+    section, key = match.groups()
+    homes = [f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)
+             and f.name != section and key in {g.name for g in dataclasses.fields(f.default_factory)}]  # type: ignore[arg-type]
+    if not homes:
+        return problem
+    return problem.replace(" (", f" (did you mean '{homes[0]}.{key}'? ", 1)
 
 
 def reference_markdown() -> str:

@@ -22,7 +22,7 @@ from raytrain_fast.launch.checks import (
 )
 from raytrain_fast.loop.health import DIVERGENCE_KEY
 from raytrain_fast.loop.hooks import LoopHooks, WindowCallback
-from raytrain_fast.storage import resolve_filesystem
+from raytrain_fast.storage import resolve_filesystem, uri_of
 from raytrain_fast.storage.filesystem import checksum_env
 
 logger = logging.getLogger("raytrain_fast")
@@ -177,7 +177,7 @@ def kept_checkpoints(config: Config) -> list[tuple[str, dict]]:
     for _, path in reversed(list_checkpoint_dirs(filesystem, f"{root.rstrip('/')}/{config.name}")):
         if verify_checkpoint(filesystem, path, checksums=False)[0]:
             with filesystem.open_input_stream(f"{path}/{STATE_FILE}") as stream:
-                kept.append((path, TrainState.from_json(stream.read().decode()).metrics))
+                kept.append((uri_of(path, like=config.storage.uri), TrainState.from_json(stream.read().decode()).metrics))
     return kept
 
 

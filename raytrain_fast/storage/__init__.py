@@ -9,6 +9,7 @@ from raytrain_fast.storage.filesystem import (
     check_uri,
     is_remote,
     resolve_filesystem,
+    uri_of,
     split_s3_uri,
     uri_problem,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "redact_text",
     "resolve_credentials",
     "resolve_filesystem",
+    "uri_of",
     "split_s3_uri",
     "store_corruption_hint",
     "uri_problem",

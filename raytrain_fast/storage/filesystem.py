@@ -141,6 +141,12 @@ def use_shipped_s3_filesystem(storage: StorageConfig, filesystem: pafs.FileSyste
     _SHIPPED[_endpoint_key(storage)] = filesystem
 
 
+def uri_of(path: str, *, like: str) -> str:
+    """A path inside the filesystem of URI `like` (resolve_filesystem's second value, or below it) as
+    the user names it: s3://bucket/... on S3, the path itself on local disk."""
+    return f"s3://{path}" if like.startswith("s3://") and not path.startswith("s3://") else path
+
+
 def resolve_filesystem(uri: str, storage: StorageConfig) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it) for a local path or an s3:// URI. The path has no scheme."""
     if uri.startswith("s3://"):
