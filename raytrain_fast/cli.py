@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 import traceback
@@ -285,8 +286,9 @@ def sweep(args: argparse.Namespace) -> int:
         print("No trial ran to the end: see the reasons above.")
         return 1
     swept = f", activation_checkpointing={result.best.activation_checkpointing}" if checkpointing is not None else ""
-    print(f"Best: micro_batch={result.best.micro_batch}, grad_accum={result.best.grad_accum}{swept}. "
-          f"Train with: raytrain-fast pretrain --config {result.best_config_path}")
+    print(f"Best: micro_batch={result.best.micro_batch}, grad_accum={result.best.grad_accum}{swept}"
+          + (f" ({result.unresolved})" if result.unresolved else "") + ".")
+    print(f"Train with: raytrain-fast pretrain --config {shlex.quote(result.best_config_path)}")
     return 0
 
 
@@ -374,7 +376,8 @@ def prepare_data(args: argparse.Namespace) -> int:
 
     held_out = f" (+ {manifest.validation.num_sequences:,} held out for validation)" if manifest.validation else " (no validation split)"
     print(f"Prepared {manifest.num_sequences:,} sequences of {args.seq_len + 1} tokens in {args.output}{held_out}")
-    print(f"Train on it: {train_command(data=args.output, seq_len=args.seq_len, vocab_size=manifest.tokenizer.vocab_size)}")
+    s3 = {"endpoint_url": args.endpoint_url, "region": args.region, "profile": args.profile}
+    print(f"Train on it: {train_command(data=args.output, seq_len=args.seq_len, vocab_size=manifest.tokenizer.vocab_size, storage=s3)}")
     return 0
 
 

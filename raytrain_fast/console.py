@@ -9,6 +9,7 @@ descriptor cannot be reached from here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -44,7 +45,21 @@ NOISE_WITH_TRACEBACK = (
     "Failed to send resource request for train-",
 )
 """Like NOISE, and the traceback lines that follow from the same process go too."""
-_TRACEBACK_LINE = re.compile(r"^(Traceback |  |During handling|The above exception|[\w.]+(Error|Exception)\b|$)")
+SWEEP_NOISE_WITH_TRACEBACK = (
+    # A trial's worker when its training function raised: a trial over the memory budget, or any other
+    # failure; the sweep's table gives its one-line reason and Tune's error.txt under tune/ the whole error.
+    "Error in training function:",
+    # A trial's actor (run_trial), which Tune ends with SIGTERM once the trial is over: Ray's handler raises
+    # SystemExit inside whatever runs then, and Python reports it as ignored. Nothing is wrong.
+    "Exception ignored in:",
+)
+"""Like NOISE_WITH_TRACEBACK while a sweep's trials run (`quiet_lines`): expected outcomes, each one line of the table."""
+_TRACEBACK_LINE = re.compile(
+    r"^(Traceback |  |\t|During handling|The above exception|The actor is dead because|[\w.]+(: .*)?$|$)"
+)
+"""A line of a traceback (its frames, the exception line, an actor-death error's indented details)."""
+_EXTRA_WITH_TRACEBACK: list[str] = []
+"""NOISE_WITH_TRACEBACK added for a while (`quiet_lines`)."""
 _PREFIX = re.compile(r"^(\(\S+ pid=\S+?\) )")
 
 
@@ -93,7 +108,7 @@ class ConsoleStream:
             if prefix == self._traceback_of and _TRACEBACK_LINE.match(line[len(prefix):].rstrip("\n")):
                 return True
             self._traceback_of = None
-        if any(n in line for n in NOISE_WITH_TRACEBACK):
+        if any(n in line for n in (*NOISE_WITH_TRACEBACK, *_EXTRA_WITH_TRACEBACK)):
             self._traceback_of = prefix
             return True
         return any(n in line for n in NOISE)
@@ -108,7 +123,7 @@ class ConsoleStream:
         if self._dropped_open_line and text.startswith("\n"):
             text = text[1:]
         self._dropped_open_line = False
-        if self._traceback_of is not None or any(noise in text for noise in NOISE + NOISE_WITH_TRACEBACK):
+        if self._traceback_of is not None or any(noise in text for noise in (*NOISE, *NOISE_WITH_TRACEBACK, *_EXTRA_WITH_TRACEBACK)):
             lines = text.splitlines(keepends=True)
             kept = [line for line in lines if not self._is_noise(line)]
             self._dropped_open_line = bool(lines) and lines[-1] not in kept and not lines[-1].endswith("\n")
@@ -121,6 +136,18 @@ class ConsoleStream:
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def quiet_lines(with_traceback: tuple[str, ...]):
+    """Within the block, lines holding one of `with_traceback` are dropped from the console with the
+    traceback lines that follow them from the same process (a sweep's expected trial outcomes)."""
+    _EXTRA_WITH_TRACEBACK.extend(with_traceback)
+    try:
+        yield
+    finally:
+        for line in with_traceback:
+            _EXTRA_WITH_TRACEBACK.remove(line)
 
 
 def configure_console() -> None:

@@ -28,11 +28,15 @@ def run_name_for(output: str) -> str:
     return f"{name}-run"
 
 
-def train_command(*, data: str, seq_len: int, vocab_size: int, preset: str = DEFAULT_PRESET) -> str:
+def train_command(*, data: str, seq_len: int, vocab_size: int, preset: str = DEFAULT_PRESET,
+                  storage: dict[str, str | None] | None = None) -> str:
     """`raytrain-fast pretrain ...` on prepared data (`data`, its `seq_len` and tokenizer vocabulary):
-    the preset's model with what the data needs changed, under a run name of its own."""
+    the preset's model with what the data needs changed, under a run name of its own. `storage`: the
+    S3 settings (endpoint_url, region, profile) the data was written with, for data in a bucket."""
     model = load_config(preset).model
     sets = [f"data.source={data}", f"data.seq_len={seq_len}"]
+    if data.startswith("s3://"):
+        sets += [f"storage.{key}={value}" for key, value in (storage or {}).items() if value]
     if model_vocab_size(vocab_size) > model.vocab_size:
         sets.append(f"model.vocab_size={model_vocab_size(vocab_size)}")
     if seq_len > model.max_seq_len:

@@ -133,3 +133,51 @@ def test_an_expected_backend_shutdown_traceback_is_dropped_whole():
     )
     print(f"{p}Traceback (most recent call last):", file=stream)  # another process's traceback is kept
     assert out.getvalue() == f"(RayTrainWorker pid=8) step 4/6  loss 3.1\n{p}Traceback (most recent call last):\n", out.getvalue()
+
+
+def test_an_actor_death_dump_goes_with_its_traceback():
+    import io
+
+    from raytrain_fast.console import ConsoleStream
+
+    out = io.StringIO()
+    stream = ConsoleStream(out)
+    p = "(TrainController pid=27519) "
+    stream.write(
+        f"{p}Graceful shutdown of backend failed. This is expected if one of the workers has crashed.\n"
+        f"{p}Traceback (most recent call last):\n"
+        f"{p}ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.\n"
+        f"{p}\tclass_name: RayTrainWorker\n{p}\tactor_id: 485d2ae3ab73e0190e3ad64b01000000\n{p}\tpid: 28186\n"
+        f"{p}The actor is dead because its worker process has died. Worker exit type: INTENDED_SYSTEM_EXIT\n"
+        "(RayTrainWorker pid=29165) step 1/6  loss 8.1558\n"
+    )
+    assert out.getvalue() == "(RayTrainWorker pid=29165) step 1/6  loss 8.1558\n", out.getvalue()
+
+
+def test_a_sweeps_expected_trial_outcomes_leave_no_traceback_while_its_trials_run():
+    import io
+
+    from raytrain_fast.console import SWEEP_NOISE_WITH_TRACEBACK, ConsoleStream, quiet_lines
+
+    over_budget = (
+        "(RayTrainWorker pid=29165) Error in training function:\n"
+        "(RayTrainWorker pid=29165) Traceback (most recent call last):\n"
+        '(RayTrainWorker pid=29165)   File "raytrain_fast/sweep/trial.py", line 41, in report_window\n'
+        "(RayTrainWorker pid=29165)     raise MemoryBudgetExceeded(\n"
+        "(RayTrainWorker pid=29165) raytrain_fast.microbatch.plan.MemoryBudgetExceeded: peak memory 1.075 GB > "
+        "resources.memory_budget_gb 0.900 GB at step 1\n"
+        "(RayTrainWorker pid=29165) \n"
+    )
+    ended = (
+        "(run_trial pid=25896) Exception ignored in: <function WeakSet.__init__.<locals>._remove at 0x7feb810b2660>\n"
+        "(run_trial pid=25896) Traceback (most recent call last):\n"
+        '(run_trial pid=25896)   File "ray/_private/worker.py", line 1063, in sigterm_handler\n'
+        "(run_trial pid=25896) SystemExit: 1\n"
+    )
+    out = io.StringIO()
+    with quiet_lines(SWEEP_NOISE_WITH_TRACEBACK):
+        ConsoleStream(out).write(over_budget + ended + "Sweep 'tiny-sweep' (1 trial(s) at a time):\n")
+    assert out.getvalue() == "Sweep 'tiny-sweep' (1 trial(s) at a time):\n", out.getvalue()
+    outside = io.StringIO()
+    ConsoleStream(outside).write(over_budget)  # a training run's own failure stays on the console
+    assert "MemoryBudgetExceeded" in outside.getvalue()

@@ -96,6 +96,44 @@ def test_rows_table_and_reasons():
     assert failure_reason(chained).startswith("over memory budget: peak memory 1.20 GB")
 
 
+def _trial(micro_batch: int, speeds: list[float], load: float = 0.5) -> SweepRow:
+    reports = [{"step": 2 * (i + 1), "throughput/tokens_per_sec": v, "host/load_per_cpu": load, "train/loss": 3.0}
+               for i, v in enumerate([1.0, *speeds])]  # the first window is warm-up
+    return row_from_reports(micro_batch=micro_batch, grad_accum=16 // micro_batch, reports=reports, steps=2 * len(reports), error=None)
+
+
+def test_a_lead_within_the_windows_spread_is_not_resolved_and_the_load_is_named():
+    from raytrain_fast.sweep.results import load_note, resolution
+
+    clear = [_trial(4, [5000, 5100, 4950]), _trial(8, [6000, 6100, 5900])]
+    assert resolution(clear, objective="tokens_per_sec") == ""
+    noisy = [_trial(4, [3000, 5200, 4900], load=3.5), _trial(8, [5100, 5300, 4000], load=6.0)]
+    why = resolution(noisy, objective="tokens_per_sec")
+    assert why.startswith("not resolved: micro-batch 8 leads micro-batch 4 by 200 tokens/s, less than the 2,200")
+    assert pick_best(noisy, objective="tokens_per_sec").micro_batch == 8  # still the median's best, said to be unsure
+    table = format_table(noisy, notes=[load_note(noisy)])
+    assert "5,100 [4,000-5,300]" in table and "3.50 to 6.00 across trials" in table and "other processes shared" in table
+    assert resolution(noisy, objective="loss") == ""
+
+
+def test_the_best_config_has_its_own_run_name_and_only_what_differs_from_the_defaults(tmp_path):
+    import yaml
+
+    from raytrain_fast.sweep.results import best_config_yaml
+
+    config = load_config("tiny", ["engine.precision=fp32", "train.steps=50"])
+    best = _trial(8, [6000, 6100, 5900])
+    text = best_config_yaml(config, best, sweep_name="tiny-sweep", objective="tokens_per_sec")
+    saved = yaml.safe_load(text)
+    assert saved["name"] == "tiny-mb8" and saved["train"] == {"steps": 50, "micro_batch": 8, "grad_accum": 2}
+    assert "eval" not in saved and "log_every" not in saved["train"] and "checkpoint" not in saved
+    path = tmp_path / "best.yaml"
+    path.write_text(text)
+    loaded = load_config(str(path))
+    assert loaded.name == "tiny-mb8" and loaded.engine.precision == "fp32"
+    assert (loaded.model, loaded.data, loaded.optim) == (config.model, config.data, config.optim)
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_trial_error_through_ray_gets_the_shared_reason(ray_session):

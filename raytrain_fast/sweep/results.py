@@ -38,6 +38,13 @@ class SweepRow:
     "over memory budget: ...", "<ErrorType>: ...")."""
     tokens_per_sec: float | None = None
     """Median over the trial's log windows after the first (warm-up), all workers together."""
+    tokens_per_sec_min: float | None = None
+    tokens_per_sec_max: float | None = None
+    """The slowest and fastest of those windows: how far one trial's own windows spread."""
+    windows: int = 0
+    """Log windows after the first that the median is over."""
+    load_per_cpu: float | None = None
+    """Median 1-minute load average per CPU of the node over the trial's windows (host/load_per_cpu)."""
     mfu: float | None = None
     """Against the datasheet peak (absent on CPUs and unlisted devices)."""
     mfu_measured_peak: float | None = None
@@ -68,6 +75,7 @@ def row_from_reports(*, micro_batch: int, grad_accum: int, reports: list[dict[st
     def series(name: str, windows: list[dict[str, Any]]) -> list[float]:
         return [float(r[name]) for r in windows if r.get(name) is not None and r[name] == r[name]]  # not NaN
 
+    speeds = series("throughput/tokens_per_sec", steady)
     peaks = series("memory/peak_gb", reports)
     fracs = series("memory/peak_frac", reports)
     losses = series("train/loss", reports)
@@ -82,7 +90,8 @@ def row_from_reports(*, micro_batch: int, grad_accum: int, reports: list[dict[st
     return SweepRow(
         micro_batch=micro_batch, grad_accum=grad_accum, activation_checkpointing=activation_checkpointing, status=status,
         reason=error or ("early: more than 10% behind the best trial at the same window" if status == "stopped" else ""),
-        tokens_per_sec=_median(series("throughput/tokens_per_sec", steady)),
+        tokens_per_sec=_median(speeds), tokens_per_sec_min=min(speeds, default=None), tokens_per_sec_max=max(speeds, default=None),
+        windows=len(speeds), load_per_cpu=_median(series("host/load_per_cpu", reports)),
         mfu=_median(series("throughput/mfu", steady)),
         mfu_measured_peak=_median(series("throughput/mfu_measured_peak", steady)),
         peak_gb=max(peaks) if peaks else None, peak_frac=max(fracs) if fracs else None,
@@ -104,18 +113,56 @@ def pick_best(rows: list[SweepRow], *, objective: str) -> SweepRow | None:
     return best
 
 
+def resolution(rows: list[SweepRow], *, objective: str) -> str:
+    """Whether the best trial's lead over the next is larger than the trials' own noise: "" when it
+    is (or there is nothing to compare), else one line saying it is not resolved, with the numbers.
+    The noise is the spread of a trial's windows (fastest - slowest); the lead is the gap between
+    the two medians, trials stopped early among them (they were stopped on the same noisy windows).
+    Judged on tokens/s (the loss objectives compare one value per trial)."""
+    done = sorted((r for r in rows if r.status in (OK, "stopped") and r.tokens_per_sec is not None and r.windows >= 2),
+                  key=lambda r: r.tokens_per_sec, reverse=True)
+    if objective != "tokens_per_sec" or len(done) < 2:
+        return ""
+    first, second = done[0], done[1]
+    gap = first.tokens_per_sec - second.tokens_per_sec
+    spread = max(first.tokens_per_sec_max - first.tokens_per_sec_min, second.tokens_per_sec_max - second.tokens_per_sec_min)
+    if spread <= gap:
+        return ""
+    return (f"not resolved: {_label(first)} leads {_label(second)} by {gap:,.0f} tokens/s, less than the {spread:,.0f} "
+            "tokens/s its own windows spread over (fastest - slowest window of one trial); rerun with more --steps, "
+            "on a quieter machine, before trusting the order")
+
+
+def load_note(rows: list[SweepRow]) -> str:
+    """The machine load the trials saw (host/load_per_cpu), or "" when none was recorded."""
+    loads = [r.load_per_cpu for r in rows if r.load_per_cpu is not None]
+    if not loads:
+        return ""
+    busy = " (above 1: other processes shared the CPUs, and tokens/s moved with them)" if max(loads) > 1 else ""
+    return (f"load/CPU: the machine's 1-minute load average per CPU during each trial (host/load_per_cpu): "
+            + (f"{loads[0]:.2f}" if len(loads) == 1 else f"{min(loads):.2f} to {max(loads):.2f} across trials") + busy)
+
+
+def _label(row: SweepRow) -> str:
+    checkpointing = f" ({row.activation_checkpointing})" if row.activation_checkpointing not in ("", "none") else ""
+    return f"micro-batch {row.micro_batch}{checkpointing}"
+
+
 def _order(row: SweepRow) -> tuple[int, int]:
     """Micro-batch order; within one micro-batch, none, full, every_n (a skipped row first)."""
     setting = row.activation_checkpointing
     return row.micro_batch, ACTIVATION_CHECKPOINTING.index(setting) if setting in ACTIVATION_CHECKPOINTING else -1
 
 
-def format_table(rows: list[SweepRow]) -> str:
+def format_table(rows: list[SweepRow], *, notes: list[str] = ()) -> str:
     """The terminal table, one line per trial (or skipped micro-batch), in micro-batch order. An
-    activation-checkpointing column when a row has it on (a sweep over it, or a config with it)."""
+    activation-checkpointing column when a row has it on (a sweep over it, or a config with it).
+    tokens/s is the median of the trial's windows, with the slowest and fastest in brackets."""
     measured_only = any(r.mfu is None and r.mfu_measured_peak is not None for r in rows)
     checkpointing = any(r.activation_checkpointing not in ("", "none") for r in rows)
-    header = ["micro-batch", "accum", *(["act. ckpt"] if checkpointing else []), "tokens/s", "MFU", "peak memory", "status"]
+    loads = any(r.load_per_cpu is not None for r in rows)
+    header = ["micro-batch", "accum", *(["act. ckpt"] if checkpointing else []), "tokens/s", "MFU", "peak memory",
+              *(["load/CPU"] if loads else []), "status"]
     lines = []
     for r in sorted(rows, key=_order):
         if r.mfu is not None:
@@ -129,7 +176,7 @@ def format_table(rows: list[SweepRow]) -> str:
         lines.append([
             str(r.micro_batch), "-" if r.grad_accum is None else str(r.grad_accum),
             *([r.activation_checkpointing or "-"] if checkpointing else []),
-            "-" if r.tokens_per_sec is None else f"{r.tokens_per_sec:,.0f}", mfu, peak, status,
+            _speed(r), mfu, peak, *([("-" if r.load_per_cpu is None else f"{r.load_per_cpu:.2f}")] if loads else []), status,
         ])
     columns = len(header) - 1  # right-aligned; the status last, as it comes
     widths = [max(len(header[i]), *(len(line[i]) for line in lines)) if lines else len(header[i]) for i in range(columns)]
@@ -139,7 +186,18 @@ def format_table(rows: list[SweepRow]) -> str:
         out.append("* against the matmul peak measured on this device (it has no datasheet peak)")
     if any(r.peak_frac is not None for r in rows):
         out.append("peak memory (%): share of the device's memory, or of resources.memory_budget_gb on CPUs")
+    if any(r.windows >= 2 for r in rows):
+        out.append("tokens/s: the median of a trial's log windows after the first [its slowest - fastest window]")
+    out += [note for note in notes if note]
     return "\n".join(out)
+
+
+def _speed(row: SweepRow) -> str:
+    if row.tokens_per_sec is None:
+        return "-"
+    if row.windows < 2 or row.tokens_per_sec_min is None or row.tokens_per_sec_max is None:
+        return f"{row.tokens_per_sec:,.0f}"
+    return f"{row.tokens_per_sec:,.0f} [{row.tokens_per_sec_min:,.0f}-{row.tokens_per_sec_max:,.0f}]"
 
 
 def to_csv(rows: list[SweepRow]) -> str:
@@ -155,11 +213,34 @@ def to_json(rows: list[SweepRow], *, summary: dict[str, Any]) -> str:
     return json.dumps({**summary, "trials": [dataclasses.asdict(r) for r in sorted(rows, key=_order)]}, indent=2)
 
 
+def best_run_name(config: Config, best: SweepRow) -> str:
+    """The best config's own run name (under the sweep's base name it would resume that run, whose
+    checkpoints may hold another precision or batch split)."""
+    checkpointing = f"-ac-{best.activation_checkpointing}" if best.activation_checkpointing not in ("", config.model.activation_checkpointing) else ""
+    return f"{config.name or 'run'}-mb{best.micro_batch}{checkpointing}"
+
+
+def changed_settings(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The keys of `values` (a config's dict) that differ from `defaults`, section by section."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        default = defaults.get(key)
+        if isinstance(value, dict) and isinstance(default, dict):
+            if changed := changed_settings(value, default):
+                out[key] = changed
+        elif value != default:
+            out[key] = value
+    return out
+
+
 def best_config_yaml(config: Config, best: SweepRow, *, sweep_name: str, objective: str) -> str:
-    """The user's config with the winning micro-batch and accumulation (global batch unchanged), and
-    its activation checkpointing where that is not the config's own."""
+    """The user's config (the preset or file, and their --set values) with the winning micro-batch
+    and accumulation (global batch unchanged), its activation checkpointing where that is not the
+    config's own, and a run name of its own; written as the keys that differ from the defaults, so
+    nothing the sweep set for its trials alone (their steps, logging, evaluation) is in it."""
     chosen = dataclasses.replace(
-        config, train=dataclasses.replace(config.train, micro_batch=best.micro_batch, grad_accum=best.grad_accum)
+        config, name=best_run_name(config, best),
+        train=dataclasses.replace(config.train, micro_batch=best.micro_batch, grad_accum=best.grad_accum),
     )
     checkpointing = ""
     if best.activation_checkpointing and best.activation_checkpointing != config.model.activation_checkpointing:
@@ -176,6 +257,7 @@ def best_config_yaml(config: Config, best: SweepRow, *, sweep_name: str, objecti
     header = (
         f"# Written by `raytrain-fast sweep` ({sweep_name}): micro_batch={best.micro_batch} x grad_accum={best.grad_accum}"
         f" x {config.resources.num_workers} worker(s) = global batch {config.train.global_batch}{checkpointing} ({what}).\n"
+        f"# Your config and --set values with the sweep's choice, as the keys that differ from the defaults; run '{chosen.name}'.\n"
         "# Train with: raytrain-fast pretrain --config <this file>\n"
     )
-    return header + yaml.safe_dump(redact(chosen.to_dict()), sort_keys=False)
+    return header + yaml.safe_dump(changed_settings(redact(chosen.to_dict()), Config().to_dict()), sort_keys=False)

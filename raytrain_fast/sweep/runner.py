@@ -29,7 +29,9 @@ from raytrain_fast.sweep.results import (
     SweepRow,
     best_config_yaml,
     format_table,
+    load_note,
     pick_best,
+    resolution,
     row_from_reports,
     to_csv,
     to_json,
@@ -73,6 +75,8 @@ class SweepResult:
     max_concurrent_trials: int
     table: str = ""
     files: dict[str, str] = field(default_factory=dict)
+    unresolved: str = ""
+    """Why the best trial's lead is within its windows' noise ("" when it is not: results.resolution)."""
 
 
 def plan(config: Config, micro_batches: list[int] | None) -> tuple[list[tuple[int, int]], list[SweepRow]]:
@@ -143,10 +147,11 @@ def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False) -
     grid = _run_trials(sweep, spec, [m for m, _ in runnable])
     rows = skipped + _trial_rows(sweep, grid, dict(runnable))
     best = pick_best(rows, objective=spec.objective)
-    files, best_path = _write_results(sweep, spec, rows, best)
+    unresolved = resolution(rows, objective=spec.objective)
+    files, best_path = _write_results(sweep, spec, rows, best, unresolved=unresolved)
     return SweepResult(
-        name=sweep.name, uri=sweep.uri, rows=rows, best=best, best_config_path=best_path,
-        max_concurrent_trials=sweep.concurrency, table=format_table(rows), files=files,
+        name=sweep.name, uri=sweep.uri, rows=rows, best=best, best_config_path=best_path, unresolved=unresolved,
+        max_concurrent_trials=sweep.concurrency, table=format_table(rows, notes=[load_note(rows)]), files=files,
     )
 
 
@@ -298,7 +303,9 @@ def _run_trials(sweep: _Sweep, spec: SweepSpec, micro_batches: list[int]):
             storage_filesystem=sweep.filesystem if sweep.remote else None, verbose=0, callbacks=[_release_stopped_trial()],
         ),
     )
-    with _quiet_tune():
+    from raytrain_fast.console import SWEEP_NOISE_WITH_TRACEBACK, quiet_lines
+
+    with _quiet_tune(), quiet_lines(SWEEP_NOISE_WITH_TRACEBACK):
         return tuner.fit()
 
 
@@ -344,7 +351,7 @@ def _trial_rows(sweep: _Sweep, grid, accum: dict[int, int]) -> list[SweepRow]:
 
 
 def _write_results(
-    sweep: _Sweep, spec: SweepSpec, rows: list[SweepRow], best: SweepRow | None,
+    sweep: _Sweep, spec: SweepSpec, rows: list[SweepRow], best: SweepRow | None, *, unresolved: str,
 ) -> tuple[dict[str, str], str | None]:
     """results.csv, results.json and best.yaml in the sweep's directory, and best.yaml locally:
     (what was written where, the local best config or None)."""
@@ -354,7 +361,8 @@ def _write_results(
         "seq_len": config.data.seq_len, "num_workers": resolved.resources.num_workers,
         "steps_per_trial": spec.steps, "max_concurrent_trials": sweep.concurrency,
         "device": "gpu" if resolved.resources.use_gpu else "cpu", "precision": resolved.engine.precision,
-        "best_micro_batch": best.micro_batch if best else None,
+        "best_micro_batch": best.micro_batch if best else None, "resolved": not unresolved, "unresolved": unresolved,
+        "load_per_cpu": [r.load_per_cpu for r in rows if r.load_per_cpu is not None],
     }
     if spec.activation_checkpointing is not None:
         summary.update(

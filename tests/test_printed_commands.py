@@ -1,0 +1,188 @@
+"""What a user types, from a fresh shell, and the next-step commands the tools print, run as printed:
+a finite blow-up named by the loop and the report with its best checkpoint kept (and the report's
+export command for it run); a sweep's best config trained in a directory that already holds the
+quickstart's run, its expected trial outcomes one line each; train-tokenizer -> prepare-data ->
+pretrain as each prints the next; the help, typo and drill messages. Each command is typed into
+`bash -c` with a clean environment (tests/test_fresh_shell.py's way)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_fresh_shell import SETS, _texts
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+NOISE = ("Traceback", "Exception ignored", "SystemExit", "ActorDiedError", "The actor died", "unexpected")
+"""What an expected outcome (a trial over budget, stopped early, a divergence) must not print."""
+
+
+class Shell:
+    """A fresh bash per command: the venv's bin on PATH, a HOME, nothing of pytest's environment."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.cwd = cwd
+        (cwd / "home").mkdir(exist_ok=True)
+        self.env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(cwd / "home"),
+                    "LANG": "C.UTF-8"}
+
+    def __call__(self, line: str, *, ok: bool = True, timeout: int = 900) -> str:
+        done = subprocess.run(["bash", "--noprofile", "--norc", "-c", line], cwd=self.cwd, env=self.env, text=True,
+                              capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        shown = done.stdout + done.stderr
+        assert (done.returncode == 0) == ok, f"$ {line}\nexit {done.returncode}\n{shown[-4000:]}"
+        return shown
+
+
+def printed(text: str, label: str) -> str:
+    """The command after `label` on its line (in backticks when the line sets it as code)."""
+    match = re.search(rf"{re.escape(label)}\s*`?(raytrain-fast [^`\n]+)`?", text)
+    assert match, f"no '{label}' command in:\n{text[-3000:]}"
+    return match.group(1).strip()
+
+
+def test_a_finite_blowup_is_warned_reported_and_its_best_checkpoint_kept(tmp_path):
+    shell = Shell(tmp_path)
+    # A learning rate far too high for its warm-up, held: the loss climbs and stays finite.
+    run = shell(
+        "set -o pipefail; raytrain-fast pretrain --name blowup --set optim.lr=1.0 --set optim.warmup_steps=20 "
+        "--set optim.schedule=constant --set train.steps=60 --set train.log_every=5 --set checkpoint.every_steps=5 "
+        "--set checkpoint.keep_last=1 --set eval.sequences=16 --set metrics.peak_measure_s=0.2 2>&1 | tee run.log"
+    )
+    warnings = [line for line in run.splitlines() if "a finite divergence: loss" in line]
+    assert len(warnings) == 1 and "health.on_divergence: warn" in warnings[0], run[-3000:]
+    assert not any(noise in run for noise in NOISE), run[-3000:]
+    # Retention kept the newest checkpoint and the one with the lowest val/loss, from before the climb.
+    kept = sorted(int(p.name.rsplit("_", 1)[1]) for p in (tmp_path / "runs" / "blowup").glob("checkpoint_*"))
+    assert len(kept) == 2 and kept[-1] == 60, kept
+
+    report = shell("raytrain-fast report --storage runs --name blowup")
+    assert "Training diverged without a NaN at step" in report and f"the one with the lowest loss is step {kept[0]}" in report
+    export = printed(report, "use the checkpoint from before it:")
+    assert f"--step {kept[0]}" in export
+    shell(export)
+    assert (tmp_path / f"blowup-step{kept[0]}" / "model.safetensors").is_file()
+    html = (tmp_path / "blowup-report" / "report.html").read_text()
+    assert "<code>raytrain-fast export" in html and "`" not in re.sub(r"<[^>]+>", "", html)  # no raw backticks shown
+
+
+SWEEP_MODEL = [  # activations dominate memory (long sequences, a large vocabulary): micro-batch 8 goes over 0.9 GB
+    "model.vocab_size=4096", "model.d_model=64", "model.num_heads=2", "model.num_layers=2", "model.max_seq_len=1024",
+    "data.seq_len=1024", "data.max_tokens=200000", "train.global_batch=8", "train.micro_batch=4", "train.steps=4", "train.log_every=2",
+    "optim.warmup_steps=1", "checkpoint.every_steps=2", "metrics.peak_measure_s=0.2", "eval.sequences=4",
+]
+
+
+def test_a_sweeps_best_config_trains_where_the_quickstart_ran_and_expected_outcomes_are_one_line(tmp_path):
+    shell = Shell(tmp_path)
+    sets = " ".join(f"--set {item}" for item in SWEEP_MODEL)
+    shell(f"raytrain-fast pretrain {sets} --set engine.precision=bf16")  # run 'tiny', as the quickstart names it, in bf16
+    sweep = shell(f"set -o pipefail; raytrain-fast sweep {sets} --set engine.precision=fp32 --set resources.memory_budget_gb=0.9 "
+                  "--micro-batch 1,2,8 --steps 6 2>&1 | tee sweep.log")
+    assert not any(noise in sweep for noise in NOISE), sweep[-4000:]
+    failed = [line for line in sweep.splitlines() if "failed: over memory budget" in line]
+    assert len(failed) == 1 and failed[0].split()[0] == "8", sweep[-4000:]
+    assert "tokens/s: the median of a trial's log windows" in sweep and "load/CPU: the machine's 1-minute load" in sweep
+    train = printed(sweep, "Train with:")
+    trained = shell(train)
+    assert "Done." in trained and (tmp_path / "runs" / "tiny").is_dir()
+    best = re.search(r"run '(tiny-mb\d+)'", (tmp_path / "runs" / "tiny-sweep" / "best.yaml").read_text()).group(1)
+    assert any((tmp_path / "runs" / best).glob("checkpoint_*"))
+
+
+def _mixed_inputs(directory: Path) -> None:
+    """Text files, a Parquet file whose text is in `content`, and a JSONL file whose text is in `text`."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _texts(directory / "texts")
+    documents = [p.read_text() for p in sorted((directory / "texts").iterdir())]
+    pq.write_table(pa.table({"id": list(range(10)), "content": documents[:10]}), directory / "posts.parquet")
+    (directory / "notes.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents[10:20]))
+
+
+def test_train_tokenizer_then_prepare_data_then_pretrain_run_as_printed(tmp_path):
+    pytest.importorskip("tokenizers")
+    shell = Shell(tmp_path)
+    _mixed_inputs(tmp_path)
+    trained = shell("raytrain-fast train-tokenizer --input texts posts.parquet notes.jsonl --output 'my tok' --vocab-size 400 "
+                    "--text-field content,text")
+    assert len(re.findall(r"train-tokenizer: (\d+)/\1 files", trained)) == 1, trained  # the progress once
+    assert "model.vocab_size=448" in trained
+    prepare = printed(trained, "Prepare data with it:")
+    assert "--seq-len 128" in prepare and "--text-field content,text" in prepare and "'my tok-data'" in prepare
+    prepared = shell(prepare)
+    assert "override_num_blocks" not in prepared and "execution finished" not in prepared
+    train = printed(prepared, "Train on it:")
+    assert "model.vocab_size=448" in train
+    run = shell(f"{train} --set train.steps=4 --set train.log_every=2 --set optim.warmup_steps=1 --set checkpoint.every_steps=2")
+    assert "Done." in run
+
+    # pretrain on a source prepared on the fly: the hint names pretrain's own setting.
+    wrong = shell("raytrain-fast pretrain --name posts --set data.source=posts.parquet", ok=False)
+    assert "Set data.text_field to the column" in wrong and "--text-field" not in wrong
+    shell("raytrain-fast show-config --set data.source=posts.parquet --set data.text_field=content,text")
+
+
+def test_a_rollback_with_no_checkpoint_and_its_report_name_the_settings_that_acted(tmp_path):
+    shell = Shell(tmp_path)
+    _texts(tmp_path / "texts")
+    stopped = shell(f"raytrain-fast pretrain --name early {SETS} --set data.source=texts --set checkpoint.every_steps=100 "
+                    "--drill nonfinite=2:0:grad", ok=False)
+    assert "no checkpoint was saved before it" in stopped and "max_rollbacks=0" not in stopped
+    report = shell("raytrain-fast report --storage runs --name early")
+    assert "health.on_nonfinite: rollback, no checkpoint to roll back to" in report and "?" not in report.split("Diagnosis")[1]
+
+
+def test_help_typos_and_drills_point_somewhere(tmp_path):
+    from raytrain_fast.cli import DRILL_NAMES
+    from raytrain_fast.drills.specs import PARSERS
+
+    shell = Shell(tmp_path)
+    assert list(DRILL_NAMES) == list(PARSERS)
+    top = shell("raytrain-fast --help")
+    assert "decoder-only" in top and "Llama" in top and "GPT pretraining" not in top
+    pretrain = shell("raytrain-fast pretrain --help")
+    assert "data.source=" in pretrain and "show-config --reference" in pretrain
+    assert all(name in pretrain for name in ("nonfinite", "spike", "hold_memory"))
+    typo = shell("raytrain-fast show-config --set train.step=5", ok=False)
+    assert "did you mean 'train.steps'?" in typo
+    elsewhere = shell("raytrain-fast show-config --set train.lr=0.1", ok=False)
+    assert "did you mean 'optim.lr'?" in elsewhere
+
+
+def test_bench_model_takes_its_variant_processes_with_it_on_sigterm(tmp_path):
+    import os
+    import signal
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    shell = Shell(tmp_path)
+    process = subprocess.Popen(
+        ["bash", "--noprofile", "--norc", "-c", "exec raytrain-fast bench model --preset tiny --seq-len 32 --micro-batch 2 "
+         "--steps 400 --rounds 4 --warmup-steps 1 --variants bare,engine --peak-seconds 0.2"],
+        cwd=tmp_path, env=shell.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        children: list = []
+        while time.monotonic() < deadline and len(children) < 3:  # multiprocessing's resource tracker and 2 variants
+            time.sleep(1)
+            children = psutil.Process(process.pid).children(recursive=True)
+        assert len(children) >= 3, "the variant processes never started"
+        os.kill(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+        gone, alive = psutil.wait_procs(children, timeout=20)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        if process.poll() is None:
+            process.kill()
+        shutil.rmtree(tmp_path / "home", ignore_errors=True)
