@@ -49,7 +49,7 @@ def _add_storage_args(parser: argparse.ArgumentParser) -> None:
 REGION_HELP = "S3 region (default: the AWS profile's or AWS_REGION)"
 DRILL_NAMES = ("fail_once_at", "record_sequences", "slow_data", "slow_step", "slow_sink", "slow_upload", "cpu_burn",
                "hold_memory", "hang", "nonfinite", "spike")
-"""drills.specs.PARSERS' names (tests/test_printed_commands.py keeps them equal), listed without importing the drills."""
+"""drills.specs.PARSERS' names, listed without importing the drills (tests/test_printed_commands.py checks the help lists them all)."""
 PRETRAIN_EPILOG = """\
 the data (data.source; default: stdlib, this Python's standard library source):
   --set data.source=./texts             a text, JSONL or Parquet file, directory or glob, prepared on the fly

@@ -18,7 +18,7 @@ from raytrain_fast.data.corpus import stdlib_files
 from raytrain_fast.data.manifest import MANIFEST_NAME, join_uri
 from raytrain_fast.data.inputs import canonical_input, list_sources
 from raytrain_fast.data.prepare import prepare_data
-from raytrain_fast.data.readers import DEFAULT_TEXT_FIELD, name_text_field_setting
+from raytrain_fast.data.readers import DEFAULT_TEXT_FIELD, TEXT_FIELD_SETTING, name_settings
 from raytrain_fast.data.tokenizer import load_tokenizer
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
@@ -80,6 +80,10 @@ def _inputs_of(source: str) -> tuple[list[str], str, dict]:
     return [item], slug, {"source": item}
 
 
+PRETRAIN_NAMES = {TEXT_FIELD_SETTING: "data.text_field", "--input": "data.source", "--tokenizer": "data.tokenizer"}
+"""prepare-data's flags that a message about a source prepared on the fly names as pretrain's settings."""
+
+
 def ensure_prepared_corpus(
     source: str = STDLIB,
     *,
@@ -133,8 +137,8 @@ def ensure_prepared_corpus(
                 stream.write(info)
         else:
             _prepare_in_place(target, prepare, info, fingerprint=fingerprint, storage=storage, verbose=verbose)
-    except DataError as error:  # its advice names pretrain's setting, not prepare-data's flag
-        raise DataError(name_text_field_setting(str(error), "data.text_field")) from None
+    except DataError as error:  # its advice names pretrain's settings, not prepare-data's flags
+        raise DataError(name_settings(str(error), PRETRAIN_NAMES)) from None
     return target
 
 

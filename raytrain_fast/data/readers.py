@@ -38,7 +38,7 @@ _TEXT_TYPES = (pa.string(), pa.large_string(), pa.string_view())
 
 TEXT_FIELD_SETTING = "--text-field"
 """How the messages name the text-field setting; a caller with another name for it (pretrain's
-data.text_field) puts its own in (`name_text_field_setting`)."""
+data.text_field) puts its own in (`name_settings`)."""
 
 
 def text_fields(text_field: str) -> list[str]:
@@ -50,9 +50,11 @@ def _quoted(text_field: str) -> str:
     return " or ".join(f"'{name}'" for name in text_fields(text_field))
 
 
-def name_text_field_setting(message: str, setting: str) -> str:
-    """`message` with the text-field setting called `setting` (e.g. data.text_field)."""
-    return message.replace(TEXT_FIELD_SETTING, setting)
+def name_settings(message: str, names: dict[str, str]) -> str:
+    """`message` with prepare-data's flags called by another command's settings ({"--input": "data.source"})."""
+    for flag, setting in names.items():
+        message = message.replace(f"{flag} ", f"{setting} ")
+    return message
 
 
 def input_format(path: str) -> tuple[str, str | None]:
@@ -376,6 +378,6 @@ def parquet_column_problem(schema: pa.Schema, text_field: str) -> str:
 
 __all__ = [
     "BATCH_BYTES", "CODECS", "DEFAULT_TEXT_FIELD", "FileReader", "JSONL_SUFFIXES", "PARQUET_SUFFIXES", "TEXT_FIELD_SETTING",
-    "file_sha256", "input_format", "name_text_field_setting", "parquet_column_problem", "parquet_text_column", "text_fields",
+    "file_sha256", "input_format", "name_settings", "parquet_column_problem", "parquet_text_column", "text_fields",
     "verdict", "verdict_of_pieces",
 ]
