@@ -37,7 +37,9 @@ def find(run: RunMetrics) -> list[Finding]:
         evidence = [
             f"{stop['what']} in the window ending at step {stop['step']} (loss {stop['loss']:.4g}, grad norm {stop['grad_norm']:.4g})",
             f"the run stopped there ({_policy(run, stop)}" + (f", after {len(run.rollbacks)} rollback(s)" if run.rollbacks else "") + ")",
-            "the update of a non-finite step never reached the weights, and every checkpoint saved is healthy: "
+            ("every checkpoint saved holds finite weights, and checkpoint.keep_best keeps the one with the lowest loss: "
+             if "finite divergence" in str(stop.get("what", "")) else
+             "the update of a non-finite step never reached the weights, and every checkpoint saved is healthy: ")
             + (f"the newest is at step {max(run.saved_steps)}" if run.saved_steps else "none was saved"),
         ]
         findings.append(Finding(key="divergence", title=f"Training diverged at step {stop['step']} and stopped",
