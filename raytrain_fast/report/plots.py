@@ -66,8 +66,11 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
                 labels += l
             if labels:
                 if spec.legend_loc == "below":  # nothing on the axes to cover: spikes, band and lines stay visible
-                    axis.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=_legend_columns(labels),
+                    columns = _legend_columns(labels)
+                    axis.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=columns,
                                 fontsize="small", frameon=False)
+                    # Taller by the legend's rows, so the axes keep their height (tight_layout fits the legend in).
+                    figure.set_size_inches(8, 3.6 + _LEGEND_ROW_IN * -(-len(labels) // columns))
                 else:
                     axis.legend(handles, labels, loc=spec.legend_loc, fontsize="small")
             figure.tight_layout()
@@ -78,7 +81,7 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
     return PlotResult(plots=plots, skipped=skipped)
 
 
-_FIGURE_PX, _CHAR_PX, _ENTRY_PX = 760, 6.5, 45
+_FIGURE_PX, _CHAR_PX, _ENTRY_PX, _LEGEND_ROW_IN = 760, 6.0, 45, 0.2
 """The plot's width and, at fontsize small, a label character's and a legend entry's handle and gaps (pixels at dpi 100)."""
 
 
