@@ -142,9 +142,22 @@ def test_a_rollback_with_no_checkpoint_and_its_report_name_the_settings_that_act
     _texts(tmp_path / "texts")
     stopped = shell(f"raytrain-fast pretrain --name early {SETS} --set data.source=texts --set checkpoint.every_steps=100 "
                     "--drill nonfinite=2:0:grad", ok=False)
-    assert "no checkpoint was saved before it" in stopped and "max_rollbacks=0" not in stopped
+    assert "Tried: no rollback: no checkpoint was saved before it" in stopped and "max_rollbacks=0" not in stopped
     report = shell("raytrain-fast report --storage runs --name early")
     assert "health.on_nonfinite: rollback, no checkpoint to roll back to" in report and "?" not in report.split("Diagnosis")[1]
+
+
+def test_a_mixture_says_which_sources_its_val_loss_covers(tmp_path):
+    shell = Shell(tmp_path)
+    _texts(tmp_path / "texts")
+    (tmp_path / "one.txt").write_text("A single long document, with no held-out part. " * 800)
+    shell("raytrain-fast prepare-data --input texts --output code --seq-len 32 --val-fraction 0.2")
+    shell("raytrain-fast prepare-data --input one.txt --output notes --seq-len 32")  # one document: no split
+    sources = f"[{{source: {tmp_path / 'code'}, weight: 0.5}}, {{source: {tmp_path / 'notes'}, weight: 0.5}}]"
+    run = shell(f"raytrain-fast pretrain --name mix {SETS} --set 'data.sources={sources}'")
+    assert "Eval: val/loss covers code only" in run and "notes has no validation split" in run, run[-3000:]
+    report = shell("raytrain-fast report --storage runs --name mix")
+    assert "val/loss covers code only: notes had no validation split" in report, report[-3000:]
 
 
 def test_an_s3_run_and_its_export_name_the_checkpoint_with_its_scheme(tmp_path, s3_server):
@@ -197,9 +210,13 @@ def test_bench_model_takes_its_variant_processes_with_it_on_sigterm(tmp_path):
             children = psutil.Process(process.pid).children(recursive=True)
         assert len(children) >= 3, "the variant processes never started"
         os.kill(process.pid, signal.SIGTERM)
-        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+        code = process.wait(timeout=60)
         gone, alive = psutil.wait_procs(children, timeout=20)
-        assert not alive, [p.pid for p in alive]
+        alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+        for left in alive:  # this test's own processes, by id
+            left.kill()
+        assert not alive, f"{len(alive)} of the bench's processes outlived it"
+        assert code == 128 + signal.SIGTERM  # the shell's convention for "ended by SIGTERM"
     finally:
         if process.poll() is None:
             process.kill()
