@@ -127,7 +127,9 @@ def test_prepare_data_suggests_a_run_of_its_own(tmp_path, capsys):
     assert main(["prepare-data", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "my data"), "--seq-len", "16"]) == 0
     hint = re.search(r"Train on it: raytrain-fast (pretrain .*)", capsys.readouterr().out).group(1)
     assert "--name my-data-run" in hint
+    import shlex
+
     from raytrain_fast.cli import build_parser
 
-    args = build_parser().parse_args(hint.split(" --set data.source")[0].split() + ["--set", f"data.source={tmp_path}/my data"])
-    assert args.name == "my-data-run"
+    args = build_parser().parse_args(shlex.split(hint))  # quoted for a shell: the path's space stays in it
+    assert args.name == "my-data-run" and f"data.source={tmp_path}/my data" in args.overrides

@@ -38,9 +38,10 @@ class SweepRow:
     "over memory budget: ...", "<ErrorType>: ...")."""
     tokens_per_sec: float | None = None
     """Median over the trial's log windows after the first (warm-up), all workers together."""
-    tokens_per_sec_min: float | None = None
-    tokens_per_sec_max: float | None = None
-    """The slowest and fastest of those windows: how far one trial's own windows spread."""
+    tokens_per_sec_low: float | None = None
+    tokens_per_sec_high: float | None = None
+    """The lower and upper quartile of those windows (their middle half): how far a trial's own windows
+    spread, without the one window another process happened to slow."""
     windows: int = 0
     """Log windows after the first that the median is over."""
     load_per_cpu: float | None = None
@@ -67,6 +68,14 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _quartiles(values: list[float]) -> tuple[float | None, float | None]:
+    """(lower, upper) quartile; (None, None) with fewer than 2 values."""
+    if len(values) < 2:
+        return None, None
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+    return low, high
+
+
 def row_from_reports(*, micro_batch: int, grad_accum: int, reports: list[dict[str, Any]], steps: int,
                      error: str | None, run_name: str = "", activation_checkpointing: str = "") -> SweepRow:
     """Summarise a trial's reported log windows (first window = warm-up, left out of the speed)."""
@@ -90,7 +99,7 @@ def row_from_reports(*, micro_batch: int, grad_accum: int, reports: list[dict[st
     return SweepRow(
         micro_batch=micro_batch, grad_accum=grad_accum, activation_checkpointing=activation_checkpointing, status=status,
         reason=error or ("early: more than 10% behind the best trial at the same window" if status == "stopped" else ""),
-        tokens_per_sec=_median(speeds), tokens_per_sec_min=min(speeds, default=None), tokens_per_sec_max=max(speeds, default=None),
+        tokens_per_sec=_median(speeds), tokens_per_sec_low=_quartiles(speeds)[0], tokens_per_sec_high=_quartiles(speeds)[1],
         windows=len(speeds), load_per_cpu=_median(series("host/load_per_cpu", reports)),
         mfu=_median(series("throughput/mfu", steady)),
         mfu_measured_peak=_median(series("throughput/mfu_measured_peak", steady)),
@@ -116,8 +125,9 @@ def pick_best(rows: list[SweepRow], *, objective: str) -> SweepRow | None:
 def resolution(rows: list[SweepRow], *, objective: str) -> str:
     """Whether the best trial's lead over the next is larger than the trials' own noise: "" when it
     is (or there is nothing to compare), else one line saying it is not resolved, with the numbers.
-    The noise is the spread of a trial's windows (fastest - slowest); the lead is the gap between
-    the two medians, trials stopped early among them (they were stopped on the same noisy windows).
+    The noise is the spread of a trial's windows (the middle half: upper - lower quartile); the lead
+    is the gap between the two medians, trials stopped early among them (they were stopped on the
+    same noisy windows).
     Judged on tokens/s (the loss objectives compare one value per trial)."""
     done = sorted((r for r in rows if r.status in (OK, "stopped") and r.tokens_per_sec is not None and r.windows >= 2),
                   key=lambda r: r.tokens_per_sec, reverse=True)
@@ -125,12 +135,12 @@ def resolution(rows: list[SweepRow], *, objective: str) -> str:
         return ""
     first, second = done[0], done[1]
     gap = first.tokens_per_sec - second.tokens_per_sec
-    spread = max(first.tokens_per_sec_max - first.tokens_per_sec_min, second.tokens_per_sec_max - second.tokens_per_sec_min)
+    spread = max(first.tokens_per_sec_high - first.tokens_per_sec_low, second.tokens_per_sec_high - second.tokens_per_sec_low)
     if spread <= gap:
         return ""
     return (f"not resolved: {_label(first)} leads {_label(second)} by {gap:,.0f} tokens/s, less than the {spread:,.0f} "
-            "tokens/s its own windows spread over (fastest - slowest window of one trial); rerun with more --steps, "
-            "on a quieter machine, before trusting the order")
+            "tokens/s that the middle half of one trial's own windows spreads over; rerun with more --steps, on a "
+            "quieter machine, before trusting the order")
 
 
 def load_note(rows: list[SweepRow]) -> str:
@@ -187,7 +197,7 @@ def format_table(rows: list[SweepRow], *, notes: list[str] = ()) -> str:
     if any(r.peak_frac is not None for r in rows):
         out.append("peak memory (%): share of the device's memory, or of resources.memory_budget_gb on CPUs")
     if any(r.windows >= 2 for r in rows):
-        out.append("tokens/s: the median of a trial's log windows after the first [its slowest - fastest window]")
+        out.append("tokens/s: the median of a trial's log windows after the first [the middle half of them: lower - upper quartile]")
     out += [note for note in notes if note]
     return "\n".join(out)
 
@@ -195,9 +205,9 @@ def format_table(rows: list[SweepRow], *, notes: list[str] = ()) -> str:
 def _speed(row: SweepRow) -> str:
     if row.tokens_per_sec is None:
         return "-"
-    if row.windows < 2 or row.tokens_per_sec_min is None or row.tokens_per_sec_max is None:
+    if row.tokens_per_sec_low is None or row.tokens_per_sec_high is None:
         return f"{row.tokens_per_sec:,.0f}"
-    return f"{row.tokens_per_sec:,.0f} [{row.tokens_per_sec_min:,.0f}-{row.tokens_per_sec_max:,.0f}]"
+    return f"{row.tokens_per_sec:,.0f} [{row.tokens_per_sec_low:,.0f}-{row.tokens_per_sec_high:,.0f}]"
 
 
 def to_csv(rows: list[SweepRow]) -> str:
