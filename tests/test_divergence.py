@@ -42,7 +42,7 @@ def test_no_alarm_on_the_recorded_clean_runs(run):
 def test_the_recorded_planted_blowup_is_one_episode_at_its_first_window_after_warm_up():
     recorded = RECORDED["planted"]["blowup"]
     [found] = replay(recorded)
-    assert found.step == 50 and found.kind == "uniform" and found.loss > 3 * UNIFORM_320
+    assert (found.since, found.step, found.kind) == (50, 60, "uniform") and found.loss > 3 * UNIFORM_320
 
 
 def test_no_alarm_on_a_plateau_a_noisy_level_or_a_slow_fall_from_a_poor_start():
@@ -57,15 +57,19 @@ def test_the_first_window_of_a_fresh_run_warm_up_and_no_progress_yet_are_not_jud
     assert episodes([6.5, 6.6, 6.4, 3.0], warmup=30) == []  # within warm-up
     assert episodes([UNIFORM_320 + 0.02] * 50, warmup=0) == []  # learning nothing (a tiny LR): at the uniform guess
     [found] = episodes([6.5, 6.6, 6.7, 6.9], warmup=20)
-    assert found.step == 30 and found.kind == "uniform"
+    assert (found.since, found.step, found.kind) == (30, 40, "uniform")
 
 
 def test_a_loss_above_a_uniform_guess_after_warm_up_is_one_episode():
-    blowup = [4.9, 3.7, 6.2, 9.0, 20.0, 40.0, 90.0, 190.0]  # the run: clipped, finite, climbing
+    blowup = [4.9, 3.7, 6.2, 9.0, 20.0, 40.0, 90.0, 190.0]  # a clipped, finite, climbing run
     [found] = episodes(blowup)
-    assert (found.step, found.kind, found.best) == (30, "uniform", 3.7) and found.loss > UNIFORM_320
+    assert (found.since, found.step, found.kind, found.best) == (30, 40, "uniform", 3.7) and found.loss > UNIFORM_320
     assert "uniform guess" in found.describe() and "3.7" in found.describe()
-    assert found.record()["health/divergence"] == 1.0 and found.record()["health/divergence_loss"] == 6.2
+    assert found.record()["health/divergence"] == 1.0 and found.record()["health/divergence_loss"] == 9.0
+
+
+def test_one_window_above_a_uniform_guess_is_a_spike_not_a_divergence():
+    assert episodes([4.9, 3.7, 3.0, 1596.0, 2.9, 2.8, 2.7]) == []  # a planted loss x1000 in one step
 
 
 def test_a_sustained_climb_is_a_divergence_and_a_recovery_ends_the_episode():
@@ -103,20 +107,20 @@ def test_the_health_policies_apply_to_a_finite_divergence():
     blowup = [4.9, 3.7, 6.2, 9.0, 20.0]
     monitor, emitted = _monitor(on_divergence="warn", on_spike="off")
     _feed(monitor, blowup)  # warned once, goes on
-    assert [step for step, record in emitted if record.get("health/divergence")] == [30]
+    assert [step for step, record in emitted if record.get("health/divergence")] == [40]
     monitor, emitted = _monitor(on_divergence="off", on_spike="off")
     _feed(monitor, blowup)
     assert emitted == []
     monitor, _ = _monitor(on_divergence="stop")
     with pytest.raises(DivergenceStop) as stop:
         _feed(monitor, blowup)
-    assert stop.value.step == 30 and "Tried: nothing (health.on_divergence: stop)" in str(stop.value)
+    assert stop.value.step == 40 and "Tried: nothing (health.on_divergence: stop)" in str(stop.value)
     assert stop.value.record()["setting"] == "health.on_divergence"
     monitor, _ = _monitor(on_divergence="rollback")
     with pytest.raises(Rollback) as rollback:
         _feed(monitor, blowup)
     assert rollback.value.setting == "on_divergence"
-    assert not monitor.may_save(30, monitor.metrics, logged=True)  # no save while above the bound
+    assert not monitor.may_save(40, monitor.metrics, logged=True)  # no save while above the bound
 
 
 def test_a_rollback_with_no_checkpoint_says_so_not_that_the_limit_is_zero():

@@ -109,7 +109,8 @@ def test_a_run_that_keeps_diverging_stops_with_a_clear_error_and_keeps_a_healthy
     assert checkpoints, "the newest healthy checkpoint must stay in storage"
     for checkpoint in checkpoints:
         assert non_finite_tensors(checkpoint) == [], checkpoint
-    found = [f for f in diagnose(load_run(str(tmp_path / "runs"), "lr500")).findings if f.key == "divergence"]
+    found = [f for f in diagnose(load_run(str(tmp_path / "runs"), "lr500")).findings
+             if f.key == "divergence" and "without a NaN" not in f.title]  # a finite blow-up before the NaN is its own
     assert len(found) == 3 and found[-1].title.endswith("and stopped")  # two rollbacks, then the stop
     assert f"the newest is at step {int(checkpoints[-1].name.rsplit('_', 1)[1])}" in found[-1].evidence[-1]
 

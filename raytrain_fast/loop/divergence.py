@@ -7,14 +7,15 @@ signs name it, both judged on the log windows' loss the drain already read (no h
 - **Worse than a uniform guess.** A loss above ln(vocabulary size), what a model that puts the same
   probability on every token scores (by more than UNIFORM_MARGIN: a model that has learned nothing
   yet sits at about that loss, a little above it from its initial weights), and no lower than the
-  best window before it (a loss still falling from a poor start is learning), in a window that starts
-  after warm-up and is not a fresh run's first window.
+  best window before it (a loss still falling from a poor start is learning), in two windows in a row
+  (one alone is a spike's: the spike check names it) that start after warm-up, not in a fresh run's
+  first window.
 - **A sustained climb.** A loss more than `climb` of the way back from the run's best window to that
   uniform-guess loss, for `windows` log windows in a row: the run lost that share of what it learned.
 
 An episode starts when either holds and ends after `windows` windows in a row below the climb bound;
 each episode is reported once. The same check runs in the loop (loop/health.py, every rank on the
-same all-reduced numbers) and in the report over a run's recorded losses (report/findings/divergence.py).
+same all-reduced numbers) and in the report over a run's recorded losses (report/findings/finite_divergence.py).
 
 The judgement starts over with each worker process (a resume, possibly with another learning rate
 or other data, sets a new best): the check compares a run with its own recent progress.
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 
 UNIFORM_MARGIN = 0.05
 """How far (relative) above ln(vocabulary size) a window loss must be to be worse than a uniform guess."""
+UNIFORM_WINDOWS = 2
+"""Windows in a row above it that make a divergence (at most health.divergence_windows)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class DivergenceCheck:
         self.best, self.best_step = math.inf, 0
         self.previous_step = self.start_step
         self.above_since: int | None = None
-        self.above, self.below = 0, 0
+        self.above, self.below, self.over_uniform = 0, 0, 0
         self.in_episode = False
 
     @classmethod
@@ -105,6 +108,7 @@ class DivergenceCheck:
         over_uniform = loss > self.uniform * (1 + UNIFORM_MARGIN)
         over_bound = bound < self.uniform and loss > bound  # a climb needs a best below the uniform guess
         not_falling = loss >= self.best
+        self.over_uniform = self.over_uniform + 1 if judged and over_uniform else 0
         if judged and (over_bound or over_uniform):
             self.above += 1
             self.above_since = self.above_since if self.above_since is not None else step
@@ -116,7 +120,7 @@ class DivergenceCheck:
                 self.in_episode = False
         if loss < self.best and not self.in_episode:
             self.best, self.best_step = loss, step
-        uniform_breach = judged and over_uniform and not_falling
+        uniform_breach = self.over_uniform >= min(UNIFORM_WINDOWS, self.windows) and not_falling
         if self.in_episode or not (uniform_breach or (over_bound and self.above >= self.windows)):
             return None
         self.in_episode = True
@@ -126,3 +130,4 @@ class DivergenceCheck:
     def restart(self, step: int) -> None:
         """A rollback went back to `step`: the episode ends there, the best so far stays."""
         self.previous_step, self.above, self.above_since, self.below, self.in_episode = step, 0, None, 0, False
+        self.over_uniform = 0

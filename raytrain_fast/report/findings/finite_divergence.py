@@ -54,8 +54,9 @@ def _finding(run: RunMetrics, record: dict[str, Any], source: str) -> Finding:
     after = [(s, v) for s, v in zip(steps, losses) if s >= since]
     end = next((s for s, v in after if s > step and v <= bound), None)
     peak_step, peak = max(after, key=lambda point: point[1]) if after else (step, loss)
-    what = (f"the window ending at step {step} had a loss of {loss:.4g}, above {uniform:.4g}, what a uniform guess over "
-            f"{vocab if isinstance(vocab, int) else 'the'} tokens scores (ln of model.vocab_size), after warm-up"
+    what = (f"the windows ending at steps {since} to {step} had losses above {uniform:.4g}, what a uniform guess over "
+            f"{vocab if isinstance(vocab, int) else 'the'} tokens scores (ln of model.vocab_size), after warm-up; "
+            f"{loss:.4g} at step {step}"
             if loss > uniform else
             f"the loss stayed above {bound:.4g} from step {since} to step {step}: more than "
             f"{run.setting('health', 'divergence_climb', 0.5)} of the way back from the run's best window to a uniform guess ({uniform:.4g})")
