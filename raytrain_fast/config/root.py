@@ -52,9 +52,6 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> Config:
         problems: list[str] = []
