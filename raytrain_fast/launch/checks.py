@@ -229,6 +229,22 @@ def prepare_mixture_data(config: Config) -> list[str]:
     return uris
 
 
+def prepare_tasks(config: Config, tasks: list, data_uri: str):
+    """eval.tasks encoded with the prepared data's tokenizer for the run's model (downstream/run.py),
+    its lines printed; None without tasks. Raises TaskError before any worker starts."""
+    if not tasks:
+        return None
+    from raytrain_fast.data import load_manifest
+    from raytrain_fast.downstream.run import encode_run_tasks
+
+    manifest = load_manifest(data_uri, config.storage)
+    resolved, _ = resolve_eval(config, manifest)
+    run_tasks, notes = encode_run_tasks(tasks, config, manifest, every_steps=resolved.eval.every_steps or 1)
+    for note in notes:
+        print(note, flush=True)
+    return run_tasks
+
+
 def keep_ray_data_actors_on_this_node() -> None:
     """Ray Data keeps cluster-wide detached actors (its stats actor, its autoscaling coordinator),
     pinned to the node of the process that first needs them: without this, a training worker's node.
