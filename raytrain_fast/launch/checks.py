@@ -47,6 +47,9 @@ def check_before_ray(config: Config, *, create_bucket: bool = False):
         config = dataclasses.replace(
             config, data=dataclasses.replace(config.data, source=os.path.abspath(os.path.expanduser(config.data.source)))
         )
+    if any(task.endswith((".jsonl", ".jsonl.gz")) for task in config.eval.tasks):  # as saved with checkpoints: `evaluate` runs elsewhere
+        tasks = [os.path.abspath(os.path.expanduser(t)) if t.endswith((".jsonl", ".jsonl.gz")) else t for t in config.eval.tasks]
+        config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, tasks=tasks))
     if config.checkpoint.init_from:  # resolved here: the workers' working directory differs
         config = dataclasses.replace(
             config, checkpoint=dataclasses.replace(config.checkpoint, init_from=storage_path(config.checkpoint.init_from))
