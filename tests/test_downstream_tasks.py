@@ -176,6 +176,10 @@ def test_the_batched_scorer_equals_one_sequence_at_a_time_and_two_ranks_count_ea
         expected = [reference_loglikelihood(model, t.sequences[r], int(t.continuation_tokens[r]))
                     for t in tasks for r in range(len(t.sequences))]
         assert np.allclose(lls.numpy(), expected, atol=1e-4)
+        unpacked = ScoringPlan(tasks, [shard(t, rank=0, world_size=1) for t in tasks], micro_batch=5, device="cpu", packed=False)
+        assert np.allclose(unpacked.loglikelihoods(model).numpy(), expected, atol=1e-4)
+        read = lambda p: sum(b.tokens.numel() for b in p.batches)  # noqa: E731
+        assert read(plan) < 0.75 * read(unpacked)  # ARC's context read once for its 3-5 choices (winogrande: one row each)
         choice, choice_norm = plan.choose(lls)
         per_item = [expected[r0:r0 + n] for r0, n in zip(np.cumsum([0, *np.concatenate([t.choices() for t in tasks])[:-1]]),
                                                           np.concatenate([t.choices() for t in tasks]))]

@@ -69,11 +69,15 @@ def transformers_loglikelihoods(directory: str, pairs: list[tuple[str, str]]) ->
     """The continuation's summed log-probability after its context, with nothing but transformers."""
     tokenizer, model = load(directory)
     window = model.config.max_position_embeddings
+    encoded = [(tokenizer(c, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id],
+                tokenizer(k, add_special_tokens=False)["input_ids"]) for c, k in pairs]
+    # The convention under test: a context shared by every choice is cut once, to what the longest
+    # choice leaves of the window + 1; a choice's own context, to what that choice leaves.
+    shared = len({c for c, _ in pairs}) == 1
     out = []
-    for context, continuation in pairs:
-        context_ids = tokenizer(context, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id]
-        continuation_ids = tokenizer(continuation, add_special_tokens=False)["input_ids"]
-        sequence = (context_ids + continuation_ids)[-(window + 1):]
+    for context_ids, continuation_ids in encoded:
+        keep = window + 1 - (max(len(k) for _, k in encoded) if shared else len(continuation_ids))
+        sequence = context_ids[-keep:] + continuation_ids
         with torch.no_grad():
             logprobs = torch.log_softmax(model(torch.tensor([sequence[:-1]])).logits[0].float(), dim=-1)
         first = len(sequence) - 1 - len(continuation_ids)

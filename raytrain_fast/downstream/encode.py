@@ -5,9 +5,11 @@ an item is an error here, naming the item.
 
 The scored sequence of a choice is context + continuation; the model reads all of it but its last
 token and predicts each continuation token from the tokens before it. An empty context becomes the
-end-of-document id, so the first continuation token is predicted too. When the sequence is longer
-than the window + 1, its oldest context tokens are dropped (the item counts as cut); an item with a
-continuation that alone fills the window cannot be scored and is left out (counted as skipped).
+end-of-document id, so the first continuation token is predicted too. When a sequence is longer than
+the window + 1, the oldest context tokens are dropped (the item counts as cut): for choices that
+share their context, the same ones for every choice (as many as the longest choice needs), so every
+choice is scored after the same context, which the scorer then reads once for all of them. An item
+with a continuation longer than the window cannot be scored and is left out (counted as skipped).
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ class EncodedTask:
     """Per scored item: its position in the task's file."""
     cut: np.ndarray
     """Per scored item: 1 where some choice's context was cut to fit the window."""
+    context_tokens: np.ndarray
+    """Per request: how many of the sequence's first ids are the context (after the cut)."""
+    shared: np.ndarray
+    """Per scored item: 1 where its choices share one context (the same ids), which is read once."""
     skipped: list[int]
     """Items left out (a continuation longer than the window): their positions in the file."""
 
@@ -78,9 +84,10 @@ def encode_task(task: Task, encoder: Encoder) -> EncodedTask:
     out = EncodedTask(
         name=task.name, total=task.total, chance=task.chance, sequences=[], continuation_tokens=np.zeros(0, np.int64),
         characters=np.zeros(0, np.float64), request_item=np.zeros(0, np.int64), gold=np.zeros(0, np.int64),
-        item_index=np.zeros(0, np.int64), cut=np.zeros(0, np.int64), skipped=[],
+        item_index=np.zeros(0, np.int64), cut=np.zeros(0, np.int64), context_tokens=np.zeros(0, np.int64),
+        shared=np.zeros(0, np.int64), skipped=[],
     )
-    cont_tokens, characters, request_item, gold, index, cut = [], [], [], [], [], []
+    cont_tokens, characters, request_item, gold, index, cut, shared = [], [], [], [], [], [], []
     for item in task.items:
         encoded = _encode_item(item, encoder, task=task.name)
         if encoded is None:
@@ -94,30 +101,32 @@ def encode_task(task: Task, encoder: Encoder) -> EncodedTask:
         gold.append(item.gold)
         index.append(item.index)
         cut.append(int(was_cut))
+        shared.append(int(len(set(item.contexts)) == 1))
     out.continuation_tokens, out.characters = np.array(cont_tokens, np.int64), np.array(characters, np.float64)
     out.request_item, out.gold = np.array(request_item, np.int64), np.array(gold, np.int64)
-    out.item_index, out.cut = np.array(index, np.int64), np.array(cut, np.int64)
+    out.item_index, out.cut, out.shared = np.array(index, np.int64), np.array(cut, np.int64), np.array(shared, np.int64)
+    out.context_tokens = np.array([len(s) - c for s, c in zip(out.sequences, cont_tokens)], np.int64)
     return out
 
 
 def _encode_item(item: Item, encoder: Encoder, *, task: str) -> tuple[list[np.ndarray], list[int], bool] | None:
     """(sequences, continuation lengths, whether a context was cut), or None when a continuation does
     not fit the window."""
-    sequences, lengths, was_cut = [], [], False
+    pairs = []
     for choice, (context, continuation) in enumerate(zip(item.contexts, item.continuations)):
         where = f"task {task}, item {item.index}, choice {choice}"
         context_ids = _ids(encoder, context, where=f"{where}, its context") if context else [encoder.eod_id]
         continuation_ids = _ids(encoder, continuation, where=f"{where}, {continuation[:40]!r}")
         if not continuation_ids:
             raise TaskError(f"{where}: the tokenizer ({encoder.name}) turns {continuation!r} into no tokens, so there is nothing to score")
-        if len(continuation_ids) > encoder.window:
-            return None
-        sequence = context_ids + continuation_ids
-        if len(sequence) > encoder.window + 1:
-            sequence, was_cut = sequence[-(encoder.window + 1):], True
-        sequences.append(np.array(sequence, np.int64))
-        lengths.append(len(continuation_ids))
-    return sequences, lengths, was_cut
+        pairs.append((context_ids, continuation_ids))
+    if max(len(c) for _, c in pairs) > encoder.window:
+        return None
+    longest = max(len(c) for _, c in pairs)
+    shared = len(set(item.contexts)) == 1  # one context: cut once, to what the longest choice leaves
+    keeps = [encoder.window + 1 - (longest if shared else len(continuation)) for _, continuation in pairs]
+    was_cut = any(len(context) > keep for (context, _), keep in zip(pairs, keeps))
+    return [np.array(c[-keep:] + k, np.int64) for (c, k), keep in zip(pairs, keeps)], [len(k) for _, k in pairs], was_cut
 
 
 def _ids(encoder: Encoder, text: str, *, where: str) -> list[int]:

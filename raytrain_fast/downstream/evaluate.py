@@ -84,7 +84,7 @@ def score_shard(
         for task in tasks:
             start = time.perf_counter()
             items = shard(task, rank=rank, world_size=world_size)
-            plan = ScoringPlan([task], [items], micro_batch=micro_batch, device=device)
+            plan = ScoringPlan([task], [items], micro_batch=micro_batch, device=device, packed=source.packs)
             loglikelihoods = plan.loglikelihoods(forward)
             choice, choice_norm = plan.choose(loglikelihoods)
             values, chosen, chosen_norm = loglikelihoods.tolist(), choice.tolist(), choice_norm.tolist()

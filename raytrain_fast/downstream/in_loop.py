@@ -30,7 +30,7 @@ class RunTasks:
 
     def note(self, every_steps: int) -> str:
         parts = ", ".join(f"{t.name} ({t.num_items} of {t.total} items, chance {t.chance:.2f})" for t in self.tasks)
-        return f"Tasks: {parts}, every {every_steps} steps with the held-out evaluation (docs/evaluation.md)."
+        return f"Tasks: {parts}, scored at each evaluation (every {every_steps} steps; docs/evaluation.md)."
 
     def for_rank(self, *, rank: int, world_size: int, device: torch.device | str, micro_batch: int) -> RankTasks:
         items = [shard(task, rank=rank, world_size=world_size) for task in self.tasks]

@@ -41,6 +41,11 @@ class ModelSource:
     config: ModelConfig | None = None
     hf_dir: str | None = None
 
+    @property
+    def packs(self) -> bool:
+        """Whether the model takes a DocumentLayout (ours), so a shared context is read once for all choices."""
+        return self.hf_dir is None
+
     def build(self, device: str) -> Forward:
         if self.hf_dir is not None:
             model = _transformers().AutoModelForCausalLM.from_pretrained(self.hf_dir, local_files_only=True)
