@@ -67,8 +67,8 @@ def run_evaluate(args: argparse.Namespace, *, storage: Any, connect_ray: Callabl
     encoded = _encoded(tasks, encoder)
     for note in skipped_note(encoded, encoder.window):
         say(note)
-    workers = f"{args.workers} workers" if args.workers > 1 else "this process"
-    say(f"Evaluating {source.description} on {', '.join(t.name for t in encoded)} ({sum(t.num_items for t in encoded):,} items) in {workers}.")
+    where = f"on {args.workers} Ray workers" if args.workers > 1 else "in this process"
+    say(f"Evaluating {source.description} on {', '.join(t.name for t in encoded)} ({sum(t.num_items for t in encoded):,} items) {where}.")
     result = evaluate(
         source, encoded, window=encoder.window, step=step, workers=args.workers, micro_batch=args.micro_batch,
         device=None if args.device == "auto" else args.device, connect_ray=connect_ray,
