@@ -154,7 +154,7 @@ def export_local_checkpoint(
 
         if hf_refusal(config):
             raise CheckpointError(f"cannot export in the Hugging Face format: {hf_refusal(config)}")
-        spec = run_tokenizer(_run_config(local_dir), storage, tokenizer)  # before the slow part: it can refuse
+        spec = run_tokenizer(read_run_config(local_dir), storage, tokenizer)  # before the slow part: it can refuse
     dtype = _checked_dtype(dtype)
     model, source = _checkpoint_model(local_dir, config, dtype=dtype)
     os.makedirs(out_dir, exist_ok=True)
@@ -207,7 +207,7 @@ def _write_native(model: Any, config: ModelConfig, out_dir: str, *, info: dict[s
     os.chmod(weights_path, stat.S_IMODE(config_path.stat().st_mode))
 
 
-def _run_config(local_dir: str) -> dict[str, Any]:
+def read_run_config(local_dir: str) -> dict[str, Any]:
     path = Path(local_dir, CONFIG_FILE)
     data = yaml.safe_load(path.read_text()) if path.exists() else None
     return data if isinstance(data, dict) else {}
@@ -258,7 +258,7 @@ def export_checkpoint(
     run_path = f"{root.rstrip('/')}/{name}"
     local_dir = tempfile.mkdtemp(prefix="raytrain-fast-export-")
     try:
-        path, skipped = _download_chosen(filesystem, run_path, local_dir, name=name, step=step, storage_uri=storage_uri)
+        path, skipped = download_chosen(filesystem, run_path, local_dir, name=name, step=step, storage_uri=storage_uri)
         checkpoint_step = int(path.rstrip("/").rsplit("_", 1)[-1])
         return export_local_checkpoint(
             local_dir, out_dir, model_config=model_config, dtype=dtype, format=format, storage=storage,
@@ -272,7 +272,7 @@ def export_checkpoint(
         shutil.rmtree(local_dir, ignore_errors=True)
 
 
-def _download_chosen(
+def download_chosen(
     filesystem: Any, run_path: str, local_dir: str, *, name: str, step: int | None, storage_uri: str
 ) -> tuple[str, list[tuple[str, str]]]:
     """Download the checkpoint at `step` (None: the newest complete one) into local_dir: (its path,

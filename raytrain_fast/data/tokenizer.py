@@ -54,6 +54,21 @@ class TokenizerSpec:
             parts += [np.asarray(encoding.ids, dtype=self.dtype), eod]
         return np.concatenate(parts)
 
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of one text as it would appear inside a document (no end-of-document id, no special tokens)."""
+        if self.json_text is None:
+            return list(text.encode("utf-8"))
+        return _hf_tokenizer(self.info.hash, self.json_text).encode(text, add_special_tokens=False).ids
+
+    @property
+    def unknown_id(self) -> int | None:
+        """The id a tokenizer gives text it has no token for (None: every text has tokens, as for byte-level ones)."""
+        if self.json_text is None:
+            return None
+        tokenizer = _hf_tokenizer(self.info.hash, self.json_text)
+        unknown = getattr(tokenizer.model, "unk_token", None)
+        return tokenizer.token_to_id(unknown) if unknown else None
+
     def decode(self, ids: np.ndarray) -> str:
         """Text of `ids` (EOD ids must be removed first). For tests and inspection."""
         if self.json_text is None:

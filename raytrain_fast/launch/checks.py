@@ -47,6 +47,9 @@ def check_before_ray(config: Config, *, create_bucket: bool = False):
         config = dataclasses.replace(
             config, data=dataclasses.replace(config.data, source=os.path.abspath(os.path.expanduser(config.data.source)))
         )
+    if any(task.endswith((".jsonl", ".jsonl.gz")) for task in config.eval.tasks):  # as saved with checkpoints: `evaluate` runs elsewhere
+        tasks = [os.path.abspath(os.path.expanduser(t)) if t.endswith((".jsonl", ".jsonl.gz")) else t for t in config.eval.tasks]
+        config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, tasks=tasks))
     if config.checkpoint.init_from:  # resolved here: the workers' working directory differs
         config = dataclasses.replace(
             config, checkpoint=dataclasses.replace(config.checkpoint, init_from=storage_path(config.checkpoint.init_from))
@@ -227,6 +230,22 @@ def prepare_mixture_data(config: Config) -> list[str]:
     for note in notes:
         print(note, flush=True)
     return uris
+
+
+def prepare_tasks(config: Config, tasks: list, data_uri: str):
+    """eval.tasks encoded with the prepared data's tokenizer for the run's model (downstream/run.py),
+    its lines printed; None without tasks. Raises TaskError before any worker starts."""
+    if not tasks:
+        return None
+    from raytrain_fast.data import load_manifest
+    from raytrain_fast.downstream.run import encode_run_tasks
+
+    manifest = load_manifest(data_uri, config.storage)
+    resolved, _ = resolve_eval(config, manifest)
+    run_tasks, notes = encode_run_tasks(tasks, config, manifest, every_steps=resolved.eval.every_steps or 1)
+    for note in notes:
+        print(note, flush=True)
+    return run_tasks
 
 
 def keep_ray_data_actors_on_this_node() -> None:

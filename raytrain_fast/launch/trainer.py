@@ -17,6 +17,7 @@ from raytrain_fast.launch.checks import (
     keep_ray_data_actors_on_this_node,
     max_sequences,
     prepare_mixture_data,
+    prepare_tasks,
     prepare_training_data,
     resolve_resources,
 )
@@ -47,14 +48,15 @@ class RunResult:
 
 def build_trainer(
     config: Config, *, data_uri: str, hooks: LoopHooks | None = None, on_window: WindowCallback | None = None,
-    save_checkpoints: bool = True, callbacks: list | None = None, data_uris: list[str] | None = None,
+    save_checkpoints: bool = True, callbacks: list | None = None, data_uris: list[str] | None = None, tasks=None,
 ):
     """A TorchTrainer for an already resolved config (see `resolve_resources`).
 
     `hooks`: fault injection, drills and the sequence recorder for the loop (tests and `--drill`);
     the default injects nothing. `on_window`: called on every log step with the window's metrics
     (a sweep trial's Tune report). `save_checkpoints=False`: a short measurement run.
-    `callbacks`: Ray Train run callbacks (a sweep trial's TuneReportCallback)."""
+    `callbacks`: Ray Train run callbacks (a sweep trial's TuneReportCallback). `tasks`: eval.tasks
+    encoded for the loop (downstream/in_loop.py RunTasks), or None."""
     import ray.train
     from ray.train.torch import TorchConfig
 
@@ -69,7 +71,7 @@ def build_trainer(
         train_loop_config={
             "config": config.to_dict(), "data_uri": data_uri, "max_sequences": max_sequences(config),
             "data_uris": data_uris or [data_uri],  # a mixture's sources (data.sources), else the one
-            "hooks": hooks or LoopHooks(), "on_window": on_window, "save_checkpoints": save_checkpoints,
+            "hooks": hooks or LoopHooks(), "on_window": on_window, "save_checkpoints": save_checkpoints, "tasks": tasks,
             # The driver's S3 filesystem (credentials inside, as in storage_filesystem): workers
             # use it for data and metrics too, whatever their own environment holds.
             "s3_filesystem": filesystem if config.storage.uri.startswith("s3://") else None,
@@ -185,6 +187,9 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
     """Validate, build and fit. Same name + same storage = the run continues from its latest checkpoint.
     `hooks`: drills and fault injection for the loop (tests, `pretrain --drill`); none by default."""
     config, resume_state = check_before_ray(config, create_bucket=create_bucket)
+    from raytrain_fast.downstream.run import load_run_tasks
+
+    tasks = load_run_tasks(config)  # an unknown task or a malformed line fails here, in a second
     if resume_state is not None and resume_state.step >= config.train.steps:
         return _nothing_to_do(config, resume_state)  # decided from storage: no Ray, no workers
     config = resolve_resources(config, create_bucket=create_bucket, checked=True, announce_precision=resume_state is None)
@@ -201,6 +206,7 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
     from raytrain_fast.coordinator import start_coordinator
 
     data_uris = prepare_mixture_data(config) if config.data.sources else [prepare_training_data(config)]
+    run_tasks = prepare_tasks(config, tasks, data_uris[0])  # encoded with the data's tokenizer
     # One named actor per run, owned by this driver: it outlives worker-group restarts, so FLOPs
     # and the matmul peak are measured once per run. Kept referenced until fit() returns.
     coordinator = start_coordinator(config.name or "run")
@@ -208,7 +214,7 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
     keep_ray_data_actors_on_this_node()
     drop_ray_run_snapshot(config)
     with _StopOnSignal(coordinator) as stop:
-        result = build_trainer(config, data_uri=data_uris[0], data_uris=data_uris, hooks=hooks).fit()
+        result = build_trainer(config, data_uri=data_uris[0], data_uris=data_uris, hooks=hooks, tasks=run_tasks).fit()
     measurements = ray.get(coordinator.measurements.remote())
     diverged, message = ray.get(coordinator.wait.remote(DIVERGENCE_KEY, 0))
     ray.kill(coordinator)  # the next run of this name starts a fresh one (values come from checkpoints)
