@@ -25,10 +25,11 @@ def fresh_env(home: Path) -> dict[str, str]:
     return {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8"}
 
 
-def shell(line: str, *, cwd: Path, home: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`line` typed into a fresh bash in `cwd`; stdout and stderr collected apart."""
+def shell(line: str, *, cwd: Path, home: Path, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`line` typed into a fresh bash in `cwd` (with `env` added to its environment); stdout and
+    stderr collected apart."""
     return subprocess.run(
-        ["bash", "--noprofile", "--norc", "-c", line], cwd=cwd, env=fresh_env(home), text=True,
+        ["bash", "--noprofile", "--norc", "-c", line], cwd=cwd, env={**fresh_env(home), **(env or {})}, text=True,
         capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL,
     )
 
@@ -42,3 +43,28 @@ def package_texts(directory: Path, *packages: str) -> None:
         package = importlib.import_module(name)
         for path in sorted(Path(package.__file__).parent.glob("*.py")):
             (directory / f"{name}-{path.name}.txt").write_text(path.read_text())
+
+
+WITHOUT_MODULES = """
+import os, sys
+
+_BLOCKED = set(filter(None, os.environ.get("WITHOUT_MODULES", "").split(",")))
+
+
+class _NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in _BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NotInstalled())
+"""
+
+
+def without_modules(folder: Path, *names: str) -> dict[str, str]:
+    """The environment of an install that lacks the packages `names` (an optional extra not
+    installed): a sitecustomize on PYTHONPATH makes their import fail as a missing package's does."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(WITHOUT_MODULES)
+    return {"PYTHONPATH": str(folder), "WITHOUT_MODULES": ",".join(names)}

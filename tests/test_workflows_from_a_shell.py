@@ -6,6 +6,8 @@ relative paths (tests/shell.py).
   datasets, `.jsonl.zst` / `.jsonl.gz` files, text) train as a mixture.
 - A damaged prepared dataset found by a worker ends the run in one attempt, exit 2 (an error that
   will repeat is not retried: tests/test_errors_that_repeat.py).
+- `export --format hf` from the README's install, without the `tokenizers` extra, loads in
+  transformers and pads a batch; an export that fails leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.shell import SETS, package_texts, shell
+from tests.shell import SETS, package_texts, shell, without_modules
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -65,7 +67,7 @@ def test_a_mixture_of_two_jsonl_zst_files_is_prepared_on_the_fly_and_trains(tmp_
     _jsonl_zst(project / "corpora" / "code.jsonl.zst", "email")
     _jsonl_zst(project / "corpora" / "docs.jsonl.zst", "json")
     done = shell(
-        f"raytrain-fast pretrain --name zst {SETS} --set storage.uri=runs --set data.cache_dir=cache --set data.val_fraction=0.2 "
+        f"raytrain-fast pretrain --name zst {SETS} --set storage.uri=runs --set data.cache_dir=cache "
         "--set 'data.sources=[{source: corpora/code.jsonl.zst, weight: 0.7}, {source: corpora/docs.jsonl.zst, weight: 0.3}]'",
         cwd=project, home=home,
     )
@@ -100,3 +102,39 @@ def test_a_damaged_shard_ends_the_run_in_one_attempt_with_exit_2(tmp_path):
     assert "Traceback" not in shown and "max_errored_blocks" not in shown, shown
     workers = set(re.findall(r"\(RayTrainWorker pid=(\d+)", shown))
     assert len(workers) == 1, f"one attempt, one worker process; saw {sorted(workers)}:\n{shown}"
+
+
+def _leftovers(project: Path) -> list[str]:
+    return sorted(p.name for p in project.iterdir() if "export" in p.name)
+
+
+def test_an_hf_export_without_the_tokenizers_extra_loads_in_transformers_and_pads_a_batch(tmp_path):
+    project, home = tmp_path / "project", tmp_path / "home"
+    project.mkdir()
+    trained = shell(f"raytrain-fast pretrain --config llama-tiny --name lt {SETS} --set storage.uri=runs", cwd=project, home=home)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    export = "raytrain-fast export --storage runs --name lt --out exported --format hf"
+
+    failed = shell(export, cwd=project, home=home, env=without_modules(tmp_path / "site", "safetensors"))  # fails mid-way
+    assert failed.returncode != 0 and "safetensors" in failed.stderr, failed.stdout + failed.stderr
+    assert _leftovers(project) == [], "a failed export leaves nothing behind"
+
+    done = shell(export, cwd=project, home=home, env=without_modules(tmp_path / "site", "tokenizers"))
+    assert done.returncode == 0, done.stdout + done.stderr  # no --overwrite needed after the failure
+    assert _leftovers(project) == ["exported"]
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(project / "exported")
+    model = AutoModelForCausalLM.from_pretrained(project / "exported").eval()
+    assert tokenizer.pad_token is not None and tokenizer.pad_token_id < model.config.vocab_size
+    texts = ["def f(x):", "import os\nprint(os.getcwd())"]
+    assert tokenizer(texts[0])["input_ids"] == list(texts[0].encode())  # the byte tokenizer's ids
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    short = int(batch["attention_mask"][0].sum())
+    assert batch["input_ids"].shape[1] > short  # the short text was padded
+    with torch.no_grad():
+        padded = model(**batch).logits[0, :short]
+        alone = model(**tokenizer(texts[:1], return_tensors="pt")).logits[0]
+    torch.testing.assert_close(padded, alone, atol=1e-4, rtol=1e-4)  # padding changes nothing it should not
