@@ -4,6 +4,7 @@ coordinator and hang watchdog, builds the TorchTrainer and fits it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -232,8 +233,9 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
             result = fit(build_trainer(config, data_uri=data_uris[0], data_uris=data_uris, hooks=hooks))
         measurements = ray.get(coordinator.measurements.remote())
         diverged, message = ray.get(coordinator.wait.remote(DIVERGENCE_KEY, 0))
-    finally:
-        ray.kill(coordinator)  # the next run of this name starts a fresh one (values come from checkpoints)
+    finally:  # the next run of this name starts a fresh one (values come from checkpoints)
+        with contextlib.suppress(Exception):  # a Ray that is gone must not hide the run's own error
+            ray.kill(coordinator)
     if diverged:  # the workers ended normally (so Ray did not restart them): the run failed
         raise DivergenceError(message)
     kept = kept_checkpoints(config)  # what storage holds after retention: what a rerun resumes from
