@@ -211,13 +211,14 @@ def _settle_worker_output() -> None:
     """The workers' last lines before the closing block, not after it: Ray forwards them
     asynchronously and holds repeated lines back (log deduplication) until it disconnects, which
     would be at exit. So wait for the stream to go quiet, then disconnect now: that prints what was
-    held back."""
+    held back. Nothing to wait for where this process started no Ray."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
     from raytrain_fast.console import wait_for_quiet
 
     wait_for_quiet()
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
+    ray.shutdown()
 
 
 def pretrain(args: argparse.Namespace) -> int:
@@ -400,6 +401,7 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def _error(message: str) -> None:
+    sys.stdout.flush()  # what stdout holds (a pipe's buffer) comes before the error, as it happened
     print(f"raytrain-fast: error: {message}", file=sys.stderr)
 
 
@@ -443,6 +445,7 @@ def _run(argv: list[str], *, debug: bool) -> int:
     except RaytrainFastError as error:
         if debug:
             traceback.print_exc()
+        _settle_worker_output()  # a worker's error: its last lines before this one
         _error(str(error))
         return EXIT_ERROR
     except OSError as error:  # storage or files, past the checks: still the user's environment

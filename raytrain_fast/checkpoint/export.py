@@ -260,16 +260,54 @@ def export_checkpoint(
     try:
         path, skipped = download_chosen(filesystem, run_path, local_dir, name=name, step=step, storage_uri=storage_uri)
         checkpoint_step = int(path.rstrip("/").rsplit("_", 1)[-1])
-        return export_local_checkpoint(
-            local_dir, out_dir, model_config=model_config, dtype=dtype, format=format, storage=storage,
-            tokenizer=tokenizer, max_shard_bytes=max_shard_bytes,
-            metadata={
-                "run": name, "step": checkpoint_step, "checkpoint": path,
-                "skipped": [{"checkpoint": p.rsplit("/", 1)[-1], "reason": r} for p, r in skipped],
-            },
-        )
+        with _staged(out_dir) as staging:
+            export_local_checkpoint(
+                local_dir, staging, model_config=model_config, dtype=dtype, format=format, storage=storage,
+                tokenizer=tokenizer, max_shard_bytes=max_shard_bytes,
+                metadata={
+                    "run": name, "step": checkpoint_step, "checkpoint": path,
+                    "skipped": [{"checkpoint": p.rsplit("/", 1)[-1], "reason": r} for p, r in skipped],
+                },
+            )
+        return out_dir
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)
+
+
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _is_export_file(name: str) -> bool:
+    from raytrain_fast.checkpoint.hf_export import HF_FILES
+
+    return name in {WEIGHTS_FILE, CONFIG_FILE, *HF_FILES, "tokenizer_config.json", "special_tokens_map.json"} or bool(
+        _SHARD_FILE.fullmatch(name)
+    )
+
+
+@contextlib.contextmanager
+def _staged(out_dir: str):
+    """A new folder for the export's files, moved into place once every one is written: a failure
+    (or Ctrl-C) leaves nothing behind and `out_dir` as it was. A new out_dir: the folder, beside it,
+    is renamed to it. An existing one (it may hold other files: `--out .`): the folder is made inside
+    it, the earlier export's files are removed and the new ones moved in."""
+    out = Path(out_dir).expanduser().absolute()
+    exists = out.is_dir()
+    parent = out if exists else out.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = parent / f".{out.name or 'export'}.partial-{os.getpid()}-{os.urandom(4).hex()}"
+    staging.mkdir()  # the umask's mode, as a directory made by hand
+    try:
+        yield str(staging)
+        if not exists:
+            staging.rename(out)
+            return
+        for old in [p for p in out.iterdir() if p.is_file() and _is_export_file(p.name)]:
+            old.unlink()
+        for new in staging.iterdir():
+            new.rename(out / new.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def download_chosen(

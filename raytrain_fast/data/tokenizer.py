@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -134,7 +135,9 @@ def load_tokenizer(tokenizer: str, storage: StorageConfig | None = None) -> Toke
             f"tokenizer '{tokenizer}' has no end-of-document token (looked for {', '.join(EOD_CANDIDATES)}); "
             "add one as a special token, e.g. tokenizer.add_special_tokens(['<|endoftext|>'])"
         )
-    info = TokenizerInfo(kind="hf", name=tokenizer, hash=digest, vocab_size=hf.get_vocab_size(with_added_tokens=True), eod_id=eod_id)
+    # Recorded in manifests and read back by `export`, maybe from another directory: a local path absolute.
+    name = tokenizer if "://" in tokenizer else os.path.abspath(os.path.expanduser(tokenizer))
+    info = TokenizerInfo(kind="hf", name=name, hash=digest, vocab_size=hf.get_vocab_size(with_added_tokens=True), eod_id=eod_id)
     return TokenizerSpec(info=info, json_text=json_text)
 
 
