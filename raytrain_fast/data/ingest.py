@@ -55,7 +55,7 @@ HANDOVER_BATCHES = 8
 """Micro-batches per Ray Data batch and per hand-over to the step loop. Each batch Ray Data delivers
 wakes its prefetch, format and producer threads, and each wake takes a core from a torch thread (on
 2 cores, a step's parallel regions then wait for it): in groups, those wakes come once per 8 micro-batches,
-and the loop takes 7 of 8 micro-batches from its own buffer without any thread (issue 29)."""
+and the loop takes 7 of 8 micro-batches from its own buffer without any thread."""
 STREAM = "sequence-shuffle-v1"
 """The stream a position belongs to; positions without it come from the older per-rank shard stream."""
 

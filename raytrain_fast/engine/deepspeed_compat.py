@@ -33,7 +33,7 @@ def skip_nonfinite_update(optimizer: Any, total_norm: Any) -> None:
     DeepSpeed's -1 sentinel, decided on the device: the fused AdamW kernel reads `found_inf` (the
     attribute torch's GradScaler sets) and then leaves the weights, both moments and the step
     count as they were. In bf16 without `engine.check_grad_overflow`, DeepSpeed 0.19's ZeRO-1/2
-    never checks the norm, and a NaN gradient reached the fp32 master weights (issue 28). fp32
+    never checks the norm, and a NaN gradient reached the fp32 master weights. fp32
     runs are skipped by DeepSpeed itself before this is called (a host read per step, its own).
     An unfused optimizer takes no `found_inf`: nothing is set (the loop's health check still sees
     the norm and rolls back)."""

@@ -1,4 +1,4 @@
-"""The report must not contradict the run (issue 33's trial): advice the run already follows, saves
+"""The report must not contradict the run: advice the run already follows, saves
 it miscounts or leaves off a plot, a resume it does not shade, a threshold it draws wrong, no duration."""
 
 from __future__ import annotations

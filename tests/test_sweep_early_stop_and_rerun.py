@@ -1,4 +1,4 @@
-"""Sweep fixes from issue 33's trial, without running Tune: which trials stop early, and a rerun of
+"""Sweeps without running Tune: which trials stop early, and a rerun of
 the same sweep replacing its earlier outputs."""
 
 from __future__ import annotations

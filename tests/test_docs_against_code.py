@@ -1,4 +1,4 @@
-"""What a new user's trial (issue 33) found missing from docs/: each page against the code it describes."""
+"""Each docs page against the code it describes: every drill, the metrics segment record, the tokenizers extra."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rough edges a new user's first hour found (issue 33): every config problem in one message with
+"""What a new user meets first: every config problem in one message with
 suggestions that themselves validate, a resume that would silently change the run refused, a
 validation split `pretrain` can ask for, and the checkpoint saved / resume-from-step lines."""
 
