@@ -16,6 +16,8 @@ TESTED_RAY = ("2.60.0",)
 
 TRAIN_CONTEXT_LOGGER = "ray.train.v2._internal.execution.context"
 """Ray Train's per-report INFO line (a ~1 KB `TrainingReport(...)` dump) logs here."""
+TRAIN_ERROR_LOGGER = "ray.train.v2._internal.util"
+"""Ray Train logs a worker's failure here, with its traceback ("Error in training function:")."""
 DATA_EXECUTOR_LOGGER = "ray.data._internal.execution.streaming_executor"
 """Ray Data's per-Dataset 'execution finished' summary logs here."""
 DATA_ITERATOR_THREADS = ("iter_threaded",)
@@ -66,6 +68,54 @@ def create_ray_data_cluster_actors() -> None:
 
         for _ in ray.data.range(1).iter_batches():
             pass
+
+
+def stop_retrying_on(controller_kwargs: dict[str, Any], is_final: Callable[[BaseException], bool]) -> dict[str, Any]:
+    """Ray Train's controller arguments (`DataParallelTrainer._initialize_and_run_controller`) with its
+    failure policy wrapped: a worker group failure in which any worker raised an error that `is_final`
+    accepts ends the run at once; every other failure (a crash, a lost node, a preemption) goes to
+    Ray's policy and its FailureConfig budgets. Another Ray: the arguments as they are (every failure
+    is retried; the driver still names the error in one line)."""
+    try:
+        from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
+    except ImportError:  # pragma: no cover - another Ray version
+        return controller_kwargs
+    inner = controller_kwargs.get("failure_policy")
+    if inner is None:
+        return controller_kwargs
+
+    class StopOnFinalErrors(FailurePolicy):
+        def __init__(self, policy: Any) -> None:
+            super().__init__(policy.failure_config)
+            self.policy = policy
+
+        def make_decision(self, training_failed_error: Any) -> Any:
+            failures = getattr(training_failed_error, "worker_failures", None) or {}
+            if any(is_final(error) for error in failures.values()):
+                return FailureDecision.RAISE
+            return self.policy.make_decision(training_failed_error)
+
+    return {**controller_kwargs, "failure_policy": StopOnFinalErrors(inner)}
+
+
+def quiet_worker_tracebacks_of(errors: tuple[type, ...]) -> None:
+    """In this Ray Train worker: Ray Train's traceback of a failure that ends with one of `errors` off
+    the console (the driver prints that error's one-line message); every other failure keeps its
+    traceback. Another Ray: nothing changes."""
+    import logging
+    import re
+
+    names = "|".join(re.escape(f"{error.__module__}.{error.__qualname__}") for error in errors)
+    final = re.compile(rf"^({names})(:|$)", re.MULTILINE)
+
+    class DropFinalErrorTracebacks(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            message = record.getMessage()
+            return not (message.startswith("Error in training function") and final.search(message))
+
+    logger = logging.getLogger(TRAIN_ERROR_LOGGER)
+    if not any(type(f).__name__ == DropFinalErrorTracebacks.__name__ for f in logger.filters):
+        logger.addFilter(DropFinalErrorTracebacks())
 
 
 def quiet_train_report_logger() -> None:

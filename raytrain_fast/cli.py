@@ -1,7 +1,7 @@
 """Fast, fault-tolerant pretraining of decoder-only language models (the GPT and Llama families) on Ray
 Train + DeepSpeed ZeRO-2: train (resuming where a run stopped), list runs and their checkpoints, export
-weights, report on a run, prepare data, train a tokenizer, sweep micro-batches and benchmark.
-`raytrain-fast <command> --help` shows a command's options."""
+weights, evaluate on multiple-choice tasks, report on a run, prepare data, train a tokenizer, sweep
+micro-batches and benchmark. `raytrain-fast <command> --help` shows a command's options."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def _add_config_args(parser: argparse.ArgumentParser, *, name_help: str) -> None
     parser.add_argument("--name", default=None, help=name_help)
 
 
-def _add_storage_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--storage", required=True, help="storage URI: a local directory or s3://bucket/prefix")
+def _add_storage_args(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    parser.add_argument("--storage", required=required, help="storage URI: a local directory or s3://bucket/prefix")
     parser.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
     parser.add_argument("--region", default=None, help=REGION_HELP)
     parser.add_argument("--profile", default=None, help=PROFILE_HELP)
@@ -198,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--name", required=True, help="run name")
     report.add_argument("--out", default=None, help="local output directory (default: ./<name>-report)")
 
+    from raytrain_fast.downstream.command import add_arguments as add_evaluate_arguments
+
+    evaluate = add_command(commands, "evaluate", "score multiple-choice tasks (ARC, HellaSwag, your own JSONL) on a run's checkpoint or a Hugging Face model")
+    _add_storage_args(evaluate, required=False)
+    add_evaluate_arguments(evaluate)
+
     prepare = add_command(commands, "prepare-data", "tokenize and pack text files into Parquet shards plus a manifest")
     _add_prepare_args(prepare)
 
@@ -224,13 +230,14 @@ def _settle_worker_output() -> None:
     """The workers' last lines before the closing block, not after it: Ray forwards them
     asynchronously and holds repeated lines back (log deduplication) until it disconnects, which
     would be at exit. So wait for the stream to go quiet, then disconnect now: that prints what was
-    held back."""
+    held back. Nothing to wait for where this process started no Ray."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
     from raytrain_fast.console import wait_for_quiet
 
     wait_for_quiet()
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
+    ray.shutdown()
 
 
 def pretrain(args: argparse.Namespace) -> int:
@@ -355,6 +362,13 @@ def report(args: argparse.Namespace) -> int:
     return 0
 
 
+def evaluate(args: argparse.Namespace) -> int:
+    from raytrain_fast.downstream.command import run_evaluate
+    from raytrain_fast.launch.ray_address import ensure_ray
+
+    return run_evaluate(args, storage=_readable_storage(args) if args.storage else None, connect_ray=ensure_ray)
+
+
 def prepare_data(args: argparse.Namespace) -> int:
     from raytrain_fast.data import prepare_data as prepare
     from raytrain_fast.storage import StorageConfig
@@ -410,6 +424,7 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def _error(message: str) -> None:
+    sys.stdout.flush()  # what stdout holds (a pipe's buffer) comes before the error, as it happened
     print(f"raytrain-fast: error: {message}", file=sys.stderr)
 
 
@@ -446,13 +461,14 @@ def _run(argv: list[str], *, debug: bool) -> int:
     handlers = {
         "pretrain": pretrain, "show-config": show_config, "runs": runs, "export": export,
         "prepare-data": prepare_data, "train-tokenizer": train_tokenizer, "bench": bench, "sweep": sweep,
-        "report": report,
+        "report": report, "evaluate": evaluate,
     }
     try:
         return handlers[args.command](args)
     except RaytrainFastError as error:
         if debug:
             traceback.print_exc()
+        _settle_worker_output()  # a worker's error: its last lines before this one
         _error(str(error))
         return EXIT_ERROR
     except OSError as error:  # storage or files, past the checks: still the user's environment

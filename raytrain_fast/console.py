@@ -35,6 +35,10 @@ NOISE = (
     # DeepSpeed on loading a universal checkpoint (a resize): ZeRO-2 here has no tensor parallelism,
     # so tp size 1 is exactly right and the user can do nothing about it.
     "MPU is not provided, setting tp size to 1",
+    # Ray Data in a worker whose read failed: advice for Ray Data's own API (the error itself follows,
+    # named by the worker's traceback or, for a damaged shard, by the command's one-line error).
+    "Dataset execution will now abort. To ignore this exception and continue, set DataContext.max_errored_blocks",
+    "Exception occurred in user code, with the abbreviated stack trace below",
 )
 """Substrings of lines that are dropped from the console (they stay in Ray's log files)."""
 NOISE_WITH_TRACEBACK = (
@@ -131,8 +135,20 @@ class ConsoleStream:
         if not self._colour:
             text = _ANSI.sub("", text)
         if text:
-            self._stream.write(redact_text(text))
+            self._unless_gone(self._stream.write, redact_text(text))
         return written
+
+    def flush(self) -> None:
+        self._unless_gone(self._stream.flush)
+
+    def _unless_gone(self, call, *args) -> None:
+        """A reader that went away closes the pipe (`| tee` ended by the same Ctrl-C, `| head`): from
+        then on this stream's output goes to /dev/null, so that printing neither stops the run (a stop
+        notice still saves its checkpoint) nor changes its exit status."""
+        try:
+            call(*args)
+        except BrokenPipeError:
+            discard_output_of(self._stream)
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
@@ -148,6 +164,20 @@ def quiet_lines(with_traceback: tuple[str, ...]):
     finally:
         for line in with_traceback:
             _EXTRA_WITH_TRACEBACK.remove(line)
+
+
+def discard_output_of(stream) -> None:
+    """Point `stream`'s file descriptor at /dev/null: what it holds and everything written to it
+    later, by Python or by Ray's native code, is dropped without an error."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def configure_console() -> None:

@@ -14,9 +14,16 @@ claim not renewed for `lease_s` expires, so when a rank dies mid-measurement (an
 worker group) the new rank takes over within seconds instead of waiting for the timeout.
 The actor uses no CPU reservation and imports neither torch nor deepspeed.
 
-It also relays the driver's stop notice to rank 0 (`request_stop` / `watch_for_stop`). The two jobs
-share one actor because both need exactly its lifetime: one per run, owned by the driver, reachable by
-name from every restarted worker group; a second actor would be a second thing to start, find and kill.
+The same actor carries four more of the run's concerns, each a few small methods:
+- the driver's stop notice to rank 0 (`request_stop` / `watch_for_stop`);
+- the hang watchdog (`start_watchdog`, `beat`, `take_hangs`; its logic is watchdog/, the actor only
+  holds it and passes the beats on);
+- the previous worker group's size (`swap_group_size`), so a resized group is noticed;
+- the divergence verdict the workers leave for the driver (a value under `loop.health.DIVERGENCE_KEY`).
+They share one actor because each needs exactly its lifetime, and nothing else has it: one per run,
+owned by the driver, outliving every worker-group restart, reachable by name from each new group.
+A second actor would be a second process to start, find by name, keep alive and kill, and the
+watchdog must outlive the very worker groups it restarts.
 """
 
 from __future__ import annotations

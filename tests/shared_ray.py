@@ -4,7 +4,7 @@ its own (`ray.cluster_utils.Cluster`, `ray start`).
 Why set it aside: a process that holds two Ray instances is not what a user runs, and Ray resolves a
 cluster by "the latest one on this machine" in places we do not control (the state API inside
 Ray Train's placement-group cleaner, `ray.init(address="auto")`). The elastic grow-back test failed
-only in full runs, where the shared instance was up beside its cluster (issue 32). While a cluster
+only in full runs, where the shared instance was up beside its cluster. While a cluster
 test runs, this process holds no other instance and none of the environment `ray.init` left behind.
 """
 

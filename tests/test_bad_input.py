@@ -85,6 +85,10 @@ CASES = [
     Case("data-source-missing", ["pretrain", *_s("data.source={tmp}/no-text")], 2, ["data.source .* does not exist", "or 'stdlib'"]),
     Case("tokenizer-missing", ["pretrain", *_s("data.tokenizer={tmp}/t.json")], 2, ["neither 'byte' nor an existing", "tokenizer.json"]),
     Case("bad-drill", ["pretrain", "--drill", "slow_dat=1"], 2, ["NAME one of"]),
+    Case("unknown-task", ["pretrain", *_s("eval.tasks=arc_eazy", "storage.uri={tmp}/runs")], 2,
+         ["eval.tasks: unknown task 'arc_eazy'", "did you mean 'arc_easy'", "standard tasks: arc_easy, arc_challenge", r"\.jsonl file"]),
+    Case("malformed-task-item", ["pretrain", *_s("eval.tasks={tmp}/mine.jsonl", "storage.uri={tmp}/runs")], 2,
+         ['mine.jsonl line 2: "gold" must be the index of the right choice, 0 to 1; got 2'], setup="bad_task"),
     # ---- storage
     Case("gs-scheme", ["pretrain", *_s("storage.uri=gs://bucket/runs")], 2, ["scheme 'gs://' is not supported", "s3://bucket/prefix",
                                                                               "storage.googleapis.com"]),
@@ -218,6 +222,10 @@ CASES = [
 
 def bad_yaml(tmp: Path) -> None:
     (tmp / "bad.yaml").write_text("train: {steps: 1\n")
+
+
+def bad_task(tmp: Path) -> None:
+    (tmp / "mine.jsonl").write_text('{"context": "Q", "choices": [" a", " b"], "gold": 0}\n{"context": "Q", "choices": [" a", " b"], "gold": 2}\n')
 
 
 def dup_yaml(tmp: Path) -> None:

@@ -1,4 +1,4 @@
-"""Checkpoint I/O that scales (issue 16), on the loopback S3 server with 2 real gloo workers and
+"""Checkpoint I/O that scales, on the loopback S3 server with 2 real gloo workers and
 real DeepSpeed ZeRO-2 in bf16:
 - on resume each rank reads from storage only what it loads: the files every rank loads (model
   states, train state, config, `latest`, every manifest) and its own optimizer shard and RNG
@@ -99,7 +99,7 @@ def test_each_rank_downloads_only_what_it_loads(resumed, s3_server):
     total = sum(objects.values())
     for rank in range(2):
         assert downloaded[rank] <= common + own[rank] + MARGIN_BYTES, (rank, downloaded, common, own)
-        # Before issue 16 every rank read the whole checkpoint: the other rank's shard is what it no longer reads.
+        # The other rank's shard is what a rank does not read.
         assert downloaded[rank] <= total - own[1 - rank], (rank, downloaded, total, own)
     # One node: the common files were fetched once, by one rank, not once per rank.
     assert sum(downloaded) == common + own[0] + own[1], (downloaded, common, own)

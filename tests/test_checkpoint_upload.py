@@ -79,3 +79,51 @@ def test_concurrent_takes_see_each_duration_at_most_once(tmp_path):
     took += [] if last is None else [last]
     assert len(hook_saw) == 30
     assert len(took) == len(set(took)) and set(took) <= set(hook_saw)
+
+
+def _tree(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_local_storage_on_the_same_filesystem_links_the_files_instead_of_copying_them(tmp_path):
+    import ray.train
+
+    source = tmp_path / "local"
+    (source / "deepspeed" / "step").mkdir(parents=True)
+    (source / "deepspeed" / "step" / "optim.pt").write_bytes(b"o" * 4096)
+    (source / "manifest.rank0.json").write_text("{}")
+    uploader = Uploader(filesystem=pafs.LocalFileSystem(), run_path=str(tmp_path / "run"), attempts=1)
+    uploader.begin()
+    uploader.upload(ray.train.Checkpoint.from_directory(str(source)), "checkpoint_000004")
+
+    stored = tmp_path / "run" / "checkpoint_000004"
+    assert _tree(stored) == _tree(source)
+    for name in ("deepspeed/step/optim.pt", "manifest.rank0.json"):
+        assert (stored / name).stat().st_ino == (source / name).stat().st_ino  # one file on disk, two names
+    import shutil
+
+    shutil.rmtree(source)  # what Ray does with the local directory after the upload
+    assert (stored / "deepspeed" / "step" / "optim.pt").read_bytes() == b"o" * 4096
+
+
+def test_local_storage_on_another_filesystem_is_copied(tmp_path):
+    import os
+    import shutil
+    import tempfile
+
+    import ray.train
+
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on another filesystem than the test's temp directory")
+    source = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        with open(os.path.join(source, "weights.bin"), "wb") as out:
+            out.write(b"w" * 2048)
+        uploader = Uploader(filesystem=pafs.LocalFileSystem(), run_path=str(tmp_path / "run"), attempts=1)
+        uploader.begin()
+        uploader.upload(ray.train.Checkpoint.from_directory(source), "checkpoint_000006")
+        stored = tmp_path / "run" / "checkpoint_000006" / "weights.bin"
+        assert stored.read_bytes() == b"w" * 2048
+        assert stored.stat().st_ino != os.stat(os.path.join(source, "weights.bin")).st_ino
+    finally:
+        shutil.rmtree(source, ignore_errors=True)

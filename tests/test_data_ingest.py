@@ -170,7 +170,7 @@ def test_resume_continues_exactly_where_it_stopped(prepared, ray_session):
 def test_the_loop_takes_micro_batches_from_its_own_buffer_between_hand_overs(prepared, ray_session):
     """Ray Data delivers HANDOVER_BATCHES micro-batches at a time and the producer thread hands them
     over as one group: after the first next(), the rest of the group waits in the iterator's own
-    buffer, so the next steps touch no queue and wake no thread (issue 29). The order and positions
+    buffer, so the next steps touch no queue and wake no thread. The order and positions
     across group and chunk boundaries are the tests above."""
     from raytrain_fast.data.ingest import HANDOVER_BATCHES
 

@@ -57,7 +57,7 @@ def test_a_bad_worker_range_is_named_with_the_fix(value, problem):
         validate(config)
     assert problem in str(error.value)
     suggestion = re.search(r"e\.g\. (--set resources\.num_workers=\S+(?: --set \S+)*)", str(error.value))
-    assert suggestion, str(error.value)  # a fix that validates for this config (tests/test_first_hour.py checks that)
+    assert suggestion, str(error.value)  # a fix that validates for this config (tests/test_config_problems_and_resume_changes.py checks that)
 
 
 def test_an_elastic_run_needs_room_for_its_fewest_workers_only():
@@ -148,7 +148,7 @@ def cluster(monkeypatch):
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
     monkeypatch.setenv("RAY_worker_niceness", "0")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    with without_shared_ray():  # this process holds no other Ray instance meanwhile (issue 32)
+    with without_shared_ray():  # this process holds no other Ray instance meanwhile
         cluster = Cluster()
         try:
             _add_node(cluster, num_cpus=0, include_dashboard=False)  # the head

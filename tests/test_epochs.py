@@ -1,4 +1,4 @@
-"""Epochs (issue 33's trial): a counter on the progress line, a warning at start and a report finding
+"""Epochs: a counter on the progress line, a warning at start and a report finding
 when a small corpus is repeated many times."""
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ SESSION = [
     ("pretrain", f"raytrain-fast pretrain --config tiny --name shell {SETS} --set data.source=prepared --set storage.uri=runs",
      "Done. Run directory:"),
     ("runs", "raytrain-fast runs --storage runs", "shell"),
+    ("evaluate", "raytrain-fast evaluate --storage runs --name shell --tasks csqa --limit 4", "csqa"),
     ("report", "raytrain-fast report --storage runs --name shell --out report", "Run 'shell'"),
     ("export", "raytrain-fast export --storage runs --name shell --out exported", "exported"),
     ("sweep", f"raytrain-fast sweep --config tiny --name sw {SETS} --set data.source=prepared --set storage.uri=runs "

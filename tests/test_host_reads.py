@@ -3,7 +3,8 @@ checkpoint) in Ray Train's local mode, with every host read of a tensor counted.
 
 A host read (`.item()`, `.tolist()`, `.cpu()`, `float(t)`, `int(t)`, `bool(t)`) waits for all queued
 device work: one per step is what makes "fast" loops slow on GPUs. The loop may read once per log
-window (the drain), plus one per evaluation (its loss sum), plus whatever a checkpoint save needs.
+window (the drain), plus one per evaluation (its loss sum and the downstream tasks' counts together),
+plus whatever a checkpoint save needs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import pytest
 
 from raytrain_fast.checkpoint import list_runs
 from raytrain_fast.config import load_config
-from raytrain_fast.launch.checks import prepare_training_data, resolve_resources
+from raytrain_fast.downstream.run import load_run_tasks
+from raytrain_fast.launch.checks import prepare_tasks, prepare_training_data, resolve_resources
 from raytrain_fast.storage import StorageConfig
 from tests.s3_server import free_port
 
@@ -39,6 +41,7 @@ def _train_counting_reads(address: str, loop_config: dict, port: int, out_path: 
 
     from raytrain_fast.checkpoint import Checkpointer
     from raytrain_fast.loop import steps, train_loop
+    from raytrain_fast.downstream.in_loop import RankTasks
     from raytrain_fast.loop.evaluation import Evaluator
     from raytrain_fast.metrics import TrainMetrics
 
@@ -80,6 +83,7 @@ def _train_counting_reads(address: str, loop_config: dict, port: int, out_path: 
     TrainMetrics.log = in_phase("log", TrainMetrics.log)
     Checkpointer.save = in_phase("checkpoint", Checkpointer.save)
     Evaluator.run = in_phase("eval", Evaluator.run)
+    RankTasks.score = in_phase("tasks", RankTasks.score)  # inside an evaluation: its reads would be "tasks:"
 
     trainer = TorchTrainer(
         train_loop.train_loop_per_worker, train_loop_config=loop_config,
@@ -95,12 +99,14 @@ def test_the_step_loop_reads_from_the_device_once_per_log_window(ray_session, tm
         "model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.max_seq_len=32",
         "data.seq_len=32", "data.max_tokens=60000", "train.micro_batch=4", "train.global_batch=8",
         f"train.steps={steps}", f"train.log_every={log_every}", "checkpoint.every_steps=0", "eval.every_steps=8",
-        "eval.sequences=16",
+        "eval.sequences=16", "eval.tasks=arc_easy", "eval.task_limit=8",
         "metrics.profile_every=5", "resources.num_workers=1", "resources.cpus_per_worker=1",
         "engine.precision=bf16", "optim.warmup_steps=2", f"storage.uri={tmp_path / 'runs'}",
     ], name="reads")
     config = resolve_resources(config)
-    loop_config = {"config": config.to_dict(), "data_uri": prepare_training_data(config), "max_sequences": None}
+    data_uri = prepare_training_data(config)
+    tasks = prepare_tasks(config, load_run_tasks(config), data_uri)  # scored at every evaluation, in its one read
+    loop_config = {"config": config.to_dict(), "data_uri": data_uri, "max_sequences": None, "tasks": tasks}
     out_path = tmp_path / "reads.json"
 
     process = multiprocessing.get_context("spawn").Process(
@@ -123,8 +129,9 @@ def test_the_step_loop_reads_from_the_device_once_per_log_window(ray_session, tm
     assert in_loop == {}, reads
     # The drain: exactly one read per log window.
     assert sum(n for key, n in reads.items() if key.startswith("log:")) == calls["log"]
-    # An evaluation: exactly one read (its loss sum), none per micro-batch.
+    # An evaluation: exactly one read (its loss sums and task counts), none per micro-batch or item.
     assert sum(n for key, n in reads.items() if key.startswith("eval:")) == calls["eval"]
+    assert calls["tasks"] == calls["eval"] and not [key for key in reads if key.startswith("tasks:")], reads
     # Local mode still saved the final checkpoint, complete, in the run's storage.
     [run] = [r for r in list_runs(str(tmp_path / "runs"), StorageConfig()) if r.name == "reads"]
     assert [(c.step, c.complete) for c in run.checkpoints] == [(steps, True)]

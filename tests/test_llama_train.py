@@ -1,4 +1,4 @@
-"""The llama keeps what the GPT has in the loop (issue 30): a 2-worker ZeRO-2 bf16 llama run that fails
+"""The llama keeps what the GPT has in the loop: a 2-worker ZeRO-2 bf16 llama run that fails
 after its step-10 checkpoint resumes on 1 worker (a resize: the universal checkpoint conversion) and
 trains every step on exactly the sequences an uninterrupted run trained on, with its LR and, within the
 resize's stated 2% (tests/test_train.py::test_resize_round_trip_two_one_two_workers says why), its loss.

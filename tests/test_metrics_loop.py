@@ -23,7 +23,10 @@ pytestmark = pytest.mark.unit
 
 def is_documented(name: str) -> bool:
     """A metric the README's table (generated from METRICS) explains."""
-    return name in METRICS or name.startswith("alert/slowdown_cause/")
+    task = name.split("/")
+    return name in METRICS or name.startswith("alert/slowdown_cause/") or (
+        len(task) == 3 and task[0] == "eval" and f"eval/<task>/{task[2]}" in METRICS
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@ a finite blow-up named by the loop and the report with its best checkpoint kept 
 export command for it run); a sweep's best config trained in a directory that already holds the
 quickstart's run, its expected trial outcomes one line each; train-tokenizer -> prepare-data ->
 pretrain as each prints the next; the help, typo and drill messages. Each command is typed into
-`bash -c` with a clean environment (tests/test_fresh_shell.py's way)."""
+`bash -c` with a clean environment (tests/shell.py's)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_fresh_shell import SETS, _texts
+from tests.shell import SETS, fresh_env
+from tests.test_fresh_shell import _texts
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -29,9 +29,7 @@ class Shell:
 
     def __init__(self, cwd: Path) -> None:
         self.cwd = cwd
-        (cwd / "home").mkdir(exist_ok=True)
-        self.env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(cwd / "home"),
-                    "LANG": "C.UTF-8"}
+        self.env = fresh_env(cwd / "home")
         if "PYTHONPATH" in os.environ:  # another source tree under test (the same tests run against it)
             self.env["PYTHONPATH"] = os.environ["PYTHONPATH"]
 

@@ -114,3 +114,56 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
     [run] = [r for r in list_runs(str(tmp_path / "runs"), StorageConfig()) if r.name == "stopme"]
     assert [(c.step, c.complete) for c in run.checkpoints] == [(saved, True)]
     assert 6 <= saved < 100000
+
+
+def _wait_for_line(path: Path, pattern: str, *, timeout_s: float, process: subprocess.Popen) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        if match := re.search(pattern, text):
+            return match
+        if process.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"no line matching {pattern!r} within {timeout_s}s; {path.name}:\n{text}")
+
+
+@pytest.mark.parametrize("notice", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_a_stop_notice_with_the_output_piped_to_tee_saves_a_checkpoint(tmp_path, notice):
+    """`raytrain-fast pretrain ... 2>&1 | tee run.log`, then Ctrl-C (the terminal sends SIGINT to the
+    whole job: tee exits on it) or SIGTERM to tee and then to the run: the pipe closes under the run,
+    which still saves and exits 128 + the signal (130, 143). (A SIGTERM to the whole process group
+    also reaches the local Ray instance's own processes, which end on it.)"""
+    program = str(Path(sys.executable).parent / "raytrain-fast")
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731 - as a terminal's job starts
+    run = subprocess.Popen(
+        [program, "pretrain", "--config", "tiny", "--name", "stopme", "--set", "train.steps=100000",
+         *[item for value in MICRO for item in ("--set", value)], "--set", f"storage.uri={tmp_path / 'runs'}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=tmp_path,
+        process_group=0, preexec_fn=default_sigint,  # the job's own process group, as a shell makes one
+    )
+    tee = subprocess.Popen(["tee", str(tmp_path / "run.log")], stdin=run.stdout, stdout=subprocess.DEVNULL,
+                           process_group=run.pid, preexec_fn=default_sigint)
+    assert run.stdout is not None
+    run.stdout.close()  # tee alone reads the pipe, as in a shell
+    try:
+        _wait_for_line(tmp_path / "run.log", r"step\s+6/100000", timeout_s=240, process=run)
+        if notice == signal.SIGINT:
+            os.killpg(run.pid, notice)
+        else:
+            tee.send_signal(notice)
+        assert tee.wait(timeout=30) == -notice  # the pipe's reader is gone
+        if notice == signal.SIGTERM:
+            run.send_signal(notice)
+        code = run.wait(timeout=180)
+    finally:
+        for process in (run, tee):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    log = (tmp_path / "run.log").read_text(errors="replace")
+    assert code == 128 + notice, log
+    [found] = [r for r in list_runs(str(tmp_path / "runs"), StorageConfig()) if r.name == "stopme"]
+    assert [c.complete for c in found.checkpoints] == [True], log
+    assert 6 <= found.checkpoints[0].step < 100000

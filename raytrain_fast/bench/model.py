@@ -94,6 +94,8 @@ class ModelBenchSetup:
     micro_batch: int = 4
     steps: int = 12
     """Timed steps per variant in all, spread over the rounds (the same for every variant)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step, as train.grad_accum: the optimizer's share of a step as training has it."""
     rounds: int = 6
     warmup_steps: int = 2
     """Untimed steps first (allocation, kernel selection; a compiled variant compiles in the first)."""
@@ -113,7 +115,7 @@ class ModelBenchSetup:
 
     def problems(self) -> list[str]:
         found = [f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}"
-                 for name in ("seq_len", "micro_batch", "steps", "rounds") if getattr(self, name) <= 0]
+                 for name in ("seq_len", "micro_batch", "grad_accum", "steps", "rounds") if getattr(self, name) <= 0]
         if self.warmup_steps < 0:
             found.append(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.threads < 0:
@@ -235,7 +237,7 @@ def _jobs(setup: ModelBenchSetup, variants: list[str], *, config: Any, model_con
             "name": name, "config": config.to_dict(),
             "model": dataclasses.asdict(dataclasses.replace(model_config, activation_checkpointing=checkpointing)),
             "precision": precision, "threads": threads, "seed": seed, "seq_len": setup.seq_len,
-            "micro_batch": setup.micro_batch, "total_steps": setup.warmup_steps + setup.steps,
+            "micro_batch": setup.micro_batch, "grad_accum": setup.grad_accum, "total_steps": setup.warmup_steps + setup.steps,
             "env": {"OMP_NUM_THREADS": str(threads)},
         })
     return jobs
@@ -299,7 +301,7 @@ def _measure_in(setup: ModelBenchSetup, jobs: list[dict[str, Any]], stopped: lis
             for worker in turn:
                 done = worker.ask("run", count)
                 results[worker.name]["rounds"].append(done)
-                tps = count * setup.micro_batch * setup.seq_len / done["elapsed_s"]
+                tps = count * setup.grad_accum * setup.micro_batch * setup.seq_len / done["elapsed_s"]
                 _say(f"round {r + 1}/{len(per_round)}: {worker.name}: {count} step(s) in {done['elapsed_s']:.2f} s, "
                      f"{tps:,.0f} tokens/s")
         for worker in workers:
@@ -324,7 +326,7 @@ def _variant_report(name: str, result: dict[str, Any], *, mfu: Any) -> dict[str,
     from raytrain_fast.metrics.peak import mfu as compute_mfu
 
     info, warm, rounds, memory = result["info"], result["warmup"], result["rounds"], result["memory"]
-    tokens_per_step = info["micro_batch"] * info["seq_len"]
+    tokens_per_step = info["grad_accum"] * info["micro_batch"] * info["seq_len"]
     steps = sum(r["steps"] for r in rounds)
     elapsed = sum(r["elapsed_s"] for r in rounds)
     tokens_per_sec = steps * tokens_per_step / elapsed
@@ -342,7 +344,7 @@ def _variant_report(name: str, result: dict[str, Any], *, mfu: Any) -> dict[str,
         "peak_gb": memory["peak_gb"], "setup_gb": warm["setup_gb"], "above_setup_gb": memory["peak_gb"] - warm["setup_gb"],
         "built_gb": info["built_gb"], "warmup_peak_gb": warm["warmup_peak_gb"],
         "precision": info["precision"], "threads": info["threads"], "seq_len": info["seq_len"], "micro_batch": info["micro_batch"],
-        "activation_checkpointing": info["activation_checkpointing"], "setup_s": info["setup_s"],
+        "grad_accum": info["grad_accum"], "activation_checkpointing": info["activation_checkpointing"], "setup_s": info["setup_s"],
         "first_step_s": warm["step_s"][0] if warm["step_s"] else None, "final_loss": rounds[-1]["loss"],
     }
     if name in COMPILED_VARIANTS:
@@ -383,7 +385,7 @@ def _report(setup: ModelBenchSetup, variants: list[str], measured: dict[str, dic
     return {
         "device": "cuda" if torch.cuda.is_available() else "cpu", "device_name": mfu.device_name,
         "machine": _machine(), "preset": setup.preset, "seq_len": setup.seq_len, "micro_batch": setup.micro_batch,
-        "precision": precision, "precision_reason": why, "threads": threads, "steps": setup.steps,
+        "grad_accum": setup.grad_accum, "precision": precision, "precision_reason": why, "threads": threads, "steps": setup.steps,
         "steps_per_round": setup.steps_per_round(), "rounds": setup.rounds, "warmup_steps": setup.warmup_steps,
         "order": measured["_order"]["order"], "load_avg_1m": measured["_order"]["load_avg_1m"],
         "peak_tflops": peak / 1e12 if peak else None, "peak_dtype": mfu.dtype,
@@ -408,7 +410,8 @@ def add_arguments(parser: Any) -> None:
         "--preset", default="gpt-124m", help="preset (or YAML file) whose model and engine settings to measure (default: gpt-124m)",
     )
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
-    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per step (default: 4)")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (default: 4)")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step, as train.grad_accum (default: 1)")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per variant, spread over the rounds (default: 12)")
     parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds, order rotated each round (default: 6)")
     parser.add_argument(
@@ -430,7 +433,7 @@ def add_arguments(parser: Any) -> None:
 
 def from_args(args: Any) -> ModelBenchSetup:
     return ModelBenchSetup(
-        preset=args.preset, seq_len=args.seq_len, micro_batch=args.micro_batch, steps=args.steps, rounds=args.rounds,
+        preset=args.preset, seq_len=args.seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum, steps=args.steps, rounds=args.rounds,
         warmup_steps=args.warmup_steps, precision=args.precision, threads=args.threads, variants=args.variants,
         peak_seconds=args.peak_seconds, seed=args.seed,
     )

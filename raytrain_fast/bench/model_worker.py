@@ -69,6 +69,7 @@ class _Variant:
         enable_tf32(device)  # as training does: fp32 matmuls on TF32 tensor cores on CUDA
         config = Config.from_dict(job["config"])
         self.precision, self.seq_len, self.micro_batch = job["precision"], job["seq_len"], job["micro_batch"]
+        self.grad_accum = job.get("grad_accum", 1)
         self.compiled, self.compile_note = False, None
         self.engine = self.optimizer = None
         torch.manual_seed(job["seed"])
@@ -100,7 +101,7 @@ class _Variant:
             single_process_group("nccl" if self.device.type == "cuda" else "gloo")
             engine_config = dataclasses.replace(config.engine, precision=self.precision)
             self.engine = build_engine(
-                model, engine=engine_config, optim=config.optim, micro_batch=self.micro_batch, grad_accum=1,
+                model, engine=engine_config, optim=config.optim, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
                 world_size=1, total_steps=job["total_steps"],
             )
         else:
@@ -112,17 +113,20 @@ class _Variant:
                 self.autocast = contextlib.nullcontext
 
     def step(self) -> Any:
-        """One optimizer step (grad_accum 1); returns the loss tensor (never read here)."""
+        """One optimizer step over grad_accum micro-batches (the same tokens each time); returns the
+        last loss tensor (never read here)."""
         import torch
 
         if self.engine is not None:
-            loss = self.engine(self.inputs, self.targets)
-            self.engine.backward(loss)
-            self.engine.step()
+            for _ in range(self.grad_accum):  # DeepSpeed steps the optimizer on the last micro-batch
+                loss = self.engine(self.inputs, self.targets)
+                self.engine.backward(loss)
+                self.engine.step()
             return loss
-        with self.autocast():
-            loss = self.model(self.inputs, self.targets)
-        loss.backward()
+        for _ in range(self.grad_accum):
+            with self.autocast():
+                loss = self.model(self.inputs, self.targets) / self.grad_accum
+            loss.backward()
         if self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
@@ -141,7 +145,7 @@ class _Variant:
         return {
             "setup_s": self.setup_s, "built_gb": self.built_gb, "compiled": self.compiled,
             "compile_note": self.compile_note, "precision": self.precision, "seq_len": int(self.inputs.shape[1]),
-            "micro_batch": int(self.inputs.shape[0]), "threads": torch.get_num_threads(),
+            "micro_batch": int(self.inputs.shape[0]), "grad_accum": self.grad_accum, "threads": torch.get_num_threads(),
             "activation_checkpointing": self.model.config.activation_checkpointing,
         }
 

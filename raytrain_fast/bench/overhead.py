@@ -361,7 +361,7 @@ def machine_drift(detail: dict[str, Any]) -> dict[str, Any] | None:
     reference variant that does the same work in every round (`DRIFT_REFERENCES`), per round, and
     their spread, (max - min) / median. On a quiet machine it is a few percent; on a VM whose host
     is busy the same steps take more CPU seconds, and every variant's tokens/s moves with it, so
-    ratios closer than this spread are not resolved (docs/benchmarks.md, session 16). None with
+    ratios closer than this spread are not resolved (docs/benchmarks.md#machine-drift). None with
     fewer than two rounds or no reference variant."""
     for name in DRIFT_REFERENCES:
         runs = detail["variants"].get(name, {}).get("runs", [])

@@ -22,7 +22,7 @@ SIZE_DEFAULTS: dict[str, dict[str, int]] = {
     "large": {"warmup_steps": 5, "steps": 30, "log_every": 5, "repeats": 3},
 }
 """`raytrain-fast bench overhead` defaults per size, each variant's timed window a steady state of
-20-40 s on 2 CPU cores (issue 29): tiny 200 steps of ~0.12 s after 50 warm-up steps (the first
+20-40 s on 2 CPU cores: tiny 200 steps of ~0.12 s after 50 warm-up steps (the first
 log windows of a run are its slowest: allocator, kernel selection, W&B start-up); medium
 (d_model 384, 6 layers, seq 256, micro-batch 8) 40 steps of ~0.6 s after 10; large 30 steps of
 ~1.3 s after 5. A 30-step tiny window (4 s, the old default) spread by 0.05-0.13 between rounds."""

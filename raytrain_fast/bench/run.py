@@ -96,15 +96,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def raytrain_fast_tokens_per_sec(setup: Any, *, storage_dir: str, memory: bool = False) -> float:
-    """The package's full loop (`memory`: on in-memory batches) on `setup` (an OverheadSetup), 1
-    worker: tokens over the wall time from the end of the warm-up step to the end of the last timed
-    step, as the run's own clock hook measured it (see bench/overhead.py)."""
-    from raytrain_fast.bench.overhead import raytrain_fast_loop
-
-    return raytrain_fast_loop(setup, storage_dir=storage_dir, memory=memory)["tokens_per_sec"]
-
-
 def overhead_argument_problems(setup: Any, variants: list[str], known: Any) -> list[str]:
     """What is wrong with `bench overhead`'s arguments, each with its fix (before any run starts)."""
     problems = [f"--variants: unknown {name!r}; valid: {', '.join(known)} (comma-separated)" for name in variants if name not in known]

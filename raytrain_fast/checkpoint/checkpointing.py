@@ -20,6 +20,7 @@ Uploads go through our own `checkpoint_upload_fn` (upload.py) so that they are r
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -35,9 +36,13 @@ from raytrain_fast.checkpoint.layout import CONFIG_FILE, DEEPSPEED_TAG, STATE_FI
 from raytrain_fast.checkpoint.rank_manifest import write_rank_manifest
 from raytrain_fast.checkpoint.restore import Restorer
 from raytrain_fast.checkpoint.retention import Retention
+from raytrain_fast.checkpoint.snapshot import SnapshotWriter
 from raytrain_fast.checkpoint.state import TrainState, barrier, checkpoint_dir_name, rng_states, set_rng_states
 from raytrain_fast.checkpoint.upload import Uploader
 from raytrain_fast.config.checkpoint import CheckpointConfig
+
+STAGING_DIR = ".staging"
+"""With local storage, each rank writes its checkpoint files under `<run>/.staging/rank<r>/` first."""
 
 __all__ = ["Checkpointer", "TrainState", "checkpoint_dir_name", "rng_states", "set_rng_states"]
 
@@ -73,15 +78,23 @@ class Checkpointer:
         except Exception:  # local mode
             self.local_rank = 0
         self._scheme = "s3://" if self.filesystem.type_name == "s3" else ""
+        self._staging = f"{self.run_path}/{STAGING_DIR}/rank{rank}" if self.filesystem.type_name == "local" else None
+        if self._staging is not None:  # what an earlier attempt of this rank left mid-save is stale
+            shutil.rmtree(self._staging, ignore_errors=True)
         self.last_save_breakdown: dict[str, float] = {}
         """Of the last save's blocked time: waiting for the previous upload, writing the files
         locally, and Ray's report (with a sync upload inside it)."""
         self._last_save = time.monotonic()
         self._saved = False
         self.retention = Retention(config, filesystem=self.filesystem, run_path=self.run_path)
+        self.writer = SnapshotWriter() if config.write == "background" else None
+        """Writes DeepSpeed's files from a snapshot on a background thread (checkpoint.write=background)."""
+        self._routed_engine: Any = None
+        self._unfinished: dict[str, int] = {}  # local directory -> step, until its upload completes it
         self.uploader = Uploader(
             filesystem=self.filesystem, run_path=self.run_path, attempts=config.upload_attempts,
             before_upload=before_upload, after_upload=self._after_upload if rank == 0 else None,
+            finish_files=self._finish_files,
         )
         self.restorer = Restorer(
             filesystem=self.filesystem, run_path=self.run_path, rank=rank, world_size=world_size,
@@ -123,7 +136,7 @@ class Checkpointer:
         # runs after this upload sees it complete (see `_after_upload`).
         barrier(self.world_size)
         waited = time.perf_counter()
-        local_dir = tempfile.mkdtemp(prefix="raytrain-fast-ckpt-")
+        local_dir = self._local_dir()
         try:
             self._write(local_dir, engine, state, metrics=metrics)
         except BaseException:
@@ -139,6 +152,15 @@ class Checkpointer:
         }
         return end - start
 
+    def _local_dir(self) -> str:
+        """Where this rank writes a checkpoint before its upload: with local storage, beside the run
+        (`<run>/.staging/rank<r>/`), so the upload is a hard link on the same filesystem and a
+        multi-GB checkpoint never lands in /tmp (often small); else a temporary directory."""
+        if self._staging is None:
+            return tempfile.mkdtemp(prefix="raytrain-fast-ckpt-")
+        os.makedirs(self._staging, exist_ok=True)
+        return tempfile.mkdtemp(prefix="ckpt-", dir=self._staging)
+
     def _with_restore_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """Rank 0 adds what each rank downloaded when this attempt resumed (nothing on a fresh start)."""
         downloaded = self.restore_download_bytes
@@ -148,14 +170,38 @@ class Checkpointer:
                 **{f"checkpoint/restore_download_bytes/rank{r}": b for r, b in enumerate(downloaded)}}
 
     def _write(self, local_dir: str, engine: Any, state: TrainState, *, metrics: dict[str, Any]) -> None:
-        """This rank's files: DeepSpeed's, its RNG states, rank 0's state and config, the manifest last."""
+        """This rank's files: DeepSpeed's (from a snapshot, written in the background where
+        checkpoint.write=background), its RNG states, rank 0's state and config. The manifest comes
+        last, from the upload thread (`_finish_files`)."""
+        self._route_writes(engine)
         engine.save_checkpoint(local_dir, tag=DEEPSPEED_TAG)
         torch.save(rng_states(engine.device), Path(local_dir, f"rng_state_rank{self.rank}.pt"))
         if self.rank == 0:
             state.metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
             Path(local_dir, STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
             Path(local_dir, CONFIG_FILE).write_text(yaml.safe_dump(self._run_config, sort_keys=False))
-        write_rank_manifest(local_dir, rank=self.rank, world_size=self.world_size, step=state.step)
+        self._unfinished[local_dir] = state.step
+
+    def _route_writes(self, engine: Any) -> None:
+        """Once per engine: its checkpoint files go through the background writer."""
+        if self.writer is None or self._routed_engine is engine:
+            return
+        from raytrain_fast.engine.deepspeed_compat import write_checkpoints_in_background
+
+        if not write_checkpoints_in_background(engine, self.writer, warn=self._warn):
+            self.writer = None
+        self._routed_engine = engine
+
+    def _warn(self, message: str) -> None:
+        if self.rank == 0:
+            print(message, flush=True)
+
+    def _finish_files(self, local_dir: str) -> None:
+        """In the upload thread: wait for this rank's background writes, then write its manifest
+        (checksums of every file: seconds for a multi-GB checkpoint, off the training thread)."""
+        if self.writer is not None:
+            self.writer.wait()
+        write_rank_manifest(local_dir, rank=self.rank, world_size=self.world_size, step=self._unfinished.pop(local_dir))
 
     def _report(self, local_dir: str, step: int, *, metrics: dict[str, Any]) -> None:
         """Hand the directory to Ray Train (a barrier across ranks); the upload runs in Ray's thread (async) or inline."""

@@ -154,7 +154,7 @@ def export_local_checkpoint(
 
         if hf_refusal(config):
             raise CheckpointError(f"cannot export in the Hugging Face format: {hf_refusal(config)}")
-        spec = run_tokenizer(_run_config(local_dir), storage, tokenizer)  # before the slow part: it can refuse
+        spec = run_tokenizer(read_run_config(local_dir), storage, tokenizer)  # before the slow part: it can refuse
     dtype = _checked_dtype(dtype)
     model, source = _checkpoint_model(local_dir, config, dtype=dtype)
     os.makedirs(out_dir, exist_ok=True)
@@ -207,7 +207,7 @@ def _write_native(model: Any, config: ModelConfig, out_dir: str, *, info: dict[s
     os.chmod(weights_path, stat.S_IMODE(config_path.stat().st_mode))
 
 
-def _run_config(local_dir: str) -> dict[str, Any]:
+def read_run_config(local_dir: str) -> dict[str, Any]:
     path = Path(local_dir, CONFIG_FILE)
     data = yaml.safe_load(path.read_text()) if path.exists() else None
     return data if isinstance(data, dict) else {}
@@ -258,21 +258,59 @@ def export_checkpoint(
     run_path = f"{root.rstrip('/')}/{name}"
     local_dir = tempfile.mkdtemp(prefix="raytrain-fast-export-")
     try:
-        path, skipped = _download_chosen(filesystem, run_path, local_dir, name=name, step=step, storage_uri=storage_uri)
+        path, skipped = download_chosen(filesystem, run_path, local_dir, name=name, step=step, storage_uri=storage_uri)
         checkpoint_step = int(path.rstrip("/").rsplit("_", 1)[-1])
-        return export_local_checkpoint(
-            local_dir, out_dir, model_config=model_config, dtype=dtype, format=format, storage=storage,
-            tokenizer=tokenizer, max_shard_bytes=max_shard_bytes,
-            metadata={
-                "run": name, "step": checkpoint_step, "checkpoint": uri_of(path, like=storage_uri),
-                "skipped": [{"checkpoint": p.rsplit("/", 1)[-1], "reason": r} for p, r in skipped],
-            },
-        )
+        with _staged(out_dir) as staging:
+            export_local_checkpoint(
+                local_dir, staging, model_config=model_config, dtype=dtype, format=format, storage=storage,
+                tokenizer=tokenizer, max_shard_bytes=max_shard_bytes,
+                metadata={
+                    "run": name, "step": checkpoint_step, "checkpoint": uri_of(path, like=storage_uri),
+                    "skipped": [{"checkpoint": p.rsplit("/", 1)[-1], "reason": r} for p, r in skipped],
+                },
+            )
+        return out_dir
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)
 
 
-def _download_chosen(
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _is_export_file(name: str) -> bool:
+    from raytrain_fast.checkpoint.hf_export import HF_FILES
+
+    return name in {WEIGHTS_FILE, CONFIG_FILE, *HF_FILES, "tokenizer_config.json", "special_tokens_map.json"} or bool(
+        _SHARD_FILE.fullmatch(name)
+    )
+
+
+@contextlib.contextmanager
+def _staged(out_dir: str):
+    """A new folder for the export's files, moved into place once every one is written: a failure
+    (or Ctrl-C) leaves nothing behind and `out_dir` as it was. A new out_dir: the folder, beside it,
+    is renamed to it. An existing one (it may hold other files: `--out .`): the folder is made inside
+    it, the earlier export's files are removed and the new ones moved in."""
+    out = Path(out_dir).expanduser().absolute()
+    exists = out.is_dir()
+    parent = out if exists else out.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = parent / f".{out.name or 'export'}.partial-{os.getpid()}-{os.urandom(4).hex()}"
+    staging.mkdir()  # the umask's mode, as a directory made by hand
+    try:
+        yield str(staging)
+        if not exists:
+            staging.rename(out)
+            return
+        for old in [p for p in out.iterdir() if p.is_file() and _is_export_file(p.name)]:
+            old.unlink()
+        for new in staging.iterdir():
+            new.rename(out / new.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def download_chosen(
     filesystem: Any, run_path: str, local_dir: str, *, name: str, step: int | None, storage_uri: str
 ) -> tuple[str, list[tuple[str, str]]]:
     """Download the checkpoint at `step` (None: the newest complete one) into local_dir: (its path,

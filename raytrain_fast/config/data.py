@@ -14,8 +14,8 @@ class SourceConfig:
     """One source of a mixture (an item of data.sources)."""
 
     source: str = ""
-    """A prepared dataset (directory or s3:// URI holding manifest.json), or text (file, directory, glob,
-    `stdlib`) prepared on the fly like data.source."""
+    """Anything data.source takes: a prepared dataset (directory or s3:// URI holding manifest.json), or
+    text, JSONL or Parquet (gzip/zstd too: file, directory, glob, `stdlib`) prepared on the fly like data.source."""
     weight: float = 1.0
     """This source's share of the training stream, relative to the others' (> 0; normalised to sum 1)."""
     name: str | None = None
@@ -64,7 +64,8 @@ class DataConfig:
     first token, which the masked model cannot see coming: Megatron's --eod-mask-loss). false keeps it."""
     sources: list[SourceConfig] = field(default_factory=list)
     """A mixture instead of data.source: a list of {source, weight, name}, e.g. web 0.7, code 0.2, papers 0.1.
-    Every source must share the tokenizer and seq_len; the stream interleaves them by weight (docs/data.md#mixtures)."""
+    A source is anything data.source takes (prepared, or prepared on the fly). Every source must share the
+    tokenizer and seq_len; the stream interleaves them by weight (docs/data.md#mixtures)."""
 
 
 def source_name(item: SourceConfig) -> str:

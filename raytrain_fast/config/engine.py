@@ -60,8 +60,8 @@ class EngineConfig:
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile each transformer block (regional compilation, as torchtitan does: one compiled
     block reused by every layer, so compile time does not grow with depth). auto = on for CUDA GPUs;
-    off on CPUs, where compiling the tiny preset's blocks measured 0.96x eager after a 20 s compile
-    on 2 cores (docs/benchmarks.md). A compile failure (no C++ compiler, an unsupported op) falls
+    off on CPUs, where compiled gpt-124m blocks ran within noise of eager after a 12 s first step on
+    2 cores (docs/benchmarks.md#model-sizes). A compile failure (no C++ compiler, an unsupported op) falls
     back to eager with one line. The first step's time, compilation included, is logged once as
     time/compile_s and kept out of tokens/s and the slowdown baseline."""
     check_grad_overflow: bool = False

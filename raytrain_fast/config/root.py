@@ -52,9 +52,6 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> Config:
         problems: list[str] = []
@@ -192,12 +189,20 @@ def _accept_dtype_spellings(data: dict[str, Any]) -> None:
             values[key] = "on" if values[key] else "off"
 
 
+def _accept_task_list(data: dict[str, Any]) -> None:
+    """eval.tasks as a comma-separated string (--set eval.tasks=arc_easy,piqa) is that list."""
+    values = data.get("eval")
+    if isinstance(values, dict) and isinstance(values.get("tasks"), str):
+        values["tasks"] = [task.strip() for task in values["tasks"].split(",") if task.strip()]
+
+
 def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...] = (), *, name: str | None = None) -> Config:
     """Read a preset or YAML file, apply overrides, and check types and unknown keys."""
     path = resolve_config_path(config)
     data = read_yaml(path)
     problems = apply_overrides(data, list(overrides))
     _accept_dtype_spellings(data)
+    _accept_task_list(data)
     if name is not None:
         data["name"] = name
     structure: list[str] = []

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -43,6 +43,13 @@ class EvalConfig:
     so values compare over the run. With enabled=auto and a smaller split, the whole split is used."""
     micro_batch: int | None = None
     """Sequences per forward pass of an evaluation on one worker; null = train.micro_batch."""
+    tasks: list[str] = field(default_factory=list)
+    """Multiple-choice tasks scored at every evaluation (docs/evaluation.md): standard ones (arc_easy,
+    arc_challenge, boolq, csqa, hellaswag, openbookqa, piqa, socialiqa, winogrande) and paths of your
+    own .jsonl files, e.g. [arc_easy, ./mytask.jsonl] (or a comma-separated string). Each rank scores
+    its share of the items; eval/<task>/acc and acc_norm join the metrics. Empty = none."""
+    task_limit: int | None = 100
+    """Items per task, spread evenly over it (the same ones at every evaluation); null = all of them."""
 
 
 @dataclass(kw_only=True)

@@ -379,4 +379,6 @@ def _eval_problems(config: Config) -> list[str]:
         problems.append(f"eval.every_steps must be >= 1 or null (= checkpoint.every_steps), got {e.every_steps}; to turn evaluation off: eval.enabled=false")
     if e.micro_batch is not None and e.micro_batch < 1:
         problems.append(f"eval.micro_batch must be >= 1 or null (= train.micro_batch), got {e.micro_batch}")
+    if e.task_limit is not None and e.task_limit < 1:
+        problems.append(f"eval.task_limit must be >= 1 or null (= every item of each task), got {e.task_limit}; to score no task: eval.tasks=[]")
     return problems

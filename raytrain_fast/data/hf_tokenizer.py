@@ -1,7 +1,8 @@
 """The tokenizer of a run as Hugging Face files: tokenizer.json, tokenizer_config.json and
 special_tokens_map.json, which `AutoTokenizer.from_pretrained(dir)` loads with no code of ours.
 
-The byte tokenizer becomes a real `tokenizers` file with the same ids: a ByteLevel pre-tokenizer
+Written as plain JSON, without the `tokenizers` package (an optional extra). The byte tokenizer
+becomes a real `tokenizers` file with the same ids: a ByteLevel pre-tokenizer
 (no regex split, no prefix space) maps every UTF-8 byte to one printable character, a 256-entry
 vocabulary gives character <byte b> the id b, no merges, and the end-of-document token
 `<|endoftext|>` is the special token 256. So `tokenizer.encode(text)` is list(text.encode()), as
@@ -15,35 +16,62 @@ import json
 
 from raytrain_fast.data.corpus import EOD_TOKEN
 from raytrain_fast.data.tokenizer import TokenizerSpec
+from raytrain_fast.errors import DataError
 
 BYTE_EOD_TEXT = "<|endoftext|>"
 """The byte tokenizer's end-of-document token (id 256) in its exported tokenizer.json."""
 
 
-def byte_tokenizer_json() -> str:
-    """tokenizer.json of the byte tokenizer (ids 0-255 = bytes, 256 = `<|endoftext|>`)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()  # 256 printable stand-ins, one per byte
-    # ByteLevel's byte -> character table (GPT-2's bytes_to_unicode), to give each byte its own id.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+def _byte_level_characters() -> dict[int, str]:
+    """The ByteLevel pre-tokenizer's byte -> character table (GPT-2's bytes_to_unicode): printable
+    bytes stand for themselves, the others for characters from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
     extra = iter(range(256, 512))
-    table = {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
-    assert set(table.values()) == set(alphabet)
-    tokenizer = Tokenizer(models.BPE(vocab={char: b for b, char in table.items()}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([BYTE_EOD_TEXT])
-    assert tokenizer.token_to_id(BYTE_EOD_TEXT) == EOD_TOKEN
-    return tokenizer.to_str()
+    return {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+
+
+def byte_tokenizer_json() -> str:
+    """tokenizer.json of the byte tokenizer (ids 0-255 = bytes, 256 = `<|endoftext|>`), written as
+    the `tokenizers` library writes it (a BPE model with the 256 byte characters and no merges, a
+    ByteLevel pre-tokenizer without its regex split or prefix space, a ByteLevel decoder), without
+    the library: an export needs no optional package."""
+    eod = {"id": EOD_TOKEN, "content": BYTE_EOD_TEXT, "single_word": False, "lstrip": False, "rstrip": False,
+           "normalized": False, "special": True}
+    model = {
+        "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None, "end_of_word_suffix": None,
+        "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+        "vocab": {char: b for b, char in _byte_level_characters().items()}, "merges": [],
+    }
+    return json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [eod], "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": model,
+    }, ensure_ascii=False)
+
+
+def token_text(json_text: str, token_id: int) -> str | None:
+    """The text of token `token_id` in a tokenizers JSON file (its added tokens first, then its
+    model's vocabulary), read as JSON: no `tokenizers` import."""
+    data = json.loads(json_text)
+    for added in data.get("added_tokens") or []:
+        if added.get("id") == token_id:
+            return added.get("content")
+    vocab = (data.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: {token: id}
+        return next((token for token, i in vocab.items() if i == token_id), None)
+    if isinstance(vocab, list) and 0 <= token_id < len(vocab):  # Unigram: [[piece, score], ...] by id
+        return vocab[token_id][0]
+    return None
 
 
 def hf_tokenizer_files(spec: TokenizerSpec, *, model_max_length: int | None) -> dict[str, str]:
     """{file name: text} for the tokenizer `spec` (the byte tokenizer or a tokenizers JSON file), so
     that `AutoTokenizer(text)` gives the ids the data was made with (its end-of-document token as
-    eos_token, no post-processor). model_max_length None: left out (a tokenizer of no model yet)."""
-    from tokenizers import Tokenizer
-
+    eos_token, no post-processor) and pads a batch (the same token as pad_token: the attention mask
+    keeps the model off it). model_max_length None: left out (a tokenizer of no model yet). Plain
+    JSON: no `tokenizers` import."""
     json_text = spec.json_text if spec.json_text is not None else byte_tokenizer_json()
     data = json.loads(json_text)
     # prepare-data encodes with add_special_tokens=False: no post-processor ran on the training
@@ -51,8 +79,10 @@ def hf_tokenizer_files(spec: TokenizerSpec, *, model_max_length: int | None) -> 
     if data.get("post_processor") is not None:
         data["post_processor"] = None
         json_text = json.dumps(data, ensure_ascii=False)
-    eod = Tokenizer.from_str(json_text).id_to_token(spec.info.eod_id)
-    special = {"eos_token": eod}
+    eod = token_text(json_text, spec.info.eod_id)
+    if eod is None:
+        raise DataError(f"tokenizer {spec.info.name} has no token with the end-of-document id {spec.info.eod_id}")
+    special = {"eos_token": eod, "pad_token": eod}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False, **special,

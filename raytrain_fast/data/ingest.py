@@ -55,7 +55,7 @@ HANDOVER_BATCHES = 8
 """Micro-batches per Ray Data batch and per hand-over to the step loop. Each batch Ray Data delivers
 wakes its prefetch, format and producer threads, and each wake takes a core from a torch thread (on
 2 cores, a step's parallel regions then wait for it): in groups, those wakes come once per 8 micro-batches,
-and the loop takes 7 of 8 micro-batches from its own buffer without any thread (issue 29)."""
+and the loop takes 7 of 8 micro-batches from its own buffer without any thread."""
 STREAM = "sequence-shuffle-v1"
 """The stream a position belongs to; positions without it come from the older per-rank shard stream."""
 
@@ -175,12 +175,12 @@ class _ReadPieces:
         self.filesystem = filesystem
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
-        import pyarrow.parquet as pq
+        from raytrain_fast.data.manifest import read_shard
 
         tables = []
         for spec in batch["piece"]:
             paths, which, rows = pickle.loads(spec)
-            read = [pq.read_table(path, filesystem=self.filesystem, columns=["seq_id", "tokens"]) for path in paths]
+            read = [read_shard(path, self.filesystem) for path in paths]
             offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in read])])
             tables.append(pa.concat_tables(read).take(pa.array(offsets[which] + rows)))
         return pa.concat_tables(tables)
@@ -384,11 +384,26 @@ class BatchIterator(Iterator):
             first = 0
             while not self._stop.is_set():
                 chunk = self._chunk(first)
-                if not self._produce_chunk(chunk):
-                    return
+                try:
+                    if not self._produce_chunk(chunk):
+                        return
+                except Exception as error:
+                    raise self._damaged_shard(chunk) or error
                 first += chunk.batches
         except BaseException as error:  # handed to the caller's next()
             self._put(_Failure(error))
+
+    def _damaged_shard(self, chunk: _Chunk) -> DataError | None:
+        """After the pipeline failed on `chunk`: its shards read again here, in this process. A Ray
+        Data task's error reaches the caller as text only, so a missing or unreadable shard (an error
+        every retry would meet) is named this way; None: the shards read fine (a transient failure)."""
+        try:
+            self._read_function()({"piece": chunk.pieces})
+        except DataError as error:
+            return error
+        except Exception:  # noqa: BLE001 - not a damaged shard: the pipeline's own error stands
+            return None
+        return None
 
     def _produce_chunk(self, chunk: _Chunk) -> bool:
         """The chunk's micro-batches, checked against the plan, handed over in groups of `HANDOVER_BATCHES`."""

@@ -180,6 +180,23 @@ def join_uri(root: str, relative: str) -> str:
     return f"{root.rstrip('/')}/{relative}" if root else relative
 
 
+def read_shard(path: str, filesystem: Any) -> Any:
+    """A training shard's seq_id and tokens columns. A shard that is missing or not a Parquet file
+    is a DataError naming it (reading again meets the same file); a storage failure (OSError) stays
+    itself (a retry may get through)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fix = ("prepare the data again (`raytrain-fast prepare-data ... --overwrite`; for a source prepared on the fly, "
+           "delete its directory and run again)")
+    try:
+        return pq.read_table(path, filesystem=filesystem, columns=["seq_id", "tokens"])
+    except FileNotFoundError:
+        raise DataError(f"the prepared data's shard {path} is missing: {fix}") from None
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+        raise DataError(f"the prepared data's shard {path} cannot be read ({error}): {fix}") from None
+
+
 __all__ = [
-    "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "Shard", "Skipped", "SourceFile", "TokenizerInfo", "ValidationSplit", "join_uri",
+    "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "Shard", "Skipped", "SourceFile", "TokenizerInfo", "ValidationSplit", "join_uri", "read_shard",
 ]

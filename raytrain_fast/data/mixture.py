@@ -182,7 +182,7 @@ class _ReadMixturePieces:
         self.filesystems = filesystems
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
-        import pyarrow.parquet as pq
+        from raytrain_fast.data.manifest import read_shard
 
         tables = []
         for spec in batch["piece"]:
@@ -191,7 +191,7 @@ class _ReadMixturePieces:
             done = 0
             for index, (source, path) in enumerate(paths):
                 wanted = np.flatnonzero(which == index)
-                table = pq.read_table(path, filesystem=self.filesystems[source], columns=["seq_id", "tokens"])
+                table = read_shard(path, self.filesystems[source])
                 parts.append(table.take(pa.array(rows[wanted])).combine_chunks())
                 order[wanted] = np.arange(done, done + len(wanted))
                 done += len(wanted)
@@ -323,19 +323,17 @@ def load_sources(data: Any, storage: StorageConfig, *, prepared: list[str] | Non
 
 
 def prepare_sources(data: Any, storage: StorageConfig, *, cache_dir: str, verbose: bool = True) -> list[str]:
-    """The manifest URI of every source: prepared datasets as they are, text prepared once into cache_dir."""
-    from raytrain_fast.data.cache import ensure_prepared_corpus, is_prepared
+    """The manifest URI of every source (absolute for a local one), as data.source's: a prepared dataset
+    as it is, anything else (text, JSONL, Parquet, compressed or not, `stdlib`) prepared once into cache_dir."""
+    from raytrain_fast.data.cache import ensure_prepared_corpus
 
-    uris = []
-    for item in data.sources:
-        if is_prepared(item.source, storage):
-            uris.append(item.source)
-            continue
-        uris.append(ensure_prepared_corpus(
+    return [
+        ensure_prepared_corpus(
             item.source, seq_len=data.seq_len, cache_dir=cache_dir, tokenizer=data.tokenizer, storage=storage,
             verbose=verbose, val_fraction=data.val_fraction, val_input=data.val_input, text_field=data.text_field,
-        ))
-    return uris
+        )
+        for item in data.sources
+    ]
 
 
 def check_mixture(config: Any, *, prepared: list[str] | None = None) -> list[Source]:
@@ -352,9 +350,11 @@ def check_mixture(config: Any, *, prepared: list[str] | None = None) -> list[Sou
         problems = [problem for i in items if (problem := _text_problem(i.source, storage))]
         view = dataclasses.replace(data, sources=[i for i in data.sources if i not in items])
         sources, load_problems = load_sources(view, storage)
+        if items and not problems:  # what they will be tokenized with, against the model and the prepared ones
+            problems += _on_the_fly_problems(config, sources)
     else:
         problems, (sources, load_problems) = [], load_sources(data, storage, prepared=prepared)
-    problems += load_problems + mixture_problems(sources, seq_len=data.seq_len)
+    problems += load_problems + (mixture_problems(sources, seq_len=data.seq_len) if sources else [])
     for source in sources:  # the vocabulary; no micro-batch check: a source smaller than a batch just cycles
         problems += [
             f"data.sources '{source.name}': {p}"
@@ -382,6 +382,29 @@ def open_mixture(
 def check_sources_before_start(config: Any) -> None:
     """The pretrain command's check of data.sources, before Ray starts: every problem in one ConfigError."""
     check_mixture(config)
+
+
+def _on_the_fly_problems(config: Any, prepared: list[Source]) -> list[str]:
+    """The sources prepared on the fly are tokenized with data.tokenizer: its vocabulary against
+    model.vocab_size, and against the tokenizer of the sources already prepared."""
+    from raytrain_fast.data.tokenizer import load_tokenizer
+
+    info = load_tokenizer(config.data.tokenizer, config.storage).info
+    problems = []
+    if info.vocab_size > config.model.vocab_size:
+        problems.append(
+            f"model.vocab_size ({config.model.vocab_size}) is smaller than data.tokenizer's vocabulary ({info.vocab_size} "
+            f"tokens), which prepares the text sources of data.sources; set model.vocab_size >= {info.vocab_size} "
+            f"(a multiple of 64 is fastest: {-(-info.vocab_size // 64) * 64})"
+        )
+    different = [s for s in prepared if s.manifest.tokenizer.identity() != info.identity()]
+    if different:
+        problems.append(
+            f"data.sources '{different[0].name}' was tokenized with {different[0].manifest.tokenizer.name}, but the text "
+            f"sources would be tokenized with data.tokenizer={config.data.tokenizer}: a mixture needs one tokenizer; set "
+            f"data.tokenizer={different[0].manifest.tokenizer.name}, or prepare every source with the same --tokenizer"
+        )
+    return problems
 
 
 def _text_problem(source: str, storage: StorageConfig) -> str | None:

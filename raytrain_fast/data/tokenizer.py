@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -53,6 +54,21 @@ class TokenizerSpec:
         for encoding in encodings:
             parts += [np.asarray(encoding.ids, dtype=self.dtype), eod]
         return np.concatenate(parts)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of one text as it would appear inside a document (no end-of-document id, no special tokens)."""
+        if self.json_text is None:
+            return list(text.encode("utf-8"))
+        return _hf_tokenizer(self.info.hash, self.json_text).encode(text, add_special_tokens=False).ids
+
+    @property
+    def unknown_id(self) -> int | None:
+        """The id a tokenizer gives text it has no token for (None: every text has tokens, as for byte-level ones)."""
+        if self.json_text is None:
+            return None
+        tokenizer = _hf_tokenizer(self.info.hash, self.json_text)
+        unknown = getattr(tokenizer.model, "unk_token", None)
+        return tokenizer.token_to_id(unknown) if unknown else None
 
     def decode(self, ids: np.ndarray) -> str:
         """Text of `ids` (EOD ids must be removed first). For tests and inspection."""
@@ -119,7 +135,9 @@ def load_tokenizer(tokenizer: str, storage: StorageConfig | None = None) -> Toke
             f"tokenizer '{tokenizer}' has no end-of-document token (looked for {', '.join(EOD_CANDIDATES)}); "
             "add one as a special token, e.g. tokenizer.add_special_tokens(['<|endoftext|>'])"
         )
-    info = TokenizerInfo(kind="hf", name=tokenizer, hash=digest, vocab_size=hf.get_vocab_size(with_added_tokens=True), eod_id=eod_id)
+    # Recorded in manifests and read back by `export`, maybe from another directory: a local path absolute.
+    name = tokenizer if "://" in tokenizer else os.path.abspath(os.path.expanduser(tokenizer))
+    info = TokenizerInfo(kind="hf", name=name, hash=digest, vocab_size=hf.get_vocab_size(with_added_tokens=True), eod_id=eod_id)
     return TokenizerSpec(info=info, json_text=json_text)
 
 

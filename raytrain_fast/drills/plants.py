@@ -32,18 +32,6 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def specs(text: str, rank: int) -> list[tuple[float, int]]:
-    """[(seconds, from_step)] of the comma-separated "<seconds>[:<from_step>[:<rank>]]" specs that apply to `rank`."""
-    out = []
-    for item in filter(None, text.split(",")):
-        seconds, *rest = item.split(":")
-        from_step = int(rest[0]) if rest and rest[0] else 0
-        if len(rest) > 1 and rest[1] and int(rest[1]) != rank:
-            continue
-        out.append((float(seconds), from_step))
-    return out
-
-
 def _delay(active: list[tuple[float, int]], step: int) -> float:
     return sum(seconds for seconds, from_step in active if step >= from_step)
 

@@ -33,7 +33,7 @@ def skip_nonfinite_update(optimizer: Any, total_norm: Any) -> None:
     DeepSpeed's -1 sentinel, decided on the device: the fused AdamW kernel reads `found_inf` (the
     attribute torch's GradScaler sets) and then leaves the weights, both moments and the step
     count as they were. In bf16 without `engine.check_grad_overflow`, DeepSpeed 0.19's ZeRO-1/2
-    never checks the norm, and a NaN gradient reached the fp32 master weights (issue 28). fp32
+    never checks the norm, and a NaN gradient reached the fp32 master weights. fp32
     runs are skipped by DeepSpeed itself before this is called (a host read per step, its own).
     An unfused optimizer takes no `found_inf`: nothing is set (the loop's health check still sees
     the norm and rolls back)."""
@@ -390,3 +390,32 @@ def patches_line(active: list[str], *, mode: PatchMode, shm_skipped: bool = Fals
     tested = "" if version in TESTED_DEEPSPEED else f"; tested on {', '.join(TESTED_DEEPSPEED)}"
     return (f"DeepSpeed {version}: {len(names)} patch(es) in force: {', '.join(names) or 'none'} "
             f"(engine.deepspeed_patches=auto, docs/architecture.md#deepspeed-patches{tested}).")
+
+
+def write_checkpoints_in_background(engine: Any, writer: Any, *, warn: Callable[[str], None] = print) -> bool:
+    """Route a DeepSpeed engine's checkpoint file writes through `writer` (checkpoint/snapshot.py:
+    a snapshot in memory, serialized by a background thread) instead of its inline `torch.save`.
+
+    DeepSpeed 0.19's engine writes every checkpoint file through `engine.checkpoint_engine.save(state_dict,
+    path)`, a `TorchCheckpointEngine` unless its config asks for another; loading goes through the
+    same object. Only that default engine is replaced, by a subclass that keeps its loading and
+    hands `save` to the writer. Anything else (another DeepSpeed release without the attribute, a
+    configured Nebula or fast engine) keeps DeepSpeed's own, with one warning line, and the save
+    blocks as before. Returns whether the writer is in use."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    current = getattr(engine, "checkpoint_engine", None)
+    if type(current) is not TorchCheckpointEngine:
+        warn(f"Checkpoint files are written inline (training waits for the disk): DeepSpeed's checkpoint engine "
+             f"is {type(current).__name__}, not the TorchCheckpointEngine this package writes in the background for")
+        return False
+
+    class BackgroundCheckpointEngine(TorchCheckpointEngine):
+        def __init__(self) -> None:  # noqa: D107 - the loading half is TorchCheckpointEngine's, as configured
+            self.__dict__.update(current.__dict__)
+
+        def save(self, state_dict, path: str) -> None:
+            writer.save(state_dict, path)
+
+    engine.checkpoint_engine = BackgroundCheckpointEngine()
+    return True

@@ -133,7 +133,7 @@ def build_optimizer(parameters: list[torch.nn.Parameter], *, optim: OptimConfig,
     (ZeRO then swaps in its fp32 partitions). DeepSpeed's own `torch_adam` option passes only
     `foreach`, and its FusedAdam is JIT-compiled on first use (minutes on a CPU, nvcc on a GPU box).
     Fused vs foreach on this project's 2-core CPU, one AdamW step over one flat fp32 tensor:
-    0.30 vs 1.83 ms at 0.8M elements, 14 vs 105 ms at 20M (docs/benchmarks.md)."""
+    0.30 vs 1.83 ms at 0.8M elements, 14 vs 105 ms at 20M."""
     fused = fused_adamw_supported(device)
     return torch.optim.AdamW(
         parameters, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay,
@@ -203,7 +203,7 @@ def apply_optim_settings(engine: Any, *, optim: OptimConfig, total_steps: int) -
 
     DeepSpeed's load restores the optimizer's param groups (lr, betas, eps, weight_decay), ZeRO's
     gradient clipping value and the LR scheduler's state, base_lrs (the peak LR) included, from the
-    checkpoint: a resume with `--set optim.lr=...` went on with the checkpoint's LR (issue 30). The
+    checkpoint: a resume with `--set optim.lr=...` went on with the checkpoint's LR. The
     scheduler's step count stays the checkpoint's; its multiplier is this run's `lr_lambda` (a
     function is not part of a scheduler's saved state). With unchanged settings every value set
     here is the one already there, bit for bit (LambdaLR computes the LR as base_lr * factor(step))."""

@@ -42,15 +42,8 @@ def check_before_ray(config: Config, *, create_bucket: bool = False):
     snapshot = _read_snapshot(config)  # the run's checkpoints, listed once (launch/resume.py)
     config = keep_checkpoint_batch(config, snapshot)  # before validation: a resize may need another micro_batch
     validate(config)
-    config = dataclasses.replace(config, storage=dataclasses.replace(config.storage, uri=storage_path(config.storage.uri)))
-    if config.data.source != "stdlib" and "://" not in config.data.source:  # so is a saved run config's source
-        config = dataclasses.replace(
-            config, data=dataclasses.replace(config.data, source=os.path.abspath(os.path.expanduser(config.data.source)))
-        )
-    if config.checkpoint.init_from:  # resolved here: the workers' working directory differs
-        config = dataclasses.replace(
-            config, checkpoint=dataclasses.replace(config.checkpoint, init_from=storage_path(config.checkpoint.init_from))
-        )
+    config = with_absolute_paths(config)  # before anything leaves this process
+    if config.checkpoint.init_from:
         from raytrain_fast.checkpoint.hf_import import init_from_problems
 
         problems = init_from_problems(config.checkpoint.init_from, config.model, config.storage)  # a Hugging Face dir
@@ -63,6 +56,36 @@ def check_before_ray(config: Config, *, create_bucket: bool = False):
     config = keep_checkpoint_precision(config, state)
     set_aside_later_checkpoints(config, snapshot)  # the last step: every check passed
     return config, state
+
+
+def with_absolute_paths(config: Config) -> Config:
+    """`config` with every local path it names made absolute against this process's working
+    directory: storage.uri, data.source, data.sources[*].source, data.tokenizer, data.val_input,
+    data.cache_dir, checkpoint.init_from and eval.tasks' JSONL files. The workers run in Ray Train's own working directory
+    (on a cluster, on other machines), and the run config saved with each checkpoint must name the
+    same files whatever directory a later resume, export or report runs in. URIs (s3://, file://)
+    and the words `stdlib` and `byte` stay as they are."""
+    from raytrain_fast.data.cache import STDLIB
+    from raytrain_fast.data.tokenizer import BYTE_TOKENIZER
+
+    def local(path: str | None, *, word: str = "") -> str | None:
+        if not path or path == word or "://" in path:
+            return path
+        return os.path.abspath(os.path.expanduser(path))
+
+    data = config.data
+    data = dataclasses.replace(
+        data, source=local(data.source, word=STDLIB), tokenizer=local(data.tokenizer, word=BYTE_TOKENIZER),
+        val_input=local(data.val_input), cache_dir=local(data.cache_dir),
+        sources=[dataclasses.replace(item, source=local(item.source, word=STDLIB)) for item in data.sources],
+    )
+    checkpoint = config.checkpoint
+    if checkpoint.init_from:
+        checkpoint = dataclasses.replace(checkpoint, init_from=storage_path(checkpoint.init_from))
+    storage = dataclasses.replace(config.storage, uri=storage_path(config.storage.uri))
+    tasks = [local(t) if t.endswith((".jsonl", ".jsonl.gz")) else t for t in config.eval.tasks]  # a task name stays a name
+    evaluation = dataclasses.replace(config.eval, tasks=tasks)
+    return dataclasses.replace(config, data=data, checkpoint=checkpoint, storage=storage, eval=evaluation)
 
 
 def check_data_matches_model(config: Config) -> None:
@@ -229,6 +252,22 @@ def prepare_mixture_data(config: Config) -> list[str]:
     for note in notes + ([covered] if resolved.eval.enabled and (covered := mixture_eval_note(sources)) else []):
         print(note, flush=True)
     return uris
+
+
+def prepare_tasks(config: Config, tasks: list, data_uri: str):
+    """eval.tasks encoded with the prepared data's tokenizer for the run's model (downstream/run.py),
+    its lines printed; None without tasks. Raises TaskError before any worker starts."""
+    if not tasks:
+        return None
+    from raytrain_fast.data import load_manifest
+    from raytrain_fast.downstream.run import encode_run_tasks
+
+    manifest = load_manifest(data_uri, config.storage)
+    resolved, _ = resolve_eval(config, manifest)
+    run_tasks, notes = encode_run_tasks(tasks, config, manifest, every_steps=resolved.eval.every_steps or 1)
+    for note in notes:
+        print(note, flush=True)
+    return run_tasks
 
 
 def keep_ray_data_actors_on_this_node() -> None:

@@ -44,11 +44,14 @@ def _keys(group: str, saved: dict[str, Any], current: dict[str, Any]) -> list[st
     return keys
 
 
+PATH_KEYS = ("data.source", "data.val_input", "data.tokenizer")
+"""Compared as the files they name: a saved run config may hold a path as it was typed (relative)."""
+
+
 def _same(key: str, old: Any, new: Any) -> bool:
     if old == new:
         return True
-    if key == "data.source" and isinstance(old, str) and isinstance(new, str) and "://" not in old + new:
-        # A run saved before sources were made absolute holds the path as typed.
+    if key in PATH_KEYS and isinstance(old, str) and isinstance(new, str) and "://" not in old + new:
         return os.path.abspath(os.path.expanduser(old)) == os.path.abspath(os.path.expanduser(new))
     return False
 

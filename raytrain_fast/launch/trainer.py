@@ -4,6 +4,7 @@ coordinator and hang watchdog, builds the TorchTrainer and fits it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -11,12 +12,13 @@ from dataclasses import dataclass
 
 from raytrain_fast.config import Config
 from raytrain_fast.console import nothing_to_do
-from raytrain_fast.errors import DivergenceError
+from raytrain_fast.errors import WILL_REPEAT, DivergenceError, repeating_error
 from raytrain_fast.launch.checks import (
     check_before_ray,
     keep_ray_data_actors_on_this_node,
     max_sequences,
     prepare_mixture_data,
+    prepare_tasks,
     prepare_training_data,
     resolve_resources,
 )
@@ -47,14 +49,15 @@ class RunResult:
 
 def build_trainer(
     config: Config, *, data_uri: str, hooks: LoopHooks | None = None, on_window: WindowCallback | None = None,
-    save_checkpoints: bool = True, callbacks: list | None = None, data_uris: list[str] | None = None,
+    save_checkpoints: bool = True, callbacks: list | None = None, data_uris: list[str] | None = None, tasks=None,
 ):
     """A TorchTrainer for an already resolved config (see `resolve_resources`).
 
     `hooks`: fault injection, drills and the sequence recorder for the loop (tests and `--drill`);
     the default injects nothing. `on_window`: called on every log step with the window's metrics
     (a sweep trial's Tune report). `save_checkpoints=False`: a short measurement run.
-    `callbacks`: Ray Train run callbacks (a sweep trial's TuneReportCallback)."""
+    `callbacks`: Ray Train run callbacks (a sweep trial's TuneReportCallback). `tasks`: eval.tasks
+    encoded for the loop (downstream/in_loop.py RunTasks), or None."""
     import ray.train
     from ray.train.torch import TorchConfig
 
@@ -69,7 +72,7 @@ def build_trainer(
         train_loop_config={
             "config": config.to_dict(), "data_uri": data_uri, "max_sequences": max_sequences(config),
             "data_uris": data_uris or [data_uri],  # a mixture's sources (data.sources), else the one
-            "hooks": hooks or LoopHooks(), "on_window": on_window, "save_checkpoints": save_checkpoints,
+            "hooks": hooks or LoopHooks(), "on_window": on_window, "save_checkpoints": save_checkpoints, "tasks": tasks,
             # The driver's S3 filesystem (credentials inside, as in storage_filesystem): workers
             # use it for data and metrics too, whatever their own environment holds.
             "s3_filesystem": filesystem if config.storage.uri.startswith("s3://") else None,
@@ -114,7 +117,8 @@ def worker_env(config: Config) -> dict[str, str]:
 
 
 def _trainer_class() -> type:
-    """TorchTrainer without Ray Train's own SIGINT handler.
+    """TorchTrainer without Ray Train's own SIGINT handler, whose failure policy does not retry an
+    error that will repeat (a ConfigError or DataError raised in a worker: errors.WILL_REPEAT).
 
     fit() installs a handler (Ray 2.60 `DataParallelTrainer._register_sigint_handler`) that replaces
     `_StopOnSignal`'s and aborts the controller on Ctrl-C: no checkpoint, exit 1. With it off, Ctrl-C
@@ -127,21 +131,40 @@ def _trainer_class() -> type:
         def _register_sigint_handler(self, controller) -> None:  # noqa: ARG002 - Ray's signature
             return None
 
+        def _initialize_and_run_controller(self, **controller_kwargs):
+            from raytrain_fast._ray_compat import stop_retrying_on
+
+            return super()._initialize_and_run_controller(**stop_retrying_on(controller_kwargs, will_repeat))
+
     return Trainer
+
+
+def will_repeat(error: BaseException) -> bool:
+    """A worker's error that a restart would meet again (errors.WILL_REPEAT): the run ends at once."""
+    return repeating_error(error) is not None
 
 
 def _train_loop_without_result_dumps(loop_config: dict) -> None:
     """The step loop, with Ray Train's per-report INFO line (a ~1 KB `TrainingReport(...)` dump) off.
 
     That logger is named after its file, outside `ray.train`, so RunConfig's LoggingConfig does not
-    reach it; it is quieted in the worker, where it logs.
+    reach it; it is quieted in the worker, where it logs. An error that will repeat (a ConfigError or
+    DataError, also inside a Ray task's error) leaves the worker as itself and without Ray Train's
+    traceback on the console: the failure policy ends the run on it and the driver prints its line.
     """
     from raytrain_fast.loop.train_loop import train_loop_per_worker
 
-    from raytrain_fast._ray_compat import quiet_train_report_logger
+    from raytrain_fast._ray_compat import quiet_train_report_logger, quiet_worker_tracebacks_of
 
     quiet_train_report_logger()
-    train_loop_per_worker(loop_config)
+    quiet_worker_tracebacks_of(WILL_REPEAT)  # the driver prints their one line
+    try:
+        train_loop_per_worker(loop_config)
+    except Exception as error:
+        repeated = repeating_error(error)
+        if repeated is None or repeated is error:
+            raise
+        raise repeated from None  # itself, not the Ray task error around it: the failure policy and the driver see it
 
 
 def _ray_snapshot_name() -> str:
@@ -185,6 +208,9 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
     """Validate, build and fit. Same name + same storage = the run continues from its latest checkpoint.
     `hooks`: drills and fault injection for the loop (tests, `pretrain --drill`); none by default."""
     config, resume_state = check_before_ray(config, create_bucket=create_bucket)
+    from raytrain_fast.downstream.run import load_run_tasks
+
+    tasks = load_run_tasks(config)  # an unknown task or a malformed line fails here, in a second
     if resume_state is not None and resume_state.step >= config.train.steps:
         return _nothing_to_do(config, resume_state)  # decided from storage: no Ray, no workers
     config = resolve_resources(config, create_bucket=create_bucket, checked=True, announce_precision=resume_state is None)
@@ -201,17 +227,21 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
     from raytrain_fast.coordinator import start_coordinator
 
     data_uris = prepare_mixture_data(config) if config.data.sources else [prepare_training_data(config)]
+    run_tasks = prepare_tasks(config, tasks, data_uris[0])  # encoded with the data's tokenizer
     # One named actor per run, owned by this driver: it outlives worker-group restarts, so FLOPs
     # and the matmul peak are measured once per run. Kept referenced until fit() returns.
     coordinator = start_coordinator(config.name or "run")
     start_watchdog(config, coordinator)
     keep_ray_data_actors_on_this_node()
     drop_ray_run_snapshot(config)
-    with _StopOnSignal(coordinator) as stop:
-        result = build_trainer(config, data_uri=data_uris[0], data_uris=data_uris, hooks=hooks).fit()
-    measurements = ray.get(coordinator.measurements.remote())
-    diverged, message = ray.get(coordinator.wait.remote(DIVERGENCE_KEY, 0))
-    ray.kill(coordinator)  # the next run of this name starts a fresh one (values come from checkpoints)
+    try:
+        with _StopOnSignal(coordinator) as stop:
+            result = fit(build_trainer(config, data_uri=data_uris[0], data_uris=data_uris, hooks=hooks, tasks=run_tasks))
+        measurements = ray.get(coordinator.measurements.remote())
+        diverged, message = ray.get(coordinator.wait.remote(DIVERGENCE_KEY, 0))
+    finally:  # the next run of this name starts a fresh one (values come from checkpoints)
+        with contextlib.suppress(Exception):  # a Ray that is gone must not hide the run's own error
+            ray.kill(coordinator)
     if diverged:  # the workers ended normally (so Ray did not restart them): the run failed
         raise DivergenceError(message)
     kept = kept_checkpoints(config)  # what storage holds after retention: what a rerun resumes from
@@ -220,6 +250,18 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
         metrics=dict(kept[-1][1]) if kept else dict(result.metrics or {}),
         checkpoints=kept, measurements=measurements, stopped_by=stop.signal_name,
     )
+
+
+def fit(trainer):
+    """trainer.fit(); a ConfigError or DataError that ended it in a worker is raised as itself (its
+    one-line message, exit status 2 from the command line), not as Ray's worker group error."""
+    try:
+        return trainer.fit()
+    except Exception as error:
+        repeated = repeating_error(error)
+        if repeated is None:
+            raise
+        raise repeated from None
 
 
 def start_watchdog(config: Config, coordinator) -> None:
@@ -282,11 +324,11 @@ class _StopOnSignal:
             print(f"{name} again: stopping now without a checkpoint.", flush=True)
             raise KeyboardInterrupt
         self.signal_name = name
+        self._event.set()  # first: the request goes out whatever printing does
         print(
             f"{name}: saving a checkpoint at the next log step, then stopping (send it again to stop at once).",
             flush=True,
         )
-        self._event.set()
 
     def _send(self) -> None:
         self._event.wait()

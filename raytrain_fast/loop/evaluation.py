@@ -7,7 +7,8 @@ so no random numbers drawn) under no_grad (no graph, no gradient touched), on a 
 validation sequences held in memory (the training data stream and its position are not used).
 It costs one collective and ONE host read; its wall time is left out of the training window
 (TrainMetrics.exclude_from_window), so tokens/s, step time, MFU and the slowdown baseline see
-training only.
+training only. The downstream tasks of eval.tasks (raytrain_fast/downstream/, passed in as an
+object) are scored in the same evaluation: their counts join the loss sums in that collective and read.
 """
 
 from __future__ import annotations
@@ -75,27 +76,29 @@ def resolve_eval(config: Config, manifest: Manifest) -> tuple[Config, list[str]]
 
 
 class Evaluator:
-    """val/loss of this rank's share of the fixed validation set, summed across ranks.
+    """val/loss of this rank's share of the fixed validation set, summed across ranks, and the
+    downstream tasks' accuracy.
 
     `tokens`: (n, seq_len + 1) on the training device, this rank's share; `total`: sequences across
-    all ranks. A disabled evaluator (`tokens=None`) is never due. `sources` (a mixture): the parts of
-    `tokens` per source; then val/loss/<name> per source, and val/loss is their weight-averaged mean.
+    all ranks. `sources` (a mixture): the parts of `tokens` per source; then val/loss/<name> per
+    source, and val/loss is their weight-averaged mean. `tasks`: this rank's share of eval.tasks
+    (downstream/in_loop.py), or None. An evaluator with neither (`tokens=None`, `tasks=None`) is never due.
     """
 
     def __init__(
         self, *, tokens: torch.Tensor | None, total: int, every_steps: int, total_steps: int, micro_batch: int,
-        rank: int, world_size: int, sources: list[SourceSplit] | None = None,
+        rank: int, world_size: int, sources: list[SourceSplit] | None = None, tasks: Any = None,
     ) -> None:
         self.tokens, self.total, self.every_steps, self.total_steps = tokens, total, every_steps, total_steps
         self.micro_batch, self.rank, self.world_size = micro_batch, rank, world_size
-        self.sources = sources or []
+        self.sources, self.tasks = sources or [], tasks
         self._next_step = every_steps
         parts = max(1, len(self.sources))
         self._sum = torch.zeros(parts, dtype=torch.float32, device=tokens.device) if tokens is not None else None
 
     @property
     def enabled(self) -> bool:
-        return self.tokens is not None
+        return self.tokens is not None or self.tasks is not None
 
     def due(self, step: int, *, logged: bool, saving: bool) -> bool:
         """On log steps only (right after the drain, where the ranks met, so the evaluation's time is
@@ -107,46 +110,72 @@ class Evaluator:
         self._next_step = (step // self.every_steps + 1) * self.every_steps
         return True
 
-    def run(self, engine: Any, metrics: TrainMetrics, *, step: int) -> dict[str, float]:
-        """Evaluate (every rank, same step: a collective); the values also go to rank 0's sinks."""
-        assert self.tokens is not None and self._sum is not None
+    def run(self, engine: Any, metrics: TrainMetrics, *, step: int, tokens: int | None = None) -> dict[str, float]:
+        """Evaluate (every rank, same step: a collective); the values also go to rank 0's sinks.
+        `tokens`: tokens trained on so far (recorded with the tasks' accuracy)."""
         start = time.perf_counter()
-        self._sum.zero_()
-        self._forward_all(engine)
+        sums = self._forward_all(engine)
         own_s = time.perf_counter() - start
         if self.world_size > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(self._sum)
-        sums = self._sum.tolist()  # HOST SYNC: the one read of an evaluation
+            dist.all_reduce(sums)
+        read = sums.tolist()  # HOST SYNC: the one read of an evaluation
         seconds = time.perf_counter() - start
-        per_source = {f"val/loss/{s.name}": total / s.total for s, total in zip(self.sources, sums)}
-        loss = sum(s.weight * v for s, v in zip(self.sources, per_source.values())) if self.sources else sums[0] / self.total
         # What leaves the training window: on a CPU, where ops run synchronously, only this rank's
         # own forward passes, so that waiting in the all-reduce for a slower rank still counts as
         # training time (a straggler stays visible); on a GPU the host only queued the passes, so
         # the whole evaluation (it follows the log step's drain, where the ranks met).
-        metrics.exclude_from_window(own_s if self._sum.device.type == "cpu" else seconds)
-        values = {"val/loss": loss, "val/ppl": math.exp(min(loss, 80.0)), "time/eval_s": seconds, **per_source}
+        metrics.exclude_from_window(own_s if sums.device.type == "cpu" else seconds)
+        values = self._loss_values(read[: len(read) - (self.tasks.size if self.tasks else 0)])
+        if self.tasks is not None:
+            values.update(self.tasks.values(read[len(read) - self.tasks.size:], tokens=tokens))
+        values["time/eval_s"] = seconds
         metrics.emit(step, values)
         if self.rank == 0:
-            print(f"step {step}/{self.total_steps}  val/loss {loss:.4f}  val/ppl {values['val/ppl']:.4g}  eval {seconds:.2f}s", flush=True)
+            print(self._line(step, values), flush=True)
         return values
 
-    def _forward_all(self, engine: Any) -> None:
-        """Loss sums on the device, in eval mode and no_grad, the training mode restored after."""
+    def _loss_values(self, sums: list[float]) -> dict[str, float]:
+        if self.tokens is None:
+            return {}
+        per_source = {f"val/loss/{s.name}": total / s.total for s, total in zip(self.sources, sums)}
+        loss = sum(s.weight * v for s, v in zip(self.sources, per_source.values())) if self.sources else sums[0] / self.total
+        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 80.0)), **per_source}
+
+    def _line(self, step: int, values: dict[str, float]) -> str:
+        parts = [f"step {step}/{self.total_steps}"]
+        if "val/loss" in values:
+            parts.append(f"val/loss {values['val/loss']:.4f}  val/ppl {values['val/ppl']:.4g}")
+        if self.tasks is not None:
+            parts.append(self.tasks.short(values))
+        return "  ".join([*parts, f"eval {values['time/eval_s']:.2f}s"])
+
+    def _forward_all(self, engine: Any) -> torch.Tensor:
+        """Loss sums and task counts on the device (one tensor), in eval mode and no_grad, the training
+        mode restored after."""
         module = getattr(engine, "module", engine)  # DeepSpeed's engine keeps the mode on its module
         was_training = module.training
         engine.eval()
+        parts = []
         try:
             with torch.no_grad():
-                parts = self.tokens.split([s.rows for s in self.sources]) if self.sources else [self.tokens]  # type: ignore[union-attr]
-                for index, part in enumerate(parts):
-                    for batch in part.split(self.micro_batch) if len(part) else ():  # a batch never mixes sources
-                        loss = engine(batch[:, :-1], batch[:, 1:])
-                        self._sum[index].add_(loss.detach().float() * batch.shape[0])  # type: ignore[index]
+                if self.tokens is not None:
+                    parts.append(self._loss_sums(engine))
+                if self.tasks is not None:
+                    parts.append(self.tasks.score(engine))
         finally:
             engine.train(was_training)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _loss_sums(self, engine: Any) -> torch.Tensor:
+        self._sum.zero_()  # type: ignore[union-attr]
+        parts = self.tokens.split([s.rows for s in self.sources]) if self.sources else [self.tokens]  # type: ignore[union-attr]
+        for index, part in enumerate(parts):
+            for batch in part.split(self.micro_batch) if len(part) else ():  # a batch never mixes sources
+                loss = engine(batch[:, :-1], batch[:, 1:])
+                self._sum[index].add_(loss.detach().float() * batch.shape[0])  # type: ignore[index]
+        return self._sum  # type: ignore[return-value]
 
 
 __all__ = ["DEFAULT_EVERY_STEPS", "Evaluator", "resolve_eval"]

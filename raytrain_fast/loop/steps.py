@@ -164,7 +164,7 @@ class StepRun:
 
     def evaluate(self, step: int, *, logged: bool, saving: bool) -> None:
         if self.evaluator.due(step, logged=logged, saving=saving):
-            self.last = {**self.last, **self.evaluator.run(self.engine, self.metrics, step=step)}
+            self.last = {**self.last, **self.evaluator.run(self.engine, self.metrics, step=step, tokens=self.state.tokens)}
 
     def report(self, step: int, *, logged: bool) -> None:
         if logged and self.on_window is not None:

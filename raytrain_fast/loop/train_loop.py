@@ -55,7 +55,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         model, mfu = build_model_and_measure(worker, state, coordinator, restored=restored)
         sinks = start_sinks(worker, state)  # W&B / TensorBoard open while the engine is built, not in the first steps
         engine, compiled = build_engine_for(worker, model, checkpointer, coordinator, restored=restored)
-        evaluator = build_evaluator(worker, engine, data)
+        evaluator = build_evaluator(worker, engine, data, tasks=loop_config.get("tasks"))
         metrics = build_metrics(worker, state, engine, mfu, sinks)  # built last: it freezes the heap for GC control
         note_resize(worker, restored, checkpointer, metrics, coordinator)
         note_hangs(worker, coordinator, metrics, step=state.step)
@@ -388,9 +388,10 @@ def build_engine_for(worker: Worker, model: Any, checkpointer: Checkpointer, coo
     return engine, compiled
 
 
-def build_evaluator(worker: Worker, engine: Any, data: Any) -> Evaluator:
+def build_evaluator(worker: Worker, engine: Any, data: Any, *, tasks: Any = None) -> Evaluator:
     """This rank's share of the fixed validation set, on the device once (none when eval is off); for
-    a mixture, each source's split with a val/loss of its own (data/validation.py)."""
+    a mixture, each source's split with a val/loss of its own (data/validation.py). `tasks`: the run's
+    eval.tasks, encoded on the driver (downstream/in_loop.py RunTasks), or None."""
     from raytrain_fast.data.validation import load_mixture_validation, load_validation_tokens
 
     config = worker.config
@@ -402,10 +403,12 @@ def build_evaluator(worker: Worker, engine: Any, data: Any) -> Evaluator:
     elif config.eval.enabled:
         rows = load_validation_tokens(worker.manifest, count=config.eval.sequences, **share)
         tokens = torch.from_numpy(rows).to(engine.device)
+    micro_batch = config.eval.micro_batch or int(config.train.micro_batch)
+    if tasks is not None:
+        tasks = tasks.for_rank(rank=worker.rank, world_size=worker.world_size, device=engine.device, micro_batch=micro_batch)
     return Evaluator(
         tokens=tokens, total=total, every_steps=config.eval.every_steps or 1, total_steps=config.train.steps,
-        micro_batch=config.eval.micro_batch or int(config.train.micro_batch), rank=worker.rank, world_size=worker.world_size,
-        sources=splits,
+        micro_batch=micro_batch, rank=worker.rank, world_size=worker.world_size, sources=splits, tasks=tasks,
     )
 
 

@@ -135,12 +135,15 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, layout: DocumentLayout | None = None) -> torch.Tensor:
         """tokens: (B, T) int64. Returns logits (B, T, V), or the mean cross-entropy if targets are given
-        (over the targets that count: with document masking, none after an end-of-document id)."""
+        (over the targets that count: with document masking, none after an end-of-document id).
+        `layout`: each token's position and the attention mask, given by the caller (the downstream
+        scorer reads a context once for all its choices); None = causal, or document masking's."""
         seq = tokens.shape[1]
         x = self.token_emb(tokens)  # (B, T, d)
-        layout = document_layout(tokens, self.documents, dtype=x.dtype) if self.documents is not None else None
+        if layout is None and self.documents is not None:
+            layout = document_layout(tokens, self.documents, dtype=x.dtype)
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(seq, device=tokens.device) if layout is None else layout.positions)
         x = self.drop(x)

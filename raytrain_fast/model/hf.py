@@ -50,7 +50,8 @@ def hf_config(config: ModelConfig, *, eos_token_id: int | None, dtype: str) -> d
             "head_dim": config.d_model // config.num_heads, "hidden_act": "silu",
             "max_position_embeddings": config.max_seq_len, "initializer_range": config.init_std,
             "rms_norm_eps": config.norm_eps, "use_cache": True, "pretraining_tp": 1,
-            "bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": None,
+            # pad = the end-of-document token, as the exported tokenizer's pad_token (the mask hides it).
+            "bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id,
             "tie_word_embeddings": config.tie_embeddings,
             # transformers >= 5 reads rope_parameters; older readers (and vLLM's) rope_theta.
             "rope_theta": float(config.rope_theta),
@@ -67,7 +68,7 @@ def hf_config(config: ModelConfig, *, eos_token_id: int | None, dtype: str) -> d
         "resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout,
         "layer_norm_epsilon": 1e-5, "initializer_range": config.init_std,
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-        "use_cache": True, "bos_token_id": eos_token_id, "eos_token_id": eos_token_id,
+        "use_cache": True, "bos_token_id": eos_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id,
         "tie_word_embeddings": config.tie_embeddings, "torch_dtype": dtype, "dtype": dtype,
     }
 

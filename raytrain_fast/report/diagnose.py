@@ -32,6 +32,7 @@ from raytrain_fast.report.findings import (
 from raytrain_fast.report.load import RunMetrics
 from raytrain_fast.report.mixture import mixture_lines
 from raytrain_fast.report.summary import summarize
+from raytrain_fast.report.tasks import task_lines
 
 __all__ = ["Diagnosis", "Finding", "diagnose"]
 
@@ -61,6 +62,8 @@ class Diagnosis:
         lines += [f"  {label:<{width}}  {value}" for label, value in self.summary.items()]
         if mixture := mixture_lines(run):
             lines += ["", *mixture]
+        if tasks := task_lines(run):
+            lines += ["", *tasks]
         lines.append("")
         if not self.findings:
             lines.append("Diagnosis: no problems found in the steady part of the run.")

@@ -12,6 +12,7 @@ from raytrain_fast.report.diagnose import Diagnosis
 from raytrain_fast.report.summary import run_facts
 from raytrain_fast.report.load import RunMetrics
 from raytrain_fast.report.plots import PlotResult
+from raytrain_fast.report.tasks import task_rows
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 960px; margin: 2em auto; color: #222; }
@@ -58,6 +59,12 @@ def render_html(run: RunMetrics, diagnosis: Diagnosis, plots: PlotResult, *, out
     if facts:
         parts += ["<h2>Run</h2>", *_table(facts)]
     parts += ["<h2>Summary</h2>", *_table(diagnosis.summary)]
+    rows = task_rows(run)
+    if rows:
+        header = "".join(f"<th>{escape(k)}</th>" for k in rows[0])
+        body = "".join("<tr>" + "".join(f"<td>{escape(v)}</td>" for v in row.values()) + "</tr>" for row in rows)
+        parts += ["<h2>Downstream tasks</h2>", f"<table><tr>{header}</tr>{body}</table>",
+                  '<p class="note">acc at the first and last evaluation (last: acc / acc_norm) and the best acc of the run.</p>']
 
     parts.append("<h2>Diagnosis</h2>")
     if not diagnosis.findings:

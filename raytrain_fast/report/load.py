@@ -150,7 +150,7 @@ def load_run(storage_uri: str, name: str, *, storage: StorageConfig | None = Non
             f"run '{name}' has no metrics under {uri}/metrics/. Check --storage and --name "
             f"(`raytrain-fast runs --storage {storage_uri}` lists the runs there)."
         )
-    run = from_records(records, name=name, uri=uri, config=_newest_config(uri, storage))
+    run = from_records(records, name=name, uri=uri, config=newest_config(uri, storage))
     run.saved_steps = _saved_steps(uri, storage)
     run.auto_micro_batch = _auto_micro_batch(storage_uri, storage, run.config)
     run.hangs = _hang_records(uri, storage)
@@ -239,7 +239,7 @@ def _restart_steps(records: list[dict[str, Any]]) -> list[int]:
     return restarts
 
 
-def _newest_config(run_uri: str, storage: StorageConfig) -> dict[str, Any] | None:
+def newest_config(run_uri: str, storage: StorageConfig) -> dict[str, Any] | None:
     """The config.yaml of the newest checkpoint that has one (the loop writes it with every save)."""
     import yaml
 

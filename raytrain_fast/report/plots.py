@@ -78,6 +78,13 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
             plots.append(Plot(file=spec.file, title=spec.title, caption=spec.caption))
         finally:
             plt.close(figure)
+    from raytrain_fast.report.tasks import CAPTION, TITLE, draw_tasks
+
+    why_not = draw_tasks(run, out_dir, plt)  # its x axis is tokens, not steps
+    if why_not:
+        skipped.append(f"{TITLE}: {why_not}")
+    else:
+        plots.append(Plot(file="tasks.png", title=TITLE, caption=CAPTION))
     return PlotResult(plots=plots, skipped=skipped)
 
 

@@ -1,0 +1,113 @@
+"""`raytrain-fast evaluate`: multiple-choice tasks on a run's checkpoint (--storage, --name, --step) or
+on a Hugging Face model directory (--hf), printed as a table or as JSON (--json, with every item's
+choice and log-likelihoods). Everything that can be wrong with the input is found before the model
+is built or a worker starts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from raytrain_fast.downstream.encode import Encoder, encode_tasks, skipped_note
+from raytrain_fast.downstream.tasks import STANDARD_TASKS, Task, TaskError, load_tasks
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags besides the storage ones (cli.py adds those, --storage optional here)."""
+    parser.add_argument("--name", default=None, help="run name (with --storage)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
+    parser.add_argument("--hf", default=None, metavar="DIR", help="a Hugging Face model directory instead of a run (read offline through transformers)")
+    parser.add_argument(
+        "--tasks", nargs="+", default=None, metavar="TASK",
+        help=f"standard tasks ({', '.join(STANDARD_TASKS)}) and .jsonl files of your own, space- or comma-separated "
+        "(default: the run's eval.tasks, else every standard task)",
+    )
+    parser.add_argument("--limit", type=int, default=None, metavar="N",
+                        help="items per task, spread evenly over it (default: the run's eval.task_limit for its own tasks, else all)")
+    parser.add_argument("--workers", type=int, default=1, metavar="N", help="score on N Ray workers, each every N-th item (default 1: this process)")
+    parser.add_argument("--micro-batch", type=int, default=16, metavar="N", help="sequences per forward pass (default 16)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to score (auto: a GPU when there is one)")
+    parser.add_argument("--tokenizer", default=None, help="(a run) the tokenizer.json to encode with instead of the one the run's data was made with")
+    parser.add_argument("--json", action="store_true", help="print one JSON document: per-task results and every item's record")
+
+
+def _checked(args: argparse.Namespace) -> None:
+    if bool(args.hf) == bool(args.storage):
+        raise TaskError("evaluate needs either --storage and --name (a run's checkpoint) or --hf DIR (a Hugging Face model directory)")
+    if args.storage and not args.name:
+        raise TaskError("evaluate --storage needs --name (the run); `raytrain-fast runs --storage ...` lists them")
+    if args.hf and (args.step is not None or args.tokenizer):
+        raise TaskError("--step and --tokenizer apply to a run's checkpoint, not to --hf")
+    for flag, value in (("--limit", args.limit), ("--workers", args.workers), ("--micro-batch", args.micro_batch)):
+        if value is not None and value < 1:
+            raise TaskError(f"{flag} must be >= 1, got {value}")
+
+
+def _task_specs(args: argparse.Namespace, run_eval: dict[str, Any]) -> tuple[list[str], int | None]:
+    """(task specs, limit): --tasks, else the run's eval.tasks with its task_limit, else every standard task."""
+    if args.tasks:
+        return [t.strip() for spec in args.tasks for t in spec.split(",") if t.strip()], args.limit
+    own = run_eval.get("tasks") or []
+    if own:
+        return list(own), args.limit if args.limit is not None else run_eval.get("task_limit")
+    return list(STANDARD_TASKS), args.limit
+
+
+def run_evaluate(args: argparse.Namespace, *, storage: Any, connect_ray: Callable[[], None]) -> int:
+    from raytrain_fast.downstream.evaluate import evaluate
+
+    _checked(args)
+    specs, limit = _task_specs(args, _run_eval_section(args, storage))
+    tasks = load_tasks(specs, limit=limit)  # unknown names, missing or malformed files: before anything is loaded
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
+    source, encoder, step = _model(args, storage)
+    encoded = _encoded(tasks, encoder)
+    for note in skipped_note(encoded, encoder.window):
+        say(note)
+    where = f"on {args.workers} Ray workers" if args.workers > 1 else "in this process"
+    say(f"Evaluating {source.description} on {', '.join(t.name for t in encoded)} ({sum(t.num_items for t in encoded):,} items) {where}.")
+    result = evaluate(
+        source, encoded, window=encoder.window, step=step, workers=args.workers, micro_batch=args.micro_batch,
+        device=None if args.device == "auto" else args.device, connect_ray=connect_ray,
+    )
+    if args.json:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        print(result.table())
+        print("acc: the choice with the highest log-likelihood; acc_norm: per character; cut: contexts cut from the left "
+              f"to the {encoder.window}-token window. --json adds every item's log-likelihoods.")
+    return 0
+
+
+def _run_eval_section(args: argparse.Namespace, storage: Any) -> dict[str, Any]:
+    """The run's eval section from its newest run config (for its own tasks), {} for --hf or none."""
+    if not args.storage or args.tasks:
+        return {}
+    from raytrain_fast.report.load import newest_config
+
+    config = newest_config(f"{args.storage.rstrip('/')}/{args.name}", storage) or {}
+    section = config.get("eval")
+    return section if isinstance(section, dict) else {}
+
+
+def _model(args: argparse.Namespace, storage: Any):
+    from raytrain_fast.downstream.models import from_checkpoint, from_hf_dir
+
+    if args.hf:
+        source, encoder = from_hf_dir(args.hf)
+        return source, encoder, None
+    return from_checkpoint(storage_uri=args.storage, storage=storage, name=args.name, step=args.step, tokenizer=args.tokenizer)
+
+
+def _encoded(tasks: list[Task], encoder: Encoder):
+    encoded = encode_tasks(tasks, encoder)
+    empty = [t.name for t in encoded if t.num_items == 0]
+    if empty:
+        raise TaskError(f"no item of {', '.join(empty)} fits the model's window of {encoder.window} tokens: leave the task out")
+    return encoded
+
+
+__all__ = ["add_arguments", "run_evaluate"]

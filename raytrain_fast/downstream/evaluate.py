@@ -1,0 +1,151 @@
+"""Score tasks on a model outside training (`raytrain-fast evaluate`): on this process, or on N Ray
+workers that each score every N-th item, their records merged. Each item is scored by exactly one
+worker, and its record says which.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from raytrain_fast.downstream.encode import EncodedTask, shard
+from raytrain_fast.downstream.models import ModelSource
+from raytrain_fast.downstream.score import ScoringPlan
+
+
+@dataclass(kw_only=True)
+class TaskResult:
+    name: str
+    acc: float
+    acc_norm: float
+    chance: float
+    items: int
+    """Items scored."""
+    cut: int
+    """Of them, items whose context was cut from the left to fit the window."""
+    skipped: int
+    """Items left out: a choice longer than the window by itself."""
+    total: int
+    """Items in the task's file."""
+    seconds: float
+    """Wall time of the task's scoring (the slowest worker's, with several)."""
+
+    @property
+    def ms_per_item(self) -> float:
+        return 1e3 * self.seconds / max(1, self.items)
+
+
+@dataclass(kw_only=True)
+class Evaluation:
+    model: str
+    step: int | None
+    workers: int
+    window: int
+    tasks: list[TaskResult]
+    items: list[dict[str, Any]] = field(default_factory=list)
+    """One record per item scored: task, index (its line in the task's file, from 0), gold, choice,
+    choice_norm, loglikelihoods (one per choice), characters (acc_norm's divisors), cut, worker."""
+
+    def to_json(self) -> dict[str, Any]:
+        tasks = {t.name: {
+            "acc": t.acc, "acc_norm": t.acc_norm, "chance": t.chance, "items": t.items, "cut": t.cut, "skipped": t.skipped,
+            "total": t.total, "seconds": t.seconds, "ms_per_item": t.ms_per_item,
+        } for t in self.tasks}
+        return {
+            "model": self.model, "step": self.step, "workers": self.workers, "window": self.window,
+            "acc_norm": "log-likelihood per character of the choice, leading whitespace not counted",
+            "tasks": tasks, "items": self.items,
+        }
+
+    def table(self) -> str:
+        rows = [("task", "acc", "acc_norm", "chance", "items", "cut", "skipped", "ms/item")]
+        rows += [(t.name, f"{t.acc:.4f}", f"{t.acc_norm:.4f}", f"{t.chance:.4f}", f"{t.items:,}", f"{t.cut:,}", f"{t.skipped:,}",
+                  f"{t.ms_per_item:.1f}") for t in self.tasks]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+                         for row in rows)
+
+
+def score_shard(
+    source: ModelSource, tasks: list[EncodedTask], *, rank: int, world_size: int, micro_batch: int, device: str,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Worker `rank` of `world_size`: its items of every task scored. {"records": [...], "seconds": {task: s}}."""
+    if threads:
+        torch.set_num_threads(threads)
+    forward = source.build(device)
+    records: list[dict[str, Any]] = []
+    seconds: dict[str, float] = {}
+    with torch.no_grad():
+        for task in tasks:
+            start = time.perf_counter()
+            items = shard(task, rank=rank, world_size=world_size)
+            plan = ScoringPlan([task], [items], micro_batch=micro_batch, device=device, packed=source.packs)
+            loglikelihoods = plan.loglikelihoods(forward)
+            choice, choice_norm = plan.choose(loglikelihoods)
+            values, chosen, chosen_norm = loglikelihoods.tolist(), choice.tolist(), choice_norm.tolist()
+            seconds[task.name] = time.perf_counter() - start
+            characters = plan.characters.tolist()
+            for row, requests in enumerate(plan.choice.tolist()):
+                requests = [r for r in requests if r >= 0]
+                item = int(items[row])
+                records.append({
+                    "task": task.name, "index": int(task.item_index[item]), "gold": int(task.gold[item]),
+                    "choice": chosen[row], "choice_norm": chosen_norm[row],
+                    "loglikelihoods": [values[r] for r in requests], "characters": [characters[r] for r in requests],
+                    "cut": bool(task.cut[item]), "worker": rank,
+                })
+    return {"records": records, "seconds": seconds}
+
+
+def evaluate(
+    source: ModelSource, tasks: list[EncodedTask], *, window: int, step: int | None = None, workers: int = 1,
+    micro_batch: int = 16, device: str | None = None, connect_ray: Callable[[], None] | None = None,
+) -> Evaluation:
+    """Every task's items scored once, on this process (workers=1) or on `workers` Ray tasks
+    (`connect_ray` joins or starts Ray first)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if workers <= 1:
+        parts = [score_shard(source, tasks, rank=0, world_size=1, micro_batch=micro_batch, device=device)]
+    else:
+        parts = _on_ray_workers(source, tasks, workers=workers, micro_batch=micro_batch, device=device, connect_ray=connect_ray)
+    records = sorted((r for part in parts for r in part["records"]), key=lambda r: ([t.name for t in tasks].index(r["task"]), r["index"]))
+    results = []
+    for task in tasks:
+        mine = [r for r in records if r["task"] == task.name]
+        scored = max(1, len(mine))
+        results.append(TaskResult(
+            name=task.name, acc=sum(r["choice"] == r["gold"] for r in mine) / scored,
+            acc_norm=sum(r["choice_norm"] == r["gold"] for r in mine) / scored, chance=task.chance, items=len(mine),
+            cut=sum(r["cut"] for r in mine), skipped=len(task.skipped), total=task.total,
+            seconds=max(part["seconds"].get(task.name, 0.0) for part in parts),
+        ))
+    return Evaluation(model=source.description, step=step, workers=max(1, workers), window=window, tasks=results, items=records)
+
+
+def _on_ray_workers(
+    source: ModelSource, tasks: list[EncodedTask], *, workers: int, micro_batch: int, device: str,
+    connect_ray: Callable[[], None] | None,
+) -> list[dict[str, Any]]:
+    import ray
+
+    if connect_ray is not None:
+        connect_ray()
+    elif not ray.is_initialized():
+        ray.init(configure_logging=False, include_dashboard=False)
+    gpu = device.startswith("cuda")
+    cpus = 1 if gpu else max(1, int(ray.cluster_resources().get("CPU", 1) // workers))
+    task = ray.remote(score_shard).options(num_cpus=cpus, num_gpus=1 if gpu else 0)
+    shared_source, shared_tasks = ray.put(source), ray.put(tasks)  # once in the object store, read by every worker
+    return ray.get([
+        task.remote(shared_source, shared_tasks, rank=rank, world_size=workers, micro_batch=micro_batch,
+                    device="cuda" if gpu else "cpu", threads=None if gpu else cpus)
+        for rank in range(workers)
+    ])
+
+
+__all__ = ["Evaluation", "TaskResult", "evaluate", "score_shard"]

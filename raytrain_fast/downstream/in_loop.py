@@ -1,0 +1,110 @@
+"""The tasks of `eval.tasks` inside the step loop. `RunTasks` is built on the driver (the tasks read and
+encoded there, every error raised before a worker starts) and reaches the loop in its config as an
+object; each worker turns it into `RankTasks`, its share of the items on its device. The loop's
+evaluator (loop/evaluation.py) asks it for the counts at its cadence and sums them with the held-out
+loss in the evaluation's one collective and one host read.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raytrain_fast.downstream.encode import EncodedTask, shard
+from raytrain_fast.downstream.score import COUNTS, ScoringPlan
+
+
+@dataclass(kw_only=True)
+class RunTasks:
+    """The run's tasks, encoded for its model and tokenizer (picklable: it travels in the loop config)."""
+
+    tasks: list[EncodedTask]
+    window: int
+
+    @property
+    def names(self) -> list[str]:
+        return [task.name for task in self.tasks]
+
+    def note(self, every_steps: int) -> str:
+        parts = ", ".join(f"{t.name} ({t.num_items} of {t.total} items, chance {t.chance:.2f})" for t in self.tasks)
+        return f"Tasks: {parts}, scored at each evaluation (every {every_steps} steps; docs/evaluation.md)."
+
+    def for_rank(self, *, rank: int, world_size: int, device: torch.device | str, micro_batch: int) -> RankTasks:
+        items = [shard(task, rank=rank, world_size=world_size) for task in self.tasks]
+        return RankTasks(self.tasks, ScoringPlan(self.tasks, items, micro_batch=micro_batch, device=device))
+
+
+class RankTasks:
+    """One rank's share of the run's tasks: its counts on the device, and the metrics from the counts
+    summed over all ranks."""
+
+    def __init__(self, tasks: list[EncodedTask], plan: ScoringPlan) -> None:
+        self.tasks, self.plan = tasks, plan
+        self.size = len(tasks) * len(COUNTS)
+        """Length of the counts tensor."""
+        self._timer = DeviceTimer(plan.device)
+
+    def score(self, engine: Any) -> torch.Tensor:
+        """This rank's counts (device tensor); the caller has the model in eval mode under no_grad."""
+        self._timer.start()
+        counts = self.plan.score(engine)  # engine(tokens) -> logits
+        self._timer.stop()
+        return counts
+
+    def values(self, counts: list[float], *, tokens: int | None) -> dict[str, float]:
+        """Metrics from the counts summed over the ranks (read after the evaluation's host read)."""
+        values: dict[str, float] = {}
+        scored = 0.0
+        for position, task in enumerate(self.tasks):
+            correct, correct_norm, items, cut = counts[position * len(COUNTS):(position + 1) * len(COUNTS)]
+            scored += items
+            values.update({
+                f"eval/{task.name}/acc": correct / max(items, 1.0), f"eval/{task.name}/acc_norm": correct_norm / max(items, 1.0),
+                f"eval/{task.name}/chance": task.chance, f"eval/{task.name}/items": items, f"eval/{task.name}/cut": cut,
+            })
+        seconds = self._timer.seconds()
+        values["time/eval_tasks_s"] = seconds
+        values["time/eval_tasks_ms_per_item"] = 1e3 * seconds / max(scored, 1.0)
+        if tokens is not None:
+            values["eval/tokens"] = float(tokens)
+        return values
+
+    def short(self, values: dict[str, float]) -> str:
+        """The progress line's part: each task's acc."""
+        return "  ".join(f"{task.name} {values[f'eval/{task.name}/acc']:.3f}" for task in self.tasks)
+
+
+class DeviceTimer:
+    """Seconds between start() and stop() of the work queued on the device: CUDA events on a GPU (read
+    after the evaluation's host read, so no sync of its own), the host clock on a CPU (ops run as called)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._start: Any = None
+        self._stop: Any = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._stop = torch.cuda.Event(enable_timing=True)
+            self._stop.record()
+        else:
+            self._stop = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            self._stop.synchronize()  # already complete: the counts were read after it
+            return self._start.elapsed_time(self._stop) / 1e3
+        return self._stop - self._start
+
+
+__all__ = ["DeviceTimer", "RankTasks", "RunTasks"]

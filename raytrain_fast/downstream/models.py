@@ -1,0 +1,129 @@
+"""The models `raytrain-fast evaluate` scores: a run's checkpoint (its consolidated weights in our model
+class, its data's tokenizer) or a Hugging Face directory (through transformers, offline). A
+`ModelSource` is picklable, so each worker of a multi-worker evaluation builds the same model from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raytrain_fast.config.model import ModelConfig
+from raytrain_fast.config.storage import StorageConfig
+from raytrain_fast.downstream.encode import Encoder
+from raytrain_fast.downstream.tasks import TaskError
+from raytrain_fast.errors import RaytrainFastError
+
+EVAL_EXTRA = "pip install 'raytrain_fast[eval]'"
+"""What installs transformers for `evaluate --hf`."""
+
+Forward = Callable[[torch.Tensor], torch.Tensor]
+"""(B, T) token ids -> (B, T, V) logits."""
+
+
+class MissingExtraError(RaytrainFastError):
+    """An optional dependency is not installed; the message gives the pip command."""
+
+
+@dataclass(kw_only=True)
+class ModelSource:
+    """What a worker needs to build the model: our weights and model config, or a Hugging Face directory."""
+
+    description: str
+    state: dict[str, torch.Tensor] | None = None
+    config: ModelConfig | None = None
+    hf_dir: str | None = None
+
+    @property
+    def packs(self) -> bool:
+        """Whether the model takes a DocumentLayout (ours), so a shared context is read once for all choices."""
+        return self.hf_dir is None
+
+    def build(self, device: str) -> Forward:
+        if self.hf_dir is not None:
+            model = _transformers().AutoModelForCausalLM.from_pretrained(self.hf_dir, local_files_only=True)
+            model = model.float().to(device).eval()  # scored in fp32, as a checkpoint of ours
+            return lambda tokens: model(input_ids=tokens).logits
+        from raytrain_fast.model import model_class
+
+        assert self.state is not None and self.config is not None
+        model = model_class(self.config)(self.config)
+        model.load_state_dict(self.state, strict=True)
+        model = model.to(device).eval()
+        return model  # model(tokens) -> logits
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise MissingExtraError(
+            f"evaluate --hf loads the model with transformers, which is not installed: {EVAL_EXTRA} "
+            "(or pip install transformers)"
+        ) from None
+    return transformers
+
+
+def from_hf_dir(directory: str) -> tuple[ModelSource, Encoder]:
+    """A Hugging Face model directory (ours or another one): its model and tokenizer, read offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a directory is read as it is: nothing is fetched
+    transformers = _transformers()
+    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar between our lines
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise TaskError(
+            f"--hf {directory}: no config.json there, so it is not a Hugging Face model directory (`raytrain-fast export "
+            "--format hf` writes one; evaluate a run's checkpoint with --storage and --name instead)"
+        )
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise TaskError(f"--hf {directory}: transformers cannot load its tokenizer or config offline: {error}") from None
+    window = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not window:
+        raise TaskError(f"--hf {directory}: its config.json names no maximum sequence length (max_position_embeddings)")
+    eod = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
+    if eod is None:
+        raise TaskError(f"--hf {directory}: its tokenizer has neither an eos nor a bos token to stand for an empty context")
+    encoder = Encoder(
+        encode=lambda text: tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], eod_id=int(eod),
+        vocab_size=int(config.vocab_size), window=int(window), unknown_id=tokenizer.unk_token_id, name=directory,
+    )
+    return ModelSource(description=f"Hugging Face model {directory}", hf_dir=os.path.abspath(directory)), encoder
+
+
+def from_checkpoint(
+    *, storage_uri: str, storage: StorageConfig, name: str, step: int | None, tokenizer: str | None = None,
+) -> tuple[ModelSource, Encoder, int]:
+    """Run `name`'s checkpoint at `step` (None: the newest complete one), downloaded and verified:
+    (its model, its data's tokenizer for it, the step)."""
+    from raytrain_fast.checkpoint.export import consolidated_state_dict, download_chosen, read_checkpoint_model_config, read_run_config
+    from raytrain_fast.checkpoint.hf_export import run_tokenizer
+    from raytrain_fast.downstream.run import encoder_for
+    from raytrain_fast.storage.filesystem import resolve_filesystem
+
+    filesystem, root = resolve_filesystem(storage_uri, storage)
+    local_dir = tempfile.mkdtemp(prefix="raytrain-fast-evaluate-")
+    try:
+        path, _ = download_chosen(filesystem, f"{root.rstrip('/')}/{name}", local_dir, name=name, step=step, storage_uri=storage_uri)
+        config = read_checkpoint_model_config(local_dir)
+        if config is None:
+            raise TaskError(f"the checkpoint {path} has no config.yaml with its model settings (saved by an older version)")
+        spec = run_tokenizer(read_run_config(local_dir), storage, tokenizer)
+        state, _ = consolidated_state_dict(local_dir)
+    finally:
+        shutil.rmtree(local_dir, ignore_errors=True)
+    checkpoint_step = int(path.rstrip("/").rsplit("_", 1)[-1])
+    config = dataclasses.replace(config, activation_checkpointing="none", dropout=0.0)
+    source = ModelSource(description=f"run '{name}' at step {checkpoint_step}", state=state, config=config)
+    return source, encoder_for(spec, config), checkpoint_step
+
+
+__all__ = ["EVAL_EXTRA", "Forward", "MissingExtraError", "ModelSource", "from_checkpoint", "from_hf_dir"]

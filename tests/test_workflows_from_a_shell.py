@@ -1,0 +1,140 @@
+"""Workflows typed as a user types them, in a fresh shell, from the project's own directory with
+relative paths (tests/shell.py).
+
+- A mixture (data.sources): the workers run in Ray Train's working directory, not the shell's, so
+  every local path must reach them absolute; sources of every kind data.source takes (prepared
+  datasets, `.jsonl.zst` / `.jsonl.gz` files, text) train as a mixture.
+- A damaged prepared dataset found by a worker ends the run in one attempt, exit 2 (an error that
+  will repeat is not retried: tests/test_errors_that_repeat.py).
+- `export --format hf` from the README's install, without the `tokenizers` extra, loads in
+  transformers and pads a batch; an export that fails leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.shell import SETS, package_texts, shell, without_modules
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+
+def _saved_run_config(runs: Path, name: str) -> dict:
+    [checkpoint] = sorted(p for p in (runs / name).glob("checkpoint_*") if p.is_dir())[-1:]
+    return yaml.safe_load((checkpoint / "config.yaml").read_text())
+
+
+def test_a_mixture_of_relative_prepared_directories_trains_from_the_project_directory(tmp_path):
+    project, home = tmp_path / "project", tmp_path / "home"
+    package_texts(project / "texts" / "code", "email")
+    package_texts(project / "texts" / "docs", "json")
+    for name in ("code", "docs"):
+        prepared = shell(f"raytrain-fast prepare-data --input texts/{name} --output data/{name} --seq-len 32",
+                         cwd=project, home=home)
+        assert prepared.returncode == 0, prepared.stdout + prepared.stderr
+    done = shell(
+        f"raytrain-fast pretrain --name mix {SETS} --set storage.uri=runs "
+        "--set 'data.sources=[{source: ./data/code, weight: 0.7}, {source: ./data/docs, weight: 0.3}]'",
+        cwd=project, home=home,
+    )
+    shown = done.stdout + done.stderr
+    assert done.returncode == 0, shown
+    assert "Done. Run directory:" in shown and "Traceback" not in shown
+    saved = _saved_run_config(project / "runs", "mix")
+    assert [s["source"] for s in saved["data"]["sources"]] == [str(project / "data" / "code"), str(project / "data" / "docs")]
+    assert saved["storage"]["uri"] == str(project / "runs")
+
+
+def _jsonl_zst(path: Path, package: str) -> None:
+    import importlib
+
+    import pyarrow as pa
+
+    folder = Path(importlib.import_module(package).__file__).parent
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with pa.CompressedOutputStream(str(path), "zstd") as out:
+        for source in sorted(folder.glob("*.py")):
+            out.write((json.dumps({"text": source.read_text()}) + "\n").encode())
+
+
+def test_a_mixture_of_two_jsonl_zst_files_is_prepared_on_the_fly_and_trains(tmp_path):
+    project, home = tmp_path / "project", tmp_path / "home"
+    _jsonl_zst(project / "corpora" / "code.jsonl.zst", "email")
+    _jsonl_zst(project / "corpora" / "docs.jsonl.zst", "json")
+    done = shell(
+        f"raytrain-fast pretrain --name zst {SETS} --set storage.uri=runs --set data.cache_dir=cache "
+        "--set 'data.sources=[{source: corpora/code.jsonl.zst, weight: 0.7}, {source: corpora/docs.jsonl.zst, weight: 0.3}]'",
+        cwd=project, home=home,
+    )
+    shown = done.stdout + done.stderr
+    assert done.returncode == 0, shown
+    assert "a mixture of 2 sources (code.jsonl.zst 0.7, docs.jsonl.zst 0.3)" in shown
+    assert "Done. Run directory:" in shown and "Traceback" not in shown
+    prepared = sorted(p.name for p in (project / "cache").iterdir())
+    assert [p.split("-seq32-")[0] for p in prepared] == ["code.jsonl.zst", "docs.jsonl.zst"], prepared
+    assert _saved_run_config(project / "runs", "zst")["data"]["cache_dir"] == str(project / "cache")
+
+
+def _damage_the_only_shard(data: Path) -> Path:
+    [shard] = data.glob("shard-*.parquet")
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a copy cut short
+    return shard
+
+
+def test_a_damaged_shard_ends_the_run_in_one_attempt_with_exit_2(tmp_path):
+    project, home = tmp_path / "project", tmp_path / "home"
+    package_texts(project / "texts", "email")
+    prepared = shell("raytrain-fast prepare-data --input texts --output data --seq-len 32", cwd=project, home=home)
+    assert prepared.returncode == 0, prepared.stdout + prepared.stderr
+    shard = _damage_the_only_shard(project / "data")
+    done = shell(f"raytrain-fast pretrain --name damaged {SETS} --set resources.max_failures=3 "
+                 "--set data.source=data --set storage.uri=runs", cwd=project, home=home)
+    shown = done.stdout + done.stderr
+    assert done.returncode == 2, shown
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("raytrain-fast: error: the prepared data's shard") and str(shard.resolve()) in last, shown
+    assert "prepare-data" in last  # the fix
+    assert "Traceback" not in shown and "max_errored_blocks" not in shown, shown
+    workers = set(re.findall(r"\(RayTrainWorker pid=(\d+)", shown))
+    assert len(workers) == 1, f"one attempt, one worker process; saw {sorted(workers)}:\n{shown}"
+
+
+def _leftovers(project: Path) -> list[str]:
+    return sorted(p.name for p in project.iterdir() if "export" in p.name)
+
+
+def test_an_hf_export_without_the_tokenizers_extra_loads_in_transformers_and_pads_a_batch(tmp_path):
+    project, home = tmp_path / "project", tmp_path / "home"
+    project.mkdir()
+    trained = shell(f"raytrain-fast pretrain --config llama-tiny --name lt {SETS} --set storage.uri=runs", cwd=project, home=home)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    export = "raytrain-fast export --storage runs --name lt --out exported --format hf"
+
+    failed = shell(export, cwd=project, home=home, env=without_modules(tmp_path / "site", "safetensors"))  # fails mid-way
+    assert failed.returncode != 0 and "safetensors" in failed.stderr, failed.stdout + failed.stderr
+    assert _leftovers(project) == [], "a failed export leaves nothing behind"
+
+    done = shell(export, cwd=project, home=home, env=without_modules(tmp_path / "site", "tokenizers"))
+    assert done.returncode == 0, done.stdout + done.stderr  # no --overwrite needed after the failure
+    assert _leftovers(project) == ["exported"]
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(project / "exported")
+    model = AutoModelForCausalLM.from_pretrained(project / "exported").eval()
+    assert tokenizer.pad_token is not None and tokenizer.pad_token_id < model.config.vocab_size
+    texts = ["def f(x):", "import os\nprint(os.getcwd())"]
+    assert tokenizer(texts[0])["input_ids"] == list(texts[0].encode())  # the byte tokenizer's ids
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    short = int(batch["attention_mask"][0].sum())
+    assert batch["input_ids"].shape[1] > short  # the short text was padded
+    with torch.no_grad():
+        padded = model(**batch).logits[0, :short]
+        alone = model(**tokenizer(texts[:1], return_tensors="pt")).logits[0]
+    torch.testing.assert_close(padded, alone, atol=1e-4, rtol=1e-4)  # padding changes nothing it should not
