@@ -163,11 +163,7 @@ def _version() -> str:
         return "(not installed: running from a source tree)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raytrain-fast", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"raytrain-fast {_version()}")
-    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (any position)")
-    commands = parser.add_subparsers(dest="command", required=True)
+def _add_pretrain(commands) -> None:
     pretrain = add_command(commands, "pretrain", "train a decoder-only LM (a GPT or Llama preset) on Ray (local by default; "
                            "resumes a run of the same name)")
     pretrain.epilog = PRETRAIN_EPILOG
@@ -184,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="plant a problem to see how metrics and the report name it, e.g. slow_data=0.2 or fail_once_at=50:/tmp/m "
         f"(names: {', '.join(DRILL_NAMES)}; see docs/development.md#drills)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raytrain-fast", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"raytrain-fast {_version()}")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (any position)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_pretrain(commands)
 
     runs = add_command(commands, "runs", "list the runs under a storage URI, their checkpoints, steps and completeness")
     _add_storage_args(runs)
