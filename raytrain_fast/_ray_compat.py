@@ -1,18 +1,45 @@
-"""Every reach into Ray's private modules, in one place, each with the public fallback it takes.
+"""Every reach into Ray's internals, in one place, each with the public fallback it takes: its private
+modules, the private methods of its classes that we override, and its internal environment flags.
 
 Read on Ray 2.60 (pyproject.toml caps Ray at the minor release CI runs). Each function below tries
 Ray's private name first and, where a Ray version has moved or dropped it, falls back to a public
 way of doing the same (or to doing nothing where the thing is only cosmetic), so a Ray upgrade
-degrades a feature instead of breaking a run. Names of private loggers and files, which only filter
-or classify, are constants here too.
+degrades a feature instead of breaking a run; where the fallback changes what a user sees, it says
+so in one warning line. Names of private loggers, files and environment flags are constants here too
+(tests/test_structure.py keeps every such reach in this module or engine/deepspeed_compat.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import logging
 import os
+from collections.abc import Iterator
 from typing import Any, Callable
 
 TESTED_RAY = ("2.60.0",)
+
+_logger = logging.getLogger("raytrain_fast.compat")
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    """One warning line per process for a fallback (`key` names it)."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        import ray
+
+        _logger.warning("Ray %s: %s (tested on %s).", ray.__version__, message, ", ".join(TESTED_RAY))
+
+
+def _train_constant(name: str, default: Any) -> Any:
+    """A constant of Ray Train v2's private constants module, or the value Ray 2.60 gives it."""
+    try:
+        from ray.train.v2._internal import constants
+    except ImportError:  # pragma: no cover - another Ray version
+        return default
+    return getattr(constants, name, default)
 
 TRAIN_CONTEXT_LOGGER = "ray.train.v2._internal.execution.context"
 """Ray Train's per-report INFO line (a ~1 KB `TrainingReport(...)` dump) logs here."""
@@ -24,6 +51,9 @@ DATA_ITERATOR_THREADS = ("iter_threaded",)
 """The threads Ray Data's batch iterators start in the process that iterates and that call `ray.get` until
 they end (ray/data/_internal/block_batching). Its "Prefetcher" thread outlives the iterator, parked on a
 condition between blocks (only a `ray.wait` with timeout 0 in between): it is not waited for."""
+TRAIN_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
+"""Where Ray Train 2.60 keeps its snapshot of a run's reported checkpoints, in the run directory
+(`checkpoint_snapshot_name` reads Ray's own constant; this name is for code that must not import Ray)."""
 TRAIN_COLLECTIVE_FILES = ("ray/train/collective", "ray/train/v2/_internal/execution/train_fn_utils")
 """Where a Ray Train worker waits on the other ranks (a py-spy frame in one of them is a collective wait)."""
 
@@ -79,9 +109,11 @@ def stop_retrying_on(controller_kwargs: dict[str, Any], is_final: Callable[[Base
     try:
         from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
     except ImportError:  # pragma: no cover - another Ray version
-        return controller_kwargs
+        FailurePolicy = None  # noqa: N806
     inner = controller_kwargs.get("failure_policy")
-    if inner is None:
+    if FailurePolicy is None or inner is None:
+        _warn_once("failure-policy", "Ray Train's failure policy is not where it was read: an error that will repeat "
+                   "is retried up to resources.max_failures times")
         return controller_kwargs
 
     class StopOnFinalErrors(FailurePolicy):
@@ -96,6 +128,46 @@ def stop_retrying_on(controller_kwargs: dict[str, Any], is_final: Callable[[Base
             return self.policy.make_decision(training_failed_error)
 
     return {**controller_kwargs, "failure_policy": StopOnFinalErrors(inner)}
+
+
+def trainer_class(base: type, *, is_final: Callable[[BaseException], bool]) -> type:
+    """`base` (Ray Train's TorchTrainer) with two of Ray 2.60's private `DataParallelTrainer` methods
+    overridden, each only where the method has the parameters read there (else Ray's own stays, with
+    one warning line):
+
+    - `_register_sigint_handler(self, controller)`: fit() installs a SIGINT handler that replaces the
+      caller's and aborts the controller on Ctrl-C (no checkpoint, exit 1). Here it installs none, so
+      Ctrl-C takes the caller's stop path (launch/trainer.py's `_StopOnSignal`: save, stop, exit 130).
+      tests/test_stop_signal.py notices a Ray version that installs its handler another way.
+    - `_initialize_and_run_controller(self, **controller_init_kwargs)`: the controller's failure policy
+      wrapped by `stop_retrying_on(..., is_final)`."""
+    overrides: dict[str, Any] = {}
+    if _takes(base, "_register_sigint_handler", ["self", "controller"]):
+        overrides["_register_sigint_handler"] = lambda self, controller: None
+    else:
+        _warn_once("sigint", "TorchTrainer installs its Ctrl-C handler another way: Ctrl-C aborts a run without a checkpoint "
+                   "(SIGTERM still saves and stops)")
+    if _takes(base, "_initialize_and_run_controller", ["self", "**controller_init_kwargs"]):
+        run_controller = base._initialize_and_run_controller
+
+        def _initialize_and_run_controller(self, **controller_kwargs):
+            return run_controller(self, **stop_retrying_on(controller_kwargs, is_final))
+
+        overrides["_initialize_and_run_controller"] = _initialize_and_run_controller
+    else:
+        _warn_once("controller", "TorchTrainer starts its controller another way: an error that will repeat is retried "
+                   "up to resources.max_failures times")
+    return type("Trainer", (base,), overrides)
+
+
+def _takes(cls: type, name: str, parameters: list[str]) -> bool:
+    """`cls` has a method `name` whose parameters are `parameters` (`**name` for a keyword catch-all)."""
+    method = getattr(cls, name, None)
+    try:
+        found = inspect.signature(method).parameters.values() if method is not None else None
+    except (TypeError, ValueError):
+        return False
+    return found is not None and [("**" if p.kind is p.VAR_KEYWORD else "") + p.name for p in found] == parameters
 
 
 def quiet_worker_tracebacks_of(errors: tuple[type, ...]) -> None:
@@ -128,22 +200,71 @@ def quiet_train_report_logger() -> None:
 
 def checkpoint_snapshot_name() -> str:
     """The file in a run directory where Ray Train keeps its snapshot of reported checkpoints."""
-    try:
-        from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
-
-        return CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
-    except ImportError:  # the name Ray 2.60 uses
-        return "checkpoint_manager_snapshot.json"
+    return _train_constant("CHECKPOINT_MANAGER_SNAPSHOT_FILENAME", TRAIN_SNAPSHOT_FILE)
 
 
 def health_check_interval_s() -> float:
     """Ray Train's controller polls each worker this often: its health-check interval, as the
     environment sets it (Ray passes the variable to the controller); 2.60's default otherwise."""
+    variable = _train_constant("HEALTH_CHECK_INTERVAL_S_ENV_VAR", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+    return float(os.environ.get(variable, _train_constant("DEFAULT_HEALTH_CHECK_INTERVAL_S", 2.0)))
+
+
+@contextlib.contextmanager
+def controller_poll_interval(seconds: float | None) -> Iterator[None]:
+    """Ray Train's controller polls the workers (and takes one reported result from each) every
+    `seconds` in the fit() started inside the block: Ray hands its environment flag to the controller
+    that fit() starts. Where the variable is set already, or `seconds` is None, it stays as it is."""
+    variable = _train_constant("HEALTH_CHECK_INTERVAL_S_ENV_VAR", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+    if seconds is None or variable in os.environ:
+        yield
+        return
+    os.environ[variable] = str(seconds)
     try:
-        from ray.train.v2._internal.constants import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_INTERVAL_S_ENV_VAR
-    except ImportError:  # the names and default of Ray 2.60
-        DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_INTERVAL_S_ENV_VAR = 2.0, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
-    return float(os.environ.get(HEALTH_CHECK_INTERVAL_S_ENV_VAR, DEFAULT_HEALTH_CHECK_INTERVAL_S))
+        yield
+    finally:
+        os.environ.pop(variable, None)
+
+
+def worker_env_flags() -> dict[str, str]:
+    """Ray's internal settings for every training worker's environment: Ray Train's print patch off
+    (it routes print() through a logger AND the redirected stdout: every line twice)."""
+    return {_train_constant("ENABLE_PRINT_PATCH_ENV_VAR", "RAY_TRAIN_ENABLE_PRINT_PATCH"): "0"}
+
+
+def workers_at_normal_priority() -> None:
+    """Before this process starts a local Ray instance: Ray starts its worker processes (training
+    workers among them) at niceness 15, so any process at normal priority on the machine takes the
+    CPU from training; its raylet setting `worker_niceness`, read from the environment, makes it 0.
+    No effect when joining a running cluster; a value already set stays."""
+    try:
+        from ray._private.ray_constants import RAY_WORKER_NICENESS as variable
+    except ImportError:  # pragma: no cover - the name Ray 2.60 reads
+        variable = "RAY_worker_niceness"
+    os.environ.setdefault(variable, "0")
+
+
+def no_worker_colour_prefix() -> None:
+    """Worker lines forwarded to this driver without Ray's colour codes (read by Ray 2.60's log
+    printer, ray/_private/worker.py, from this process's environment); a value already set stays."""
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
+@contextlib.contextmanager
+def quiet_tune_output() -> Iterator[None]:
+    """Tune's console output engine switched to the old one for the block: the new one prints its
+    experiment banner, results path and TensorBoard hint even at verbose=0; the old one, chosen by
+    Ray's internal flag RAY_AIR_NEW_OUTPUT=0, is silent at 0. The previous value comes back after."""
+    variable = "RAY_AIR_NEW_OUTPUT"
+    saved = os.environ.get(variable)
+    os.environ[variable] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = saved
 
 
 def remove_placement_group_by_hex(group_id: str) -> None:

@@ -183,7 +183,9 @@ def discard_output_of(stream) -> None:
 def configure_console() -> None:
     """Process-wide settings read by Ray: no colour prefix on worker lines unless on a terminal."""
     if not _on_terminal(sys.stdout):
-        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+        from raytrain_fast._ray_compat import no_worker_colour_prefix
+
+        no_worker_colour_prefix()
 
 
 def wrap_std_streams() -> tuple:

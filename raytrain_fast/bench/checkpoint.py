@@ -36,6 +36,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from raytrain_fast._ray_compat import worker_env_flags
 from raytrain_fast.checkpoint.verify import verify_checkpoint
 from raytrain_fast.model import ModelConfig
 from raytrain_fast.config.storage import StorageConfig
@@ -137,7 +138,7 @@ def _run_mode(mode: str, *, storage: StorageConfig, model: ModelConfig, num_work
             storage_filesystem=filesystem,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),  # retention is the Checkpointer's
             worker_runtime_env={"env_vars": {
-                "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(cpus_per_worker), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+                "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(cpus_per_worker), **worker_env_flags(),
             }},
         ),
     )

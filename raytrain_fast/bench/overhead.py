@@ -56,6 +56,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from raytrain_fast._ray_compat import worker_env_flags, workers_at_normal_priority
 from raytrain_fast.bench.bare_loops import IN_PROCESS_VARIANTS, bare, bare_deepspeed, build_bare, in_fresh_process, set_threads
 from raytrain_fast.bench.overhead_setup import (
     MODEL_SIZES,
@@ -172,7 +173,7 @@ def in_ray_worker(variant: str, setup: OverheadSetup, *, num_workers: int = 1) -
                 name=f"bench-{variant.replace('_', '-')}-{uuid.uuid4().hex[:8]}",
                 storage_path=os.path.join(scratch, "storage"),
                 worker_runtime_env={"env_vars": {
-                    "WANDB_SILENT": "true", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "OMP_NUM_THREADS": str(setup.threads),
+                    "WANDB_SILENT": "true", **worker_env_flags(), "OMP_NUM_THREADS": str(setup.threads),
                 }},
                 logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             ),
@@ -251,7 +252,7 @@ def ensure_ray() -> None:
     import ray
 
     if not ray.is_initialized():
-        os.environ.setdefault("RAY_worker_niceness", "0")
+        workers_at_normal_priority()
         ray.init(configure_logging=False, include_dashboard=False, log_to_driver=True)
 
 

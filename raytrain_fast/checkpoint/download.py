@@ -127,24 +127,18 @@ def find_resumable_checkpoint(
 
 # --- one rank's share (resume) ------------------------------------------------------------------
 
-# Files that belong to one rank: DeepSpeed's optimizer shard (and, under ZeRO-3, its model-state
-# part), our RNG states. A rank resuming at the same world size opens only its own (DeepSpeed
-# 0.19.8, engine._get_all_zero_checkpoint_state_dicts: without zero_optimization.elastic_checkpoint
-# it loads only the shard of its own data-parallel rank and passes None for the others; the other
-# names are only tested with os.path.exists, which tolerates their absence).
-_RANK_FILE_RES = (
-    re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt$"),
-    re.compile(r"(?:^|/)rng_state_rank(\d+)\.pt$"),
-)
+_RNG_STATE_FILE = re.compile(r"(?:^|/)rng_state_rank(\d+)\.pt$")
 
 
 def file_rank(relative: str) -> int | None:
     """The rank a checkpoint file belongs to, or None for a file every rank loads (model states,
-    train state, config, manifests, `latest`)."""
-    for pattern in _RANK_FILE_RES:
-        if match := pattern.search(relative):
-            return int(match.group(1))
-    return None
+    train state, config, manifests, `latest`): DeepSpeed's optimizer shard of that rank (named by
+    DeepSpeed: engine/deepspeed_compat.py, imported here because it imports torch) or our RNG states."""
+    from raytrain_fast.engine.deepspeed_compat import zero_shard_rank
+
+    if match := _RNG_STATE_FILE.search(relative):
+        return int(match.group(1))
+    return zero_shard_rank(relative)
 
 
 def rank_needs(relative: str, rank: int) -> bool:

@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
+from raytrain_fast._ray_compat import TRAIN_SNAPSHOT_FILE
 from raytrain_fast.checkpoint.layout import STATE_FILE
 from raytrain_fast.checkpoint.verify import inspect_checkpoint, list_checkpoint_dirs
 from raytrain_fast.config.storage import StorageConfig
 from raytrain_fast.storage.filesystem import resolve_filesystem
-
-RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's own per-run state
 
 
 @dataclass(kw_only=True)
@@ -81,7 +80,7 @@ def list_runs(storage_uri: str, storage: StorageConfig, *, checksums: bool = Fal
     entries = filesystem.get_file_info(pafs.FileSelector(root, recursive=False, allow_not_found=True))
     for entry in sorted((e for e in entries if e.type == pafs.FileType.Directory), key=lambda e: e.base_name):
         is_run = bool(list_checkpoint_dirs(filesystem, entry.path)) or (
-            filesystem.get_file_info(f"{entry.path}/{RAY_SNAPSHOT_FILE}").type == pafs.FileType.File
+            filesystem.get_file_info(f"{entry.path}/{TRAIN_SNAPSHOT_FILE}").type == pafs.FileType.File
         )
         if is_run:
             runs.append(_inspect_run(filesystem, entry.base_name, entry.path, checksums=checksums))

@@ -261,7 +261,9 @@ def _quiet(context) -> None:
 
     context.enable_progress_bars = False
     context.print_on_execution_start = False
-    logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(logging.WARNING)
+    from raytrain_fast._ray_compat import DATA_EXECUTOR_LOGGER
+
+    logging.getLogger(DATA_EXECUTOR_LOGGER).setLevel(logging.WARNING)
 
 
 class Progress:

@@ -43,7 +43,7 @@ def compile_blocks(model: torch.nn.Module, *, setting: str, device: torch.device
 
     Returns (compiled, a line to print: None when auto left it off, the usual CPU case). Compilation itself happens on the first
     forward. A compiler that does not work falls back to eager; an op that the compiler cannot take
-    later runs that part eagerly (torch._dynamo's suppress_errors) instead of crashing the run.
+    later runs that part eagerly (engine/deepspeed_compat.py) instead of crashing the run.
     """
     wanted, why = resolve_compile(setting, device)
     if not wanted:
@@ -51,9 +51,9 @@ def compile_blocks(model: torch.nn.Module, *, setting: str, device: torch.device
     problem = _compiler_works(device)
     if problem is not None:
         return False, f"Compile: off, torch.compile does not work here ({problem}); training runs eager ({why})"
-    import torch._dynamo
+    from raytrain_fast.engine.deepspeed_compat import run_eagerly_where_compile_fails
 
-    torch._dynamo.config.suppress_errors = True
+    run_eagerly_where_compile_fails()
     for block in model.blocks:
         block.compile()
     return True, f"Compile: on, {len(model.blocks)} blocks compiled on their first step ({why})"

@@ -1,21 +1,24 @@
-"""Every change this package makes to DeepSpeed, fenced: one place, each checked before it is made.
+"""Every change this package makes to DeepSpeed, and every private name of DeepSpeed or torch it
+touches, fenced: one place, each checked before it is made.
 
-DeepSpeed 0.19's ZeRO-1/2 optimizer costs a host sync, fp64 copies and page faults per step that
-the package removes by replacing four `DeepSpeedZeroOptimizer` methods (the docstrings below say
-what each saves and how it was measured); it JIT-builds a shared-memory op a one-rank CPU group
-never uses; and it all-gathers through a torch function torch 2.13 deprecates. All of it is process-global. So each replacement is made only where the method is the
-one it was written against, the same signature and the same source (its sha256, as read on the
-DeepSpeed versions in `TESTED_DEEPSPEED`), and where every module-level name it uses exists; anything
-else keeps DeepSpeed's own method, with one warning line that names the method and why. A user turns
-all of them off with `engine.deepspeed_patches: off` (e.g. to compare), and `active_patches()` names
-the ones in force for the startup line.
+DeepSpeed 0.19's ZeRO-1/2 optimizer costs a host sync, fp64 copies and page faults per step that the
+package removes by replacing four `DeepSpeedZeroOptimizer` methods (each docstring says what it saves
+and how that was measured); it JIT-builds a shared-memory op a one-rank CPU group never uses; and it
+all-gathers through a torch function torch 2.13 deprecates. All of it is process-global, so each
+replacement is made only where the method is the one it was written against (the same signature and
+source sha256 as on `TESTED_DEEPSPEED`) and every module-level name it uses exists; else DeepSpeed's
+own stays, with one warning line naming the method and why. `engine.deepspeed_patches: off` turns
+them all off; `active_patches()` names those in force for the startup line. After the patches: the
+private attributes set after a checkpoint load, DeepSpeed's names for its per-rank checkpoint files
+and torch's compiler switch, each with a fallback and one warning line.
 """
-
 from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -24,6 +27,9 @@ import torch
 
 TESTED_DEEPSPEED = ("0.19.8",)
 """The DeepSpeed releases the patches were read against and CI runs (pyproject.toml caps the range)."""
+
+TESTED_TORCH = ("2.13.0",)
+"""The torch releases whose private names below were read (`_last_lr`, `torch._dynamo.config`)."""
 
 PatchMode = Literal["auto", "off"]
 
@@ -41,7 +47,6 @@ def skip_nonfinite_update(optimizer: Any, total_norm: Any) -> None:
         return
     invalid = ~torch.isfinite(total_norm) | (total_norm < 0)
     optimizer.found_inf = invalid.float().reshape(())
-
 
 
 def _clip_without_host_sync(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -292,9 +297,13 @@ def _owner(patch: ZeroPatch) -> tuple[Any, Any]:
 
 
 def _deepspeed_version() -> str:
-    import deepspeed
+    """From DeepSpeed's package metadata: importing it costs seconds and must follow DS_ACCELERATOR."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return str(getattr(deepspeed, "__version__", "unknown"))
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def patch_problem(patch: ZeroPatch, original: Any, module: Any) -> str | None:
@@ -419,3 +428,71 @@ def write_checkpoints_in_background(engine: Any, writer: Any, *, warn: Callable[
 
     engine.checkpoint_engine = BackgroundCheckpointEngine()
     return True
+
+
+# --- private attributes and names, outside the method patches -----------------------------------
+
+_logger = logging.getLogger("raytrain_fast.compat")
+
+
+def _fallback(key: str, message: str) -> None:
+    """One warning line per process for a fallback taken (`key` names it)."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        _logger.warning("%s (read on DeepSpeed %s, torch %s).", message, ", ".join(TESTED_DEEPSPEED), ", ".join(TESTED_TORCH))
+
+
+def set_last_lr(scheduler: Any, values: list[float]) -> bool:
+    """Make a torch LR scheduler's record of its last LR (`_last_lr`, what `get_last_lr()` returns)
+    the LRs just set by hand. A torch without it: nothing set, one warning line."""
+    if not hasattr(scheduler, "_last_lr"):
+        _fallback("last-lr", f"{type(scheduler).__name__} has no _last_lr: get_last_lr() keeps the checkpoint's LR until the next step")
+        return False
+    scheduler._last_lr = list(values)
+    return True
+
+
+def set_clip_grad(optimizer: Any, value: float) -> bool:
+    """Set the clipping value of DeepSpeed's ZeRO or bf16 optimizer (`clip_grad`, which its checkpoint
+    load restores); None is nothing to set. Without the attribute: left as loaded, one warning line."""
+    if optimizer is None:
+        return False
+    if not hasattr(optimizer, "clip_grad"):
+        _fallback("clip-grad", f"DeepSpeed's {type(optimizer).__name__} has no clip_grad: a resumed run clips gradients at "
+                  "its checkpoint's value, not optim.grad_clip")
+        return False
+    optimizer.clip_grad = value
+    return True
+
+
+def run_eagerly_where_compile_fails() -> bool:
+    """torch.compile: an op the compiler cannot take runs eagerly instead of raising
+    (`torch._dynamo.config.suppress_errors`). Without the switch: it raises, one warning line."""
+    import torch._dynamo
+
+    config = getattr(torch._dynamo, "config", None)
+    if not hasattr(config, "suppress_errors"):
+        _fallback("suppress-errors", "torch has no torch._dynamo.config.suppress_errors: an op the compiler cannot take "
+                  "fails the run instead of running eagerly (engine.compile=off avoids it)")
+        return False
+    config.suppress_errors = True
+    return True
+
+
+ZERO_SHARD_FILE = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt$")
+"""A data-parallel rank's own checkpoint file: its optimizer shard (under ZeRO-3 also its part of the
+model states), as DeepSpeed 0.19.8's private `DeepSpeedEngine._get_rank_zero_ckpt_name` names it
+(tests/test_compat_fallbacks.py checks). A rank resuming at the same world size opens only its own
+(`_get_all_zero_checkpoint_state_dicts` without elastic_checkpoint; the others' names are only
+tested with os.path.exists, which tolerates their absence)."""
+
+
+def zero_shard_rank(relative: str) -> int | None:
+    """The rank whose DeepSpeed shard `relative` is, or None for a file every rank loads. On an
+    untested DeepSpeed, one warning line: a shard named otherwise is downloaded by every rank."""
+    version = _deepspeed_version()
+    if version not in TESTED_DEEPSPEED:
+        _fallback("shard-names", f"DeepSpeed {version}: checkpoint shards are told apart by the names DeepSpeed "
+                  f"{TESTED_DEEPSPEED[-1]} gives them; one named otherwise is downloaded by every rank")
+    match = ZERO_SHARD_FILE.search(relative)
+    return int(match.group(1)) if match else None

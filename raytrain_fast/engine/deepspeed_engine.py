@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from raytrain_fast.config.engine import EngineConfig, OptimConfig, wsd_decay_steps
+from raytrain_fast.engine.deepspeed_compat import set_clip_grad, set_last_lr
 
 
 def select_accelerator() -> str:
@@ -219,10 +220,8 @@ def apply_optim_settings(engine: Any, *, optim: OptimConfig, total_steps: int) -
         group["betas"] = (optim.beta1, optim.beta2)
         group["eps"] = optim.eps
         group["weight_decay"] = optim.weight_decay
-    scheduler._last_lr = [group["lr"] for group in groups]
-    wrapper = getattr(engine, "optimizer", None)  # ZeRO's (or the bf16) optimizer: its clip is restored too
-    if wrapper is not None and hasattr(wrapper, "clip_grad"):
-        wrapper.clip_grad = optim.grad_clip
+    set_last_lr(scheduler, [group["lr"] for group in groups])
+    set_clip_grad(getattr(engine, "optimizer", None), optim.grad_clip)  # ZeRO's (or the bf16) optimizer restores it too
 
 
 def apply_deepspeed_patches(mode: str, *, world_size: int, warn=print) -> str:

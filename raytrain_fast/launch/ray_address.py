@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from raytrain_fast._ray_compat import canonicalize_bootstrap_address
+from raytrain_fast._ray_compat import canonicalize_bootstrap_address, workers_at_normal_priority
 
 # Ray 2.60's resolver: RAY_ADDRESS, "auto", then the recorded cluster. Where it is missing (another
 # Ray version), nothing is pinned and Ray resolves as before.
@@ -45,10 +45,7 @@ def ensure_ray(env_vars: dict[str, str] | None = None) -> None:
     import ray
 
     if not ray.is_initialized():
-        # Ray starts its worker processes (our training workers among them) at niceness 15, so any
-        # process at normal priority on the machine takes the CPU from training. A local instance
-        # started here runs them at 0 (no effect when joining a running cluster).
-        os.environ.setdefault("RAY_worker_niceness", "0")
+        workers_at_normal_priority()  # a local instance started here: training workers at niceness 0, not 15
         # Joins RAY_ADDRESS (a cluster, or the job's cluster under `ray job submit`), else starts a
         # local instance. env_vars reach every process of the job (Ray Train's controller too), and
         # so does the joined cluster's address (see launch/ray_address.py).
