@@ -253,3 +253,39 @@ def test_a_frozen_worker_is_named_with_its_stack_and_the_run_resumes(ray_session
     text = "\n".join(findings[0].evidence)
     assert hang["ranks"]["1"]["top"] in text and "trained 4 steps again" in text
     assert findings[0].numbers["lost_s"] >= hang["stuck_s"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_sweep_trials_frozen_worker_is_named_and_the_sweep_goes_on(ray_session, tmp_path):
+    """A sweep trial takes the run workflow pretrain takes, hang watchdog included: rank 1 of the first
+    trial to reach step 4 freezes (SIGSTOP); the watchdog names it with its stack well before the
+    process-group timeout and ends it; a trial has no restart, so it fails with the hang as its reason,
+    and the next trial runs."""
+    from raytrain_fast.drills import Hang, LoopHooks
+    from raytrain_fast.sweep import SweepSpec, run_sweep
+
+    marker = tmp_path / "froze"
+    config = load_config("tiny", [
+        "model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.max_seq_len=32", "data.seq_len=32",
+        "data.max_tokens=60000", "train.global_batch=8", "optim.warmup_steps=3", "resources.num_workers=2",
+        "engine.precision=fp32", "metrics.peak_measure_s=0.2", f"watchdog.hang_timeout_s={HANG_TIMEOUT_S}",
+        f"storage.uri={tmp_path / 'runs'}",
+    ], name="frozen")
+    result = run_sweep(config, SweepSpec(micro_batches=[2, 4], steps=8, num_reports=4), hooks=LoopHooks(Hang(4, str(marker), rank=1)))
+    print(result.table)
+
+    froze_at = float(marker.read_text())
+    [hung] = [r for r in result.rows if r.status == "failed"]
+    assert hung.reason.startswith("hang at step 3: rank 1 completed no step for "), hung.reason
+    assert "the hang watchdog ended the workers" in hung.reason and "/hangs/stacks-" in hung.reason
+    [other] = [r for r in result.rows if r is not hung]
+    assert other.status in ("ok", "stopped") and other.steps_done > 4, other  # the sweep went on past the hang's step
+
+    records = sorted((tmp_path / "runs" / result.name / "trials").glob("*/hangs/hang-*.json"))
+    assert len(records) == 1, records
+    hang = json.loads(records[0].read_text())
+    assert hang["stuck_ranks"] == [1] and hang["waiting_ranks"] == [0] and hang["step"] == 3
+    assert hang["time"] - froze_at <= HANG_TIMEOUT_S + 30  # the watchdog, not the 300 s process-group timeout
+    assert hang["ranks"]["1"]["top"] in hung.reason
+    assert records[0].parent.parent.name == hung.run_name

@@ -58,6 +58,15 @@ def check_before_ray(config: Config, *, create_bucket: bool = False):
     return config, state
 
 
+def check_derived_run(config: Config) -> None:
+    """The checks again for a run derived from one that passed `check_before_ray` and whose
+    data.source is the data `prepare_training_data` prepared for it (a sweep trial: another
+    micro-batch or activation checkpointing): validation, and the prepared data against the model
+    and batch. Storage and the resume policy are the checked run's."""
+    validate(config)
+    check_data_matches_model(config)
+
+
 def with_absolute_paths(config: Config) -> Config:
     """`config` with every local path it names made absolute against this process's working
     directory: storage.uri, data.source, data.sources[*].source, data.tokenizer, data.val_input,

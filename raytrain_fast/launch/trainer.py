@@ -1,6 +1,8 @@
-"""Turns a validated Config into a Ray TorchTrainer run: `run` checks everything before a worker
-starts (launch/checks.py, reading the run's checkpoints once: launch/resume.py), starts the run's
-coordinator and hang watchdog, builds the TorchTrainer and fits it."""
+"""The one run workflow, from a config to a fitted Ray TorchTrainer. `run` (`raytrain-fast pretrain`)
+checks everything before a worker starts (launch/checks.py, reading the run's checkpoints once:
+launch/resume.py) and prepares the data; `fit_run`, which a sweep trial calls too (sweep/trial.py),
+drops Ray's checkpoint snapshot, starts the run's coordinator and hang watchdog, builds the
+TorchTrainer and fits it under the stop notice, then reads the measurements and the divergence verdict."""
 
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass
+from typing import Any
 
+from raytrain_fast._ray_compat import checkpoint_snapshot_name, trainer_class, worker_env_flags
 from raytrain_fast.config import Config
 from raytrain_fast.console import nothing_to_do
-from raytrain_fast.errors import WILL_REPEAT, DivergenceError, repeating_error
+from raytrain_fast.errors import WILL_REPEAT, DivergenceError, RaytrainFastError, repeating_error
 from raytrain_fast.launch.checks import (
     check_before_ray,
     keep_ray_data_actors_on_this_node,
@@ -110,33 +114,19 @@ def worker_env(config: Config) -> dict[str, str]:
     return {
         "DS_ACCELERATOR": "cuda" if config.resources.use_gpu else "cpu",
         "OMP_NUM_THREADS": str(config.resources.cpus_per_worker),
-        # Ray Train routes print() through a logger AND the redirected stdout: every line twice.
-        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+        **worker_env_flags(),  # Ray's own: its print patch off (every line would come twice)
         **checksum_env(config.storage),  # S3 clients built in the workers upload as the driver's do
     }
 
 
 def _trainer_class() -> type:
-    """TorchTrainer without Ray Train's own SIGINT handler, whose failure policy does not retry an
-    error that will repeat (a ConfigError or DataError raised in a worker: errors.WILL_REPEAT).
-
-    fit() installs a handler (Ray 2.60 `DataParallelTrainer._register_sigint_handler`) that replaces
-    `_StopOnSignal`'s and aborts the controller on Ctrl-C: no checkpoint, exit 1. With it off, Ctrl-C
-    takes the SIGTERM path: save at the next log step, stop, exit 130. A second Ctrl-C still stops
-    at once (`_StopOnSignal` restores the previous handler and raises KeyboardInterrupt).
-    tests/test_stop_signal.py notices a Ray version that installs its handler another way."""
+    """TorchTrainer without Ray Train's own SIGINT handler (Ctrl-C takes `_StopOnSignal`'s path: save
+    at the next log step, stop, exit 130; a second Ctrl-C stops at once), whose failure policy does
+    not retry an error that will repeat (a ConfigError or DataError raised in a worker:
+    errors.WILL_REPEAT). Both are overrides of Ray's private methods: `_ray_compat.trainer_class`."""
     from ray.train.torch import TorchTrainer
 
-    class Trainer(TorchTrainer):
-        def _register_sigint_handler(self, controller) -> None:  # noqa: ARG002 - Ray's signature
-            return None
-
-        def _initialize_and_run_controller(self, **controller_kwargs):
-            from raytrain_fast._ray_compat import stop_retrying_on
-
-            return super()._initialize_and_run_controller(**stop_retrying_on(controller_kwargs, will_repeat))
-
-    return Trainer
+    return trainer_class(TorchTrainer, is_final=will_repeat)
 
 
 def will_repeat(error: BaseException) -> bool:
@@ -167,12 +157,6 @@ def _train_loop_without_result_dumps(loop_config: dict) -> None:
         raise repeated from None  # itself, not the Ray task error around it: the failure policy and the driver see it
 
 
-def _ray_snapshot_name() -> str:
-    from raytrain_fast._ray_compat import checkpoint_snapshot_name
-
-    return checkpoint_snapshot_name()
-
-
 def drop_ray_run_snapshot(config: Config) -> None:
     """Remove Ray Train's snapshot of reported checkpoints from the run directory before fit().
 
@@ -184,7 +168,7 @@ def drop_ray_run_snapshot(config: Config) -> None:
     import pyarrow.fs as pafs
 
     filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
-    path = f"{root.rstrip('/')}/{config.name}/{_ray_snapshot_name()}"
+    path = f"{root.rstrip('/')}/{config.name}/{checkpoint_snapshot_name()}"
     if filesystem.get_file_info(path).type == pafs.FileType.File:
         filesystem.delete_file(path)
 
@@ -205,8 +189,9 @@ def kept_checkpoints(config: Config) -> list[tuple[str, dict]]:
 
 
 def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None = None) -> RunResult:
-    """Validate, build and fit. Same name + same storage = the run continues from its latest checkpoint.
-    `hooks`: drills and fault injection for the loop (tests, `pretrain --drill`); none by default."""
+    """`raytrain-fast pretrain`: every check, the data prepared, then `fit_run`. Same name + same
+    storage = the run continues from its latest checkpoint. `hooks`: drills and fault injection for
+    the loop (tests, `pretrain --drill`); none by default."""
     config, resume_state = check_before_ray(config, create_bucket=create_bucket)
     from raytrain_fast.downstream.run import load_run_tasks
 
@@ -222,21 +207,66 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
     r = config.resources
     workers = f"{r.min_workers}-{r.num_workers} workers (elastic)" if r.elastic else f"{r.num_workers} worker(s)"
     print(f"Run '{config.name}': {workers}, storage {run_dir}", flush=True)
-    import ray
-
-    from raytrain_fast.coordinator import start_coordinator
-
     data_uris = prepare_mixture_data(config) if config.data.sources else [prepare_training_data(config)]
     run_tasks = prepare_tasks(config, tasks, data_uris[0])  # encoded with the data's tokenizer
+    fitted = fit_run(config, data_uris=data_uris, hooks=hooks, tasks=run_tasks)
+    kept = kept_checkpoints(config)  # what storage holds after retention: what a rerun resumes from
+    return RunResult(
+        name=config.name or "", run_dir=run_dir, checkpoint=kept[-1][0] if kept else None,
+        metrics=dict(kept[-1][1]) if kept else dict(fitted.result.metrics or {}),
+        checkpoints=kept, measurements=fitted.measurements, stopped_by=fitted.stopped_by,
+    )
+
+
+@dataclass(kw_only=True)
+class Fitted:
+    """What `fit_run` returns."""
+
+    result: Any
+    """Ray Train's Result."""
+    measurements: dict
+    """How many times the coordinator measured each value during this fit (FLOPs, peaks)."""
+    stopped_by: str | None
+    """The signal that stopped the run early after a checkpoint; None if it ran to the end."""
+
+
+class HungRun(RaytrainFastError):
+    """The hang watchdog ended a worker group and no restart followed: the message names the step,
+    the stuck ranks, the top of their stacks and where all the stacks are."""
+
+
+def fit_run(
+    config: Config, *, data_uris: list[str], hooks: LoopHooks | None = None, tasks=None,
+    on_window: WindowCallback | None = None, save_checkpoints: bool = True, callbacks: list | None = None,
+    controller_poll_s: float | None = None,
+) -> Fitted:
+    """The path every run takes once its config is checked and its data prepared (`pretrain` and each
+    sweep trial): Ray Data's actors on this node, Ray's checkpoint snapshot dropped, the run's
+    coordinator and hang watchdog, the TorchTrainer fitted under the stop notice, then the
+    measurements and the divergence verdict; the coordinator ends with the fit.
+
+    Raises DivergenceError when the workers left that verdict, HungRun when the watchdog ended the
+    last worker group, a ConfigError or DataError a worker raised as itself. `controller_poll_s`:
+    Ray Train's controller polls the workers this often during the fit (a sweep trial's windows are
+    short); the arguments in between are `build_trainer`'s."""
+    import ray
+
+    from raytrain_fast._ray_compat import controller_poll_interval
+    from raytrain_fast.coordinator import start_coordinator
+
+    keep_ray_data_actors_on_this_node()
+    drop_ray_run_snapshot(config)
     # One named actor per run, owned by this driver: it outlives worker-group restarts, so FLOPs
     # and the matmul peak are measured once per run. Kept referenced until fit() returns.
     coordinator = start_coordinator(config.name or "run")
-    start_watchdog(config, coordinator)
-    keep_ray_data_actors_on_this_node()
-    drop_ray_run_snapshot(config)
     try:
-        with _StopOnSignal(coordinator) as stop:
-            result = fit(build_trainer(config, data_uri=data_uris[0], data_uris=data_uris, hooks=hooks, tasks=run_tasks))
+        start_watchdog(config, coordinator)
+        trainer = build_trainer(
+            config, data_uri=data_uris[0], data_uris=data_uris, hooks=hooks, tasks=tasks, on_window=on_window,
+            save_checkpoints=save_checkpoints, callbacks=callbacks,
+        )
+        with _StopOnSignal(coordinator) as stop, controller_poll_interval(controller_poll_s):
+            result = _fit_naming_a_hang(trainer, coordinator, config)
         measurements = ray.get(coordinator.measurements.remote())
         diverged, message = ray.get(coordinator.wait.remote(DIVERGENCE_KEY, 0))
     finally:  # the next run of this name starts a fresh one (values come from checkpoints)
@@ -244,11 +274,35 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
             ray.kill(coordinator)
     if diverged:  # the workers ended normally (so Ray did not restart them): the run failed
         raise DivergenceError(message)
-    kept = kept_checkpoints(config)  # what storage holds after retention: what a rerun resumes from
-    return RunResult(
-        name=config.name or "", run_dir=run_dir, checkpoint=kept[-1][0] if kept else None,
-        metrics=dict(kept[-1][1]) if kept else dict(result.metrics or {}),
-        checkpoints=kept, measurements=measurements, stopped_by=stop.signal_name,
+    return Fitted(result=result, measurements=measurements, stopped_by=stop.signal_name)
+
+
+def _fit_naming_a_hang(trainer, coordinator, config: Config):
+    """`fit(trainer)`; a failure after the watchdog ended a group that no new group followed (its
+    hang not yet announced by a restarted rank 0) is raised as HungRun, naming the hang."""
+    import ray
+
+    try:
+        return fit(trainer)
+    except Exception as error:
+        try:
+            hangs = ray.get(coordinator.take_hangs.remote())
+        except Exception:  # noqa: BLE001 - the coordinator is gone: the failure as it is
+            hangs = []
+        if not hangs:
+            raise
+        raise HungRun(hang_summary(hangs[-1], config=config)) from error
+
+
+def hang_summary(record: dict, *, config: Config) -> str:
+    """One line for a hang that ended a run (the watchdog's record, watchdog/stacks.py)."""
+    ranks = record["stuck_ranks"]
+    tops = "; ".join(f"rank {r}: {record['ranks'][str(r)]['top']}" for r in ranks)
+    return (
+        f"hang at step {record['step']}: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} completed no "
+        f"step for {record['stuck_s']:.0f} s (top of stack: {tops}); the hang watchdog ended the workers and no restart "
+        f"was left (resources.max_failures={config.resources.max_failures}). All stacks: "
+        f"{config.storage.uri.rstrip('/')}/{config.name}/{record['stacks_file']}"
     )
 
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from raytrain_fast.config import Config
 from raytrain_fast.errors import ConfigError
+from raytrain_fast.loop.hooks import LoopHooks
 from raytrain_fast.microbatch import classify_error, plan_candidates
 from raytrain_fast.sweep.results import (
     ACTIVATION_CHECKPOINTING,
@@ -139,12 +139,13 @@ class _Sweep:
     remote: bool
 
 
-def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False) -> SweepResult:
-    """Plan, validate, prepare the data once, run the Tune trials, write and return the results."""
+def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False, hooks: LoopHooks | None = None) -> SweepResult:
+    """Plan, validate, prepare the data once, run the Tune trials, write and return the results.
+    `hooks`: drills for every trial's loop (tests); a drill's marker file makes it act once per sweep."""
     spec, runnable, skipped = _check(config, spec)
     sweep = _prepare(config, spec, first_micro_batch=runnable[0][0], create_bucket=create_bucket)
     _announce(sweep, spec, runnable, skipped)
-    grid = _run_trials(sweep, spec, [m for m, _ in runnable])
+    grid = _run_trials(sweep, spec, [m for m, _ in runnable], hooks=hooks)
     rows = skipped + _trial_rows(sweep, grid, dict(runnable))
     best = pick_best(rows, objective=spec.objective)
     unresolved = resolution(rows, objective=spec.objective)
@@ -196,7 +197,7 @@ def _prepare(config: Config, spec: SweepSpec, *, first_micro_batch: int, create_
     once, derive the concurrency, and create the sweep's directory."""
     import ray
 
-    from raytrain_fast.launch.checks import prepare_training_data, resolve_resources
+    from raytrain_fast.launch.checks import keep_ray_data_actors_on_this_node, prepare_training_data, resolve_resources
     from raytrain_fast.storage import resolve_filesystem
 
     name = spec.name or f"{config.name}-sweep"
@@ -212,9 +213,13 @@ def _prepare(config: Config, spec: SweepSpec, *, first_micro_batch: int, create_
         )
     resolved = resolve_resources(_trial_config(base, spec), create_bucket=create_bucket)
     data_uri = prepare_training_data(resolved)
+    keep_ray_data_actors_on_this_node()  # before the trials, whose actors may be on any node
     # The trials read the prepared data; naming it keeps their own checks off the user's relative
-    # data.source, which a trial (in Tune's working directory) would not find.
-    resolved = dataclasses.replace(resolved, data=dataclasses.replace(resolved.data, source=data_uri))
+    # data.source, which a trial (in Tune's working directory) would not find. What prepared it
+    # on the fly (a validation split's source) is done.
+    resolved = dataclasses.replace(
+        resolved, data=dataclasses.replace(resolved.data, source=data_uri, val_fraction=None, val_input=None)
+    )
     cluster = ray.cluster_resources()
     concurrency = max_concurrent_trials(resolved, cluster_cpus=cluster.get("CPU", 0.0), cluster_gpus=cluster.get("GPU", 0.0))
     filesystem, root = resolve_filesystem(resolved.storage.uri, resolved.storage)
@@ -268,7 +273,7 @@ def _announce(sweep: _Sweep, spec: SweepSpec, runnable: list[tuple[int, int]], s
     )
 
 
-def _run_trials(sweep: _Sweep, spec: SweepSpec, micro_batches: list[int]):
+def _run_trials(sweep: _Sweep, spec: SweepSpec, micro_batches: list[int], *, hooks: LoopHooks | None):
     """One Tune trial per micro-batch (and activation checkpointing setting, when the spec names
     them: grid search over both), sweep.stopping stopping the ones clearly behind."""
     from ray import tune
@@ -282,7 +287,7 @@ def _run_trials(sweep: _Sweep, spec: SweepSpec, micro_batches: list[int]):
     trainable = tune.with_resources(
         tune.with_parameters(
             run_trial, base_config=resolved.to_dict(), data_uri=sweep.data_uri,
-            trials_uri=f"{resolved.storage.uri.rstrip('/')}/{sweep.name}/trials", prefix=sweep.name,
+            trials_uri=f"{resolved.storage.uri.rstrip('/')}/{sweep.name}/trials", prefix=sweep.name, hooks=hooks,
         ),
         # The driver only waits on fit(): no CPU, or a CPU machine's trial could never get its workers'
         # CPUs (they come from Ray Train's own placement group). Tune needs a non-empty bundle: 1 byte.
@@ -312,23 +317,20 @@ def _run_trials(sweep: _Sweep, spec: SweepSpec, micro_batches: list[int]):
 @contextlib.contextmanager
 def _quiet_tune():
     """Tune's own console output off while the trials run: its experiment banner, results path and
-    TensorBoard hint (the new output engine prints them even at verbose=0; the old one, chosen by
-    RAY_AIR_NEW_OUTPUT=0, is silent at 0) and its per-trial error tracebacks (logged by ray.tune;
-    each reason is in the results table, the full error in Tune's error.txt under tune/)."""
+    TensorBoard hint (`_ray_compat.quiet_tune_output`) and its per-trial error tracebacks (logged by
+    ray.tune; each reason is in the results table, the full error in Tune's error.txt under tune/)."""
     import logging
 
+    from raytrain_fast._ray_compat import quiet_tune_output
+
     tune_logger = logging.getLogger("ray.tune")
-    saved_env, saved_level = os.environ.get("RAY_AIR_NEW_OUTPUT"), tune_logger.level
-    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    saved_level = tune_logger.level
     tune_logger.setLevel(logging.CRITICAL)
     try:
-        yield
+        with quiet_tune_output():
+            yield
     finally:
         tune_logger.setLevel(saved_level)
-        if saved_env is None:
-            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
-        else:
-            os.environ["RAY_AIR_NEW_OUTPUT"] = saved_env
 
 
 def _trial_rows(sweep: _Sweep, grid, accum: dict[int, int]) -> list[SweepRow]:
@@ -393,7 +395,7 @@ def _release_stopped_trial():
     from ray import tune
 
     class _ReleaseStoppedTrial(tune.Callback):
-        def _release(self, trial) -> None:
+        def release_group(self, trial) -> None:
             from raytrain_fast._ray_compat import remove_placement_group_by_hex
 
             group_id = (trial.last_result or {}).get("placement_group_id")
@@ -401,10 +403,10 @@ def _release_stopped_trial():
                 remove_placement_group_by_hex(group_id)
 
         def on_trial_complete(self, iteration, trials, trial, **info):
-            self._release(trial)
+            self.release_group(trial)
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            self._release(trial)
+            self.release_group(trial)
 
     return _ReleaseStoppedTrial()
 

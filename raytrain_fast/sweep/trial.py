@@ -1,16 +1,16 @@
-"""One sweep trial: a Tune driver function that runs the package's normal TorchTrainer path for a
-short run at one micro-batch (and activation checkpointing setting, when the sweep tries several;
-the Train V2 + Tune pattern), and the worker-side report it needs."""
+"""One sweep trial: a Tune driver function that takes the run workflow every run takes
+(`launch.trainer.fit_run`: coordinator, hang watchdog, TorchTrainer) for a short run at one
+micro-batch (and activation checkpointing setting, when the sweep tries several; the Train V2 +
+Tune pattern), and the worker-side report it needs."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import os
 from typing import Any
 
 from raytrain_fast.errors import RaytrainFastError
+from raytrain_fast.loop.hooks import LoopHooks
 from raytrain_fast.microbatch import MemoryBudgetExceeded, classify_error
 
 FAILED_MARK = "[sweep trial failed] "
@@ -56,23 +56,38 @@ def trial_run_name(prefix: str, *, micro_batch: int, activation_checkpointing: s
 
 
 def failure_reason(error: BaseException) -> str:
-    """One line saying why a trial's training run failed: out of memory, over budget, or the error
-    (the classification autobatch uses too, see raytrain_fast/microbatch/plan.py)."""
+    """One line saying why a trial's training run failed: a hang the watchdog ended (before the
+    classification, which would read the killed worker as out of memory), out of memory, over
+    budget, or the error (the classification autobatch uses too, see raytrain_fast/microbatch/plan.py)."""
+    from raytrain_fast.launch.trainer import HungRun
+
+    if isinstance(error, HungRun):
+        return str(error)
     return classify_error(error).reason
 
 
-def run_trial(params: dict[str, Any], *, base_config: dict[str, Any], data_uri: str, trials_uri: str, prefix: str) -> None:
+TRIAL_POLL_S = 0.2
+"""Ray Train's controller polls a trial's workers this often (its default, 2 s, is longer than a
+trial's log window): it takes each report when it polls and each worker's result queue holds one,
+so a shorter window would wait in report() and that wait would count in the next window's tokens/s."""
+
+
+def run_trial(
+    params: dict[str, Any], *, base_config: dict[str, Any], data_uri: str, trials_uri: str, prefix: str,
+    hooks: LoopHooks | None = None,
+) -> None:
     """The Tune driver function (in the trial's actor, which holds no CPU: the training workers
-    get theirs through Ray Train's own placement group). Any failure becomes TrialFailed with its
-    reason, so Tune records a failed trial and the sweep goes on."""
-    import ray
+    get theirs through Ray Train's own placement group): the trial's config checked, then the run
+    workflow every run takes (`launch.trainer.fit_run`: coordinator, hang watchdog, trainer) for a
+    short measurement run that reports every log window to Tune and saves no checkpoint. Any failure
+    becomes TrialFailed with its reason, so Tune records a failed trial and the sweep goes on.
+    `hooks`: drills for the trials' loops (tests)."""
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from raytrain_fast.config import Config, validate
-    from raytrain_fast.coordinator import start_coordinator
-    from raytrain_fast.launch.checks import max_sequences
-    from raytrain_fast.launch.trainer import build_trainer
+    from raytrain_fast.config import Config
+    from raytrain_fast.launch.checks import check_derived_run
+    from raytrain_fast.launch.trainer import fit_run
 
     micro_batch = int(params["micro_batch"])
     checkpointing = params.get("activation_checkpointing")  # only in a sweep over it
@@ -86,48 +101,14 @@ def run_trial(params: dict[str, Any], *, base_config: dict[str, Any], data_uri: 
         storage=dataclasses.replace(config.storage, uri=trials_uri),
     )
     try:
-        validate(config)
-        _check_data(config, data_uri=data_uri, max_sequences=max_sequences(config))
+        check_derived_run(config)
     except RaytrainFastError as error:
         raise TrialFailed(f"{FAILED_MARK}invalid: {' '.join(str(error).split())[:300]}") from None
-    coordinator = start_coordinator(config.name or "trial")
     try:
-        # A short measurement run: every log window goes to Tune (early stopping needs intermediate
-        # results), no checkpoints.
-        # The controller picks up reports when it polls the workers (every 2 s by default) and each
-        # worker's result queue holds one: a log window shorter than that would wait in report() and
-        # its wait would count in the next window's tokens/s. Ray Train hands the variable to the
-        # controller it starts in fit(); set for this trial's fit only.
-        with _environment(RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2"):
-            build_trainer(
-                config, data_uri=data_uri, save_checkpoints=False, callbacks=[TuneReportCallback()],
-                on_window=functools.partial(report_window, memory_budget_gb=config.resources.memory_budget_gb),
-            ).fit()
+        fit_run(
+            config, data_uris=[data_uri], hooks=hooks, save_checkpoints=False, callbacks=[TuneReportCallback()],
+            on_window=functools.partial(report_window, memory_budget_gb=config.resources.memory_budget_gb),
+            controller_poll_s=TRIAL_POLL_S,
+        )
     except Exception as error:  # noqa: BLE001 - every failure is a failed trial with its reason
         raise TrialFailed(f"{FAILED_MARK}{failure_reason(error)}") from None
-    finally:
-        ray.kill(coordinator)
-
-
-@contextlib.contextmanager
-def _environment(**values: str):
-    """Environment variables set (where not set already) for the block only."""
-    added = {key: value for key, value in values.items() if key not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
-
-
-def _check_data(config, *, data_uri: str, max_sequences: int | None) -> None:
-    from raytrain_fast.data import check_manifest_matches, load_manifest
-    from raytrain_fast.errors import ConfigError
-
-    problems = check_manifest_matches(
-        load_manifest(data_uri, config.storage), seq_len=config.data.seq_len, vocab_size=config.model.vocab_size,
-        micro_batch=config.train.micro_batch, world_size=config.resources.num_workers, max_sequences=max_sequences,
-    )
-    if problems:
-        raise ConfigError(problems)

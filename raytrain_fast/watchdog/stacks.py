@@ -106,7 +106,7 @@ def hang_line(record: dict[str, Any]) -> str:
         f"HANG at step {record['step']}: no rank completed a step for {record['stuck_s']:.0f} s (timeout "
         f"{record['timeout_s']:.0f} s). Stuck: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         + (f" (rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} wait{'' if len(waiting) > 1 else 's'} in a collective). " if waiting else ". ")
-        + f"Top of stack: {tops}. All stacks: {record['stacks_file']}. Restarting the worker group from the newest checkpoint."
+        + f"Top of stack: {tops}. All stacks: {record['stacks_file']}. Ending the stuck processes: the group restarts from the newest checkpoint if resources.max_failures allows."
     )
 
 
