@@ -4,6 +4,7 @@ function longer than a screenful, and no side concern wired into the step loop f
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -209,25 +210,333 @@ def test_the_step_loop_is_a_short_table_of_contents_and_reads_no_environment():
 
 
 COMPAT_MODULES = {"raytrain_fast._ray_compat", "raytrain_fast.engine.deepspeed_compat"}
+DEPENDENCIES = ("ray", "deepspeed", "torch")
 
 
 def _private_imports(path: Path) -> set[str]:
-    """Modules of Ray or DeepSpeed this file imports whose dotted name has a private part (_internal, _private, _raylet)."""
+    """Modules of Ray, DeepSpeed or torch this file imports whose dotted name has a private part
+    (_internal, _private, _raylet, _dynamo), and private names imported from their modules."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    imported = _imports(path) if path.is_relative_to(PACKAGE) else {  # a planted file: its absolute imports
+        name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
+        for name in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])
+    }
+    found = {
+        name for name in imported
+        if name.split(".")[0] in DEPENDENCIES and any(part.startswith("_") for part in name.split(".")[1:])
+    }
+    found.update(
+        f"{node.module}.{alias.name}" for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in DEPENDENCIES
+        for alias in node.names if _private(alias.name)
+    )
+    return found
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+ALLOWED_PRIVATE = {
+    "_exit": "os._exit: the standard library's exit without cleanup",
+    "_replace": "a namedtuple's documented API (urllib's SplitResult)",
+    "_fields": "a namedtuple's documented API",
+    "_asdict": "a namedtuple's documented API",
+    "_SubParsersAction": "argparse's type of add_subparsers(), in an annotation",
+}
+"""Underscore names that are a documented part of the standard library's API."""
+OWN_OBJECTS = ("self", "cls")
+
+
+def _dependency_bindings(tree: ast.AST) -> dict[str, str]:
+    """Local name -> what it is, for every name bound to Ray, DeepSpeed or torch in the file: an
+    import of them, or an assignment (`=`, `with ... as`, `for`, an annotated parameter) from an
+    expression rooted in one (`ray.get_runtime_context()`, `engine.optimizer`). Read flow-insensitively
+    over the whole file: enough to name the object in a message."""
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update({a.asname or a.name.split(".")[0]: a.name if a.asname else a.name.split(".")[0]
+                          for a in node.names if a.name.split(".")[0] in DEPENDENCIES})
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in DEPENDENCIES:
+            names.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+    bindings = [pair for node in ast.walk(tree) for pair in _bound(node)]
+    while True:
+        new = {name: origin for target, value in bindings if (origin := _origin(value, names))
+               for name in _target_names(target) if name not in names}
+        if not new:
+            return names
+        names.update(new)
+
+
+def _bound(node: ast.AST) -> list[tuple[ast.AST, ast.AST]]:
+    """(target, value) pairs that `node` binds."""
+    if isinstance(node, ast.Assign):
+        return [(target, node.value) for target in node.targets]
+    if isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+        return [(node.target, node.value)]
+    if isinstance(node, (ast.For, ast.comprehension)):
+        return [(node.target, node.iter)]
+    if isinstance(node, ast.withitem) and node.optional_vars is not None:
+        return [(node.optional_vars, node.context_expr)]
+    if isinstance(node, ast.arg) and node.annotation is not None:
+        return [(ast.Name(id=node.arg), node.annotation)]
+    return []
+
+
+def _target_names(target: ast.AST) -> list[str]:
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [name for element in target.elts for name in _target_names(element)]
+    return []
+
+
+def _origin(node: ast.AST, names: dict[str, str]) -> str | None:
+    """What `node` is when it is rooted in a Ray, DeepSpeed or torch name: 'ray.get_runtime_context()'."""
+    if isinstance(node, ast.Name):
+        return names.get(node.id)
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):  # a string annotation
+        return names.get(node.value.split(".")[0])
+    if isinstance(node, ast.Attribute):
+        return (base := _origin(node.value, names)) and f"{base}.{node.attr}"
+    if isinstance(node, ast.Call):
+        return (base := _origin(node.func, names)) and f"{base}()"
+    if isinstance(node, (ast.Subscript, ast.Starred, ast.Await)):
+        return (base := _origin(node.value, names)) and f"{base}[]"
+    return None
+
+
+def _receiver_is_own(node: ast.AST, own: set[str]) -> bool:
+    """`self`, `cls`, or a name bound to this package's own modules and classes."""
+    return isinstance(node, ast.Name) and (node.id in OWN_OBJECTS or node.id in own)
+
+
+def _own_names(tree: ast.AST) -> set[str]:
     return {
-        name for name in _imports(path)
-        if name.split(".")[0] in ("ray", "deepspeed") and any(part.startswith("_") for part in name.split(".")[1:])
+        alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and (getattr(node, "level", 0) or (getattr(node, "module", None) or "").startswith("raytrain_fast")
+             or any(a.name.startswith("raytrain_fast") for a in node.names))
+        for alias in node.names
     }
 
 
-def test_every_reach_into_ray_or_deepspeed_privates_lives_in_a_compat_module():
-    """One place per dependency to read when Ray or DeepSpeed moves (pyproject.toml caps both)."""
-    found = {_module_name(path): _private_imports(path) for path in sorted(PACKAGE.rglob("*.py"))}
-    assert found["raytrain_fast._ray_compat"], "the Ray compat module reaches nothing: the check reads nothing"
-    outside = {module: names for module, names in found.items() if names and module not in COMPAT_MODULES}
-    assert not outside, outside
+def private_attribute_reaches(tree: ast.AST) -> list[str]:
+    """`obj._name` (read, written or called) and `getattr/setattr/hasattr/delattr(obj, "_name")`
+    on anything but the object itself (`self`, `cls`) or this package's own modules, outside the
+    standard library's documented underscore names (ALLOWED_PRIVATE). The object is named when it
+    comes from Ray, DeepSpeed or torch; any other is reported too, since an object passed in (a
+    DeepSpeed engine, a torch scheduler) cannot be told apart by reading one file."""
+    names, own, found = _dependency_bindings(tree), _own_names(tree), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            receiver, attr = node.value, node.attr
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            receiver, attr = node.args[0], node.args[1].value
+        else:
+            continue
+        if not _private(attr) or attr in ALLOWED_PRIVATE or _receiver_is_own(receiver, own):
+            continue
+        origin = _origin(receiver, names)
+        if origin and origin.startswith("torch.ops"):  # ATen operator names: the dispatcher's, looked up with a default
+            continue
+        found.append(f"line {node.lineno}: {ast.unparse(receiver)}.{attr}" + (f" ({origin})" if origin else ""))
+    return found
+
+
+def private_names_in_strings(tree: ast.AST) -> list[str]:
+    """String constants naming a private module of Ray, DeepSpeed or torch ("ray.data._internal...",
+    e.g. a logger's name): a reach by name."""
+    pattern = re.compile(rf"({'|'.join(DEPENDENCIES)})(\.\w+)+")
+    return [
+        f"line {node.lineno}: {node.value!r}" for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and pattern.fullmatch(node.value)
+        and any(_private(part) for part in node.value.split(".")[1:])
+    ]
+
+
+def private_overrides(tree: ast.AST) -> list[str]:
+    """Methods with an underscore name defined in a subclass of a Ray, DeepSpeed or torch class,
+    where the base has that name (an override of a private method); where the base cannot be
+    imported, every such method."""
+    names, found = _dependency_bindings(tree), []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        bases = [origin for base in node.bases if (origin := _origin(base, names))]
+        methods = [f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(f.name)]
+        for base in bases if methods else []:
+            cls = _import(base)
+            found += [f"line {node.lineno}: {node.name}.{m} overrides {base}.{m}" for m in methods if cls is None or hasattr(cls, m)]
+    return found
+
+
+def _import(dotted: str):
+    """The object `dotted` names ('torch.nn.Module'), or None."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for part in parts[cut:]:
+                obj = getattr(obj, part)
+        except AttributeError:
+            return None
+        return obj
+    return None
+
+
+ENV_FLAG = re.compile(r"(RAY_|DS_|TORCH|PYTORCH_)\w*")
+PUBLIC_FLAGS = {
+    "RAY_ADDRESS": "Ray's documented address of the cluster ray.init() joins",
+    "DS_ACCELERATOR": "DeepSpeed's documented accelerator override (its accelerator setup guide)",
+    "TORCHINDUCTOR_CACHE_DIR": "torch.compile's documented cache directory (its compile-caching recipe)",
+}
+"""Environment flags of Ray, DeepSpeed and torch that their documentation gives users to set."""
+
+
+def env_flag_writes(tree: ast.AST) -> list[str]:
+    """Writes of a Ray, DeepSpeed or torch environment flag (ENV_FLAG, outside PUBLIC_FLAGS):
+    `x["RAY_..."] = ...` (os.environ or an env dict), `{"RAY_...": ...}` (an env dict for Ray's
+    runtime_env), `f(RAY_...=...)`, and `.setdefault/.update/.pop/putenv/unsetenv("RAY_...")`.
+    Reads (os.environ.get) are not writes."""
+    def flag(node: ast.AST | None) -> str | None:
+        value = node.value if isinstance(node, ast.Constant) else None
+        return value if isinstance(value, str) and ENV_FLAG.fullmatch(value) and value not in PUBLIC_FLAGS else None
+
+    found = []
+    for node in ast.walk(tree):
+        names: list[str | None] = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [flag(t.slice) for t in targets if isinstance(t, ast.Subscript)]
+        elif isinstance(node, ast.Dict):
+            names = [flag(key) for key in node.keys]
+        elif isinstance(node, ast.Call):
+            names = [k.arg if k.arg and ENV_FLAG.fullmatch(k.arg) and k.arg not in PUBLIC_FLAGS else None for k in node.keywords]
+            method = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if method in ("setdefault", "update", "pop", "putenv", "unsetenv", "__setitem__") and node.args:
+                names.append(flag(node.args[0]))
+        found += [f"line {node.lineno}: {name}" for name in names if name]
+    return found
+
+
+def private_reaches(path: Path) -> list[str]:
+    """Every reach into Ray, DeepSpeed or torch internals in one file (each check above)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return (
+        [f"imports {name}" for name in sorted(_private_imports(path))]
+        + [f"{found}: a private attribute" for found in private_attribute_reaches(tree)]
+        + [f"{found}: names a private module" for found in private_names_in_strings(tree)]
+        + [f"{found}: a private method override" for found in private_overrides(tree)]
+        + [f"{found}: sets an internal environment flag" for found in env_flag_writes(tree)]
+    )
+
+
+def assert_reaches_only_in_compat_modules(paths: list[Path]) -> None:
+    outside = {
+        str(path): found for path in paths
+        if (found := private_reaches(path)) and _module_name_or_path(path) not in COMPAT_MODULES
+    }
+    assert not outside, "reaches into Ray, DeepSpeed or torch internals outside _ray_compat.py and engine/deepspeed_compat.py:\n" + "\n".join(
+        f"{path}: {line}" for path, lines in outside.items() for line in lines
+    )
+
+
+def _module_name_or_path(path: Path) -> str:
+    return _module_name(path) if path.is_relative_to(PACKAGE) else str(path)
+
+
+def test_every_reach_into_ray_deepspeed_or_torch_internals_lives_in_a_compat_module():
+    """One place per dependency to read when Ray, DeepSpeed or torch moves (pyproject.toml caps
+    them): private modules, attributes, method overrides and internal environment flags.
+
+    What the checks see: private imports, `obj._name` and getattr-family calls with a constant
+    private name on anything but `self`/`cls` and this package's own modules, string constants that
+    name a private module, underscore methods of a subclass of their classes that the base has, and
+    writes of their RAY_/DS_/TORCH*/PYTORCH_ environment flags as subscripts, dict keys, keyword
+    arguments and setdefault/update/pop calls. What they cannot see: a name built at run time
+    (getattr with a computed string, an environment name held in a variable), `obj.__dict__[...]`,
+    `self._name` inside a subclass for a base attribute made in its __init__, and private behaviour
+    reached through a public call."""
+    paths = sorted(PACKAGE.rglob("*.py"))
+    found = {_module_name(path): private_reaches(path) for path in paths}
+    assert found["raytrain_fast._ray_compat"] and found["raytrain_fast.engine.deepspeed_compat"], "the checks read nothing"
+    assert_reaches_only_in_compat_modules(paths)
     patched = [
-        _module_name(path) for path in sorted(PACKAGE.rglob("*.py"))
+        _module_name(path) for path in paths
         if ("__compatible_ops__" in path.read_text() or "DeepSpeedZeroOptimizer" in path.read_text())
         and _module_name(path) not in COMPAT_MODULES
     ]
     assert not patched, f"DeepSpeed is changed outside engine/deepspeed_compat.py: {patched}"
+
+
+_PLANTED = """
+import logging
+import os
+
+import deepspeed
+import ray
+from ray._private import services
+from ray.train.torch import TorchTrainer
+
+
+class Trainer(TorchTrainer):
+    def _register_sigint_handler(self, controller):
+        return None
+
+
+def planted(engine):
+    context = ray.get_runtime_context()
+    ds_engine, _, _, _ = deepspeed.initialize(model=None)
+    os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+    env = {"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}}
+    logger = logging.getLogger("ray.train.v2._internal.util")
+    return context._private, ds_engine._config, engine.lr_scheduler._last_lr, env, logger, services
+"""
+_CLEAN = """
+import logging
+import os
+
+import ray
+from raytrain_fast.coordinator import start_coordinator
+
+
+class Owned:
+    def __init__(self):
+        self._value = ray.get_runtime_context().get_node_id()
+
+    def value(self):
+        return self._value, os.environ.get("RAY_ADDRESS"), {"RAY_ADDRESS": "auto", "DS_ACCELERATOR": "cpu"}
+
+
+def clean():
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    return os._exit, start_coordinator
+"""
+
+
+def test_the_compat_check_fails_on_a_planted_private_reach_outside_the_compat_modules(tmp_path):
+    """A module outside the compat modules reaching into Ray and DeepSpeed objects fails the check,
+    each reach named; a module using only their public names, its own private attributes and the
+    documented flags passes."""
+    planted, clean = tmp_path / "planted.py", tmp_path / "clean.py"
+    planted.write_text(_PLANTED)
+    clean.write_text(_CLEAN)
+    assert_reaches_only_in_compat_modules([clean])
+    with pytest.raises(AssertionError) as failed:
+        assert_reaches_only_in_compat_modules([planted, clean])
+    message = str(failed.value)
+    assert "clean.py" not in message
+    for reach in ("context._private (ray.get_runtime_context())", "ds_engine._config (deepspeed.initialize())",
+                  "engine.lr_scheduler._last_lr", "Trainer._register_sigint_handler overrides ray.train.torch.TorchTrainer",
+                  "RAY_TRAIN_ENABLE_PRINT_PATCH", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "imports ray._private",
+                  "'ray.train.v2._internal.util': names a private module"):
+        assert reach in message, (reach, message)
