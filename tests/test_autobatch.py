@@ -342,9 +342,11 @@ def _must_not_probe(*args, **kwargs):
 def test_a_program_of_another_shape_is_a_new_question_for_the_cache(tmp_path):
     from raytrain_fast.microbatch.auto import cache_key
 
-    base = _config(tmp_path, "resources.memory_budget_gb=1")
+    settings = ("resources.use_gpu=false", "resources.cpus_per_worker=2", "resources.memory_budget_gb=1")
+    base = cache_key(_config(tmp_path, *settings))[0]
+    assert cache_key(_config(tmp_path, *settings))[0] == base
     for other in ("engine.compile=on", "data.document_masking=true"):
-        assert cache_key(_config(tmp_path, "resources.memory_budget_gb=1", other))[0] != cache_key(base)[0], other
+        assert cache_key(_config(tmp_path, *settings, other))[0] != base, other
 
 
 @pytest.mark.e2e

@@ -25,7 +25,7 @@ from raytrain_fast.engine import apply_optim_settings
 from raytrain_fast.engine.program import WorkerProgram, build_program
 from raytrain_fast.loop.evaluation import Evaluator
 from raytrain_fast.loop.health import HealthMonitor
-from raytrain_fast.metrics import SinkWriter, TrainMetrics, build_sinks, mfu_inputs
+from raytrain_fast.metrics import SinkWriter, StepPlan, TrainMetrics, build_sinks, mfu_inputs
 from raytrain_fast.metrics.setup import MfuInputs
 from raytrain_fast.model import GPT, document_masking
 from raytrain_fast.storage import redact
@@ -265,12 +265,11 @@ def build_evaluator(worker: Worker, engine: Any, data: BatchIterator, *, tasks: 
 def build_metrics(worker: Worker, state: TrainState, engine: Any, mfu: MfuInputs, sinks: SinkWriter | None) -> TrainMetrics:
     """Every rank's metrics; rank 0's hand records to the sink writer started during setup."""
     config = worker.config
+    steps = StepPlan(log_every=config.train.log_every, total_steps=config.train.steps, start_step=state.step,
+                     tokens_per_step=worker.tokens_per_step)
     return TrainMetrics(
-        config.metrics, log_every=config.train.log_every, total_steps=config.train.steps, start_step=state.step,
-        tokens_per_step=worker.tokens_per_step, device=engine.device, rank=worker.rank, world_size=worker.world_size,
-        flops_per_token=mfu.flops_per_token, datasheet_peak_flops=mfu.datasheet_peak_flops,
-        measured_peak_flops=mfu.measured_peak_flops, memory_budget_gb=config.resources.memory_budget_gb,
-        sinks=sinks if sinks is not None else (), niceness=worker.niceness,
+        config.metrics, steps=steps, device=engine.device, rank=worker.rank, world_size=worker.world_size, mfu=mfu,
+        memory_budget_gb=config.resources.memory_budget_gb, niceness=worker.niceness, sinks=sinks if sinks is not None else (),
     )
 
 
