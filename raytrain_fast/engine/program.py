@@ -11,7 +11,7 @@ import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +26,8 @@ from raytrain_fast.engine.deepspeed_engine import (
 )
 
 if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
     from raytrain_fast.model import GPT, DocumentMasking
 
 
@@ -39,7 +41,7 @@ class WorkerProgram:
     """Whether the blocks are compiled (they compile in the first step: time it apart)."""
     compile_line: str | None
     """engine.compile's startup line (None when auto left it off)."""
-    engine: Any = None
+    engine: DeepSpeedEngine | None = None
     """The DeepSpeed engine; None for a program built without one (`bench model`'s `bare` variant)."""
 
 

@@ -33,6 +33,8 @@ from raytrain_fast.storage.filesystem import resolve_filesystem
 from raytrain_fast.watchdog.heartbeat import Heartbeat, NoHeartbeat
 
 if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
     from raytrain_fast.data import BatchIterator
     from raytrain_fast.loop.hooks import WindowCallback
     from raytrain_fast.loop.worker import LoopInputs, Worker
@@ -56,8 +58,7 @@ class LoopParts:
     """FLOPs per token and the peaks, measured once per run on the eager model."""
     sinks: SinkWriter | None
     """Rank 0's sink writer (None on other ranks)."""
-    engine: Any
-    """The DeepSpeed engine."""
+    engine: DeepSpeedEngine
     compiled: bool
     """The blocks are compiled and the next step is their first: it compiles them (timed apart)."""
     evaluator: Evaluator
@@ -238,7 +239,7 @@ def start_sinks(worker: Worker, state: TrainState) -> SinkWriter | None:
     return SinkWriter(worker.hooks.sinks(sinks), max_queue=config.metrics.queue_size)
 
 
-def build_evaluator(worker: Worker, engine: Any, data: BatchIterator, *, tasks: Any = None) -> Evaluator:
+def build_evaluator(worker: Worker, engine: DeepSpeedEngine, data: BatchIterator, *, tasks: Any = None) -> Evaluator:
     """This rank's share of the fixed validation set, on the device once (none when eval is off); for
     a mixture, each source's split with a val/loss of its own (data/validation.py). `tasks`: the run's
     eval.tasks, encoded on the driver (downstream/in_loop.py RunTasks), or None."""
@@ -262,7 +263,7 @@ def build_evaluator(worker: Worker, engine: Any, data: BatchIterator, *, tasks: 
     )
 
 
-def build_metrics(worker: Worker, state: TrainState, engine: Any, mfu: MfuInputs, sinks: SinkWriter | None) -> TrainMetrics:
+def build_metrics(worker: Worker, state: TrainState, engine: DeepSpeedEngine, mfu: MfuInputs, sinks: SinkWriter | None) -> TrainMetrics:
     """Every rank's metrics; rank 0's hand records to the sink writer started during setup."""
     config = worker.config
     steps = StepPlan(log_every=config.train.log_every, total_steps=config.train.steps, start_step=state.step,
