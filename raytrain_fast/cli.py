@@ -370,7 +370,8 @@ def evaluate(args: argparse.Namespace) -> int:
     from raytrain_fast.downstream.command import run_evaluate
     from raytrain_fast.launch.ray_address import ensure_ray
 
-    return run_evaluate(args, storage=_readable_storage(args) if args.storage else None, connect_ray=ensure_ray)
+    print(run_evaluate(args, storage=_readable_storage(args) if args.storage else None, connect_ray=ensure_ray))
+    return 0
 
 
 def prepare_data(args: argparse.Namespace) -> int:
@@ -422,9 +423,12 @@ def train_tokenizer(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
+    import json
+
     from raytrain_fast.bench.run import run as run_bench
 
-    return run_bench(args)
+    print(json.dumps(run_bench(args), indent=None if args.json else 2, default=str))
+    return 0
 
 
 def _error(message: str) -> None:

@@ -1,5 +1,6 @@
 """What the command line prints: every write masked for credentials, colour only on a terminal, and
-Ray's start-up and bookkeeping lines that a user needs nothing from left out.
+Ray's start-up and bookkeeping lines that a user needs nothing from left out. Library modules write
+their lines through `say`, which knows the rank; only the CLI prints.
 
 Ray forwards worker output to the driver through `print(..., file=sys.stdout/stderr)`, so wrapping
 the two streams reaches the workers' lines too. Lines Ray's C++ core writes straight to the file
@@ -191,6 +192,21 @@ def wrap_std_streams() -> tuple:
     originals = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = ConsoleStream(sys.stdout), ConsoleStream(sys.stderr)
     return originals
+
+
+def say(line: str, *, rank: int | None = None, per_rank: bool = False, stderr: bool = False) -> None:
+    """Write one line, redacted and flushed, to stdout (`stderr`: to stderr, where a command whose stdout
+    is its result puts progress and warnings). `rank` is a training worker's world rank: a worker's line
+    is the job's, said once by rank 0, unless `per_rank` (what this rank itself found). The driver and
+    actors pass no rank. The stream is looked up at each call, so `contextlib.redirect_stdout` and the
+    CLI's wrapped streams apply; in a Ray worker, Ray forwards the line to the driver's console."""
+    if rank not in (None, 0) and not per_rank:
+        return
+    from raytrain_fast.storage.redact import redact_text
+
+    # Masked here too, not only by the driver's ConsoleStream: a worker's own log file keeps no secret
+    # either. redact_text is idempotent, so a line masked twice reads the same.
+    print(redact_text(line), file=sys.stderr if stderr else sys.stdout, flush=True)
 
 
 def nothing_to_do(name: str | None, *, steps: int, saved_step: int) -> str:

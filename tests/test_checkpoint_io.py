@@ -147,8 +147,9 @@ def test_init_from_on_two_workers_starts_from_the_checkpoints_weights(resumed, s
             metrics=dataclasses.replace(config.metrics, wandb=False, tensorboard=False),
         )
         result = run(init)
+        assert result.checkpoint.startswith(f"s3://{bucket}/runs/ckptio-init/"), result.checkpoint  # a URI, as printed
         weights = {}
-        for name, uri in (("source", source), ("init", f"s3://{result.checkpoint}")):
+        for name, uri in (("source", source), ("init", result.checkpoint)):
             filesystem, path = resolve_filesystem(uri, config.storage)
             download_checkpoint(filesystem, path, str(tmp_path / name))
             weights[name] = consolidated_state_dict(str(tmp_path / name))[0]

@@ -1,4 +1,4 @@
-"""What the command line prints, as a user reads it (issue 33's trial): nothing that contradicts what
+"""What the command line prints, as a user reads it: nothing that contradicts what
 happened, nothing from the Python API, no library chatter."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_ray_data_execution_summary_stays_off_the_console(ray_session, capfd):
         executor_logger.removeFilter(found)
     if "execution finished" not in run():  # what a training epoch printed: the test must see it first
         # After some earlier tests in the same process (test_bench_checkpoint's) Ray Data no longer
-        # prints it at all; run on its own, this test sees it. Cause not found yet (session 10).
+        # prints it at all; run on its own, this test sees it. Cause not found yet.
         pytest.skip("Ray Data printed no execution summary in this process: nothing to hide")
     hide_execution_summaries()
     assert "execution finished" not in run()

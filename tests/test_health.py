@@ -1,4 +1,4 @@
-"""Divergence (issue 28): a planted non-finite gradient rolls back, skips and finishes; a run that
+"""Divergence: a planted non-finite gradient rolls back, skips and finishes; a run that
 keeps diverging stops with a clear error; no checkpoint ever holds a non-finite tensor.
 
 Real Ray TorchTrainer, 2 gloo workers (1 for the diverging run), DeepSpeed ZeRO-2 in bf16 on the

@@ -208,24 +208,3 @@ def measure_checkpoint_blocking(
     result["target_ratio"] = 0.25
     return result
 
-
-def main(argv: list[str] | None = None) -> int:
-    """python -m raytrain_fast.bench.checkpoint --storage s3://bucket/prefix --endpoint-url URL [--mb 200]"""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--storage", required=True, help="s3://bucket/prefix or a local directory")
-    parser.add_argument("--endpoint-url", default=None)
-    parser.add_argument("--mb", type=float, default=200.0, help="checkpoint size to aim for (MB)")
-    parser.add_argument("--checkpoints", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=2)
-    args = parser.parse_args(argv)
-    storage = StorageConfig(uri=args.storage, endpoint_url=args.endpoint_url)
-    print(json.dumps(measure_checkpoint_blocking(
-        storage=storage, checkpoint_mb=args.mb, num_checkpoints=args.checkpoints, num_workers=args.workers,
-    ), indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from raytrain_fast.console import say
 
 DEFAULT_CACHE_DIR = "~/.cache/raytrain_fast/data"
 MIXTURE_WEIGHTS = {"a": 0.7, "b": 0.2, "c": 0.1}
@@ -107,7 +108,7 @@ def _run_rounds(trainers: dict[str, _Trainer], *, steps: int, warmup_steps: int,
         for name in order:
             trainers[name].run(per_round, record=True)
         if verbose:
-            print(f"bench data: round {index + 1}/{rounds} done", file=sys.stderr, flush=True)
+            say(f"bench data: round {index + 1}/{rounds} done", stderr=True)
     return per_round
 
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from typing import Any
 
 from raytrain_fast.errors import ConfigError
+from raytrain_fast.console import say
 
 
 def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmup_steps: int = 5,
@@ -51,8 +51,8 @@ def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmu
         ratios.append(seconds["with"] / seconds["without"])
         orders.append(list(order))
         if verbose:  # progress on stderr: stdout is the JSON alone
-            print(f"[bench health] round {r + 1}/{rounds}: without {seconds['without'] * 1e3:.1f} ms/step, "
-                  f"with {seconds['with'] * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
+            say(f"[bench health] round {r + 1}/{rounds}: without {seconds['without'] * 1e3:.1f} ms/step, "
+                f"with {seconds['with'] * 1e3:.1f} ms/step", stderr=True)
 
     ops = _ops_cost(bare.optimizer, device, calls=ops_calls, rounds=rounds)
     return _report(size=size, setup=setup, device=device, optimizer=bare.optimizer, per_step=per_step, ratios=ratios,

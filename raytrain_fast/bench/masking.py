@@ -20,6 +20,7 @@ import time
 import torch
 
 from raytrain_fast.config.data import EOD_TOKEN
+from raytrain_fast.console import say
 from raytrain_fast.model import ModelConfig, build_model
 from raytrain_fast.model.documents import DocumentMasking
 
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_off_ms": round(median["off"][1] * 1e3, 1), "cpu_on_ms": round(median["on"][1] * 1e3, 1),
             "cpu_on_over_off": round(median["on"][1] / median["off"][1], 3),
         }
-        print(json.dumps(record), flush=True)
+        say(json.dumps(record))
     return 0
 
 

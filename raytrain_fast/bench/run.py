@@ -1,16 +1,15 @@
-"""`raytrain-fast bench {data,overhead,checkpoint,model}`: each prints one JSON object (with --json) of
-ratios measured against a baseline in the same run, on this machine."""
+"""`raytrain-fast bench {data,overhead,checkpoint,model,health}`: each returns one report of ratios
+measured against a baseline in the same run, on this machine, which the CLI prints as JSON."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
 from typing import Any
 
-from raytrain_fast.console import add_command
+from raytrain_fast.console import add_command, say
 from raytrain_fast.errors import ConfigError
 
 
@@ -74,26 +73,24 @@ def add_parser(commands: Any) -> None:
         parser.add_argument("--json", action="store_true", help="print only the JSON object")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The report of the bench `args.bench` names."""
     if args.bench == "data":
         from raytrain_fast.bench.data import bench_data
 
-        report = bench_data(steps=args.steps, rounds=args.rounds, verbose=not args.json)
-    elif args.bench == "overhead":
-        report = bench_overhead(args)
-    elif args.bench == "health":
+        return bench_data(steps=args.steps, rounds=args.rounds, verbose=not args.json)
+    if args.bench == "overhead":
+        return bench_overhead(args)
+    if args.bench == "health":
         from raytrain_fast.bench.health import bench_health
 
-        report = bench_health(size=args.model, steps=args.steps, rounds=args.rounds, warmup_steps=args.warmup_steps,
-                              precision=args.precision, threads=args.threads, ops_calls=args.ops_calls)
-    elif args.bench == "model":
+        return bench_health(size=args.model, steps=args.steps, rounds=args.rounds, warmup_steps=args.warmup_steps,
+                            precision=args.precision, threads=args.threads, ops_calls=args.ops_calls)
+    if args.bench == "model":
         from raytrain_fast.bench.model import bench_model, from_args
 
-        report = bench_model(from_args(args))
-    else:
-        report = bench_checkpoint(args)
-    print(json.dumps(report, indent=None if args.json else 2, default=str))
-    return 0
+        return bench_model(from_args(args))
+    return bench_checkpoint(args)
 
 
 def overhead_argument_problems(setup: Any, variants: list[str], known: Any) -> list[str]:
@@ -143,7 +140,7 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
             )
         warning = drift_warning(report["machine_drift"])
         if warning:
-            print(warning, file=sys.stderr)
+            say(warning, stderr=True)
         return report
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -40,6 +40,7 @@ from raytrain_fast.checkpoint.snapshot import SnapshotWriter
 from raytrain_fast.checkpoint.state import TrainState, barrier, checkpoint_dir_name, rng_states, set_rng_states
 from raytrain_fast.checkpoint.upload import Uploader
 from raytrain_fast.config.checkpoint import CheckpointConfig
+from raytrain_fast.console import say
 
 STAGING_DIR = ".staging"
 """With local storage, each rank writes its checkpoint files under `<run>/.staging/rank<r>/` first."""
@@ -193,8 +194,7 @@ class Checkpointer:
         self._routed_engine = engine
 
     def _warn(self, message: str) -> None:
-        if self.rank == 0:
-            print(message, flush=True)
+        say(message, rank=self.rank)
 
     def _finish_files(self, local_dir: str) -> None:
         """In the upload thread: wait for this rank's background writes, then write its manifest
@@ -238,7 +238,7 @@ class Checkpointer:
         size = sum(p.stat().st_size for p in Path(local_dir).rglob("*") if p.is_file())
         ranks = "" if self.world_size == 1 else " from rank 0"
         step = int(dir_name.rsplit("_", 1)[-1]) if dir_name.rsplit("_", 1)[-1].isdigit() else dir_name
-        print(f"Saved checkpoint at step {step} ({size / 1e6:.1f} MB{ranks}, uploaded in {upload_s:.1f} s)", flush=True)
+        say(f"Saved checkpoint at step {step} ({size / 1e6:.1f} MB{ranks}, uploaded in {upload_s:.1f} s)", rank=self.rank)
 
     def take_upload_s(self) -> float | None:
         """Duration of the last finished upload, once (None if none finished since the last call)."""

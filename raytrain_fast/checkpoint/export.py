@@ -29,6 +29,7 @@ import yaml
 from raytrain_fast.checkpoint.layout import CONFIG_FILE, DEEPSPEED_TAG, STATE_FILE
 from raytrain_fast.checkpoint.download import download_checkpoint, find_resumable_checkpoint
 from raytrain_fast.checkpoint.verify import list_checkpoint_dirs
+from raytrain_fast.console import say
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.model import GPT, ModelConfig, model_class
 from raytrain_fast.config.storage import StorageConfig
@@ -73,11 +74,9 @@ def _deepspeed_dir(local_dir: str) -> tuple[str, str]:
 
 def _pass_on_without_progress_bars(text: str) -> None:
     """Write `text` to stderr without tqdm's bar redraws (lines of \\r-separated frames with '|')."""
-    import sys
-
     for line in text.replace("\r", "\n").splitlines():
         if line.strip() and not re.search(r"\d+%\|", line):
-            print(line, file=sys.stderr)
+            say(line, stderr=True)
 
 
 def consolidated_state_dict(local_dir: str) -> tuple[dict[str, Any], str]:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from raytrain_fast.checkpoint.layout import DEEPSPEED_TAG
+from raytrain_fast.console import say
 from raytrain_fast.errors import CheckpointError
 
 UNIVERSAL_SUFFIX = ".universal"
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     source, output = (argv if argv is not None else sys.argv[1:])[:2]
     seconds = convert_to_universal(source, output)
     size = sum(p.stat().st_size for p in Path(output).rglob("*") if p.is_file())
-    print(f"converted {source} to a universal checkpoint in {output}: {seconds:.2f} s, {size / 1e6:.1f} MB")
+    say(f"converted {source} to a universal checkpoint in {output}: {seconds:.2f} s, {size / 1e6:.1f} MB")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from raytrain_fast.checkpoint.download import IncompleteCheckpointError, downloa
 from raytrain_fast.checkpoint.layout import DEEPSPEED_TAG, STATE_FILE
 from raytrain_fast.checkpoint.state import TrainState, all_gather_ints, barrier, set_rng_states
 from raytrain_fast.checkpoint.verify import checkpoint_health, list_checkpoint_dirs, verify_checkpoint
+from raytrain_fast.console import say
 from raytrain_fast.errors import CheckpointError
 
 
@@ -53,7 +54,7 @@ class Restorer:
                 download = download_for_rank(self.filesystem, chosen, rank=self.rank)
             except IncompleteCheckpointError as error:
                 problem = error.reason
-                print(f"Skipping checkpoint {self.uri(chosen)}: {problem} (found by rank {self.rank})", flush=True)
+                say(f"Skipping checkpoint {self.uri(chosen)}: {problem} (found by rank {self.rank})", rank=self.rank, per_rank=True)
             # One collective: who failed, and how many bytes each rank read (the resume line and metrics).
             gathered = all_gather_ints([int(bool(problem)), download.downloaded_bytes if download else 0], self.world_size)
             if not any(failed for failed, _ in gathered):
@@ -63,13 +64,12 @@ class Restorer:
                 shutil.rmtree(download.local_dir, ignore_errors=True)
         self._restore_dir = self._load_dir = download.local_dir
         self.download_bytes = [downloaded for _, downloaded in gathered]
-        if self.rank == 0:
-            per_rank = ", ".join(f"{b / 1e6:.2f}" for b in self.download_bytes)
-            print(
-                f"Checkpoint download: {max(self.download_bytes) / 1e6:.2f} MB at most per rank "
-                f"(rank 0 needs {download.needed_bytes / 1e6:.2f} MB of the checkpoint's {download.checkpoint_bytes / 1e6:.2f} MB; "
-                f"MB read per rank: {per_rank})", flush=True,
-            )
+        per_rank = ", ".join(f"{b / 1e6:.2f}" for b in self.download_bytes)
+        say(
+            f"Checkpoint download: {max(self.download_bytes) / 1e6:.2f} MB at most per rank "
+            f"(rank 0 needs {download.needed_bytes / 1e6:.2f} MB of the checkpoint's {download.checkpoint_bytes / 1e6:.2f} MB; "
+            f"MB read per rank: {per_rank})", rank=self.rank,
+        )
         state = TrainState.from_json(Path(self._restore_dir, STATE_FILE).read_text())
         self.resized = None
         if state.world_size != self.world_size:  # written by another worker count (checkpoint/resize.py)
@@ -119,12 +119,12 @@ class Restorer:
                 continue
             unhealthy = checkpoint_health(self.filesystem, path)
             if unhealthy:
-                print(f"Skipping checkpoint {self.uri(path)}: {unhealthy}; resuming from the newest healthy one", flush=True)
+                say(f"Skipping checkpoint {self.uri(path)}: {unhealthy}; resuming from the newest healthy one", rank=self.rank)
                 continue
             ok, reason = verify_checkpoint(self.filesystem, path, checksums=False)
             if ok:
                 return path
-            print(f"Skipping checkpoint {self.uri(path)}: {reason}", flush=True)
+            say(f"Skipping checkpoint {self.uri(path)}: {reason}", rank=self.rank)
         return None
 
     def load_into(self, engine: Any) -> None:

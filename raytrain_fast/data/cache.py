@@ -15,6 +15,7 @@ import sysconfig
 import pyarrow.fs as pafs
 
 from raytrain_fast.data.corpus import stdlib_files
+from raytrain_fast.console import say
 from raytrain_fast.data.manifest import MANIFEST_NAME, join_uri
 from raytrain_fast.data.inputs import canonical_input, list_sources
 from raytrain_fast.data.prepare import prepare_data
@@ -122,7 +123,7 @@ def ensure_prepared_corpus(
         return target
 
     if verbose:
-        print(f"Preparing '{source}' (seq_len {seq_len}, tokenizer {spec.info.name}) once into {target}", file=sys.stderr, flush=True)
+        say(f"Preparing '{source}' (seq_len {seq_len}, tokenizer {spec.info.name}) once into {target}", stderr=True)
     prepare = functools.partial(
         prepare_data, inputs=inputs, seq_len=seq_len, tokenizer=tokenizer, storage=storage, overwrite=True, verbose=verbose,
         val_fraction=val_fraction, val_inputs=val_inputs or None, split_names=("data.val_fraction", "data.val_input"),
@@ -158,7 +159,7 @@ def _prepare_in_place(target: str, prepare, info: bytes, *, fingerprint: str, st
             shutil.rmtree(stale, ignore_errors=True)
         os.rename(staging, target)
         if verbose:
-            print(f"Prepared corpus moved into place: {target}", file=sys.stderr, flush=True)
+            say(f"Prepared corpus moved into place: {target}", stderr=True)
     except OSError:
         if not (is_prepared(target, storage) and _read_info(target, storage).get("fingerprint") == fingerprint):
             raise  # not a lost race with a concurrent run that finished first

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ from raytrain_fast.data.split import DEFAULT_VAL_FRACTION, VAL_MAX_TOKENS, Split
 from raytrain_fast.data.tokenizer import TokenizerSpec, load_tokenizer
 from raytrain_fast.data.tokenizing import Progress, is_validation_document, ray_running, results_local, results_ray
 from raytrain_fast.errors import DataError
+from raytrain_fast.console import say
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
 
 SHARD_TOKENS = 1 << 20
@@ -100,24 +100,24 @@ def _rows_per_shard(total_bytes: int, spec: TokenizerSpec, *, seq_len: int, num_
     return max(1, SHARD_TOKENS // (seq_len + 1))
 
 
-def _print_summary(manifest: Manifest, *, seconds: float, parallel: bool) -> None:
-    print(
+def _say_summary(manifest: Manifest, *, seconds: float, parallel: bool) -> None:
+    say(
         f"prepare-data: {manifest.num_sequences:,} sequences of {manifest.seq_len + 1} tokens from {len(manifest.sources)} files "
         f"({manifest.num_documents:,} documents) in {len(manifest.shards)} shards at {manifest.root} "
         f"({seconds:.1f}s, {'Ray Data' if parallel else 'in-process'} tokenizing); "
         f"{manifest.num_dropped_tokens} tail tokens did not fill a sequence",
-        file=sys.stderr, flush=True,
+        stderr=True,
     )
     split = manifest.validation
     if split is not None:
         how = "from --val-input" if split.method == "inputs" else f"{split.fraction:g} of the documents by content hash"
-        print(
+        say(
             f"prepare-data: validation split: {split.num_sequences:,} sequences ({split.num_documents:,} documents, {how}) "
             f"in {len(split.shards)} shards under {VAL_DIR}/; training keeps {manifest.num_documents:,} documents",
-            file=sys.stderr, flush=True,
+            stderr=True,
         )
     if manifest.skipped:
-        print(f"prepare-data: {summarize_skipped(manifest.skipped, limit=0)}", file=sys.stderr, flush=True)
+        say(f"prepare-data: {summarize_skipped(manifest.skipped, limit=0)}", stderr=True)
 
 
 
@@ -252,7 +252,7 @@ def prepare_data(
     existing = read_manifest(out.filesystem, out.root, out.display_root)
     if existing is not None and _holds_this_data(existing, recipe, listing, filesystems, output=output, overwrite=overwrite):
         if verbose:
-            print(f"prepare-data: {out.display_root} already holds this data (same inputs, seq_len and tokenizer); nothing to do.", file=sys.stderr, flush=True)
+            say(f"prepare-data: {out.display_root} already holds this data (same inputs, seq_len and tokenizer); nothing to do.", stderr=True)
         return existing
     _check_inputs(listing, filesystems, text_field=text_field)
     total_bytes = sum(s.size for s in listing.sources)
@@ -262,7 +262,7 @@ def prepare_data(
     rows = rows_per_shard or _rows_per_shard(total_bytes, spec, seq_len=seq_len, num_shards_hint=num_shards_hint)
     manifest = _write(job, out, split, recipe, seq_len=seq_len, rows_per_shard=rows, existing=existing)
     if verbose:
-        _print_summary(manifest, seconds=time.perf_counter() - started, parallel=parallel)
+        _say_summary(manifest, seconds=time.perf_counter() - started, parallel=parallel)
     return manifest
 
 

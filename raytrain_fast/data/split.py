@@ -3,7 +3,6 @@ inputs; its writers and its entry in the manifest."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +13,7 @@ from raytrain_fast.data.inputs import Listing, canonical_input, list_sources
 from raytrain_fast.data.manifest import Skipped, ValidationSplit, join_uri
 from raytrain_fast.data.shards import VAL_DIR, ShardWriter, ValPacker
 from raytrain_fast.errors import DataError
+from raytrain_fast.console import say
 
 DEFAULT_VAL_FRACTION = 0.005
 VAL_MAX_TOKENS = 1 << 23
@@ -88,7 +88,7 @@ class SplitRequest:
                 raise DataError(message)
             if verbose:
                 who = "prepare-data: warning" if fraction.startswith("--") else "Data: warning"
-                print(f"{who}: {message}. Prepared without one: evaluation will be off.", file=sys.stderr, flush=True)
+                say(f"{who}: {message}. Prepared without one: evaluation will be off.", stderr=True)
             return None
         return ValidationSplit(
             method="inputs" if self.inputs else "hash", fraction=self.fraction, max_tokens=val.max_tokens,

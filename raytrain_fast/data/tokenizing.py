@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import math
 import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from raytrain_fast.data.ingest import NODE_ID_LABEL
 from raytrain_fast.data.inputs import Source
 from raytrain_fast.data.readers import FileReader, input_format, verdict_of_pieces
 from raytrain_fast.data.tokenizer import TokenizerSpec
+from raytrain_fast.console import say
 
 _BLOCK_BYTES = 16 << 20
 """Token bytes a Ray Data task gathers before handing a block on: many small files make one block."""
@@ -284,7 +284,7 @@ class Progress:
         now = time.perf_counter()
         if self.enabled and (force or now - self.last >= self.every_s):
             self.last = now
-            print(f"prepare-data: {self.line(now)}", file=sys.stderr, flush=True)
+            say(f"prepare-data: {self.line(now)}", stderr=True)
 
     def line(self, now: float | None = None) -> str:
         seconds = max(1e-9, (now or time.perf_counter()) - self.start)

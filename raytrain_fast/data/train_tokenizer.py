@@ -23,12 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from raytrain_fast.config.data import BYTE_VOCAB_SIZE, EOD_TOKEN
+from raytrain_fast.console import say
 from raytrain_fast.data.hf_tokenizer import BYTE_EOD_TEXT, byte_tokenizer_json, hf_tokenizer_files
 from raytrain_fast.data.manifest import Skipped, TokenizerInfo
 from raytrain_fast.data.inputs import list_inputs, summarize_skipped
@@ -64,7 +64,7 @@ class TrainedTokenizer:
 
 
 class _Progress:
-    """prepare-data's progress line, for reading: at most one line every `every_s` seconds, on stderr."""
+    """train-tokenizer's progress line while reading: at most one line every `every_s` seconds, on stderr."""
 
     def __init__(self, total_files: int, *, enabled: bool, every_s: float = 2.0) -> None:
         self.total, self.enabled, self.every_s = total_files, enabled, every_s
@@ -76,9 +76,9 @@ class _Progress:
         now = time.perf_counter()
         if self.enabled and (now - self.last >= self.every_s or (force and self.shown != (files, num_bytes, skipped))):
             self.last, self.shown = now, (files, num_bytes, skipped)
-            print(
+            say(
                 f"train-tokenizer: {files}/{self.total} files, {num_bytes:,} bytes, {skipped} skipped, {now - self.start:.1f}s",
-                file=sys.stderr, flush=True,
+                stderr=True,
             )
 
 
@@ -169,8 +169,7 @@ def _train(
             progress.update(done, counts["bytes"], sum(not s.partial for s in skipped))
         progress.update(len(listing.sources), counts["bytes"], sum(not s.partial for s in skipped), force=True)
         if verbose and counts["documents"]:
-            print(f"train-tokenizer: learning merges up to a vocabulary of {vocab_size:,} (no progress lines while it runs)",
-                  file=sys.stderr, flush=True)
+            say(f"train-tokenizer: learning merges up to a vocabulary of {vocab_size:,} (no progress lines while it runs)", stderr=True)
 
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -246,23 +245,23 @@ def train_tokenizer(
         seconds=time.perf_counter() - started,
     )
     if verbose:
-        _print_summary(result, min_frequency=min_frequency)
+        _say_summary(result, min_frequency=min_frequency)
     return result
 
 
-def _print_summary(result: TrainedTokenizer, *, min_frequency: int) -> None:
+def _say_summary(result: TrainedTokenizer, *, min_frequency: int) -> None:
     short = (
         f" (asked for {result.asked_vocab_size:,}: the corpus has no more pairs seen at least {min_frequency} times; "
         "more text gives more merges)" if result.vocab_size < result.asked_vocab_size else ""
     )
-    print(
+    say(
         f"train-tokenizer: a byte-level BPE of {result.vocab_size:,} tokens{short} in {result.output}, from {result.num_files} "
         f"files ({result.num_documents:,} documents, {result.num_bytes:,} bytes) in {result.seconds:.1f}s; "
         f"end-of-document {result.eod_token} = id {result.eod_id}",
-        file=sys.stderr, flush=True,
+        stderr=True,
     )
     if result.skipped:
-        print(f"train-tokenizer: {summarize_skipped(result.skipped, listed=False)}", file=sys.stderr, flush=True)
+        say(f"train-tokenizer: {summarize_skipped(result.skipped, listed=False)}", stderr=True)
 
 
 __all__ = ["DEFAULT_MIN_FREQUENCY", "DEFAULT_VOCAB_SIZE", "MIN_VOCAB_SIZE", "TOKENIZER_FILES", "TrainedTokenizer", "train_tokenizer"]

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from typing import Any
 
+from raytrain_fast.console import say
 from raytrain_fast.downstream.encode import Encoder, encode_tasks, skipped_note
 from raytrain_fast.downstream.tasks import STANDARD_TASKS, Task, TaskError, load_tasks
 
@@ -56,30 +56,28 @@ def _task_specs(args: argparse.Namespace, run_eval: dict[str, Any]) -> tuple[lis
     return list(STANDARD_TASKS), args.limit
 
 
-def run_evaluate(args: argparse.Namespace, *, storage: Any, connect_ray: Callable[[], None]) -> int:
+def run_evaluate(args: argparse.Namespace, *, storage: Any, connect_ray: Callable[[], None]) -> str:
+    """Evaluate as `args` asks; returns the results for the CLI to print (the table, or the JSON with --json)."""
     from raytrain_fast.downstream.evaluate import evaluate
 
     _checked(args)
     specs, limit = _task_specs(args, _run_eval_section(args, storage))
     tasks = load_tasks(specs, limit=limit)  # unknown names, missing or malformed files: before anything is loaded
-    say = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
     source, encoder, step = _model(args, storage)
     encoded = _encoded(tasks, encoder)
     for note in skipped_note(encoded, encoder.window):
-        say(note)
+        say(note, stderr=args.json)  # with --json, stdout holds the JSON alone
     where = f"on {args.workers} Ray workers" if args.workers > 1 else "in this process"
-    say(f"Evaluating {source.description} on {', '.join(t.name for t in encoded)} ({sum(t.num_items for t in encoded):,} items) {where}.")
+    say(f"Evaluating {source.description} on {', '.join(t.name for t in encoded)} ({sum(t.num_items for t in encoded):,} items) {where}.",
+        stderr=args.json)
     result = evaluate(
         source, encoded, window=encoder.window, step=step, workers=args.workers, micro_batch=args.micro_batch,
         device=None if args.device == "auto" else args.device, connect_ray=connect_ray,
     )
     if args.json:
-        print(json.dumps(result.to_json(), indent=1))
-    else:
-        print(result.table())
-        print("acc: the choice with the highest log-likelihood; acc_norm: per character; cut: contexts cut from the left "
-              f"to the {encoder.window}-token window. --json adds every item's log-likelihoods.")
-    return 0
+        return json.dumps(result.to_json(), indent=1)
+    return (f"{result.table()}\nacc: the choice with the highest log-likelihood; acc_norm: per character; cut: contexts "
+            f"cut from the left to the {encoder.window}-token window. --json adds every item's log-likelihoods.")
 
 
 def _run_eval_section(args: argparse.Namespace, storage: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from raytrain_fast.console import say
 from raytrain_fast.watchdog.hang import HangWatch, RankStack, Stuck, stuck_ranks, top_frame
 
 logger = logging.getLogger("raytrain_fast.watchdog")
@@ -151,7 +152,7 @@ class Watchdog:
         except Exception as error:  # noqa: BLE001 - the restart matters more than the file
             logger.warning("hang watchdog: could not write the stacks into %s: %s", self._run_path, error)
         self.hangs.append(record)
-        print(hang_line(record), flush=True)  # the actor's stdout reaches the driver's console
+        say(hang_line(record))  # the actor's stdout reaches the driver's console
         await end_processes(stuck, record["stuck_ranks"])
         self.watch.retire_all()
 
