@@ -359,8 +359,8 @@ def test_the_probe_compiles_the_blocks_when_the_run_does(ray_session, tmp_path, 
 
     def config(name: str, setting: str):
         return _config(
-            tmp_path, "model.vocab_size=256", "model.d_model=32", "model.max_seq_len=32", "data.seq_len=32",
-            "data.max_tokens=20000", "train.global_batch=1", "train.steps=2", "train.log_every=1", "eval.enabled=false",
+            tmp_path, "model.vocab_size=512", "model.d_model=32", "model.max_seq_len=32", "data.seq_len=32",
+            "data.max_tokens=20000", "train.global_batch=1", "train.steps=2", "optim.warmup_steps=0", "train.log_every=1", "eval.enabled=false",
             "checkpoint.every_steps=0", "resources.num_workers=1", "resources.cpus_per_worker=1",
             "resources.memory_budget_gb=8", f"engine.compile={setting}", name=name,
         )
