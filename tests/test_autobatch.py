@@ -337,3 +337,42 @@ def test_auto_turns_activation_checkpointing_on_under_a_budget_only_it_meets(ray
 
 def _must_not_probe(*args, **kwargs):
     raise AssertionError("probed although the choice was cached")
+
+
+def test_a_program_of_another_shape_is_a_new_question_for_the_cache(tmp_path):
+    from raytrain_fast.microbatch.auto import cache_key
+
+    settings = ("resources.use_gpu=false", "resources.cpus_per_worker=2", "resources.memory_budget_gb=1")
+    base = cache_key(_config(tmp_path, *settings))[0]
+    assert cache_key(_config(tmp_path, *settings))[0] == base
+    for other in ("engine.compile=on", "data.document_masking=true"):
+        assert cache_key(_config(tmp_path, *settings, other))[0] != base, other
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_the_probe_compiles_the_blocks_when_the_run_does(ray_session, tmp_path, capfd):
+    """micro_batch=auto's probe builds the program the run trains (engine/program.py): with
+    engine.compile=on its blocks are compiled as the run's are; with auto (off on CPUs) neither is."""
+    from raytrain_fast.launch.trainer import run
+    from raytrain_fast.metrics import read_metrics
+
+    def config(name: str, setting: str):
+        return _config(
+            tmp_path, "model.vocab_size=512", "model.d_model=32", "model.max_seq_len=32", "data.seq_len=32",
+            "data.max_tokens=20000", "train.global_batch=1", "train.steps=2", "optim.warmup_steps=0", "train.log_every=1", "eval.enabled=false",
+            "checkpoint.every_steps=0", "resources.num_workers=1", "resources.cpus_per_worker=1",
+            "resources.memory_budget_gb=8", f"engine.compile={setting}", name=name,
+        )
+
+    for name, setting, compiled in (("compiled", "on", True), ("eager", "auto", False)):
+        result = run(config(name, setting))
+        out = capfd.readouterr().out
+        (probe,) = next(r for r in _cache_records(tmp_path) if r["key_inputs"]["compile"] == setting)["probes"]
+        assert probe["status"] == "ok" and probe["compiled"] is compiled, probe
+        assert ("Compile: on, 2 blocks compiled on their first step" in out) is compiled, out[-2000:]
+        assert any("time/compile_s" in r for r in read_metrics(result.run_dir)) is compiled
+
+
+def _cache_records(tmp_path: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in (tmp_path / "runs" / "_autobatch").glob("*.json")]

@@ -101,8 +101,8 @@ def test_bench_model_grad_accum_runs_that_many_micro_batches_per_optimizer_step(
     from raytrain_fast.bench.model_worker import _Variant
 
     setup = ModelBenchSetup(preset="tiny", seq_len=32, micro_batch=2, grad_accum=3, steps=1, rounds=1, precision="fp32", threads=1)
-    config, model_config, precision, _, threads, seed = _resolve(setup)
-    (job,) = _jobs(setup, ["bare"], config=config, model_config=model_config, precision=precision, threads=threads, seed=seed)
+    config, precision, _, threads, seed = _resolve(setup)
+    (job,) = _jobs(setup, ["bare"], config=config, precision=precision, threads=threads, seed=seed)
     variant = _Variant(job)
     forwards = []
     variant.model.register_forward_hook(lambda *_: forwards.append(1))

@@ -20,6 +20,7 @@ from raytrain_fast.checkpoint import list_runs
 from raytrain_fast.config import load_config
 from raytrain_fast.downstream.run import load_run_tasks
 from raytrain_fast.launch.checks import prepare_tasks, prepare_training_data, resolve_resources
+from raytrain_fast.loop.worker import LoopInputs
 from raytrain_fast.storage import StorageConfig
 from tests.s3_server import free_port
 
@@ -29,8 +30,9 @@ READS = ("item", "tolist", "cpu", "__float__", "__int__", "__bool__")
 
 
 
-def _train_counting_reads(address: str, loop_config: dict, port: int, out_path: str) -> None:
+def _train_counting_reads(address: str, inputs: LoopInputs, port: int, out_path: str) -> None:
     """In a fresh process: Ray Train local mode (the loop runs right here), reads counted by phase."""
+    import functools
     import os
     import sys
 
@@ -86,7 +88,7 @@ def _train_counting_reads(address: str, loop_config: dict, port: int, out_path: 
     RankTasks.score = in_phase("tasks", RankTasks.score)  # inside an evaluation: its reads would be "tasks:"
 
     trainer = TorchTrainer(
-        train_loop.train_loop_per_worker, train_loop_config=loop_config,
+        functools.partial(train_loop.train_loop_per_worker, inputs),
         scaling_config=ray.train.ScalingConfig(num_workers=0),  # local mode
     )
     trainer.fit()
@@ -106,12 +108,12 @@ def test_the_step_loop_reads_from_the_device_once_per_log_window(ray_session, tm
     config = resolve_resources(config)
     data_uri = prepare_training_data(config)
     tasks = prepare_tasks(config, load_run_tasks(config), data_uri)  # scored at every evaluation, in its one read
-    loop_config = {"config": config.to_dict(), "data_uri": data_uri, "max_sequences": None, "tasks": tasks}
+    inputs = LoopInputs(config=config, data_uri=data_uri, data_uris=[data_uri], tasks=tasks)
     out_path = tmp_path / "reads.json"
 
     process = multiprocessing.get_context("spawn").Process(
         target=_train_counting_reads,
-        args=(ray_session.get_runtime_context().gcs_address, loop_config, free_port(), str(out_path)),
+        args=(ray_session.get_runtime_context().gcs_address, inputs, free_port(), str(out_path)),
     )
     process.start()
     process.join(300)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from raytrain_fast.metrics import MetricsConfig, TrainMetrics
+from raytrain_fast.metrics import MetricsConfig, StepPlan, TrainMetrics
 from raytrain_fast.metrics.gc_control import GcControl
 from raytrain_fast.metrics.names import METRICS
 from tests.s3_server import free_port
@@ -102,7 +102,7 @@ def _train(metrics: TrainMetrics, *, steps: int, grad_accum: int = 2, start: int
 def test_one_host_read_per_log_window_and_exact_means():
     steps, log_every = 40, 10
     metrics = TrainMetrics(
-        _config(), log_every=log_every, total_steps=steps, start_step=0, tokens_per_step=1024,
+        _config(), steps=StepPlan(log_every=log_every, total_steps=steps, start_step=0, tokens_per_step=1024),
         device="cpu", print_progress=False,
     )
     losses: list[torch.Tensor] = []
@@ -128,7 +128,7 @@ def test_one_host_read_per_log_window_and_exact_means():
 
 def test_last_step_is_a_log_step_and_windows_follow_a_resume():
     metrics = TrainMetrics(
-        _config(), log_every=10, total_steps=125, start_step=100, tokens_per_step=100, device="cpu", print_progress=False
+        _config(), steps=StepPlan(log_every=10, total_steps=125, start_step=100, tokens_per_step=100), device="cpu", print_progress=False
     )
     results = _train(metrics, steps=25, start=100)
     metrics.close()
@@ -137,7 +137,7 @@ def test_last_step_is_a_log_step_and_windows_follow_a_resume():
 
 def test_phases_are_sampled_on_profile_steps_only():
     metrics = TrainMetrics(
-        _config(profile_every=5), log_every=10, total_steps=10, start_step=0, tokens_per_step=100,
+        _config(profile_every=5), steps=StepPlan(log_every=10, total_steps=10, start_step=0, tokens_per_step=100),
         device="cpu", print_progress=False,
     )
     for step in range(1, 11):
@@ -163,7 +163,7 @@ def test_phases_are_sampled_on_profile_steps_only():
 
 def test_checkpoint_time_is_reported_and_counted():
     metrics = TrainMetrics(
-        _config(), log_every=5, total_steps=5, start_step=0, tokens_per_step=100, device="cpu", print_progress=False
+        _config(), steps=StepPlan(log_every=5, total_steps=5, start_step=0, tokens_per_step=100), device="cpu", print_progress=False
     )
     for step in range(1, 6):
         metrics.begin_step()
@@ -204,7 +204,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     metrics = TrainMetrics(
-        _config(profile_every=0), log_every=5, total_steps=10, start_step=0, tokens_per_step=1000,
+        _config(profile_every=0), steps=StepPlan(log_every=5, total_steps=10, start_step=0, tokens_per_step=1000),
         device="cpu", rank=rank, world_size=world_size, print_progress=False,
     )
     grad = torch.zeros(4)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from raytrain_fast.metrics import MetricsConfig, SlowdownDetector, TrainMetrics, Window
+from raytrain_fast.metrics import MetricsConfig, SlowdownDetector, StepPlan, TrainMetrics, Window
 from raytrain_fast.metrics.slowdown import StallDetector, largest_cause
 
 pytestmark = pytest.mark.unit
@@ -150,7 +150,7 @@ def _run(config: MetricsConfig, *, steps: int, step_fn, sinks=(), log_every: int
     import torch
 
     metrics = TrainMetrics(
-        config, log_every=log_every, total_steps=steps, start_step=0, tokens_per_step=1000,
+        config, steps=StepPlan(log_every=log_every, total_steps=steps, start_step=0, tokens_per_step=1000),
         device="cpu", sinks=list(sinks), print_progress=False,
     )
     records = {}

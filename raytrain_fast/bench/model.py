@@ -8,11 +8,10 @@ Variants (`VARIANTS`), all on the same model (`model.build_model` of the preset,
 - `bare`: the plain loop: the fp32 model, `torch.autocast` in bf16 when the precision is bf16, torch's
   fused AdamW with the preset's hyperparameters (`engine.build_optimizer`), gradient clipping at
   `optim.grad_clip`, `zero_grad(set_to_none=True)`. The ceiling.
-- `engine`, `engine_ac`, `engine_compiled`, `engine_compiled_ac`: `engine.build_engine` (DeepSpeed
-  ZeRO at the preset's stage, world size 1, grad_accum 1) on a one-rank process group, as
-  `micro_batch: auto`'s probes build it (`engine.process_group.single_process_group`); `_ac` = activation
-  checkpointing `full`, `_compiled` = `engine.compile.compile_blocks(setting="on")` before the engine
-  is built, as the training loop does.
+- `engine`, `engine_ac`, `engine_compiled`, `engine_compiled_ac`: the training worker's program
+  (`engine.program.build_program`, as the training loop and `micro_batch: auto`'s probes build it:
+  DeepSpeed ZeRO at the preset's stage, world size 1, on a one-rank process group); `_ac` =
+  `model.activation_checkpointing: full`, `_compiled` = `engine.compile: on`.
 
 Each variant lives in its own process (multiprocessing `spawn`, a pipe to this one; model_worker.py), for its whole
 run: a process's memory high-water mark cannot be split between variants sharing it. The processes
@@ -144,9 +143,9 @@ class _LocalCoordinator:
         return float(measure())
 
 
-def _resolve(setup: ModelBenchSetup) -> tuple[Any, dict[str, Any], str, str, int, int]:
-    """(config with data.seq_len set, its model config with max_seq_len raised to fit, precision,
-    why that precision, torch threads, seed)."""
+def _resolve(setup: ModelBenchSetup) -> tuple[Any, str, str, int, int]:
+    """(config with data.seq_len set and model.max_seq_len raised to fit, precision, why that
+    precision, torch threads, seed)."""
     import torch
 
     from raytrain_fast.config import load_config
@@ -164,10 +163,10 @@ def _resolve(setup: ModelBenchSetup) -> tuple[Any, dict[str, Any], str, str, int
     wanted = setup.precision or config.engine.precision
     precision, why = resolve_precision(wanted, use_gpu=torch.cuda.is_available())
     seed = config.train.seed if setup.seed is None else setup.seed
-    return config, model, precision, why, threads, seed
+    return config, precision, why, threads, seed
 
 
-def _mfu_inputs(config: Any, model_config: Any, *, precision: str, seq_len: int, seed: int, peak_seconds: float) -> Any:
+def _mfu_inputs(config: Any, *, precision: str, seq_len: int, seed: int, peak_seconds: float) -> Any:
     """FLOPs per token (counted on the eager model, no recomputation) and the measured peak, here."""
     import torch
 
@@ -177,8 +176,8 @@ def _mfu_inputs(config: Any, model_config: Any, *, precision: str, seq_len: int,
 
     device = training_device()
     torch.manual_seed(seed)
-    model = build_model(model_config, device)
-    sample = torch.randint(0, model_config.vocab_size, (1, seq_len), device=device)
+    model = build_model(config.model, device)
+    sample = torch.randint(0, config.model.vocab_size, (1, seq_len), device=device)
     metrics = dataclasses.replace(config.metrics, peak_measure_s=peak_seconds)
     inputs = mfu_inputs(_LocalCoordinator(), metrics, rank=0, model=model, sample_tokens=sample, device=device,
                         precision=precision, measure_peak=True)
@@ -210,15 +209,15 @@ def bench_model(setup: ModelBenchSetup) -> dict[str, Any]:
         raise ConfigError(problems)
     started = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):  # library chatter must not reach the JSON's stream
-        config, model_config, precision, why, threads, seed = _resolve(setup)
+        config, precision, why, threads, seed = _resolve(setup)
         _say(f"{setup.preset}: seq_len {setup.seq_len}, micro-batch {setup.micro_batch}, precision {precision} ({why}), "
              f"{threads} torch threads; variants: {', '.join(variants)}")
         peak_seconds = config.metrics.peak_measure_s if setup.peak_seconds is None else setup.peak_seconds
-        mfu = _mfu_inputs(config, model_config, precision=precision, seq_len=setup.seq_len, seed=seed, peak_seconds=peak_seconds)
+        mfu = _mfu_inputs(config, precision=precision, seq_len=setup.seq_len, seed=seed, peak_seconds=peak_seconds)
         peak = mfu.measured_peak_flops
         _say(f"FLOPs/token {mfu.flops_per_token:.4g} (counted {mfu.counted_flops_per_token:.4g}); measured "
              f"{mfu.dtype} matmul peak {peak / 1e12 if peak else float('nan'):.3f} TFLOP/s on {mfu.device_name}")
-        jobs = _jobs(setup, variants, config=config, model_config=model_config, precision=precision, threads=threads, seed=seed)
+        jobs = _jobs(setup, variants, config=config, precision=precision, threads=threads, seed=seed)
         with _cold_compile_caches(jobs):
             measured = _measure(setup, jobs)
     report = _report(setup, variants, measured, mfu=mfu, precision=precision, why=why, threads=threads)
@@ -226,18 +225,20 @@ def bench_model(setup: ModelBenchSetup) -> dict[str, Any]:
     return report
 
 
-def _jobs(setup: ModelBenchSetup, variants: list[str], *, config: Any, model_config: Any, precision: str,
-          threads: int, seed: int) -> list[dict[str, Any]]:
+def _jobs(setup: ModelBenchSetup, variants: list[str], *, config: Any, precision: str, threads: int, seed: int) -> list[dict[str, Any]]:
+    from raytrain_fast.engine.program import one_process
+
+    one = one_process(config, micro_batch=setup.micro_batch, grad_accum=setup.grad_accum, steps=setup.warmup_steps + setup.steps)
     jobs = []
     for name in variants:
-        checkpointing = "full" if name in _CHECKPOINTED else "none"
+        variant = dataclasses.replace(
+            one, model=dataclasses.replace(one.model, activation_checkpointing="full" if name in _CHECKPOINTED else "none"),
+            engine=dataclasses.replace(one.engine, precision=precision, compile="on" if name in COMPILED_VARIANTS else "off"),
+        )
         jobs.append({
-            # Plain dicts: unpickling a dataclass of the package in the new process would import torch
+            # A plain dict: unpickling a dataclass of the package in the new process would import torch
             # before `env` is in place.
-            "name": name, "config": config.to_dict(),
-            "model": dataclasses.asdict(dataclasses.replace(model_config, activation_checkpointing=checkpointing)),
-            "precision": precision, "threads": threads, "seed": seed, "seq_len": setup.seq_len,
-            "micro_batch": setup.micro_batch, "grad_accum": setup.grad_accum, "total_steps": setup.warmup_steps + setup.steps,
+            "name": name, "config": variant.to_dict(), "threads": threads, "seed": seed,
             "env": {"OMP_NUM_THREADS": str(threads)},
         })
     return jobs

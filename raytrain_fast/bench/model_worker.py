@@ -6,7 +6,6 @@ Memory statistics: bench/model.py's docstring."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import os
 import time
@@ -58,22 +57,16 @@ class _Variant:
         import torch
 
         from raytrain_fast.config import Config
-        from raytrain_fast.engine import enable_tf32, select_accelerator, training_device
+        from raytrain_fast.engine.program import prepare_process
         from raytrain_fast.metrics.memory import reset_peak_memory
 
         started = time.perf_counter()
         self.name = job["name"]
-        torch.set_num_threads(job["threads"])
-        select_accelerator()  # before deepspeed is first imported
-        self.device = device = training_device()
-        enable_tf32(device)  # as training does: fp32 matmuls on TF32 tensor cores on CUDA
+        self.device = device = prepare_process(threads=job["threads"], seed=job["seed"])  # as a training worker
         config = Config.from_dict(job["config"])
-        self.precision, self.seq_len, self.micro_batch = job["precision"], job["seq_len"], job["micro_batch"]
-        self.grad_accum = job.get("grad_accum", 1)
-        self.compiled, self.compile_note = False, None
-        self.engine = self.optimizer = None
-        torch.manual_seed(job["seed"])
-        self._build(config, job)
+        self.precision, self.seq_len = config.engine.precision, config.data.seq_len
+        self.micro_batch, self.grad_accum = int(config.train.micro_batch), config.grad_accum()
+        self._build(config)
         generator = torch.Generator().manual_seed(job["seed"])  # the same tokens in every variant
         tokens = torch.randint(0, config.model.vocab_size, (self.micro_batch, self.seq_len + 1), generator=generator)
         self.tokens = tokens.to(device)
@@ -83,29 +76,24 @@ class _Variant:
         self.built_gb = _current_memory_gb(device)
         reset_peak_memory(device)
 
-    def _build(self, config: Any, job: dict[str, Any]) -> None:
+    def _build(self, config: Any) -> None:
+        """The training worker's program (engine/program.py) with the variant's compile and
+        activation checkpointing; the `bare` variant's has no engine: torch's optimizer instead."""
         import torch
 
-        from raytrain_fast.engine import build_engine, build_optimizer
-        from raytrain_fast.engine.compile import compile_blocks
-        from raytrain_fast.model import ModelConfig, build_model
+        from raytrain_fast.engine import build_optimizer
+        from raytrain_fast.engine.program import build_program
 
-        name = self.name
-        model = build_model(ModelConfig(**job["model"]), self.device)
-        self.model = model
-        if name in COMPILED_VARIANTS:  # before DeepSpeed wraps the model, as the training loop does
-            self.compiled, self.compile_note = compile_blocks(model, setting="on", device=self.device)
-        if name in ENGINE_VARIANTS:
+        with_engine = self.name in ENGINE_VARIANTS
+        if with_engine:
             from raytrain_fast.engine.process_group import single_process_group
 
             single_process_group("nccl" if self.device.type == "cuda" else "gloo")
-            engine_config = dataclasses.replace(config.engine, precision=self.precision)
-            self.engine = build_engine(
-                model, engine=engine_config, optim=config.optim, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
-                world_size=1, total_steps=job["total_steps"],
-            )
-        else:
-            self.optimizer = build_optimizer(list(model.parameters()), optim=config.optim, device=self.device)
+        program = build_program(config, device=self.device, with_engine=with_engine)
+        self.model, self.engine, self.optimizer = program.model, program.engine, None
+        self.compiled, self.compile_note = program.compiled, program.compile_line
+        if not with_engine:
+            self.optimizer = build_optimizer(list(self.model.parameters()), optim=config.optim, device=self.device)
             self.grad_clip = config.optim.grad_clip
             if self.precision == "bf16":
                 self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)

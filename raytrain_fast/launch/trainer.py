@@ -7,6 +7,7 @@ TorchTrainer and fits it under the stop notice, then reads the measurements and 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -28,6 +29,7 @@ from raytrain_fast.launch.checks import (
 )
 from raytrain_fast.loop.health import DIVERGENCE_KEY
 from raytrain_fast.loop.hooks import LoopHooks, WindowCallback
+from raytrain_fast.loop.worker import LoopInputs
 from raytrain_fast.storage import resolve_filesystem, uri_of
 from raytrain_fast.storage.filesystem import checksum_env
 
@@ -71,16 +73,13 @@ def build_trainer(
     filesystem, storage_root = resolve_filesystem(config.storage.uri, config.storage)
     if "://" not in config.storage.uri:
         filesystem = None  # local: let Ray use a plain path
+    inputs = LoopInputs(
+        config=config, data_uri=data_uri, data_uris=data_uris or [data_uri], max_sequences=max_sequences(config),
+        hooks=hooks or LoopHooks(), on_window=on_window, save_checkpoints=save_checkpoints, tasks=tasks,
+        s3_filesystem=filesystem if config.storage.uri.startswith("s3://") else None,
+    )
     return _trainer_class()(
-        _train_loop_without_result_dumps,
-        train_loop_config={
-            "config": config.to_dict(), "data_uri": data_uri, "max_sequences": max_sequences(config),
-            "data_uris": data_uris or [data_uri],  # a mixture's sources (data.sources), else the one
-            "hooks": hooks or LoopHooks(), "on_window": on_window, "save_checkpoints": save_checkpoints, "tasks": tasks,
-            # The driver's S3 filesystem (credentials inside, as in storage_filesystem): workers
-            # use it for data and metrics too, whatever their own environment holds.
-            "s3_filesystem": filesystem if config.storage.uri.startswith("s3://") else None,
-        },
+        functools.partial(_train_loop_without_result_dumps, inputs),  # pickled to every worker
         # gloo/NCCL give up just after the hang watchdog would have acted (Ray's default waits 30 minutes).
         torch_config=TorchConfig(backend="nccl" if resources.use_gpu else "gloo", timeout_s=config.watchdog.process_group_timeout_s()),
         scaling_config=ray.train.ScalingConfig(
@@ -134,7 +133,7 @@ def will_repeat(error: BaseException) -> bool:
     return repeating_error(error) is not None
 
 
-def _train_loop_without_result_dumps(loop_config: dict) -> None:
+def _train_loop_without_result_dumps(inputs: LoopInputs) -> None:
     """The step loop, with Ray Train's per-report INFO line (a ~1 KB `TrainingReport(...)` dump) off.
 
     That logger is named after its file, outside `ray.train`, so RunConfig's LoggingConfig does not
@@ -149,7 +148,7 @@ def _train_loop_without_result_dumps(loop_config: dict) -> None:
     quiet_train_report_logger()
     quiet_worker_tracebacks_of(WILL_REPEAT)  # the driver prints their one line
     try:
-        train_loop_per_worker(loop_config)
+        train_loop_per_worker(inputs)
     except Exception as error:
         repeated = repeating_error(error)
         if repeated is None or repeated is error:

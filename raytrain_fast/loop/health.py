@@ -8,7 +8,7 @@ all-reduced numbers, so the ranks agree without another collective. The update o
 step never reached the weights (engine/deepspeed_compat.py `skip_nonfinite_update`).
 
 Policy (`health.*`, docs/health.md):
-- rollback (default): raise `Rollback`; `train_loop_per_worker` loads the newest healthy
+- rollback (default): raise `Rollback`; loop/rollback.py loads the newest healthy
   checkpoint into the live engine and restarts the data reader past everything read since that
   checkpoint (a skip of N sequences at position P, written to `<run>/health.json` and kept in the
   train state, so a resume from that checkpoint skips the same data), then trains again. After

@@ -4,7 +4,7 @@ and a bench's clock, and a window callback (a sweep trial's Tune report).
 Both are passed in by the caller, never read from the environment. A normal run passes
 `LoopHooks()`, which holds no hook, so the loop skips every call and no variable left in a shell can
 inject a failure into a real run. A hook is a `StepHooks` object: the drills (raytrain_fast/drills/,
-which the loop never imports: they arrive pickled in the loop config), built by tests or by
+which the loop never imports: they arrive pickled in its `LoopInputs`), built by tests or by
 `raytrain-fast pretrain --drill NAME=SPEC`, and the overhead bench's clock. Each worker turns the
 run's `LoopHooks` into its rank's `RankHooks`.
 """
@@ -58,7 +58,7 @@ class StepHooks:
 
 
 class LoopHooks:
-    """The hooks a run passes to its loop (picklable: it travels in the loop config); none by default."""
+    """The hooks a run passes to its loop (picklable: it travels in the `LoopInputs`); none by default."""
 
     def __init__(self, *hooks: StepHooks) -> None:
         self.hooks = tuple(hooks)

@@ -1,9 +1,9 @@
 """The steps of one worker, from the first to train.steps or an agreed stop.
 
-`run_steps` is the table of contents of a step; `StepRun` holds the parts a step uses, and each
-part says whether this step is its step: the metrics whether it is a log step, the checkpointer
-whether a save is due by its cadence, the preemption notice whether its save is due, the health
-check whether the state may be saved, the evaluator whether an evaluation is due.
+`run_steps` is the table of contents of a step; `StepRun` runs it over the parts (loop/parts.py
+`LoopParts`), and each part says whether this step is its step: the metrics whether it is a log
+step, the checkpointer whether a save is due by its cadence, the preemption notice whether its save
+is due, the health check whether the state may be saved, the evaluator whether an evaluation is due.
 """
 
 from __future__ import annotations
@@ -16,14 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from raytrain_fast.loop.preemption import PreemptionNotice
-from raytrain_fast.watchdog.heartbeat import NoHeartbeat
 
 if TYPE_CHECKING:
-    from raytrain_fast.checkpoint import Checkpointer, TrainState
-    from raytrain_fast.coordinator import Coordinator
-    from raytrain_fast.loop.evaluation import Evaluator
-    from raytrain_fast.loop.health import HealthMonitor
-    from raytrain_fast.loop.hooks import WindowCallback
+    from raytrain_fast.loop.parts import LoopParts
     from raytrain_fast.loop.worker import Worker
     from raytrain_fast.metrics import TrainMetrics
 
@@ -64,7 +59,7 @@ def train_step(
     metrics.add_grad_norm(engine.get_global_grad_norm())
 
 
-def run_steps(worker: Worker, **parts: Any) -> None:
+def run_steps(worker: Worker, parts: LoopParts) -> None:
     """The steps, up to train.steps or an agreed stop. The order of events on a step:
 
     1. train: grad_accum micro-batches and the optimizer step, with no host sync;
@@ -77,8 +72,8 @@ def run_steps(worker: Worker, **parts: Any) -> None:
     5. the window callback (a sweep trial's report);
     6. the save;
     7. an agreed stop ends the steps."""
-    run = StepRun(worker=worker, **parts)
-    while run.state.step < worker.config.train.steps:
+    run = StepRun(worker=worker, parts=parts)
+    while parts.state.step < worker.config.train.steps:
         step = run.train()
         logged = run.agree(step)
         saving = run.is_save_step(step, logged=logged)
@@ -88,109 +83,101 @@ def run_steps(worker: Worker, **parts: Any) -> None:
             run.save(step)
         if run.agreed & Notice.STOP:
             return run.stop(step)
-    run.checkpointer.finish()
+    parts.checkpointer.finish()
 
 
 @dataclass(kw_only=True)
 class StepRun:
-    """What the steps use, and one method per event of a step (see `run_steps`)."""
+    """One pass of the steps over the parts (loop/parts.py), one method per event of a step (see `run_steps`)."""
 
     worker: Worker
-    engine: Any
-    data: Any
-    metrics: TrainMetrics
-    evaluator: Evaluator
-    checkpointer: Checkpointer
-    coordinator: Coordinator
-    state: TrainState
-    health: HealthMonitor
-    on_window: WindowCallback | None = None
-    save_checkpoints: bool = True
-    compiled: bool = False
-    """The first step compiles the blocks: timed apart (time/compile_s)."""
-    heartbeat: Any = None
+    parts: LoopParts
     preemption: PreemptionNotice = field(default_factory=PreemptionNotice)
     agreed: Notice = Notice(0)
     """The notices any rank raised at this step's agreement (none on steps that are not log steps)."""
 
     def __post_init__(self) -> None:
-        self.heartbeat = self.heartbeat or NoHeartbeat()
-        self.batches = self.worker.hooks.batches(self.data, current_step=lambda: self.state.step)
-        self.start_step, self.last = self.state.step, {}
+        state = self.parts.state
+        self.batches = self.worker.hooks.batches(self.parts.data, current_step=lambda: state.step)
+        self.start_step, self.last = state.step, {}
         self.on_notice = False
 
     def train(self) -> int:
         """One optimizer step; the step count, tokens, metrics and drills move on."""
-        worker, state, hooks = self.worker, self.state, self.worker.hooks
-        with self.metrics.compile_timer(state.step + 1, active=self.compiled):
-            train_step(self.engine, self.batches, self.metrics, grad_accum=worker.grad_accum,
+        worker, parts, hooks = self.worker, self.parts, self.worker.hooks
+        with parts.metrics.compile_timer(parts.state.step + 1, active=parts.compiled):
+            train_step(parts.engine, self.batches, parts.metrics, grad_accum=worker.grad_accum,
                        on_batch=hooks.on_batch, on_loss=hooks.on_loss)
-        self.compiled = False
-        state.step += 1
-        state.tokens += worker.tokens_per_step
-        self.metrics.end_step(state.step)
-        hooks.after_step(state.step)
-        return state.step
+        parts.compiled = False
+        parts.state.step += 1
+        parts.state.tokens += worker.tokens_per_step
+        parts.metrics.end_step(parts.state.step)
+        hooks.after_step(parts.state.step)
+        return parts.state.step
 
     def agree(self, step: int) -> bool:
         """On a log step: the one collective, with this rank's notices; then the health check. Returns
         whether this is a log step."""
+        parts = self.parts
         self.agreed = Notice(0)
-        if not self.metrics.is_log_step(step):
+        if not parts.metrics.is_log_step(step):
             return False
         mine = Notice(0)
-        if self.checkpointer.due_by_time():
+        if parts.checkpointer.due_by_time():
             mine |= Notice.CHECKPOINT_TIME
-        if self.worker.rank == 0 and self.coordinator.stop_requested():
+        if self.worker.rank == 0 and parts.coordinator.stop_requested():
             mine |= Notice.STOP
         if self.preemption.flag():
             mine |= Notice.PREEMPTED
-        self.last = self.metrics.log(step, lr=self.engine.get_lr()[0], flags=int(mine), epoch=getattr(self.data, "epochs", None))
-        self.agreed = Notice(self.metrics.agreement.flags)
-        if hasattr(self.data, "source_metrics"):  # a mixture: tokens and epochs per source, from its position
-            self.metrics.emit(step, self.data.source_metrics(seq_len=self.worker.config.data.seq_len))
-        self.health.check_window(step, self.last, self.metrics)
+        self.last = parts.metrics.log(step, lr=parts.engine.get_lr()[0], flags=int(mine), epoch=getattr(parts.data, "epochs", None))
+        self.agreed = Notice(parts.metrics.agreement.flags)
+        if hasattr(parts.data, "source_metrics"):  # a mixture: tokens and epochs per source, from its position
+            parts.metrics.emit(step, parts.data.source_metrics(seq_len=self.worker.config.data.seq_len))
+        parts.health.check_window(step, self.last, parts.metrics)
         return True
 
     def is_save_step(self, step: int, *, logged: bool) -> bool:
-        if not self.save_checkpoints:
+        parts = self.parts
+        if not parts.save_checkpoints:
             return False
         self.on_notice = self.preemption.save_due(bool(self.agreed & Notice.PREEMPTED))
         due = (
-            self.checkpointer.due_by_steps(step, self.worker.config.train.steps)
+            parts.checkpointer.due_by_steps(step, self.worker.config.train.steps)
             or bool(self.agreed & (Notice.CHECKPOINT_TIME | Notice.STOP)) or self.on_notice
         )
-        return due and self.health.may_save(step, self.metrics, logged=logged)
+        return due and parts.health.may_save(step, parts.metrics, logged=logged)
 
     def evaluate(self, step: int, *, logged: bool, saving: bool) -> None:
-        if self.evaluator.due(step, logged=logged, saving=saving):
-            self.last = {**self.last, **self.evaluator.run(self.engine, self.metrics, step=step, tokens=self.state.tokens)}
+        parts = self.parts
+        if parts.evaluator.due(step, logged=logged, saving=saving):
+            self.last = {**self.last, **parts.evaluator.run(parts.engine, parts.metrics, step=step, tokens=parts.state.tokens)}
 
     def report(self, step: int, *, logged: bool) -> None:
-        if logged and self.on_window is not None:
-            self.on_window(step=step, metrics=self.last)
+        if logged and self.parts.on_window is not None:
+            self.parts.on_window(step=step, metrics=self.last)
 
     def save(self, step: int) -> None:
-        state = self.state
-        self.heartbeat.pause("save")  # a save's time depends on the storage: the hang watchdog leaves it alone
-        state.data_position, state.health = self.data.position.to_dict(), self.health.state_record()
-        blocked_s = self.checkpointer.save(
-            self.engine, state, metrics={"step": step, "tokens": state.tokens, "start_step": self.start_step, **self.last}
+        parts, state = self.parts, self.parts.state
+        parts.heartbeat.pause("save")  # a save's time depends on the storage: the hang watchdog leaves it alone
+        state.data_position, state.health = parts.data.position.to_dict(), parts.health.state_record()
+        blocked_s = parts.checkpointer.save(
+            parts.engine, state, metrics={"step": step, "tokens": state.tokens, "start_step": self.start_step, **self.last}
         )
         if self.on_notice:  # the node may go at its deadline: this checkpoint must be in storage first
-            self.checkpointer.wait_for_upload()
+            parts.checkpointer.wait_for_upload()
             values = self.preemption.saved(step=step)
             if self.worker.rank == 0:
                 print(self.preemption.message(step=step, metrics=values), flush=True)
-            self.metrics.emit(step, values)
-        self.metrics.record_checkpoint(blocked_s=blocked_s, upload_s=self.checkpointer.take_upload_s())
-        self.metrics.flush_sinks()
+            parts.metrics.emit(step, values)
+        parts.metrics.record_checkpoint(blocked_s=blocked_s, upload_s=parts.checkpointer.take_upload_s())
+        parts.metrics.flush_sinks()
 
     def stop(self, step: int) -> None:
-        self.checkpointer.finish()
+        parts = self.parts
+        parts.checkpointer.finish()
         if self.worker.rank == 0:
-            saved = f"saved a checkpoint at step {step}" if self.save_checkpoints else "no checkpoint (a sweep trial)"
+            saved = f"saved a checkpoint at step {step}" if parts.save_checkpoints else "no checkpoint (a sweep trial)"
             print(
-                f"Stop requested ({self.coordinator.stop_requested() or 'notice'}): {saved} and stopped. "
+                f"Stop requested ({parts.coordinator.stop_requested() or 'notice'}): {saved} and stopped. "
                 "The same command continues from there.", flush=True,
             )

@@ -30,6 +30,7 @@ _EXPORTS = {
     "mfu_inputs": "raytrain_fast.metrics.setup",
     "SlowdownDetector": "raytrain_fast.metrics.slowdown",
     "Window": "raytrain_fast.metrics.slowdown",
+    "StepPlan": "raytrain_fast.metrics.train_metrics",
     "TrainMetrics": "raytrain_fast.metrics.train_metrics",
 }
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -32,10 +33,11 @@ from raytrain_fast.metrics.host import HostSampler
 from raytrain_fast.metrics.memory import GB, host_memory_gb, memory_in_use_gb, peak_memory_gb, reset_peak_memory
 from raytrain_fast.metrics.peak import mfu
 from raytrain_fast.metrics.progress import progress_line
+from raytrain_fast.metrics.setup import MfuInputs
 from raytrain_fast.metrics.sinks import MetricSink, SinkWriter
 from raytrain_fast.metrics.slowdown import SlowdownDetector, Window
 
-__all__ = ["TrainMetrics"]
+__all__ = ["StepPlan", "TrainMetrics"]
 _HOST_FLOATS = 5  # per rank, gathered on log steps: seconds to reach the drain, data wait, GC, CPU share, CPU wait
 
 
@@ -46,6 +48,26 @@ def _writer_for(sinks: Sequence[MetricSink] | SinkWriter, config: MetricsConfig,
     if isinstance(sinks, SinkWriter):
         return sinks
     return SinkWriter(sinks, max_queue=config.queue_size) if sinks else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepPlan:
+    """The run's steps as the metrics count them: where the log windows end and what a step is worth."""
+
+    log_every: int
+    """A window ends every this many steps (train.log_every), and at the last step."""
+    total_steps: int
+    start_step: int = 0
+    """The step this process starts after (a resumed run's checkpoint)."""
+    tokens_per_step: int
+    """Tokens per optimizer step across all ranks."""
+
+    def __post_init__(self) -> None:
+        if self.log_every <= 0:
+            raise ValueError(f"log_every must be > 0, got {self.log_every}")
+
+    def is_log_step(self, step: int) -> bool:
+        return step % self.log_every == 0 or step == self.total_steps
 
 
 class TrainMetrics:
@@ -68,24 +90,23 @@ class TrainMetrics:
 
     Checkpoints: `with metrics.checkpoint_timer(): save(...)` (or `record_checkpoint(blocked_s=...)`),
     and `record_checkpoint(upload_s=...)` when an async upload reports its duration.
+
+    What it is built from, by concern: the metrics section; the run's steps (`StepPlan`); the rank's
+    place (device, rank, world size); MFU's inputs, measured once per run (`MfuInputs`); what the
+    host/* and memory/* figures are read against (the CPU memory budget, the worker's niceness);
+    where records go (rank 0's sinks, the progress line).
     """
 
     def __init__(
-        self, config: MetricsConfig, *, log_every: int, total_steps: int, start_step: int, tokens_per_step: int,
-        device: torch.device | str, rank: int = 0, world_size: int = 1, flops_per_token: float | None = None,
-        datasheet_peak_flops: float | None = None, measured_peak_flops: float | None = None,
-        memory_budget_gb: float | None = None, sinks: Sequence[MetricSink] | SinkWriter = (),
-        print_progress: bool = True, process_group: Any = None, niceness: int | None = None,
-        agreement: StepAgreement | None = None,
+        self, config: MetricsConfig, *, steps: StepPlan, device: torch.device | str, rank: int = 0, world_size: int = 1,
+        mfu: MfuInputs | None = None, memory_budget_gb: float | None = None, niceness: int | None = None,
+        sinks: Sequence[MetricSink] | SinkWriter = (), print_progress: bool = True, agreement: StepAgreement | None = None,
     ) -> None:
-        if log_every <= 0:
-            raise ValueError(f"log_every must be > 0, got {log_every}")
-        self.config, self.log_every, self.total_steps = config, log_every, total_steps
-        self.tokens_per_step = tokens_per_step
-        """Tokens per optimizer step across all ranks."""
+        self.config, self.steps = config, steps
         self.rank, self.world_size = rank, world_size
-        self.flops_per_token = flops_per_token
-        self.peaks = {"throughput/mfu": datasheet_peak_flops, "throughput/mfu_measured_peak": measured_peak_flops}
+        self.flops_per_token = mfu.flops_per_token if mfu is not None else None
+        self.peaks = {"throughput/mfu": mfu.datasheet_peak_flops if mfu is not None else None,
+                      "throughput/mfu_measured_peak": mfu.measured_peak_flops if mfu is not None else None}
         """Per device: the datasheet's (None where unknown: CPUs, unlisted devices) and the measured one."""
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
@@ -93,10 +114,8 @@ class TrainMetrics:
         self._memory_capacity_gb = (
             torch.cuda.get_device_properties(self.device).total_memory / GB if self._cuda else memory_budget_gb
         )
-        self.acc = StepAccumulators(device=self.device, profile_every=config.profile_every, start_step=start_step)
-        self.agreement = agreement or StepAgreement(
-            world_size=world_size, device=self.device, host_floats=_HOST_FLOATS, process_group=process_group
-        )
+        self.acc = StepAccumulators(device=self.device, profile_every=config.profile_every, start_step=steps.start_step)
+        self.agreement = agreement or StepAgreement(world_size=world_size, device=self.device, host_floats=_HOST_FLOATS)
         # Threads that compute: torch's on a CPU, the one that launches kernels on a GPU.
         self._host = HostSampler(compute_threads=1 if self._cuda else torch.get_num_threads())
         self._niceness = niceness
@@ -111,11 +130,11 @@ class TrainMetrics:
         """What the health check saw so far (loop/health.py): event -> (count, last step); the progress line shows it."""
         self._writer = _writer_for(sinks, config, logger=self._is_logger)
         self._sink_at_window_start = (0.0, 0)  # the sink thread's CPU seconds and dropped records
-        self.alerts = WindowAlerts(config, start_step=start_step)
+        self.alerts = WindowAlerts(config, start_step=steps.start_step)
         self._last_upload_s: float | None = None
         self._compile_s: float | None = None
         reset_peak_memory(self.device)  # memory/peak_gb: training's, not setup's
-        self._start_window(start_step, time.perf_counter())
+        self._start_window(steps.start_step, time.perf_counter())
 
     # --- hot path (metrics/accumulators.py) ------------------------------------------------------
 
@@ -137,7 +156,7 @@ class TrainMetrics:
         self._gc.step(step)
 
     def is_log_step(self, step: int) -> bool:
-        return step % self.log_every == 0 or step == self.total_steps
+        return self.steps.is_log_step(step)
 
     def window_finite(self) -> bool:
         """Whether every step since the last drain had a finite loss and gradient norm on every rank:
@@ -253,7 +272,7 @@ class TrainMetrics:
     def _train_metrics(self, sums: list[float], *, lr: float | None, num_steps: int, wall: float) -> dict[str, float]:
         """Loss, learning rate, grad norm, throughput, MFU and step time: the window's train/ and throughput/."""
         world = self.world_size if self.agreement.distributed else 1
-        tokens_per_sec = self.tokens_per_step * num_steps / wall
+        tokens_per_sec = self.steps.tokens_per_step * num_steps / wall
         metrics: dict[str, float] = {}
         if self.acc.num_losses:
             metrics["train/loss"] = sums[0] / (self.acc.num_losses * world)
@@ -352,7 +371,7 @@ class TrainMetrics:
 
     def format_line(self, step: int, metrics: dict[str, float]) -> str:
         """The progress line rank 0 prints on log steps."""
-        return progress_line(step, self.total_steps, metrics, self.health_marks)
+        return progress_line(step, self.steps.total_steps, metrics, self.health_marks)
 
     # --- end -----------------------------------------------------------------------------------
 

@@ -4,9 +4,10 @@ For each candidate micro-batch (`raytrain_fast.microbatch`, shared with `raytrai
 the powers of two that divide the per-worker batch global_batch / num_workers, and that batch
 itself), smallest first, one probe in a FRESH process with a worker's resources (a Ray task with
 max_calls=1, so peak memory is that candidate's alone: ru_maxrss never goes down within a
-process) builds the model and the DeepSpeed engine, runs one optimizer step of warm-up
-(allocates the optimizer state) and `timed_steps` timed ones at the accumulation that keeps the
-global batch, and reports:
+process) builds the program a training worker builds (engine/program.py: TF32, the model, its
+compiled blocks, the DeepSpeed engine), runs one optimizer step of warm-up (allocates the optimizer
+state; a compiled program compiles in it) and `timed_steps` timed ones at the accumulation that
+keeps the global batch, and reports:
 
 - peak memory (`microbatch.peak_memory_gb`): on GPU `torch.cuda.max_memory_reserved` (what the
   allocator holds: what runs out), on CPU the peak RSS of the whole probe process;
@@ -84,6 +85,8 @@ class Probe:
     reason: str = ""
     activation_checkpointing: str = "none"
     """The model.activation_checkpointing it was measured with (caches written before it: none)."""
+    compiled: bool = False
+    """Whether its blocks were compiled, as the run's are (engine.compile)."""
 
 
 @dataclass(kw_only=True)
@@ -120,13 +123,14 @@ def probe_micro_batch(
     config_dict: dict[str, Any], *, micro_batch: int, grad_accum: int, budget_gb: float | None,
     warmup_steps: int = 1, timed_steps: int = 2,
 ) -> Probe:
-    """Measure one candidate in THIS process (call it in a fresh one: see `probe_in_fresh_process`)."""
+    """Measure one candidate in THIS process (call it in a fresh one: see `probe_in_fresh_process`),
+    on the program a training worker builds (engine/program.py), on one worker."""
     import torch
     import torch.distributed as dist
 
-    from raytrain_fast.engine import build_engine, select_accelerator
     from raytrain_fast.engine.process_group import single_process_group
-    from raytrain_fast.model import build_model
+    from raytrain_fast.engine.program import build_program, one_process, prepare_process
+    from raytrain_fast.model import document_masking
 
     # What a training worker's process imports too (Ray Train, Ray Data, the loop): about 0.14 GB
     # of RSS on CPU, which a budget must hold as well.
@@ -136,27 +140,24 @@ def probe_micro_batch(
     import raytrain_fast.loop.train_loop  # noqa: F401
 
     config = Config.from_dict(config_dict)
-    cuda = bool(config.resources.use_gpu) and torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    if not cuda and config.resources.cpus_per_worker > 0:
-        torch.set_num_threads(config.resources.cpus_per_worker)  # as the training worker does
-    select_accelerator()
+    device = prepare_process(threads=config.resources.cpus_per_worker, seed=config.train.seed)
+    cuda = device.type == "cuda"
     total_gb = torch.cuda.get_device_properties(device).total_memory / _GB if cuda else None
     if budget_gb is None and total_gb is not None:
         budget_gb = total_gb * (1 - GPU_MEMORY_MARGIN)
     probe = Probe(micro_batch=micro_batch, grad_accum=grad_accum, status=FAILED, device_total_gb=total_gb)
     single_process_group("nccl" if cuda else "gloo")
-    engine = tokens = None
+    program = tokens = None
     try:
-        torch.manual_seed(config.train.seed)
-        model = build_model(config.model, device)
-        engine = build_engine(
-            model, engine=config.engine, optim=config.optim, micro_batch=micro_batch, grad_accum=grad_accum,
-            world_size=1, total_steps=warmup_steps + timed_steps,
+        program = build_program(
+            one_process(config, micro_batch=micro_batch, grad_accum=grad_accum, steps=warmup_steps + timed_steps),
+            # Any id will do: random tokens end a document as often whichever id ends one.
+            device=device, documents=document_masking(config.data, eod_id=0),
         )
+        probe.compiled = program.compiled
         tokens = torch.randint(0, config.model.vocab_size, (micro_batch, config.data.seq_len + 1), device=device)
         reset_peak_memory(device)  # as the training loop does once set up: the same statistic
-        elapsed = _timed_steps(engine, tokens, grad_accum=grad_accum, warmup_steps=warmup_steps, timed_steps=timed_steps)
+        elapsed = _timed_steps(program.engine, tokens, grad_accum=grad_accum, warmup_steps=warmup_steps, timed_steps=timed_steps)
         probe.tokens_per_sec = timed_steps * grad_accum * micro_batch * config.data.seq_len / elapsed
         probe.peak_gb = peak_memory_gb(device)
         outcome = classify_peak(probe.peak_gb, budget_gb)
@@ -165,7 +166,7 @@ def probe_micro_batch(
         probe.peak_gb = peak_memory_gb(device)  # how far it got
     finally:
         # Free the device memory before the next candidate (this process exits too: max_calls=1).
-        engine = tokens = None
+        program = tokens = None
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -228,9 +229,10 @@ def _device_key(config: Config) -> str:
 def cache_key(config: Config) -> tuple[str, dict[str, Any]]:
     """(hash, what it hashes): everything that changes which micro-batch fits and is fastest. The
     model config includes model.activation_checkpointing: `none` (which the search may turn on) and
-    `full` are different questions."""
+    `full` are different questions; compiled blocks and document masking change the program too."""
     inputs = {
         "model": dataclasses.asdict(config.model), "seq_len": config.data.seq_len, "device": _device_key(config),
+        "compile": config.engine.compile, "document_masking": config.data.document_masking,
         "world_size": config.resources.num_workers, "zero_stage": config.engine.zero_stage,
         "precision": config.engine.precision, "global_batch": config.train.global_batch,
         "memory_budget_gb": config.resources.memory_budget_gb, "cpus_per_worker": config.resources.cpus_per_worker,

@@ -1,0 +1,102 @@
+"""What a training worker runs, built in one place: the process's device, threads, TF32 and seed
+(`prepare_process`), then the model with its activation checkpointing, the compiled blocks and the
+DeepSpeed engine at the config's precision (`build_program`). The step loop, `train.micro_batch:
+auto`'s probe and `raytrain-fast bench model` all build through it, so each times and sizes the
+program that trains.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from raytrain_fast.config import Config
+from raytrain_fast.engine.compile import compile_blocks
+from raytrain_fast.engine.deepspeed_engine import (
+    apply_deepspeed_patches,
+    build_engine,
+    enable_tf32,
+    select_accelerator,
+    training_device,
+)
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+    from raytrain_fast.model import GPT, DocumentMasking
+
+
+@dataclass(kw_only=True)
+class WorkerProgram:
+    """The model and engine one worker trains with."""
+
+    device: torch.device
+    model: GPT
+    compiled: bool
+    """Whether the blocks are compiled (they compile in the first step: time it apart)."""
+    compile_line: str | None
+    """engine.compile's startup line (None when auto left it off)."""
+    engine: DeepSpeedEngine | None = None
+    """The DeepSpeed engine; None for a program built without one (`bench model`'s `bare` variant)."""
+
+
+def prepare_process(*, threads: int, seed: int) -> torch.device:
+    """This process set up as a training worker: DeepSpeed's accelerator chosen (before deepspeed is
+    first imported), torch's threads (`threads` > 0: Ray starts workers with OMP_NUM_THREADS=1, so
+    torch must be told how many cores it has), TF32 for fp32 matmuls on CUDA, the seeds. Returns
+    the device it trains on."""
+    select_accelerator()
+    if threads > 0:
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    device = training_device()
+    enable_tf32(device)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    return device
+
+
+def build_program(
+    config: Config, *, device: torch.device, documents: DocumentMasking | None = None, with_engine: bool = True,
+    on_eager_model: Callable[[GPT], None] | None = None, load_universal: bool = False,
+    say: Callable[[str], None] | None = None,
+) -> WorkerProgram:
+    """The model of `config.model` (activation checkpointing included) on `device`, its blocks
+    compiled as `engine.compile` says, then the DeepSpeed engine for `config.train`'s micro-batch and
+    accumulation on `config.resources.num_workers` workers at `config.engine.precision` (resolved).
+
+    `on_eager_model(model)`: what must see the eager model before compilation (the loop's initial
+    weights and FLOP count). `with_engine=False`: the model alone. `say`: where the compile and
+    DeepSpeed patch startup lines (and a patch's warning) go, as they happen; None: not said (a
+    patch's warning is still printed)."""
+    from raytrain_fast.model import build_model
+
+    model = build_model(config.model, device, documents=documents)  # weights made on the device: no host copy first
+    if on_eager_model is not None:
+        on_eager_model(model)
+    compiled, compile_line = compile_blocks(model, setting=config.engine.compile, device=device)
+    if compile_line and say is not None:
+        say(compile_line)
+    program = WorkerProgram(device=device, model=model, compiled=compiled, compile_line=compile_line)
+    if not with_engine:
+        return program
+    world_size = int(config.resources.num_workers)
+    if say is not None:  # its startup line; build_engine makes the patches either way
+        say(apply_deepspeed_patches(config.engine.deepspeed_patches, world_size=world_size, warn=say))
+    program.engine = build_engine(
+        model, engine=config.engine, optim=config.optim, micro_batch=int(config.train.micro_batch),
+        grad_accum=config.grad_accum(), world_size=world_size, total_steps=config.train.steps, load_universal=load_universal,
+    )
+    return program
+
+
+def one_process(config: Config, *, micro_batch: int, grad_accum: int, steps: int) -> Config:
+    """`config` as a program of its own in one process runs it (a micro-batch probe, a bench
+    variant): one worker at `micro_batch` x `grad_accum`, a schedule of `steps` steps."""
+    train = replace(config.train, micro_batch=micro_batch, grad_accum=grad_accum, steps=steps)
+    return replace(config, train=train, resources=replace(config.resources, num_workers=1, min_workers=None))

@@ -1,0 +1,325 @@
+"""The parts one worker's steps use (loop/steps.py), built in the order they need each other and
+closed in reverse.
+
+`LoopParts.restore` reads the newest checkpoint's state first (state only: the data reader starts
+at its position while the model is built), then `build` makes, in order: the health policy, the
+data reader, the run's coordinator, the program (engine/program.py: the model, measured eager; rank
+0's sinks opened while the rest is built; compiled blocks; the engine with the restored state), the
+evaluator, the metrics (last: building them freezes the heap for GC control), and the heartbeat (from
+then on the hang watchdog watches this rank). Leaving the `with` block closes what was built, in
+reverse, whatever happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from raytrain_fast.checkpoint import Checkpointer, TrainState
+from raytrain_fast.console import nothing_to_do
+from raytrain_fast.coordinator import Coordinator
+from raytrain_fast.engine import apply_optim_settings
+from raytrain_fast.engine.program import WorkerProgram, build_program
+from raytrain_fast.loop.evaluation import Evaluator
+from raytrain_fast.loop.health import HealthMonitor
+from raytrain_fast.metrics import SinkWriter, StepPlan, TrainMetrics, build_sinks, mfu_inputs
+from raytrain_fast.metrics.setup import MfuInputs
+from raytrain_fast.model import GPT, document_masking
+from raytrain_fast.storage import redact
+from raytrain_fast.storage.filesystem import resolve_filesystem
+from raytrain_fast.watchdog.heartbeat import Heartbeat, NoHeartbeat
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+    from raytrain_fast.data import BatchIterator
+    from raytrain_fast.loop.hooks import WindowCallback
+    from raytrain_fast.loop.worker import LoopInputs, Worker
+
+
+def _quiet(line: str) -> None:
+    """Where a rank other than 0 says its startup lines."""
+
+
+class LoopParts:
+    """What the steps use; `restore` and `build` make it, leaving the `with` block closes it."""
+
+    checkpointer: Checkpointer
+    state: TrainState
+    """The training state; the same object throughout (the heartbeat thread reads its step)."""
+    health: HealthMonitor
+    data: BatchIterator
+    """The reader at the state's position; a rollback replaces it (loop/rollback.py)."""
+    coordinator: Coordinator
+    mfu: MfuInputs
+    """FLOPs per token and the peaks, measured once per run on the eager model."""
+    sinks: SinkWriter | None
+    """Rank 0's sink writer (None on other ranks)."""
+    engine: DeepSpeedEngine
+    compiled: bool
+    """The blocks are compiled and the next step is their first: it compiles them (timed apart)."""
+    evaluator: Evaluator
+    metrics: TrainMetrics
+    heartbeat: Heartbeat | NoHeartbeat
+    on_window: WindowCallback | None
+    save_checkpoints: bool
+
+    def __init__(self, worker: Worker, inputs: LoopInputs) -> None:
+        self.worker, self.inputs = worker, inputs
+        self.on_window, self.save_checkpoints = inputs.on_window, inputs.save_checkpoints
+        self._closing = contextlib.ExitStack()
+        self._closing.callback(worker.hooks.close)  # built first, by setup_worker
+
+    def __enter__(self) -> LoopParts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closing.close()
+
+    def restore(self) -> TrainState | None:
+        """The checkpointer and the state: the newest complete checkpoint's (returned; None for a new run)."""
+        self.checkpointer, self.state, restored = restore(self.worker)
+        return restored
+
+    def nothing_to_do(self) -> None:
+        """The run already reached train.steps: nothing to train, nothing to save."""
+        self.checkpointer.discard()
+        if self.worker.rank == 0:
+            print(nothing_to_do(self.worker.config.name, steps=self.worker.config.train.steps, saved_step=self.state.step), flush=True)
+
+    def build(self, *, restored: TrainState | None) -> None:
+        """Every other part, in order (the module docstring says why this order)."""
+        worker, state, close = self.worker, self.state, self._closing.callback
+        self.health = build_health(worker, self.checkpointer, state)
+        self.data = self.open_data(state)
+        close(lambda: self.data.close())  # the reader of the moment (a rollback replaces it)
+        self.coordinator = Coordinator.connect(worker.config.name or "run", timeout_s=worker.config.metrics.coordinator_timeout_s)
+        close(self.coordinator.close)
+        program = self._build_program(restored)
+        self.engine, self.compiled = program.engine, program.compiled
+        self.evaluator = build_evaluator(worker, self.engine, self.data, tasks=self.inputs.tasks)
+        self.metrics = build_metrics(worker, state, self.engine, self.mfu, self.sinks)  # last: it freezes the heap for GC control
+        close(self.metrics.close)
+        note_resize(worker, restored, self.checkpointer, self.metrics, self.coordinator)
+        note_hangs(worker, self.coordinator, self.metrics, step=state.step)
+        self.heartbeat = start_heartbeat(worker, self.coordinator, state)  # from here on, the hang watchdog watches this rank
+        close(self.heartbeat.close)
+
+    def _build_program(self, restored: TrainState | None) -> WorkerProgram:
+        """The worker's program (engine/program.py), with the restored state in its engine."""
+        worker, config = self.worker, self.worker.config
+        program = build_program(
+            config, device=worker.device, on_eager_model=lambda model: self._on_eager_model(model, restored=restored),
+            documents=document_masking(config.data, eod_id=worker.manifest.tokenizer.eod_id),  # None unless data.document_masking
+            load_universal=self.checkpointer.resized is not None, say=print if worker.rank == 0 else _quiet,
+        )
+        if restored is not None:
+            self.checkpointer.load_into(program.engine)
+            apply_optim_settings(program.engine, optim=config.optim, total_steps=config.train.steps)  # a changed optim.* applies
+        return program
+
+    def _on_eager_model(self, model: GPT, *, restored: TrainState | None) -> None:
+        """Before compilation: the initial weights and the values measured once per run, then rank
+        0's sinks open (W&B / TensorBoard start while the engine is built, not in the first steps)
+        and its stop watcher starts."""
+        self.mfu = measure_eager_model(self.worker, model, self.state, self.coordinator, restored=restored)
+        self.sinks = start_sinks(self.worker, self.state)
+        if self.sinks is not None:
+            self._closing.callback(self.sinks.close)  # closed by metrics.close() too, unless setup fails before it
+        if self.worker.rank == 0:
+            self.coordinator.watch_for_stop()  # the driver's SIGTERM / Ctrl-C reaches the loop through it
+
+    def open_data(self, state: TrainState) -> BatchIterator:
+        """The reader at `state`'s data position (a mixture's for data.sources)."""
+        from raytrain_fast.data import BatchIterator, DataPosition
+
+        worker, config = self.worker, self.worker.config
+        if config.data.sources:  # a mixture (data/mixture.py): its position is the mixture's
+            from raytrain_fast.data.mixture import open_mixture
+
+            return open_mixture(config, self.inputs.data_uris, rank=worker.rank, world_size=worker.world_size,
+                                device=worker.device, position=state.data_position)
+        return BatchIterator(
+            worker.manifest,
+            rank=worker.rank, world_size=worker.world_size, micro_batch=config.train.micro_batch,
+            seed=config.data.shuffle_seed, prefetch_batches=config.data.prefetch_batches, device=worker.device,
+            storage=config.storage, max_sequences=self.inputs.max_sequences,
+            position=DataPosition.from_dict(state.data_position) if state.data_position else None,
+        )
+
+
+def restore(worker: Worker) -> tuple[Checkpointer, TrainState, TrainState | None]:
+    """The newest complete checkpoint's state (not yet the engine's: that is loaded once the engine
+    exists), so the data reader can start at the saved position while the engine is built."""
+    config = worker.config
+    filesystem, storage_root = resolve_filesystem(config.storage.uri, config.storage)
+    checkpointer = Checkpointer(
+        config.checkpoint, rank=worker.rank, world_size=worker.world_size, run_config=redact(config.to_dict()),
+        local_mode_run=(filesystem, f"{storage_root.rstrip('/')}/{config.name}"),
+        before_upload=worker.hooks.before_upload,
+    )
+    restored = checkpointer.restore_state()
+    state = restored or TrainState(
+        world_size=worker.world_size, zero_stage=config.engine.zero_stage, precision=config.engine.precision
+    )
+    if worker.rank == 0 and restored:
+        print(f"Resumed from checkpoint at step {state.step} ({state.tokens:,} tokens seen).", flush=True)
+        if checkpointer.resized:
+            from raytrain_fast.checkpoint.resize import resize_line
+
+            r = checkpointer.resized
+            print(resize_line(step=state.step, old=r["old"], new=r["new"], seconds=r["seconds"], cache=r["cache"],
+                              micro_batch=int(config.train.micro_batch), grad_accum=worker.grad_accum), flush=True)
+    state.world_size = worker.world_size  # what the next checkpoint is written by (a resize changes it)
+    state.global_batch = int(config.train.micro_batch) * worker.grad_accum * worker.world_size
+    return checkpointer, state, restored
+
+
+def build_health(worker: Worker, checkpointer: Checkpointer, state: TrainState) -> HealthMonitor:
+    """The divergence policy (loop/health.py) with the run's rollbacks so far; a resume from a
+    checkpoint that a rollback went back to skips the same data again (its position moves past it)."""
+    from raytrain_fast.loop.health import read_records, skip_position
+
+    records = read_records(checkpointer.filesystem, checkpointer.run_path) or list(state.health.get("rollbacks", []))
+    position = skip_position(records, step=state.step, position=state.data_position)
+    if position != state.data_position:
+        if worker.rank == 0:
+            print(f"Step {state.step}: skipping the data a rollback skipped here (health.json): now at {position}.", flush=True)
+        state.data_position = position
+    config = worker.config
+    return HealthMonitor(config.health, rank=worker.rank, warmup_steps=config.optim.warmup_steps, rollbacks=records,
+                         vocab_size=config.model.vocab_size, start_step=state.step)
+
+
+def measure_eager_model(
+    worker: Worker, model: GPT, state: TrainState, coordinator: Coordinator, *, restored: TrainState | None,
+) -> MfuInputs:
+    """On the eager model: the initial weights from checkpoint.init_from on a new run, then the
+    values measured once per run (FLOPs per token, the achievable peak: counted before anything
+    else runs beside it, shared through the coordinator actor, kept in checkpoints)."""
+    from raytrain_fast.checkpoint.init_from import load_initial_weights
+
+    config, rank = worker.config, worker.rank
+    if restored is None and config.checkpoint.init_from:
+        source = load_initial_weights(
+            model, config.checkpoint.init_from, storage=config.storage, rank=rank, world_size=worker.world_size
+        )
+        if rank == 0:
+            print(f"New run initialised from {config.checkpoint.init_from} ({source}).", flush=True)
+    if rank == 0 and state.coordinator:
+        coordinator.import_state(state.coordinator)
+    mfu = mfu_inputs(
+        coordinator, config.metrics, rank=rank, model=model, device=worker.device, precision=config.engine.precision,
+        sample_tokens=torch.randint(0, config.model.vocab_size, (1, config.data.seq_len), device=worker.device),
+    )
+    state.coordinator = coordinator.export_state()
+    if rank == 0 and (line := mfu.peak_line()):
+        print(line, flush=True)
+    return mfu
+
+
+def start_sinks(worker: Worker, state: TrainState) -> SinkWriter | None:
+    """Rank 0's sinks (JSONL, W&B, TensorBoard as configured) behind their writer thread, which
+    opens them at once: W&B's import and init take seconds of CPU that would otherwise come out of
+    the first training steps."""
+    if worker.rank != 0:
+        return None
+    config = worker.config
+    # W&B and TensorBoard write files on this node; with remote storage they go to a temp dir that
+    # metrics.sinks.LocalDirSync copies into the run's storage and removes at the end.
+    keeps_files = config.metrics.wandb or config.metrics.tensorboard
+    local_dir = tempfile.mkdtemp(prefix="raytrain-fast-sinks-") if keeps_files and "://" in worker.run_uri else worker.run_uri
+    sinks = build_sinks(
+        config.metrics, run_uri=worker.run_uri, run_name=config.name or "run", start_step=state.step,
+        local_dir=local_dir, storage=config.storage, run_config=redact(config.to_dict()),
+    )
+    return SinkWriter(worker.hooks.sinks(sinks), max_queue=config.metrics.queue_size)
+
+
+def build_evaluator(worker: Worker, engine: DeepSpeedEngine, data: BatchIterator, *, tasks: Any = None) -> Evaluator:
+    """This rank's share of the fixed validation set, on the device once (none when eval is off); for
+    a mixture, each source's split with a val/loss of its own (data/validation.py). `tasks`: the run's
+    eval.tasks, encoded on the driver (downstream/in_loop.py RunTasks), or None."""
+    from raytrain_fast.data.validation import load_mixture_validation, load_validation_tokens
+
+    config = worker.config
+    tokens, total, splits = None, config.eval.sequences, None
+    share = dict(rank=worker.rank, world_size=worker.world_size, storage=config.storage)
+    if config.eval.enabled and config.data.sources:
+        rows, splits = load_mixture_validation(data.sources, count=config.eval.sequences, **share)
+        tokens, total = torch.from_numpy(rows).to(engine.device), len(rows)
+    elif config.eval.enabled:
+        rows = load_validation_tokens(worker.manifest, count=config.eval.sequences, **share)
+        tokens = torch.from_numpy(rows).to(engine.device)
+    micro_batch = config.eval.micro_batch or int(config.train.micro_batch)
+    if tasks is not None:
+        tasks = tasks.for_rank(rank=worker.rank, world_size=worker.world_size, device=engine.device, micro_batch=micro_batch)
+    return Evaluator(
+        tokens=tokens, total=total, every_steps=config.eval.every_steps or 1, total_steps=config.train.steps,
+        micro_batch=micro_batch, rank=worker.rank, world_size=worker.world_size, sources=splits, tasks=tasks,
+    )
+
+
+def build_metrics(worker: Worker, state: TrainState, engine: DeepSpeedEngine, mfu: MfuInputs, sinks: SinkWriter | None) -> TrainMetrics:
+    """Every rank's metrics; rank 0's hand records to the sink writer started during setup."""
+    config = worker.config
+    steps = StepPlan(log_every=config.train.log_every, total_steps=config.train.steps, start_step=state.step,
+                     tokens_per_step=worker.tokens_per_step)
+    return TrainMetrics(
+        config.metrics, steps=steps, device=engine.device, rank=worker.rank, world_size=worker.world_size, mfu=mfu,
+        memory_budget_gb=config.resources.memory_budget_gb, niceness=worker.niceness, sinks=sinks if sinks is not None else (),
+    )
+
+
+def note_resize(
+    worker: Worker, restored: TrainState | None, checkpointer: Checkpointer, metrics: TrainMetrics, coordinator: Coordinator,
+) -> None:
+    """An elastic run (or a rerun on another worker count) resumed at a new size: one line, and a
+    record that the report draws as a marker at the step. The size it changed from is the checkpoint's
+    (converted, and the line printed, by restore()), else this job's previous worker group's: a group
+    that grows back before the smaller one saved resumes a checkpoint of its own size."""
+    previous = coordinator.swap_group_size(worker.world_size) if worker.rank == 0 else None
+    if restored is None:
+        return
+    if checkpointer.resized:
+        old = checkpointer.resized["old"]
+    elif previous is not None and previous != worker.world_size:
+        old = previous
+        if worker.rank == 0:
+            print(f"Resized at step {restored.step}: {old} -> {worker.world_size} workers (resumed from a checkpoint "
+                  f"saved by {worker.world_size} workers: nothing to convert)", flush=True)
+    else:
+        return
+    metrics.emit(restored.step, {"resize/from_workers": float(old), "resize/to_workers": float(worker.world_size)})
+
+
+def note_hangs(worker: Worker, coordinator: Coordinator, metrics: TrainMetrics, *, step: int) -> None:
+    """After a restart the watchdog caused: one line on rank 0, and hang/* metrics the report and
+    the progress line read (the stacks are in `<run>/hangs/`)."""
+    if worker.rank != 0:
+        return
+    for hang in coordinator.take_hangs():
+        ranks = ", ".join(map(str, hang["stuck_ranks"]))
+        print(
+            f"Resumed at step {step} after a hang at step {hang['step']}: rank {ranks} made no progress for "
+            f"{hang['stuck_s']:.0f} s (stacks: {worker.run_uri}/{hang['stacks_file']}).", flush=True,
+        )
+        metrics.emit(step, {
+            "hang/step": float(hang["step"]), "hang/stuck_s": float(hang["stuck_s"]),
+            "hang/rank": float(hang["stuck_ranks"][0]), "hang/redone_steps": float(hang["step"] - step),
+        })
+
+
+def start_heartbeat(worker: Worker, coordinator: Coordinator, state: TrainState) -> Heartbeat | NoHeartbeat:
+    """This rank's heartbeat to the hang watchdog in the coordinator actor (watchdog/heartbeat.py):
+    a thread that reads `state.step`; nothing on the training thread."""
+    watchdog = worker.config.watchdog
+    if not watchdog.enabled:
+        return NoHeartbeat()
+    return Heartbeat(
+        coordinator.actor, rank=worker.rank, world_size=worker.world_size, read_step=lambda: state.step,
+        last_step=worker.config.train.steps, interval_s=watchdog.beat_interval_s(),
+    ).start()
