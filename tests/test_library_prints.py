@@ -18,24 +18,6 @@ pytestmark = pytest.mark.unit
 
 PACKAGE = Path(raytrain_fast.__file__).resolve().parent
 MAY_PRINT = {"cli.py", "console.py"}
-STILL_PRINTING = {
-    # Being restructured on other branches (the worker program, the run workflow, the compat modules);
-    # their lines move to `say` next, and each leaves this list then.
-    "bench/model.py",
-    "engine/deepspeed_compat.py",
-    "engine/deepspeed_engine.py",
-    "launch/checks.py",
-    "launch/resume.py",
-    "launch/trainer.py",
-    "loop/evaluation.py",
-    "loop/parts.py",
-    "loop/rollback.py",
-    "loop/steps.py",
-    "metrics/train_metrics.py",
-    "microbatch/auto.py",
-    "sweep/runner.py",
-}
-"""Library modules allowed to print for now."""
 
 
 def direct_writes(source: str) -> list[int]:
@@ -68,18 +50,12 @@ def test_library_modules_write_through_the_console():
     assert len(modules) > 100, modules  # the check really read the package
     found = {
         name: lines for name, path in modules.items()
-        if name not in MAY_PRINT | STILL_PRINTING and (lines := direct_writes(path.read_text()))
+        if name not in MAY_PRINT and (lines := direct_writes(path.read_text()))
     }
     assert not found, (
         f"library modules that print: {found} (file: lines). Write the line with "
         "`raytrain_fast.console.say(line, rank=...)`, or return the text for the CLI to print"
     )
-
-
-def test_every_module_allowed_to_print_still_does():
-    modules = _library_modules()
-    stale = sorted(name for name in STILL_PRINTING if name not in modules or not direct_writes(modules[name].read_text()))
-    assert not stale, f"{stale} no longer print: remove them from STILL_PRINTING in {Path(__file__).name}"
 
 
 def test_a_workers_line_is_said_once_by_rank_zero_and_a_per_rank_line_by_each(capsys):

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_fast.bench.model_worker import COMPILED_VARIANTS, VariantProcess, stopped_by_sigterm
+from raytrain_fast.console import say
 from raytrain_fast.errors import ConfigError
 
 
@@ -127,7 +128,7 @@ class ModelBenchSetup:
 
 
 def _say(message: str) -> None:
-    print(f"[bench model] {message}", file=sys.stderr, flush=True)
+    say(f"[bench model] {message}", stderr=True)
 
 
 class _LocalCoordinator:

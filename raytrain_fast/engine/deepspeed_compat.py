@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 import torch
 
+from raytrain_fast.console import say
+
 TESTED_DEEPSPEED = ("0.19.8",)
 """The DeepSpeed releases the patches were read against and CI runs (pyproject.toml caps the range)."""
 
@@ -324,7 +326,7 @@ def patch_problem(patch: ZeroPatch, original: Any, module: Any) -> str | None:
     return None
 
 
-def install(patch: ZeroPatch, *, warn: Callable[[str], None] = print) -> bool:
+def install(patch: ZeroPatch, *, warn: Callable[[str], None] = say) -> bool:
     """Replace the method, once (never over our own replacement), when `patch_problem` finds
     nothing; else keep DeepSpeed's own and warn once with the reason. True when ours is in force.
     A classmethod is replaced by a classmethod of the replacement."""
@@ -376,7 +378,7 @@ def skip_shm_comm_build() -> bool:
     return True
 
 
-def apply_patches(mode: PatchMode = "auto", *, warn: Callable[[str], None] = print) -> list[str]:
+def apply_patches(mode: PatchMode = "auto", *, warn: Callable[[str], None] = say) -> list[str]:
     """Make (auto) or undo (off) every replacement; the names of those in force."""
     if mode == "off":
         for patch in PATCHES:
@@ -401,7 +403,7 @@ def patches_line(active: list[str], *, mode: PatchMode, shm_skipped: bool = Fals
             f"(engine.deepspeed_patches=auto, docs/architecture.md#deepspeed-patches{tested}).")
 
 
-def write_checkpoints_in_background(engine: Any, writer: Any, *, warn: Callable[[str], None] = print) -> bool:
+def write_checkpoints_in_background(engine: Any, writer: Any, *, warn: Callable[[str], None] = say) -> bool:
     """Route a DeepSpeed engine's checkpoint file writes through `writer` (checkpoint/snapshot.py:
     a snapshot in memory, serialized by a background thread) instead of its inline `torch.save`.
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from raytrain_fast.config.engine import EngineConfig, OptimConfig, wsd_decay_steps
+from raytrain_fast.console import say
 from raytrain_fast.engine.deepspeed_compat import set_clip_grad, set_last_lr
 
 
@@ -224,7 +225,7 @@ def apply_optim_settings(engine: Any, *, optim: OptimConfig, total_steps: int) -
     set_clip_grad(getattr(engine, "optimizer", None), optim.grad_clip)  # ZeRO's (or the bf16) optimizer restores it too
 
 
-def apply_deepspeed_patches(mode: str, *, world_size: int, warn=print) -> str:
+def apply_deepspeed_patches(mode: str, *, world_size: int, warn=say) -> str:
     """Make (auto) or undo (off) the DeepSpeed patches before an engine is built; the startup line."""
     from raytrain_fast.engine import deepspeed_compat
 

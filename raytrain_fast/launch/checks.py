@@ -9,6 +9,7 @@ import logging
 import os
 
 from raytrain_fast.config import Config, validate
+from raytrain_fast.console import say
 from raytrain_fast.engine import resolve_precision
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.launch.ray_address import ensure_ray
@@ -153,9 +154,9 @@ def resolve_resources(
     needed = resources.fewest_workers  # an elastic run starts with what the cluster holds, from min_workers on
     use_gpu = gpus >= needed if resources.use_gpu == "auto" else bool(resources.use_gpu)
     if resources.use_gpu == "auto" and 0 < gpus < needed:
-        print(
+        say(
             f"Warning: the cluster has {gpus:g} GPUs for {needed} workers, so resources.use_gpu=auto "
-            "trains on CPUs. Lower resources.num_workers to use the GPUs.", flush=True,
+            "trains on CPUs. Lower resources.num_workers to use the GPUs."
         )
     cpus_per_worker = resources.cpus_per_worker
     if cpus_per_worker == 0:
@@ -165,9 +166,9 @@ def resolve_resources(
     if precision == "auto":  # measured where the workers run: the driver may have no GPU, or another CPU
         precision, reason = resolve_precision_on_a_worker(use_gpu=use_gpu, cpus_per_worker=cpus_per_worker)
         logger.info("precision: %s (%s)", precision, reason)
-        print(f"Precision: {precision} ({reason})", flush=True)
+        say(f"Precision: {precision} ({reason})")
     elif announce_precision:
-        print(f"Precision: {precision} (engine.precision={precision}, set explicitly)", flush=True)
+        say(f"Precision: {precision} (engine.precision={precision}, set explicitly)")
     return dataclasses.replace(
         config,
         resources=dataclasses.replace(resources, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker),
@@ -236,13 +237,13 @@ def prepare_training_data(config: Config) -> str:
         raise ConfigError(problems)
     _, notes = resolve_eval(config, manifest)  # the workers resolve it the same way; errors surface here, before them
     used = min(manifest.num_sequences, max_sequences(config) or manifest.num_sequences)
-    print(f"Data: {used:,} sequences of {config.data.seq_len + 1} tokens from {uri}", flush=True)
+    say(f"Data: {used:,} sequences of {config.data.seq_len + 1} tokens from {uri}")
     from raytrain_fast.data.corpus import repetition_warning
 
     if warning := repetition_warning(sequences_per_epoch=used, steps=config.train.steps, global_batch=config.train.global_batch):
-        print(warning, flush=True)
+        say(warning)
     for note in notes:
-        print(note, flush=True)
+        say(note)
     return uri
 
 
@@ -255,11 +256,11 @@ def prepare_mixture_data(config: Config) -> list[str]:
     sources = check_mixture(config, prepared=uris)  # their manifests, loaded once, in order
     resolved, notes = resolve_eval(config, sources[0].manifest)  # as the workers resolve it (from the first source)
     shares = ", ".join(f"{s.name} {s.weight:g}" for s in sources)
-    print(f"Data: a mixture of {len(sources)} sources ({shares}) of {config.data.seq_len + 1}-token sequences", flush=True)
+    say(f"Data: a mixture of {len(sources)} sources ({shares}) of {config.data.seq_len + 1}-token sequences")
     from raytrain_fast.data.validation import mixture_eval_note
 
     for note in notes + ([covered] if resolved.eval.enabled and (covered := mixture_eval_note(sources)) else []):
-        print(note, flush=True)
+        say(note)
     return uris
 
 
@@ -275,7 +276,7 @@ def prepare_tasks(config: Config, tasks: list, data_uri: str):
     resolved, _ = resolve_eval(config, manifest)
     run_tasks, notes = encode_run_tasks(tasks, config, manifest, every_steps=resolved.eval.every_steps or 1)
     for note in notes:
-        print(note, flush=True)
+        say(note)
     return run_tasks
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_fast.config import Config
+from raytrain_fast.console import say
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.storage import resolve_filesystem
 
@@ -156,7 +157,7 @@ def _check_run_unchanged(config: Config, filesystem, config_file: str, *, step: 
         saved, redact(config.to_dict()), allow_changes=config.checkpoint.allow_changes, name=config.name or "",
         step=step, checkpoint=f"{scheme}{config_file.rsplit('/', 1)[0]}",
     ):
-        print(line, flush=True)
+        say(line)
 
 
 def keep_checkpoint_precision(config: Config, state) -> Config:
@@ -167,7 +168,7 @@ def keep_checkpoint_precision(config: Config, state) -> Config:
         return config
     saved, asked = state.precision, config.engine.precision
     if asked in ("auto", saved):
-        print(f"Precision: {saved} (kept from the checkpoint at step {state.step})", flush=True)
+        say(f"Precision: {saved} (kept from the checkpoint at step {state.step})")
         return dataclasses.replace(config, engine=dataclasses.replace(config.engine, precision=saved))
     raise CheckpointError(
         f"engine.precision={asked}, but run '{config.name}' was checkpointed in {saved} (step {state.step}): "
@@ -197,7 +198,7 @@ def set_aside_later_checkpoints(config: Config, snapshot: RunSnapshot) -> None:
             filesystem.delete_dir(path)
     scheme = "s3://" if config.storage.uri.startswith("s3://") else ""
     steps = ", ".join(str(step) for step, _ in reversed(later))
-    print(
+    say(
         f"checkpoint.resume={config.checkpoint.resume}: moved the {len(later)} later checkpoint(s) (steps {steps}) "
-        f"to {scheme}{aside}; they are kept, and not resumed from or pruned (see docs/checkpoints.md)", flush=True,
+        f"to {scheme}{aside}; they are kept, and not resumed from or pruned (see docs/checkpoints.md)"
     )

@@ -16,7 +16,7 @@ from typing import Any
 
 from raytrain_fast._ray_compat import checkpoint_snapshot_name, trainer_class, worker_env_flags
 from raytrain_fast.config import Config
-from raytrain_fast.console import nothing_to_do
+from raytrain_fast.console import nothing_to_do, say
 from raytrain_fast.errors import WILL_REPEAT, DivergenceError, RaytrainFastError, repeating_error
 from raytrain_fast.launch.checks import (
     check_before_ray,
@@ -205,7 +205,7 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
     run_dir = f"{config.storage.uri.rstrip('/')}/{config.name}"
     r = config.resources
     workers = f"{r.min_workers}-{r.num_workers} workers (elastic)" if r.elastic else f"{r.num_workers} worker(s)"
-    print(f"Run '{config.name}': {workers}, storage {run_dir}", flush=True)
+    say(f"Run '{config.name}': {workers}, storage {run_dir}")
     data_uris = prepare_mixture_data(config) if config.data.sources else [prepare_training_data(config)]
     run_tasks = prepare_tasks(config, tasks, data_uris[0])  # encoded with the data's tokenizer
     fitted = fit_run(config, data_uris=data_uris, hooks=hooks, tasks=run_tasks)
@@ -334,7 +334,7 @@ def start_watchdog(config: Config, coordinator) -> None:
 
 def _nothing_to_do(config: Config, state) -> RunResult:
     """The run already reached train.steps: say so and return what storage holds."""
-    print(nothing_to_do(config.name, steps=config.train.steps, saved_step=state.step), flush=True)
+    say(nothing_to_do(config.name, steps=config.train.steps, saved_step=state.step))
     kept = kept_checkpoints(config)
     return RunResult(
         name=config.name or "", run_dir=f"{config.storage.uri.rstrip('/')}/{config.name}",
@@ -374,14 +374,11 @@ class _StopOnSignal:
         name = signal.Signals(number).name
         if self.signal_name is not None:  # the second notice: stop now
             self._restore()
-            print(f"{name} again: stopping now without a checkpoint.", flush=True)
+            say(f"{name} again: stopping now without a checkpoint.")
             raise KeyboardInterrupt
         self.signal_name = name
         self._event.set()  # first: the request goes out whatever printing does
-        print(
-            f"{name}: saving a checkpoint at the next log step, then stopping (send it again to stop at once).",
-            flush=True,
-        )
+        say(f"{name}: saving a checkpoint at the next log step, then stopping (send it again to stop at once).")
 
     def _send(self) -> None:
         self._event.wait()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from raytrain_fast.config import Config
+from raytrain_fast.console import say
 from raytrain_fast.data.manifest import Manifest
 from raytrain_fast.data.validation import SourceSplit
 from raytrain_fast.errors import ConfigError
@@ -132,8 +133,7 @@ class Evaluator:
             values.update(self.tasks.values(read[len(read) - self.tasks.size:], tokens=tokens))
         values["time/eval_s"] = seconds
         metrics.emit(step, values)
-        if self.rank == 0:
-            print(self._line(step, values), flush=True)
+        say(self._line(step, values), rank=self.rank)
         return values
 
     def _loss_values(self, sums: list[float]) -> dict[str, float]:

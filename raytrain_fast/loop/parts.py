@@ -13,13 +13,14 @@ reverse, whatever happened.
 from __future__ import annotations
 
 import contextlib
+import functools
 import tempfile
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from raytrain_fast.checkpoint import Checkpointer, TrainState
-from raytrain_fast.console import nothing_to_do
+from raytrain_fast.console import nothing_to_do, say
 from raytrain_fast.coordinator import Coordinator
 from raytrain_fast.engine import apply_optim_settings
 from raytrain_fast.engine.program import WorkerProgram, build_program
@@ -38,10 +39,6 @@ if TYPE_CHECKING:
     from raytrain_fast.data import BatchIterator
     from raytrain_fast.loop.hooks import WindowCallback
     from raytrain_fast.loop.worker import LoopInputs, Worker
-
-
-def _quiet(line: str) -> None:
-    """Where a rank other than 0 says its startup lines."""
 
 
 class LoopParts:
@@ -87,8 +84,8 @@ class LoopParts:
     def nothing_to_do(self) -> None:
         """The run already reached train.steps: nothing to train, nothing to save."""
         self.checkpointer.discard()
-        if self.worker.rank == 0:
-            print(nothing_to_do(self.worker.config.name, steps=self.worker.config.train.steps, saved_step=self.state.step), flush=True)
+        config = self.worker.config
+        say(nothing_to_do(config.name, steps=config.train.steps, saved_step=self.state.step), rank=self.worker.rank)
 
     def build(self, *, restored: TrainState | None) -> None:
         """Every other part, in order (the module docstring says why this order)."""
@@ -114,7 +111,7 @@ class LoopParts:
         program = build_program(
             config, device=worker.device, on_eager_model=lambda model: self._on_eager_model(model, restored=restored),
             documents=document_masking(config.data, eod_id=worker.manifest.tokenizer.eod_id),  # None unless data.document_masking
-            load_universal=self.checkpointer.resized is not None, say=print if worker.rank == 0 else _quiet,
+            load_universal=self.checkpointer.resized is not None, say=functools.partial(say, rank=worker.rank),
         )
         if restored is not None:
             self.checkpointer.load_into(program.engine)
@@ -165,14 +162,14 @@ def restore(worker: Worker) -> tuple[Checkpointer, TrainState, TrainState | None
     state = restored or TrainState(
         world_size=worker.world_size, zero_stage=config.engine.zero_stage, precision=config.engine.precision
     )
-    if worker.rank == 0 and restored:
-        print(f"Resumed from checkpoint at step {state.step} ({state.tokens:,} tokens seen).", flush=True)
+    if restored:
+        say(f"Resumed from checkpoint at step {state.step} ({state.tokens:,} tokens seen).", rank=worker.rank)
         if checkpointer.resized:
             from raytrain_fast.checkpoint.resize import resize_line
 
             r = checkpointer.resized
-            print(resize_line(step=state.step, old=r["old"], new=r["new"], seconds=r["seconds"], cache=r["cache"],
-                              micro_batch=int(config.train.micro_batch), grad_accum=worker.grad_accum), flush=True)
+            say(resize_line(step=state.step, old=r["old"], new=r["new"], seconds=r["seconds"], cache=r["cache"],
+                            micro_batch=int(config.train.micro_batch), grad_accum=worker.grad_accum), rank=worker.rank)
     state.world_size = worker.world_size  # what the next checkpoint is written by (a resize changes it)
     state.global_batch = int(config.train.micro_batch) * worker.grad_accum * worker.world_size
     return checkpointer, state, restored
@@ -186,8 +183,7 @@ def build_health(worker: Worker, checkpointer: Checkpointer, state: TrainState) 
     records = read_records(checkpointer.filesystem, checkpointer.run_path) or list(state.health.get("rollbacks", []))
     position = skip_position(records, step=state.step, position=state.data_position)
     if position != state.data_position:
-        if worker.rank == 0:
-            print(f"Step {state.step}: skipping the data a rollback skipped here (health.json): now at {position}.", flush=True)
+        say(f"Step {state.step}: skipping the data a rollback skipped here (health.json): now at {position}.", rank=worker.rank)
         state.data_position = position
     config = worker.config
     return HealthMonitor(config.health, rank=worker.rank, warmup_steps=config.optim.warmup_steps, rollbacks=records,
@@ -207,8 +203,7 @@ def measure_eager_model(
         source = load_initial_weights(
             model, config.checkpoint.init_from, storage=config.storage, rank=rank, world_size=worker.world_size
         )
-        if rank == 0:
-            print(f"New run initialised from {config.checkpoint.init_from} ({source}).", flush=True)
+        say(f"New run initialised from {config.checkpoint.init_from} ({source}).", rank=rank)
     if rank == 0 and state.coordinator:
         coordinator.import_state(state.coordinator)
     mfu = mfu_inputs(
@@ -216,8 +211,8 @@ def measure_eager_model(
         sample_tokens=torch.randint(0, config.model.vocab_size, (1, config.data.seq_len), device=worker.device),
     )
     state.coordinator = coordinator.export_state()
-    if rank == 0 and (line := mfu.peak_line()):
-        print(line, flush=True)
+    if line := mfu.peak_line():
+        say(line, rank=rank)
     return mfu
 
 
@@ -288,9 +283,8 @@ def note_resize(
         old = checkpointer.resized["old"]
     elif previous is not None and previous != worker.world_size:
         old = previous
-        if worker.rank == 0:
-            print(f"Resized at step {restored.step}: {old} -> {worker.world_size} workers (resumed from a checkpoint "
-                  f"saved by {worker.world_size} workers: nothing to convert)", flush=True)
+        say(f"Resized at step {restored.step}: {old} -> {worker.world_size} workers (resumed from a checkpoint "
+            f"saved by {worker.world_size} workers: nothing to convert)", rank=worker.rank)
     else:
         return
     metrics.emit(restored.step, {"resize/from_workers": float(old), "resize/to_workers": float(worker.world_size)})
@@ -303,9 +297,9 @@ def note_hangs(worker: Worker, coordinator: Coordinator, metrics: TrainMetrics, 
         return
     for hang in coordinator.take_hangs():
         ranks = ", ".join(map(str, hang["stuck_ranks"]))
-        print(
+        say(
             f"Resumed at step {step} after a hang at step {hang['step']}: rank {ranks} made no progress for "
-            f"{hang['stuck_s']:.0f} s (stacks: {worker.run_uri}/{hang['stacks_file']}).", flush=True,
+            f"{hang['stuck_s']:.0f} s (stacks: {worker.run_uri}/{hang['stacks_file']}).", rank=worker.rank,
         )
         metrics.emit(step, {
             "hang/step": float(hang["step"]), "hang/stuck_s": float(hang["stuck_s"]),

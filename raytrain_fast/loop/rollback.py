@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from raytrain_fast.console import say
 from raytrain_fast.engine import apply_optim_settings
 from raytrain_fast.loop.health import DIVERGENCE_KEY, DivergenceStop, Rollback, sequences_between, write_records
 from raytrain_fast.loop.steps import run_steps
@@ -54,10 +55,10 @@ def roll_back(worker: Worker, rollback: Rollback, parts: LoopParts) -> None:
     })
     if worker.rank == 0:
         write_records(checkpointer.filesystem, checkpointer.run_path, health.rollbacks)
-        print(
+        say(
             f"Step {rollback.step}: {rollback.what} (loss {rollback.loss}, grad norm {rollback.grad_norm}). Rolled back to "
             f"the checkpoint at step {restored.step} and skipped the {skipped:,} sequences read since it (rollback "
-            f"{len(health.rollbacks)} of at most {config.health.max_rollbacks}).", flush=True,
+            f"{len(health.rollbacks)} of at most {config.health.max_rollbacks}).", rank=worker.rank,
         )
     restored.data_position, restored.world_size = detected_at, worker.world_size
     restored.global_batch = int(config.train.micro_batch) * worker.grad_accum * worker.world_size
@@ -80,5 +81,5 @@ def stop_on_divergence(worker: Worker, stop: DivergenceStop, parts: LoopParts) -
         import ray
 
         write_records(parts.checkpointer.filesystem, parts.checkpointer.run_path, parts.health.rollbacks, stopped=stop.record())
-        print(str(stop), flush=True)
+        say(str(stop), rank=worker.rank)
         ray.get(parts.coordinator.actor.post.remote(DIVERGENCE_KEY, str(stop), {}))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from raytrain_fast.console import say
 from raytrain_fast.loop.preemption import PreemptionNotice
 
 if TYPE_CHECKING:
@@ -166,8 +167,7 @@ class StepRun:
         if self.on_notice:  # the node may go at its deadline: this checkpoint must be in storage first
             parts.checkpointer.wait_for_upload()
             values = self.preemption.saved(step=step)
-            if self.worker.rank == 0:
-                print(self.preemption.message(step=step, metrics=values), flush=True)
+            say(self.preemption.message(step=step, metrics=values), rank=self.worker.rank)
             parts.metrics.emit(step, values)
         parts.metrics.record_checkpoint(blocked_s=blocked_s, upload_s=parts.checkpointer.take_upload_s())
         parts.metrics.flush_sinks()
@@ -177,7 +177,7 @@ class StepRun:
         parts.checkpointer.finish()
         if self.worker.rank == 0:
             saved = f"saved a checkpoint at step {step}" if parts.save_checkpoints else "no checkpoint (a sweep trial)"
-            print(
+            say(
                 f"Stop requested ({parts.coordinator.stop_requested() or 'notice'}): {saved} and stopped. "
-                "The same command continues from there.", flush=True,
+                "The same command continues from there.", rank=self.worker.rank,
             )

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from raytrain_fast.config.metrics import MetricsConfig
+from raytrain_fast.console import say
 from raytrain_fast.metrics.accumulators import StepAccumulators
 from raytrain_fast.metrics.agreement import StepAgreement
 from raytrain_fast.metrics.alerts import WindowAlerts
@@ -367,7 +368,7 @@ class TrainMetrics:
         if self._writer is not None:
             self._writer.log(metrics, step)
         if self._print:
-            print(self.format_line(step, metrics), flush=True)
+            say(self.format_line(step, metrics))
 
     def format_line(self, step: int, metrics: dict[str, float]) -> str:
         """The progress line rank 0 prints on log steps."""

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_fast.config import Config
+from raytrain_fast.console import say
 from raytrain_fast.errors import ConfigError, RaytrainFastError
 from raytrain_fast.metrics.memory import peak_memory_gb, reset_peak_memory
 from raytrain_fast.microbatch.plan import (
@@ -395,13 +396,13 @@ def resolve_micro_batch(config: Config, *, probe=probe_in_fresh_process) -> Conf
     key, inputs = cache_key(config)
     choice = _read_cache(config, key)
     if choice is None:
-        print(f"micro_batch=auto: measuring candidates for global_batch={config.train.global_batch} "
-              f"on {config.resources.num_workers} worker(s), one fresh process each...", flush=True)
+        say(f"micro_batch=auto: measuring candidates for global_batch={config.train.global_batch} "
+            f"on {config.resources.num_workers} worker(s), one fresh process each...")
         choice = search(config, probe=probe)
         _write_cache(config, key, inputs, choice)
         choice.cache_uri = _cache_path(config, key)[2]
         checkpointing = choice.activation_checkpointing or config.model.activation_checkpointing
-        print(format_probes(choice.probes, chosen=choice.micro_batch, checkpointing=checkpointing), flush=True)
+        say(format_probes(choice.probes, chosen=choice.micro_batch, checkpointing=checkpointing))
     where = f"cached in {choice.cache_uri}" if choice.cached else f"saved to {choice.cache_uri}"
     turned_on = choice.activation_checkpointing not in (None, config.model.activation_checkpointing)
     message = (
@@ -410,7 +411,7 @@ def resolve_micro_batch(config: Config, *, probe=probe_in_fresh_process) -> Conf
         + f" (x {config.resources.num_workers} workers = global batch {config.train.global_batch}): {choice.reason} [{where}]"
     )
     logger.info(message)
-    print(message, flush=True)
+    say(message)
     if turned_on:
         config = _with_checkpointing(config, choice.activation_checkpointing)
     return dataclasses.replace(

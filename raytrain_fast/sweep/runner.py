@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from raytrain_fast.config import Config
+from raytrain_fast.console import say
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.loop.hooks import LoopHooks
 from raytrain_fast.microbatch import classify_error, plan_candidates
@@ -227,7 +228,7 @@ def _prepare(config: Config, spec: SweepSpec, *, first_micro_batch: int, create_
     remote = resolved.storage.uri.startswith("s3://")
     uri = f"s3://{path}" if remote else path
     if replace_previous_results(filesystem, path):
-        print(f"Sweep '{name}' ran before: its earlier trials and results in {uri} are replaced by this run's.", flush=True)
+        say(f"Sweep '{name}' ran before: its earlier trials and results in {uri} are replaced by this run's.")
     filesystem.create_dir(path, recursive=True)
     return _Sweep(
         name=name, config=config, resolved=resolved, data_uri=data_uri, concurrency=concurrency,
@@ -261,15 +262,14 @@ def replace_previous_results(filesystem: Any, path: str) -> bool:
 def _announce(sweep: _Sweep, spec: SweepSpec, runnable: list[tuple[int, int]], skipped: list[SweepRow]) -> None:
     config = sweep.config
     metric, mode = OBJECTIVES[spec.objective]
-    print(
+    say(
         f"Sweep '{sweep.name}': global batch {config.train.global_batch} sequences "
         f"({config.train.global_batch * config.data.seq_len:,} tokens) on {sweep.resolved.resources.num_workers} worker(s); "
         f"micro-batches {', '.join(str(m) for m, _ in runnable)}"
         + (f" (skipped: {', '.join(str(r.micro_batch) for r in skipped)})" if skipped else "")
         + (f"; activation checkpointing {', '.join(spec.activation_checkpointing)} with each"
            if spec.activation_checkpointing is not None else "")
-        + f"; {spec.steps} steps per trial, {sweep.concurrency} trial(s) at a time, objective {metric} ({mode})",
-        flush=True,
+        + f"; {spec.steps} steps per trial, {sweep.concurrency} trial(s) at a time, objective {metric} ({mode})"
     )
 
 
