@@ -1,51 +1,11 @@
 """`raytrain-fast bench model`: tokens/s, MFU and peak memory of one model size on this device, through
-the package's engine and through a bare PyTorch loop, with and without compile and activation
-checkpointing.
+the worker's program (`engine.program.build_program`, as training and `micro_batch: auto` build it)
+and through a bare PyTorch loop, with and without compile and activation checkpointing (`VARIANTS`).
 
-Variants (`VARIANTS`), all on the same model (`model.build_model` of the preset, `data.seq_len` and
-`max_seq_len` raised to --seq-len), micro-batch, precision, torch threads and seed:
-
-- `bare`: the plain loop: the fp32 model, `torch.autocast` in bf16 when the precision is bf16, torch's
-  fused AdamW with the preset's hyperparameters (`engine.build_optimizer`), gradient clipping at
-  `optim.grad_clip`, `zero_grad(set_to_none=True)`. The ceiling.
-- `engine`, `engine_ac`, `engine_compiled`, `engine_compiled_ac`: the training worker's program
-  (`engine.program.build_program`, as the training loop and `micro_batch: auto`'s probes build it:
-  DeepSpeed ZeRO at the preset's stage, world size 1, on a one-rank process group); `_ac` =
-  `model.activation_checkpointing: full`, `_compiled` = `engine.compile: on`.
-
-Each variant lives in its own process (multiprocessing `spawn`, a pipe to this one; model_worker.py), for its whole
-run: a process's memory high-water mark cannot be split between variants sharing it. The processes
-set up at the same time, then this one tells ONE of them at a time what to run, so runs never overlap:
-the warm-up steps (a compiled variant compiles in its first one), then `rounds` rounds of timed steps,
-the variants' order rotated every round so that none always runs first or last on a machine whose
-speed drifts. The statistic is the same for every variant: tokens of the timed steps over their wall
-time (the clock read around each round's steps, with one device sync at the end of the round on CUDA
-and no host read inside it). A compiled variant's `compile_s` is its first warm-up step's wall time,
-compilation included (time/compile_s's convention), compiled into a new, empty inductor cache; its
-`setup_s` holds compile_blocks' check that the compiler works. `cpu_share` (CPU time over wall time x
-threads) and the load average show whether other processes took the CPUs during the timed rounds.
-
-Memory (`metrics.memory.peak_memory_gb`, the training metric's statistic: CUDA max_memory_reserved, else
-the process's peak RSS):
-
-- `built_gb`: right after the model and engine (or optimizer) are built; the peak is reset there
-  (`metrics.memory.reset_peak_memory`);
-- `warmup_peak_gb`: the peak over the warm-up steps (optimizer state allocated on the first step, as
-  torch's AdamW does it lazily under DeepSpeed too; the compiler's own memory in a compiled variant);
-- `setup_gb`: the memory in use once warm-up is done: weights, optimizer state, buffers, compiled code:
-  what stays for the whole run. The peak is reset again there;
-  at both reset points the allocator's cached free memory is handed back first (glibc `malloc_trim`,
-  `torch.cuda.empty_cache`): without it, the RSS after warm-up still holds the heap pages of the
-  last step's activations (glibc keeps them for reuse), the memory in use looks larger than it is,
-  and what a step adds on top looks smaller (at gpt-124m, seq 256 x 4 on CPU: 0.2 GB with full AC, 0.4 GB without);
-- `peak_gb`: the peak over the timed steps: training's steady peak, whole process;
-- `above_setup_gb` = peak_gb - setup_gb: what one step adds on top (activations, gradients,
-  transients): what activation checkpointing can cut.
-
-MFU (`metrics.setup.mfu_inputs`, as the training loop gets it): FLOPs per token as the training metrics
-count them (the model's formula, with FlopCounterMode's count of one eager forward + backward without
-recomputation alongside), over the achievable matmul peak measured once here in the training dtype
-with the same threads (`metrics.peak.measure_matmul_peak`), the same value for every variant.
+Each variant runs in its own spawned process (model_worker.py), so each has its own memory high-water
+mark; this process tells one at a time what to run, in rounds with the order rotated, and every
+variant is timed with the same statistic. What each variant and each memory field is, and how they
+are measured: docs/benchmarks.md#model-sizes.
 """
 
 from __future__ import annotations

@@ -1,46 +1,14 @@
 """`raytrain-fast bench overhead`: tokens/s of the package's loop against loops that split the gap
-to a bare PyTorch loop, all on the same model, batch, precision, thread count and machine.
+to a bare PyTorch loop (`VARIANTS`, described in docs/benchmarks.md#loop-overhead), all on the same
+model, batch, precision, thread count and machine.
 
-One statistic for every variant: tokens trained in the timed steps over the wall time from the end
-of the warm-up (step `warmup_steps` done) to the end of the last timed step (step `warmup_steps +
-steps` done), everything the variant does for those steps included. Each variant takes the clock
-in its own training process, once at each boundary, and reports the seconds with the thread count
-torch used and the precision it trained in (read from the variant, not echoed from the setup).
-
-Variants (precision and threads passed explicitly to each):
-
-- `bare`: the plain single-process loop someone writes for speed, in a fresh subprocess: batches
-  already in memory (8 random batches, cycled), AdamW (fused where torch has it, as our engine
-  uses), gradient clipping, autocast only for bf16, no logging. The ceiling.
-- `bare_deepspeed`: the same loop through our DeepSpeed engine (`engine.build_engine`, ZeRO-2, the
-  run's engine and optim config), no Ray, in a fresh subprocess with its own one-rank gloo group.
-- `bare_in_ray_worker`: the `bare` loop inside a Ray Train TorchTrainer worker (1 worker): the
-  floor Ray itself sets.
-- `raytrain_fast_memory`: our loop (`launch.trainer.run`) on the in-memory batches: the Ray Data
-  pipeline is closed when the steps start (`bench/loop_clock.py`).
-- `raytrain_fast`: our full loop: Ray worker, Ray Data ingest, metrics with the JSONL and offline
-  W&B sinks, and one checkpoint per `steps` steps (`checkpoint.every_steps = checkpoint_every`,
-  default `steps`: exactly one falls inside the timed window, async upload to local storage).
-  Evaluation is off (none of the references evaluates) and so is torch.compile (none compiles).
-- `typical_no_report`: the loop people usually write on Ray Train (`loss.item()` every step, FLOPs
-  re-counted with FlopCounterMode every `flops_every` steps, six scalars to an offline W&B run every
-  step) without `ray.train.report`.
-- `typical_ray_train`: the same with `ray.train.report` every step. Ray Train v2 keeps one result
-  per worker and its controller takes one per poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, default
-  2 s), so this loop is capped at one step per poll interval: the JSON shows the interval in force.
-
-For our loop the clock is `bench/loop_clock.py`'s hook: rank 0 notes the time when the loop asks
-for the first batch of the step after the warm-up and of the step after the last timed one (the
-run has one extra step), so the window holds the same steps and, with `warmup_steps` and `steps`
-multiples of `log_every`, exactly steps / log_every log windows. The run's own JSONL windows give
-`window_median_tokens_per_sec` (the old statistic) and `windows_tokens_per_sec` (tokens over the
-summed wall time of the windows in the timed span) next to it.
-
-The setup and sizes are in overhead_setup.py, the two loops outside Ray (`bare`, `bare_deepspeed`)
-in bare_loops.py, the rest here. `compare` runs the variants interleaved (round-robin, the order
-rotated every round so none always runs first or last); `overhead_report` adds medians, the ratio of
-each to `bare`, the headline ratios of `raytrain_fast` and `machine_drift` (how much the machine's
-own speed moved between rounds, read from a variant that does the same work every round).
+One statistic for every variant: tokens of the timed steps over the wall time from the end of the
+warm-up to the end of the last timed step, taken by the variant in its own training process (for our
+loop by `bench/loop_clock.py`'s hook on rank 0, so the window holds the same steps and whole log
+windows). `compare` runs the variants interleaved, the order rotated every round; `overhead_report`
+adds medians, the ratios to `bare`, the headline ratios and `machine_drift` (how much the machine's
+own speed moved between rounds, read from a variant that does the same work every round). The setup
+and sizes are in overhead_setup.py, the two loops outside Ray in bare_loops.py.
 """
 
 from __future__ import annotations

@@ -1,39 +1,13 @@
 """`train.micro_batch: auto`: before training, the fastest micro-batch that fits the memory budget.
 
-For each candidate micro-batch (`raytrain_fast.microbatch`, shared with `raytrain-fast sweep`:
-the powers of two that divide the per-worker batch global_batch / num_workers, and that batch
-itself), smallest first, one probe in a FRESH process with a worker's resources (a Ray task with
-max_calls=1, so peak memory is that candidate's alone: ru_maxrss never goes down within a
-process) builds the program a training worker builds (engine/program.py: TF32, the model, its
-compiled blocks, the DeepSpeed engine), runs one optimizer step of warm-up (allocates the optimizer
-state; a compiled program compiles in it) and `timed_steps` timed ones at the accumulation that
-keeps the global batch, and reports:
-
-- peak memory (`microbatch.peak_memory_gb`): on GPU `torch.cuda.max_memory_reserved` (what the
-  allocator holds: what runs out), on CPU the peak RSS of the whole probe process;
-- tokens/s per worker over the timed steps;
-- its outcome (`microbatch.classify_peak` / `classify_error`): ok, over_budget, oom or failed.
-
-A candidate fits when its peak is within the budget (resources.memory_budget_gb; on GPU, when
-that is null, the device memory minus `GPU_MEMORY_MARGIN`); an out-of-memory error is a candidate
-that does not fit (caught, memory freed, the process then exits). The search stops at the first
-candidate that does not fit (a larger one needs more), and the FASTEST fitting one wins: the
-largest is not always the fastest (cache and allocator effects, fewer but slower micro-steps).
-
-Activation checkpointing: when the config leaves `model.activation_checkpointing` at `none` and not
-even the smallest candidate fits (over budget or out of memory), the search runs again with
-`full` (every block recomputed in backward: far less activation memory for about one more forward
-pass). If a candidate fits then, the choice turns it on (`model.activation_checkpointing=full` in
-the resolved config) and its reason says so; if none fits either, the error says both were tried.
-A config that sets `full` or `every_n` itself is searched with that setting only, never changed.
-
-The probe runs one worker (world size 1): with ZeRO-2 across N workers the optimizer state and
-gradients are sharded, so a real worker needs less than the probe measured: the choice errs on
-the safe side. The choice is cached in storage under `_autobatch/<key>.json`, the key made of
-everything that changes the answer (model config, activation checkpointing included, seq_len,
-device type, world size, ZeRO stage, precision, global batch, budget), so a resumed run or a rerun
-skips the search; the choice records whether it turned activation checkpointing on, so a cached
-answer resolves to the same config.
+For each candidate (microbatch/plan.py, shared with `raytrain-fast sweep`), smallest first, one probe
+in a fresh process with a worker's resources (a Ray task with max_calls=1: a process's peak RSS never
+goes down) builds the program a training worker builds (engine/program.py), runs one warm-up step
+and `timed_steps` timed ones at the accumulation that keeps the global batch, and reports its peak
+memory, tokens/s and outcome. The search stops at the first candidate that does not fit, the fastest
+fitting one wins, activation checkpointing is turned on only when nothing fits without it, and the
+choice is cached in storage under `_autobatch/<key>.json`. The whole procedure, as users read it:
+docs/sweeps.md#trainmicro_batch-auto.
 """
 
 from __future__ import annotations

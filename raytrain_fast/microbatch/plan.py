@@ -1,43 +1,9 @@
 """The micro-batch search both `train.micro_batch: auto` (microbatch/auto.py) and `raytrain-fast sweep`
-(sweep/) use: which micro-batches to try, which memory peak to measure, and what to call a try.
-
-Candidates (`plan_candidates`, `candidate_micro_batches`)
-    A micro-batch m per worker keeps the global batch G on W workers exactly when m x W divides G;
-    the gradient accumulation is then G / (m x W). Both searches plan with this one rule: a value
-    that breaks it is skipped with the reason (the sweep's --micro-batch list may hold any numbers).
-    When no list is given (autobatch; SweepSpec(micro_batches=None)) the candidates are the powers
-    of two that divide the per-worker batch G / W, and G / W itself, smallest first. Why not every
-    divisor of G / W:
-
-    - each try is expensive (an autobatch probe builds the model and engine in a fresh process, a
-      sweep trial is a short training run): powers of two keep the count logarithmic (per-worker
-      batch 96: 1 2 4 8 16 32 96, not its 12 divisors);
-    - memory grows with m, so doubling walks the range to the limit in few steps, and the search
-      can stop at the first one that does not fit (smallest first);
-    - GPU kernels tile in powers of two: an odd micro-batch is rarely the fastest;
-    - G / W itself is the split without accumulation (grad_accum = 1), often the fastest that fits.
-
-Memory (`peak_memory_gb`)
-    On GPU `torch.cuda.max_memory_reserved`: what the caching allocator took from the device. The
-    next allocation fails when reserved + request exceeds the device, however little of the
-    reserved memory live tensors use (`max_memory_allocated` leaves out the allocator's cached and
-    fragmented blocks, so a micro-batch can "fit" by that number and still run out). On CPU the peak
-    RSS of the whole process (libraries included: what a memory limit counts), measured by the
-    training metrics' own function: the larger of the RSS high-water mark (VmHWM) and the current
-    RSS (the mark can lag the current RSS by a few pages). Both start over once setup is done
-    (`reset_peak_memory`), in a probe as in training: transients of setup (the FLOP count, the
-    peak-measuring matmul) are not training's peak.
-    It is the training metric's own function (metrics/memory.py `peak_memory_gb`): the probes of
-    `micro_batch: auto` (microbatch/auto.py) measure with it, and a sweep trial's workers check the
-    budget against memory/peak_gb, the same number.
-
-Outcome (`classify_peak`, `classify_error`)
-    Every try ends as one `Outcome`: ok; over_budget (it ran, its measured peak exceeds the budget,
-    or it raised MemoryBudgetExceeded); oom (it ran out of memory: PyTorch's or Ray's
-    OutOfMemoryError, an allocator's "out of memory" or "can't allocate memory", a process killed
-    under the task; looked for through Ray's and Ray Train's wrappers); or failed (anything else).
-    Each with a one-line reason that says which: "over memory budget: ...", "out of memory: ...",
-    "<ErrorType>: <its last line>".
+(sweep/) use: which micro-batches to try (`plan_candidates`, `candidate_micro_batches`), which memory
+peak to measure (`peak_memory_gb`, the training metric's own function: CUDA max_memory_reserved, else
+the process's peak RSS, both reset once setup is done), and what to call a try (`classify_peak`,
+`classify_error`: ok, over_budget, oom or failed, each with a one-line reason). The rules and why:
+docs/sweeps.md#trainmicro_batch-auto.
 
 Neither torch nor Ray is imported at module level (nor the loop or the launcher): cheap to import.
 """
