@@ -5,56 +5,38 @@ already implies. Read from the code's own imports (function-level ones too), so 
 
     python tools/draw_structure.py [docs/images/structure.png]
 
-It also prints the rows as text, bottom first. tests/test_structure.py keeps the graph free of
-cycles, so every unit has a row.
+It also prints the rows as text, bottom first. The graph is tests/test_structure.py's own
+`import_graph`, which that test keeps free of cycles, so every unit has a row (run it where the
+test dependencies are installed: `pip install -e ".[test]"`).
 """
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "raytrain_fast"
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def _unit_of(module: str) -> str | None:
-    parts = module.split(".")
-    return parts[1] if parts[0] == "raytrain_fast" and len(parts) > 1 else None
-
-
-def _imported_units(path: Path, module: str) -> set[str]:
-    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                found.add(".".join(base + ([node.module] if node.module else [])))
-                found.update(f"{'.'.join(base)}.{alias.name}" for alias in node.names if not node.module)
-            else:
-                found.add(node.module or "")
-                if node.module == "raytrain_fast":
-                    found.update(f"raytrain_fast.{alias.name}" for alias in node.names)
-    return {unit for name in found if (unit := _unit_of(name))}
+def _structure_test():
+    """tests/test_structure.py, whose import graph the picture draws: the graph the test keeps free of
+    cycles, read the same way (function-level imports too)."""
+    spec = importlib.util.spec_from_file_location("test_structure", ROOT / "tests" / "test_structure.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def import_graph() -> tuple[dict[str, set[str]], dict[str, int]]:
     """(unit -> the units it imports, unit -> its lines of Python)."""
-    graph: dict[str, set[str]] = {}
+    structure = _structure_test()
+    graph = structure.import_graph()
     lines: dict[str, int] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        unit = _unit_of(".".join(parts))
-        if unit is None:
-            continue
-        graph.setdefault(unit, set()).update(_imported_units(path, ".".join(parts)) - {unit})
-        lines[unit] = lines.get(unit, 0) + len(path.read_text().splitlines())
-    return {unit: {t for t in targets if t in graph} for unit, targets in graph.items()}, lines
+    for path in sorted(structure.PACKAGE.rglob("*.py")):
+        if (unit := structure._unit(structure._module_name(path))) in graph:
+            lines[unit] = lines.get(unit, 0) + len(path.read_text().splitlines())
+    return graph, lines
 
 
 def rows(graph: dict[str, set[str]]) -> dict[str, int]:
@@ -104,8 +86,8 @@ def draw(out: str) -> None:
         offset = (width - len(units)) / 2
         for i, unit in enumerate(units):
             where[unit] = (offset + i + 0.5, level)
-    for unit, targets in reduced(graph).items():
-        for target in targets:
+    for unit, targets in sorted(reduced(graph).items()):
+        for target in sorted(targets):  # a fixed order: the same code draws the same file
             (x0, y0), (x1, y1) = where[unit], where[target]
             ax.annotate("", xy=(x1, y1 + 0.22), xytext=(x0, y0 - 0.22),
                         arrowprops={"arrowstyle": "->", "color": "#8a94a6", "lw": 0.8, "shrinkA": 0, "shrinkB": 0})
