@@ -203,10 +203,15 @@ def checkpoint_snapshot_name() -> str:
     return _train_constant("CHECKPOINT_MANAGER_SNAPSHOT_FILENAME", TRAIN_SNAPSHOT_FILE)
 
 
+def _poll_interval_flag() -> str:
+    """The environment flag Ray Train's controller reads its poll (health-check) interval from."""
+    return _train_constant("HEALTH_CHECK_INTERVAL_S_ENV_VAR", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+
+
 def health_check_interval_s() -> float:
     """Ray Train's controller polls each worker this often: its health-check interval, as the
     environment sets it (Ray passes the variable to the controller); 2.60's default otherwise."""
-    variable = _train_constant("HEALTH_CHECK_INTERVAL_S_ENV_VAR", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+    variable = _poll_interval_flag()
     return float(os.environ.get(variable, _train_constant("DEFAULT_HEALTH_CHECK_INTERVAL_S", 2.0)))
 
 
@@ -215,7 +220,7 @@ def controller_poll_interval(seconds: float | None) -> Iterator[None]:
     """Ray Train's controller polls the workers (and takes one reported result from each) every
     `seconds` in the fit() started inside the block: Ray hands its environment flag to the controller
     that fit() starts. Where the variable is set already, or `seconds` is None, it stays as it is."""
-    variable = _train_constant("HEALTH_CHECK_INTERVAL_S_ENV_VAR", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+    variable = _poll_interval_flag()
     if seconds is None or variable in os.environ:
         yield
         return
