@@ -59,11 +59,8 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
                 axis.axvspan(run.records[0]["step"], run.warmup_steps, color="0.85", alpha=0.5, zorder=0, label="warm-up (left out)")
             _resume_spans(run, axis)
             _resize_markers(run, axis)
-            handles, labels = [], []
-            for ax in figure.axes:
-                h, l = ax.get_legend_handles_labels()
-                handles += h
-                labels += l
+            entries = [ax.get_legend_handles_labels() for ax in figure.axes]  # a twin axis's lines too
+            handles, labels = [h for hs, _ in entries for h in hs], [label for _, ls in entries for label in ls]
             if labels:
                 if spec.legend_loc == "below":  # nothing on the axes to cover: spikes, band and lines stay visible
                     columns = _legend_columns(labels)
@@ -75,7 +72,7 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
                     axis.legend(handles, labels, loc=spec.legend_loc, fontsize="small")
             figure.tight_layout()
             figure.savefig(os.path.join(out_dir, spec.file), bbox_inches="tight")
-            plots.append(Plot(file=spec.file, title=spec.title, caption=spec.caption))
+            plots.append(spec)
         finally:
             plt.close(figure)
     from raytrain_fast.report.tasks import CAPTION, TITLE, draw_tasks
@@ -116,10 +113,7 @@ def _resize_markers(run: RunMetrics, axis) -> None:
 
 
 @dataclass(kw_only=True)
-class _Spec:
-    file: str
-    title: str
-    caption: str
+class _Spec(Plot):
     draw: Callable[[RunMetrics, object], str | None]
     """Draws on the axis; returns why it could not (missing metrics), or None."""
     legend_loc: str = "best"
@@ -157,24 +151,18 @@ def _val_loss(run: RunMetrics, axis) -> None:
     steps, val = run.series("val/loss")
     if val:
         axis.plot(steps, val, marker="o", label="val/loss (held out)")
-        axis.legend()
-
-
-def _thousands(axis) -> None:
-    """Tick labels with thousands separators (12,500 rather than 12500)."""
-    from matplotlib.ticker import FuncFormatter
-
-    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
 
 
 def _throughput(run: RunMetrics, axis) -> str | None:
+    from matplotlib.ticker import FuncFormatter
+
     steps, tps = run.series("throughput/tokens_per_sec")
     if not tps:
         return "throughput/tokens_per_sec was not recorded"
     axis.plot(steps, tps, marker=".", color="tab:blue", label="tokens/s")
     axis.set_ylabel("tokens/s")
     axis.set_ylim(0, 1.1 * max(tps))
-    _thousands(axis)
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))  # 12,500 rather than 12500
     return None
 
 
@@ -270,7 +258,10 @@ def _baseline_band(run: RunMetrics, axis) -> float | None:
     threshold = float(run.setting("metrics", "slowdown_threshold", 0.10) or 0.10)
     axis.axhspan(baseline, baseline * (1 + threshold), color="tab:green", alpha=0.15, zorder=0,
                  label=f"baseline {baseline:,.0f} ms to +{threshold:.0%} (slowdown alert above)")
-    _stall_threshold(run, axis)
+    points = _stall_thresholds(run)
+    if points:
+        axis.plot([p for p, _ in points], [t for _, t in points], drawstyle="steps-pre", color="tab:purple", linestyle=":",
+                  linewidth=1, label=f"stall threshold ({stall_factor(run):.1f}x the median of the {StallDetector().num_windows} windows before)")
     return baseline
 
 
@@ -292,13 +283,6 @@ def _stall_thresholds(run: RunMetrics) -> list[tuple[int, float]]:
         if record["step"] not in stalls:
             recent.append(record["time/step_s"])
     return points
-
-
-def _stall_threshold(run: RunMetrics, axis) -> None:
-    points = _stall_thresholds(run)
-    if points:
-        axis.plot([p for p, _ in points], [t for _, t in points], drawstyle="steps-pre", color="tab:purple", linestyle=":",
-                  linewidth=1, label=f"stall threshold ({stall_factor(run):.1f}x the median of the {StallDetector().num_windows} windows before)")
 
 
 def _checkpoint(run: RunMetrics, axis) -> str | None:
