@@ -198,7 +198,6 @@ def test_planted_data_slowdown_is_named(caplog):
         metrics, records = _run(_config(), steps=70, step_fn=step_fn)
     first = _first_alert(records, after=40)
     assert first["alert/slowdown_cause/data_wait"] == 1.0
-    assert metrics.slowdown.last_alert.cause == "data_wait"
     assert "data pipeline" in caplog.text and "slowdown at step" in caplog.text
 
 
@@ -212,7 +211,6 @@ def test_planted_slow_sink_is_named():
     metrics, records = _run(_config(queue_size=2), steps=80, step_fn=step_fn, sinks=[sink])
     first = _first_alert(records, after=40)
     assert first["alert/slowdown_cause/sink"] == 1.0
-    assert metrics.slowdown.last_alert.cause == "sink"
 
 
 def test_planted_gc_pressure_is_named():

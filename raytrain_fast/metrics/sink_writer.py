@@ -124,9 +124,7 @@ class SinkWriter:
             )
 
     def _run(self) -> None:
-        for sink in self.sinks:
-            if hasattr(sink, "open"):
-                self._call(sink, "open")
+        self._call_all("open")
         self.opened.set()
         while True:
             with self._cond:
@@ -137,23 +135,21 @@ class SinkWriter:
             if item is None:
                 break
             if item is _FLUSH:
-                for sink in self.sinks:
-                    if hasattr(sink, "flush"):
-                        self._call(sink, "flush")
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-                continue
-            metrics, step = item
-            for sink in self.sinks:
-                self._call(sink, "log", metrics, step)
+                self._call_all("flush")
+            else:
+                self._call_all("log", *item)
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
-        for sink in self.sinks:
-            self._call(sink, "close")
+        self._call_all("close")
         with self._cond:
             self._cond.notify_all()
+
+    def _call_all(self, method: str, *args: Any) -> None:
+        """`method` of every sink that has it, in order (`log` and `close` are on every sink)."""
+        for sink in self.sinks:
+            if hasattr(sink, method):
+                self._call(sink, method, *args)
 
     def _call(self, sink: MetricSink, method: str, *args: Any) -> None:
         started = time.thread_time()

@@ -164,10 +164,8 @@ class WandbSink:
         self._next_step = 0
 
     def open(self) -> None:
-        if self._run is None:
-            self._open()
-
-    def _open(self) -> None:
+        if self._run is not None:
+            return
         import wandb
 
         os.makedirs(self.dir, exist_ok=True)
@@ -194,8 +192,7 @@ class WandbSink:
         self._next_step = int(getattr(self._run, "step", 0) or 0)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if self._run is None:
-            self._open()
+        self.open()
         if step < self._next_step:
             self.skipped += 1
             return
@@ -259,7 +256,6 @@ class LocalDirSync:
         self.local_dir = os.path.abspath(local_dir)
         self._fs, self._root = metrics_filesystem(run_uri, storage, filesystem)
         self._sent: dict[str, tuple[int, int]] = {}
-        self.files_copied = 0
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         pass
@@ -273,11 +269,10 @@ class LocalDirSync:
         self.sync()  # raises on a failed copy: the local files stay
         shutil.rmtree(self.local_dir, ignore_errors=True)
 
-    def sync(self) -> int:
-        """Copy what changed; returns how many files went."""
+    def sync(self) -> None:
+        """Copy what changed."""
         import stat
 
-        copied = 0
         for directory, subdirs, names in os.walk(self.local_dir):
             subdirs.sort()
             for name in sorted(names):
@@ -295,9 +290,6 @@ class LocalDirSync:
                     while chunk := source.read(1 << 20):
                         sink.write(chunk)
                 self._sent[relative] = key
-                copied += 1
-        self.files_copied += copied
-        return copied
 
 
 def build_sinks(

@@ -86,7 +86,6 @@ class SlowdownDetector:
         self.warmup_steps = warmup_steps
         self.baseline: Window | None = None
         self.alerting = False
-        self.last_alert: Alert | None = None
         self.last_ratio: float | None = None
         """Rolling median step time / baseline at the last update: the number the alert compares."""
         self._baseline_windows: list[Window] = []
@@ -125,7 +124,6 @@ class SlowdownDetector:
                 _mean_window(slow_windows), ratio=ratio, median_s=current.step_s, step=window.step,
                 since_step=slow_windows[0].step, dropped=dropped,
             )
-            self.last_alert = alert
             self.alerting = True
         return (1.0 if self.alerting else 0.0), alert
 

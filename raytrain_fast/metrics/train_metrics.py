@@ -36,7 +36,7 @@ from raytrain_fast.metrics.peak import mfu
 from raytrain_fast.metrics.progress import progress_line
 from raytrain_fast.metrics.setup import MfuInputs
 from raytrain_fast.metrics.sinks import MetricSink, SinkWriter
-from raytrain_fast.metrics.slowdown import SlowdownDetector, Window
+from raytrain_fast.metrics.slowdown import Window
 
 __all__ = ["StepPlan", "TrainMetrics"]
 _HOST_FLOATS = 5  # per rank, gathered on log steps: seconds to reach the drain, data wait, GC, CPU share, CPU wait
@@ -89,8 +89,8 @@ class TrainMetrics:
         if metrics.is_log_step(step):
             last = metrics.log(step, lr=engine.get_lr()[0])   # every rank: a collective + ONE host sync
 
-    Checkpoints: `with metrics.checkpoint_timer(): save(...)` (or `record_checkpoint(blocked_s=...)`),
-    and `record_checkpoint(upload_s=...)` when an async upload reports its duration.
+    Checkpoints: `record_checkpoint(blocked_s=...)` after a save, and `record_checkpoint(upload_s=...)`
+    when an async upload reports its duration.
 
     What it is built from, by concern: the metrics section; the run's steps (`StepPlan`); the rank's
     place (device, rank, world size); MFU's inputs, measured once per run (`MfuInputs`); what the
@@ -165,11 +165,6 @@ class TrainMetrics:
         log step (saves are rare); on a log step the drain already told."""
         return self.agreement.all_finite(self.acc.sums)
 
-    @property
-    def flags_any_rank(self) -> int:
-        """After log(): the bitwise OR of the `flags` every rank passed to it."""
-        return self.agreement.flags
-
     # --- side concerns -------------------------------------------------------------------------
 
     def record_checkpoint(self, *, blocked_s: float | None = None, upload_s: float | None = None) -> None:
@@ -214,15 +209,6 @@ class TrainMetrics:
         if not self.is_log_step(step):
             self._window_start += seconds
             self._window_start_step += 1
-
-    @contextmanager
-    def checkpoint_timer(self) -> Iterator[None]:
-        """Times the block as checkpoint/blocked_s."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.record_checkpoint(blocked_s=time.perf_counter() - start)
 
     # --- log steps -----------------------------------------------------------------------------
 
@@ -375,10 +361,6 @@ class TrainMetrics:
         return progress_line(step, self.steps.total_steps, metrics, self.health_marks)
 
     # --- end -----------------------------------------------------------------------------------
-
-    @property
-    def slowdown(self) -> SlowdownDetector:
-        return self.alerts.slowdown
 
     def close(self) -> None:
         """Deliver queued records, close the sinks, give Python's GC its settings back."""
