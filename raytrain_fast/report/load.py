@@ -75,6 +75,15 @@ class RunMetrics:
     def has(self, metric: str) -> bool:
         return any(metric in r for r in self.records)
 
+    def names_under(self, prefix: str, suffix: str = "") -> list[str]:
+        """The <name>s of the `<prefix><name><suffix>` metrics in the records, in first-seen order."""
+        names: dict[str, None] = {}
+        for record in self.records:
+            for key in record:
+                if key.startswith(prefix) and key.endswith(suffix) and len(key) > len(prefix) + len(suffix):
+                    names.setdefault(key[len(prefix):len(key) - len(suffix)], None)
+        return list(names)
+
     def series(self, metric: str, *, steady: bool = False) -> tuple[list[int], list[float]]:
         """(steps, values) of the records that hold `metric`."""
         records = self.steady if steady else self.records

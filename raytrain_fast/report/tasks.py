@@ -15,16 +15,6 @@ CAPTION = (
 )
 
 
-def task_names(run: RunMetrics) -> list[str]:
-    """The tasks the run scored, in first-seen order."""
-    names: dict[str, None] = {}
-    for record in run.records:
-        for key in record:
-            if key.startswith(PREFIX) and key.endswith("/acc"):
-                names.setdefault(key[len(PREFIX):-len("/acc")], None)
-    return list(names)
-
-
 def task_points(run: RunMetrics, name: str) -> list[dict[str, float]]:
     """Each evaluation of task `name`: tokens (trained on by then), step, acc, acc_norm, chance, items."""
     tokens_per_step = (run.setting("train", "global_batch", 0) or 0) * (run.setting("data", "seq_len", 0) or 0)
@@ -42,7 +32,7 @@ def task_points(run: RunMetrics, name: str) -> list[dict[str, float]]:
 
 def draw_tasks(run: RunMetrics, out_dir: str, pyplot) -> str | None:
     """Write tasks.png; returns why it was not drawn, or None."""
-    names = task_names(run)
+    names = run.names_under(PREFIX, "/acc")  # the tasks the run scored
     if not names:
         return "the run scored no tasks (eval.tasks, docs/evaluation.md)"
     from matplotlib.ticker import FuncFormatter
@@ -83,7 +73,7 @@ def _tokens(value: float, _position: object) -> str:
 def task_rows(run: RunMetrics) -> list[dict[str, str]]:
     """Per task: its first and last evaluation, its best acc, chance and items, formatted."""
     rows = []
-    for name in task_names(run):
+    for name in run.names_under(PREFIX, "/acc"):
         points = task_points(run, name)
         first, last = points[0], points[-1]
         best = max(points, key=lambda p: p["acc"])
@@ -106,4 +96,4 @@ def task_lines(run: RunMetrics) -> list[str]:
     return lines
 
 
-__all__ = ["draw_tasks", "task_lines", "task_names", "task_points", "task_rows"]
+__all__ = ["draw_tasks", "task_lines", "task_points", "task_rows"]
