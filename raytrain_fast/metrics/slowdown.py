@@ -23,8 +23,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-CAUSES = ("data_wait", "gc", "checkpoint", "sink", "memory", "cpu", "unexplained")
-
 _DESCRIPTIONS = {
     "data_wait": "the data pipeline: waiting for the next batch",
     "gc": "Python garbage collection pauses",
@@ -133,12 +131,7 @@ class SlowdownDetector:
         base = self.baseline
         assert base is not None
         excess = current.step_s - base.step_s
-        grew = {
-            "data_wait": current.data_wait_s - base.data_wait_s,
-            "gc": current.gc_s - base.gc_s,
-            "checkpoint": current.checkpoint_s - base.checkpoint_s,
-            "sink": current.sink_cpu_s - base.sink_cpu_s,
-        }
+        grew = _grew(current, base, ("data_wait", "gc", "checkpoint", "sink"))
         cause = (
             largest_cause(grew, excess) or largest_cause(_cpu_growth(current, base), excess)
             or _unmeasured_cause(current, base, dropped=dropped)
@@ -173,6 +166,14 @@ def _unmeasured_cause(current: Window, base: Window, *, dropped: int) -> str:
         return "sink"
     memory_growth = (current.memory_gb - base.memory_gb) / base.memory_gb if base.memory_gb > 0 else 0.0
     return "memory" if memory_growth > _MEMORY_GROWTH else "unexplained"
+
+
+_SECONDS_OF = {"data_wait": "data_wait_s", "gc": "gc_s", "checkpoint": "checkpoint_s", "sink": "sink_cpu_s"}
+
+
+def _grew(current: Window, base: Window, causes: tuple[str, ...]) -> dict[str, float]:
+    """How many more seconds per step each of `causes` took in `current` than in `base`."""
+    return {cause: getattr(current, _SECONDS_OF[cause]) - getattr(base, _SECONDS_OF[cause]) for cause in causes}
 
 
 def largest_cause(grew: dict[str, float], excess_s: float) -> str | None:
@@ -305,10 +306,6 @@ class StallDetector:
 
 
 def stall_cause(window: Window, base: Window) -> str:
-    grew = {
-        "data_wait": window.data_wait_s - base.data_wait_s,
-        "checkpoint": window.checkpoint_s - base.checkpoint_s,
-        "gc": window.gc_s - base.gc_s,
-    }
+    grew = _grew(window, base, ("data_wait", "checkpoint", "gc"))
     excess = window.step_s - base.step_s
     return largest_cause(grew, excess) or largest_cause(_cpu_growth(window, base), excess) or "unknown"

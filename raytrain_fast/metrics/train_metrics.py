@@ -1,17 +1,9 @@
 """What the step loop measures, and the one place it reads the device back (every `log_every` steps).
 
-`TrainMetrics` is the loop's one metrics object, made of four parts:
-- the accumulators (metrics/accumulators.py): per step, detached tensors added into on-device sums
-  (loss, grad norm) and the host clock around each phase; no host syncs;
-- the agreement (metrics/agreement.py): on log steps, one all-reduce of the sums and one all-gather
-  of a few host floats and bit flags per rank, queued without waiting, then ONE host read;
-- the window computation (here): throughput, MFU, phase times, memory, host CPU and memory, rank
-  spread and the sink's health, from what the drain read;
-- the alerts (metrics/alerts.py, rank 0): slowdown and stall checks; then the progress line
-  (metrics/progress.py) and a hand-off of the record to the sink thread, which never blocks training.
-
-The window's wall time runs from one drain's host sync to the next, so it is exact even on a GPU
-where the host runs ahead.
+`TrainMetrics` is the loop's one metrics object: the accumulators (accumulators.py, no host syncs), the
+log step's collective and ONE host read (agreement.py), the window computation (here), the alerts
+(alerts.py), the progress line (progress.py) and the hand-off to the sink thread. docs/architecture.md
+(steps 4-6 of the loop) says how they fit.
 """
 
 from __future__ import annotations
@@ -91,11 +83,6 @@ class TrainMetrics:
 
     Checkpoints: `record_checkpoint(blocked_s=...)` after a save, and `record_checkpoint(upload_s=...)`
     when an async upload reports its duration.
-
-    What it is built from, by concern: the metrics section; the run's steps (`StepPlan`); the rank's
-    place (device, rank, world size); MFU's inputs, measured once per run (`MfuInputs`); what the
-    host/* and memory/* figures are read against (the CPU memory budget, the worker's niceness);
-    where records go (rank 0's sinks, the progress line).
     """
 
     def __init__(
