@@ -93,11 +93,10 @@ def datasheet_peak_flops(device_name: str, dtype: str) -> float | None:
 
 
 def matmul_dtype(precision: str) -> str:
-    """The dtype the tensor cores see for a training precision: fp32 runs as tf32 when torch allows it."""
-    if precision in ("bf16", "fp16"):
-        return precision
+    """The dtype the tensor cores see for a training precision (bf16, fp16 or fp32, as the config's
+    validation allows): fp32 runs as tf32 when torch allows it."""
     if precision != "fp32":
-        raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
+        return precision
     import torch
 
     tf32 = torch.cuda.is_available() and torch.backends.cuda.matmul.allow_tf32
@@ -144,25 +143,20 @@ PEAK_SAMPLES = 5
 """Samples per measured peak: their median is the figure (one sample swung 366-927 GFLOP/s between runs)."""
 
 
-def measure_matmul_peak(
-    *, device: torch.device | str, dtype: str, seconds: float = 3.0, size: int | None = None, samples: int = PEAK_SAMPLES
-) -> float:
-    """Achievable dense matmul FLOP/s of one device in `dtype`: the median of `samples` short samples
+def measure_matmul_peak(*, device: torch.device | str, dtype: str, seconds: float = 3.0, size: int | None = None) -> float:
+    """Achievable dense matmul FLOP/s of one device in `dtype`: the median of PEAK_SAMPLES short samples
     over about `seconds` in all, each sample the best of a few timed bursts of square (size x size)
     products.
 
     Best-of within a sample drops a burst that lost the cores for a moment; the median across samples
-    drops a whole sample taken while a neighbour held them. One long best-of (what this was) swung
-    2.5x between runs on one busy machine. Measure in the dtype training uses: on CPUs without native
-    bf16, bf16 matmuls run ~50x slower than fp32. `tf32` means fp32 tensors with TF32 allowed (the
-    caller's torch settings decide).
+    drops a whole sample taken while a neighbour held them. Measure in the dtype training uses: on
+    CPUs without native bf16, bf16 matmuls run ~50x slower than fp32. `tf32` means fp32 tensors with
+    TF32 allowed (the caller's torch settings decide).
     """
     import torch
 
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_TORCH_DTYPES)}, got {dtype!r}")
-    if samples < 1:
-        raise ValueError(f"samples must be at least 1, got {samples}")
     device = torch.device(device)
     torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
     is_cuda = device.type == "cuda"
@@ -186,10 +180,10 @@ def measure_matmul_peak(
 
     burst(1)  # warm-up: kernel selection, first-touch allocation
     one = burst(1)
-    per_sample = max(0.0, seconds - 2 * one) / samples
+    per_sample = max(0.0, seconds - 2 * one) / PEAK_SAMPLES
     count = max(1, int(per_sample / 3 / one))  # ~3 bursts per sample
     results = []
-    for _ in range(samples):
+    for _ in range(PEAK_SAMPLES):
         deadline = time.perf_counter() + per_sample
         best = count * flops_per_product / burst(count)
         while time.perf_counter() < deadline:
