@@ -150,16 +150,14 @@ class WandbSink:
         entity: str | None = None,
         config: Mapping[str, Any] | None = None,
     ) -> None:
-        self.run_name = run_name
-        self.project = project
-        self.entity = entity
-        self.mode = resolve_wandb_mode(mode)
-        self.run_id = wandb_run_id(run_name, project)
-        self.dir = os.path.abspath(os.path.expanduser(local_dir))
         from raytrain_fast.storage import redact
 
-        self.config = redact(dict(config or {}))  # credential-like values masked before W&B sees them
-        self.skipped = 0
+        self.dir = os.path.abspath(os.path.expanduser(local_dir))
+        self._init_args = dict(  # wandb.init's
+            project=project, entity=entity, name=run_name, id=wandb_run_id(run_name, project), resume="allow",
+            mode=resolve_wandb_mode(mode), dir=self.dir, reinit="create_new",
+            config=redact(dict(config or {})),  # credential-like values masked before W&B sees them
+        )
         self._run: Any = None
         self._next_step = 0
 
@@ -177,24 +175,12 @@ class WandbSink:
             silent=True,
             x_save_requirements=False,
         )
-        self._run = wandb.init(
-            project=self.project,
-            entity=self.entity,
-            name=self.run_name,
-            id=self.run_id,
-            resume="allow",
-            mode=self.mode,
-            dir=self.dir,
-            config=self.config,
-            settings=settings,
-            reinit="create_new",
-        )
+        self._run = wandb.init(**self._init_args, settings=settings)
         self._next_step = int(getattr(self._run, "step", 0) or 0)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self.open()
         if step < self._next_step:
-            self.skipped += 1
             return
         self._run.log(dict(metrics), step=step)
         self._next_step = step + 1
