@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from raytrain_fast.metrics import MetricsConfig, SlowdownDetector, StepPlan, TrainMetrics, Window
+from raytrain_fast.metrics import MetricsConfig, SinkWriter, SlowdownDetector, StepPlan, TrainMetrics, Window
 from raytrain_fast.metrics.slowdown import StallDetector, largest_cause
 
 pytestmark = pytest.mark.unit
@@ -151,7 +151,7 @@ def _run(config: MetricsConfig, *, steps: int, step_fn, sinks=(), log_every: int
 
     metrics = TrainMetrics(
         config, steps=StepPlan(log_every=log_every, total_steps=steps, start_step=0, tokens_per_step=1000),
-        device="cpu", sinks=list(sinks), print_progress=False,
+        device="cpu", sinks=SinkWriter(list(sinks), max_queue=config.queue_size) if sinks else None, print_progress=False,
     )
     records = {}
     try:

@@ -9,10 +9,9 @@ log step's collective and ONE host read (agreement.py), the window computation (
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
@@ -27,20 +26,11 @@ from raytrain_fast.metrics.memory import GB, host_memory_gb, memory_in_use_gb, p
 from raytrain_fast.metrics.peak import mfu
 from raytrain_fast.metrics.progress import progress_line
 from raytrain_fast.metrics.setup import MfuInputs
-from raytrain_fast.metrics.sinks import MetricSink, SinkWriter
+from raytrain_fast.metrics.sinks import SinkWriter
 from raytrain_fast.metrics.slowdown import Window
 
 __all__ = ["StepPlan", "TrainMetrics"]
 _HOST_FLOATS = 5  # per rank, gathered on log steps: seconds to reach the drain, data wait, GC, CPU share, CPU wait
-
-
-def _writer_for(sinks: Sequence[MetricSink] | SinkWriter, config: MetricsConfig, *, logger: bool) -> SinkWriter | None:
-    """The logging rank's sink writer: one started during setup (its sinks already open), or a new one."""
-    if not logger:
-        return None
-    if isinstance(sinks, SinkWriter):
-        return sinks
-    return SinkWriter(sinks, max_queue=config.queue_size) if sinks else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +78,7 @@ class TrainMetrics:
     def __init__(
         self, config: MetricsConfig, *, steps: StepPlan, device: torch.device | str, rank: int = 0, world_size: int = 1,
         mfu: MfuInputs | None = None, memory_budget_gb: float | None = None, niceness: int | None = None,
-        sinks: Sequence[MetricSink] | SinkWriter = (), print_progress: bool = True, agreement: StepAgreement | None = None,
+        sinks: SinkWriter | None = None, print_progress: bool = True, agreement: StepAgreement | None = None,
     ) -> None:
         self.config, self.steps = config, steps
         self.rank, self.world_size = rank, world_size
@@ -116,7 +106,7 @@ class TrainMetrics:
         self._print = print_progress and self._is_logger
         self.health_marks: dict[str, tuple[int, int]] = {}
         """What the health check saw so far (loop/health.py): event -> (count, last step); the progress line shows it."""
-        self._writer = _writer_for(sinks, config, logger=self._is_logger)
+        self._writer = sinks if self._is_logger else None  # rank 0's, started during setup (its sinks already open)
         self._sink_at_window_start = (0.0, 0)  # the sink thread's CPU seconds and dropped records
         self.alerts = WindowAlerts(config, start_step=steps.start_step)
         self._last_upload_s: float | None = None
