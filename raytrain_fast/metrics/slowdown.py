@@ -59,8 +59,6 @@ class Window:
     sink_backlog: int = 0
     memory_gb: float = 0.0
     """Memory in use now (host RSS on CPU, allocated on GPU)."""
-    cpu_share: float | None = None
-    """host/cpu_share: CPU time the training process got / (wall time x its compute threads)."""
     cpu_wait_frac: float | None = None
     """host/cpu_wait_frac: share of the window the training thread was ready to run but had no core."""
 
@@ -196,7 +194,6 @@ def _cpu_growth(current: Window, base: Window) -> dict[str, float]:
 
 
 _SECONDS = ("step_s", "data_wait_s", "gc_s", "checkpoint_s", "sink_cpu_s")
-_OPTIONAL = ("cpu_share", "cpu_wait_frac")
 
 
 def _median_window(windows: list[Window]) -> Window:
@@ -217,14 +214,11 @@ def _mean_window(windows: list[Window]) -> Window:
 
 
 def _combine(windows: list[Window], average: Callable[[list[float]], float], *, sink_backlog: int, memory_gb: float) -> Window:
-    optional = {}
-    for name in _OPTIONAL:
-        values = [getattr(w, name) for w in windows if getattr(w, name) is not None]
-        optional[name] = average(values) if values else None
+    waits = [w.cpu_wait_frac for w in windows if w.cpu_wait_frac is not None]
     return Window(
         step=windows[-1].step,
         **{name: average([getattr(w, name) for w in windows]) for name in _SECONDS},
-        **optional,
+        cpu_wait_frac=average(waits) if waits else None,
         sink_dropped=sum(w.sink_dropped for w in windows),
         sink_backlog=sink_backlog,
         memory_gb=memory_gb,

@@ -229,7 +229,7 @@ class TrainMetrics:
                 gc_s=gc_window / num_steps, checkpoint_s=self._checkpoint_blocked_s / num_steps,
                 sink_cpu_s=sink_cpu / num_steps, sink_dropped=dropped,
                 sink_backlog=self._writer.backlog if self._writer is not None else 0, memory_gb=memory_now,
-                cpu_share=metrics["host/cpu_share"], cpu_wait_frac=metrics.get("host/cpu_wait_frac"),
+                cpu_wait_frac=metrics.get("host/cpu_wait_frac"),
             ))
         return metrics
 

@@ -26,7 +26,7 @@ def _record_window(record: dict[str, Any], steps: int) -> Window:
         gc_s=record.get("gc/collect_s", 0.0) / steps,
         checkpoint_s=record.get("checkpoint/blocked_s", 0.0) / steps,
         memory_gb=record.get("memory/current_gb", 0.0),
-        cpu_share=record.get("host/cpu_share"), cpu_wait_frac=record.get("host/cpu_wait_frac"),
+        cpu_wait_frac=record.get("host/cpu_wait_frac"),
     )
 
 
