@@ -143,7 +143,9 @@ PEAK_SAMPLES = 5
 """Samples per measured peak: their median is the figure (one sample swung 366-927 GFLOP/s between runs)."""
 
 
-def measure_matmul_peak(*, device: torch.device | str, dtype: str, seconds: float = 3.0, size: int | None = None) -> float:
+def measure_matmul_peak(
+    *, device: torch.device | str, dtype: str, seconds: float = 3.0, size: int | None = None
+) -> float:
     """Achievable dense matmul FLOP/s of one device in `dtype`: the median of PEAK_SAMPLES short samples
     over about `seconds` in all, each sample the best of a few timed bursts of square (size x size)
     products.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _DESCRIPTIONS = {
     "data_wait": "the data pipeline: waiting for the next batch",
@@ -72,7 +72,6 @@ class Alert:
     message: str
     since_step: int
     """The step of the first window above the threshold among the rolling ones that raised the alert."""
-    excess_s: dict[str, float] = field(default_factory=dict)
 
 
 class SlowdownDetector:
@@ -154,7 +153,7 @@ class SlowdownDetector:
             + (f" ({details[cause]})" if cause in details else "")
             + ". Measured: " + "; ".join(v for k, v in details.items() if k != cause) + "."
         )
-        return Alert(step=step, ratio=ratio, cause=cause, message=message, since_step=since_step, excess_s=grew)
+        return Alert(step=step, ratio=ratio, cause=cause, message=message, since_step=since_step)
 
 
 def _unmeasured_cause(current: Window, base: Window, *, dropped: int) -> str:
@@ -276,6 +275,8 @@ class StallDetector:
         self.num_windows = num_windows
         self.warmup_steps = warmup_steps
         self._recent: deque[Window] = deque(maxlen=num_windows)
+        self.threshold_s: float | None = None
+        """The step time the last window was held to: `factor` x the median (None before the detector has one)."""
 
     def update(self, window: Window) -> Stall | None:
         if window.step <= self.warmup_steps:
@@ -284,6 +285,7 @@ class StallDetector:
             self._recent.append(window)
             return None
         base = _median_window(list(self._recent))
+        self.threshold_s = self.factor * base.step_s
         lost = (window.step_s - base.step_s) * window.num_steps
         if base.step_s <= 0 or window.step_s <= self.factor * base.step_s or lost < self.min_lost_s:
             self._recent.append(window)  # stalls stay out of the median, so a long one keeps firing

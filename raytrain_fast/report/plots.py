@@ -13,7 +13,7 @@ from raytrain_fast.metrics.slowdown import StallDetector
 from raytrain_fast.report.findings.checkpoint_stall import CHECKPOINT_MAX_BLOCK_S
 from raytrain_fast.report.findings.data_bound import DATA_WAIT_FRAC
 from raytrain_fast.report.findings.memory_underused import MEMORY_UNDERUSED_FRAC
-from raytrain_fast.report.findings.stall import run_stalls, stall_factor
+from raytrain_fast.report.findings.stall import replay_stalls, stall_factor
 from raytrain_fast.report.load import RunMetrics, median
 
 
@@ -203,7 +203,8 @@ def _step_time(run: RunMetrics, axis) -> str | None:
     ms = [1e3 * v for v in step_s]
     axis.plot(steps, ms, marker=".", label="step time")
     by_step = dict(zip(steps, ms))
-    baseline = _baseline_band(run, axis)
+    found, thresholds = replay_stalls(run)
+    baseline = _baseline_band(run, axis, thresholds)
     alert_steps = [s for s, v in zip(*run.series("alert/slowdown")) if v >= 1 and s in by_step]
     if alert_steps:
         axis.scatter(alert_steps, [by_step[s] for s in alert_steps], color="tab:red", zorder=3, s=40, label="slowdown alert")
@@ -221,12 +222,12 @@ def _step_time(run: RunMetrics, axis) -> str | None:
         gaps = [1e3 * v * windows[s] for s, v in zip(spread_steps, spread)]
         axis.plot(spread_steps, gaps, marker=".", color="tab:gray", label="rank arrival gap")
     axis.set_ylabel("ms")
-    stalls = {stall.step for stall in run_stalls(run)}
+    stalls = {stall.step for stall in found}
     # Scale to the steady windows that are not stalls, so one 70x window (or the first window's
     # startup) never flattens the baseline: what is above the scale is drawn at its top, with its value.
     steady = [v for s, v in zip(steps, ms) if s > run.warmup_steps and s not in stalls]
     steady += [g for s, g in zip(spread_steps, gaps) if s > run.warmup_steps]
-    top = max(1.25 * max(steady, default=0.0), 1.15 * max((t for _, t in _stall_thresholds(run)), default=0.0) if baseline else 0.0)
+    top = max(1.25 * max(steady, default=0.0), 1.15e3 * max(thresholds.values(), default=0.0) if baseline else 0.0)
     above = [(s, v) for s, v in zip(steps, ms) if v > top]
     if top > 0 and (above or max(gaps, default=0.0) > top):
         axis.set_ylim(0, top)
@@ -247,9 +248,10 @@ def _step_time(run: RunMetrics, axis) -> str | None:
     return None
 
 
-def _baseline_band(run: RunMetrics, axis) -> float | None:
+def _baseline_band(run: RunMetrics, axis, stall_thresholds: dict[int, float]) -> float | None:
     """The slowdown detector's baseline (median step time of the first windows after warm-up), its
-    threshold as a band and the stall threshold as a line; returns the baseline in ms."""
+    threshold as a band and the stall threshold as the detector applied it to each window (step ->
+    seconds: a flat line at the baseline would claim a threshold no detector uses); returns the baseline in ms."""
     steady = [1e3 * v for _, v in zip(*run.series("time/step_s", steady=True))]
     windows = int(run.setting("metrics", "slowdown_windows", 3) or 3)
     if len(steady) < windows:
@@ -258,31 +260,10 @@ def _baseline_band(run: RunMetrics, axis) -> float | None:
     threshold = float(run.setting("metrics", "slowdown_threshold", 0.10) or 0.10)
     axis.axhspan(baseline, baseline * (1 + threshold), color="tab:green", alpha=0.15, zorder=0,
                  label=f"baseline {baseline:,.0f} ms to +{threshold:.0%} (slowdown alert above)")
-    points = _stall_thresholds(run)
-    if points:
-        axis.plot([p for p, _ in points], [t for _, t in points], drawstyle="steps-pre", color="tab:purple", linestyle=":",
-                  linewidth=1, label=f"stall threshold ({stall_factor(run):.1f}x the median of the {StallDetector().num_windows} windows before)")
+    if stall_thresholds:
+        axis.plot(list(stall_thresholds), [1e3 * t for t in stall_thresholds.values()], drawstyle="steps-pre",
+                  color="tab:purple", linestyle=":", linewidth=1, label=f"stall threshold ({stall_factor(run):.1f}x the median of the {StallDetector().num_windows} windows before)")
     return baseline
-
-
-def _stall_thresholds(run: RunMetrics) -> list[tuple[int, float]]:
-    """(step, ms) of the stall threshold as the detector applies it: per window, stall_factor x the
-    median of the windows before it that were not stalls (the last num_windows, at least 3). A flat
-    line at the baseline would claim a threshold no detector uses."""
-    from collections import deque
-
-    stalls = {stall.step for stall in run_stalls(run)}
-    num_windows = StallDetector().num_windows
-    recent: deque[float] = deque(maxlen=num_windows)
-    points = []
-    for record in run.steady:
-        if "time/step_s" not in record:
-            continue
-        if len(recent) >= min(3, num_windows):
-            points.append((record["step"], 1e3 * stall_factor(run) * median(list(recent))))
-        if record["step"] not in stalls:
-            recent.append(record["time/step_s"])
-    return points
 
 
 def _checkpoint(run: RunMetrics, axis) -> str | None:

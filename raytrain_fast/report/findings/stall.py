@@ -30,17 +30,20 @@ def _record_window(record: dict[str, Any], steps: int) -> Window:
     )
 
 
-def run_stalls(run: RunMetrics) -> list[Stall]:
-    """The stalls of the steady windows: the run's own stall detector replayed with its factor."""
+def replay_stalls(run: RunMetrics) -> tuple[list[Stall], dict[int, float]]:
+    """The stalls of the steady windows (the run's own stall detector replayed with its factor), and
+    the step time it held each window to (step -> seconds; none for the first windows, its median's)."""
     detector = StallDetector(factor=stall_factor(run), warmup_steps=0)
     windows = run.window_steps()
-    stalls = []
+    stalls, thresholds = [], {}
     for record in run.steady:
         if "time/step_s" in record:
             stall = detector.update(_record_window(record, windows[record["step"]]))
             if stall is not None:
                 stalls.append(stall)
-    return stalls
+            if detector.threshold_s is not None:
+                thresholds[record["step"]] = detector.threshold_s
+    return stalls, thresholds
 
 
 _STALL_ADVICE = {
@@ -55,7 +58,7 @@ _STALL_ADVICE = {
 def find(run: RunMetrics) -> Finding | str | None:
     if not run.has("time/step_s"):
         return "stalls: time/step_s was not recorded"
-    stalls = run_stalls(run)
+    stalls, _ = replay_stalls(run)
     if not stalls:
         return None
     windows = run.window_steps()
