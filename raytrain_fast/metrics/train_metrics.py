@@ -78,10 +78,9 @@ class TrainMetrics:
     def __init__(
         self, config: MetricsConfig, *, steps: StepPlan, device: torch.device | str, rank: int = 0, world_size: int = 1,
         mfu: MfuInputs | None = None, memory_budget_gb: float | None = None, niceness: int | None = None,
-        sinks: SinkWriter | None = None, print_progress: bool = True, agreement: StepAgreement | None = None,
+        sinks: SinkWriter | None = None, print_progress: bool = True,
     ) -> None:
-        self.config, self.steps = config, steps
-        self.rank, self.world_size = rank, world_size
+        self.steps, self.world_size = steps, world_size
         self.flops_per_token = mfu.flops_per_token if mfu is not None else None
         self.peaks = {"throughput/mfu": mfu.datasheet_peak_flops if mfu is not None else None,
                       "throughput/mfu_measured_peak": mfu.measured_peak_flops if mfu is not None else None}
@@ -93,7 +92,7 @@ class TrainMetrics:
             torch.cuda.get_device_properties(self.device).total_memory / GB if self._cuda else memory_budget_gb
         )
         self.acc = StepAccumulators(device=self.device, profile_every=config.profile_every, start_step=steps.start_step)
-        self.agreement = agreement or StepAgreement(world_size=world_size, device=self.device, host_floats=_HOST_FLOATS)
+        self.agreement = StepAgreement(world_size=world_size, device=self.device, host_floats=_HOST_FLOATS)
         # Threads that compute: torch's on a CPU, the one that launches kernels on a GPU.
         self._host = HostSampler(compute_threads=1 if self._cuda else torch.get_num_threads())
         self._niceness = niceness
