@@ -27,8 +27,6 @@ from raytrain_fast.metrics.metric_files import METRICS_DIR, list_segments, metri
 from raytrain_fast.metrics.sink_writer import MetricSink, SinkWriter
 
 if TYPE_CHECKING:
-    import pyarrow.fs as pafs
-
     from raytrain_fast.config.metrics import MetricsConfig
     from raytrain_fast.storage import StorageConfig
 
@@ -54,13 +52,12 @@ class JsonlSink:
         *,
         start_step: int,
         storage: StorageConfig | None = None,
-        filesystem: pafs.FileSystem | None = None,
         flush_every_s: float = 10.0,
         max_part_bytes: int = 1 << 20,
     ) -> None:
         import pyarrow.fs as pafs
 
-        self._fs, root = metrics_filesystem(run_uri, storage, filesystem)
+        self._fs, root = metrics_filesystem(run_uri, storage)
         self._dir = f"{root}/{METRICS_DIR}"
         self._local = isinstance(self._fs, pafs.LocalFileSystem)
         self._fs.create_dir(self._dir, recursive=True)
@@ -236,11 +233,9 @@ class LocalDirSync:
     is removed. If that copy fails, it stays, and the writer's warning names the sink.
     """
 
-    def __init__(
-        self, local_dir: str, run_uri: str, *, storage: StorageConfig | None = None, filesystem: pafs.FileSystem | None = None
-    ) -> None:
+    def __init__(self, local_dir: str, run_uri: str, *, storage: StorageConfig | None = None) -> None:
         self.local_dir = os.path.abspath(local_dir)
-        self._fs, self._root = metrics_filesystem(run_uri, storage, filesystem)
+        self._fs, self._root = metrics_filesystem(run_uri, storage)
         self._sent: dict[str, tuple[int, int]] = {}
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
