@@ -37,8 +37,6 @@ class SinkWriter:
     """
 
     def __init__(self, sinks: Sequence[MetricSink], *, max_queue: int = 1000, close_timeout_s: float = 60.0) -> None:
-        if max_queue <= 0:
-            raise ValueError(f"max_queue must be > 0, got {max_queue}")
         self.sinks = list(sinks)
         self.max_queue = max_queue
         self.close_timeout_s = close_timeout_s

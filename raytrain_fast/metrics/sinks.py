@@ -1,13 +1,7 @@
-"""Metric sinks, written from rank 0 on one background thread (`SinkWriter`, in sink_writer.py).
-
-Every sink has `log(metrics, step)` and `close()`.
-
-- `JsonlSink`: always on. Metrics as JSON lines in the run's storage (local or S3-compatible), read
-  back by `read_metrics` (metric_files.py), which merges the segments of every (re)start into one series.
-- `WandbSink`, `TensorBoardSink`: when asked for; their libraries are imported lazily, on the sink
-  thread, the first time they log.
-- `LocalDirSync`: copies their node-local files into the run's storage.
-
+"""Metric sinks, written from rank 0 on one background thread (`SinkWriter`, in sink_writer.py); every
+sink has `log(metrics, step)` and `close()`. JSONL in the run's storage is always on (read back by
+`read_metrics`, metric_files.py); W&B and TensorBoard when asked for (their libraries imported on the
+sink thread), with `LocalDirSync` copying their node-local files into the run's storage.
 `SinkWriter`, `MetricSink` and `read_metrics` are handed on from here, where callers import them.
 """
 

@@ -45,10 +45,6 @@ class StepPlan:
     tokens_per_step: int
     """Tokens per optimizer step across all ranks."""
 
-    def __post_init__(self) -> None:
-        if self.log_every <= 0:
-            raise ValueError(f"log_every must be > 0, got {self.log_every}")
-
     def is_log_step(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.total_steps
 
