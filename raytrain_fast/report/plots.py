@@ -14,6 +14,7 @@ from raytrain_fast.report.findings.checkpoint_stall import CHECKPOINT_MAX_BLOCK_
 from raytrain_fast.report.findings.data_bound import DATA_WAIT_FRAC
 from raytrain_fast.report.findings.memory_underused import MEMORY_UNDERUSED_FRAC
 from raytrain_fast.report.findings.stall import replay_stalls, stall_factor
+from raytrain_fast.report import tasks
 from raytrain_fast.report.load import RunMetrics, median
 
 
@@ -53,12 +54,13 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
                 skipped.append(f"{spec.title}: {why_not}")
                 continue
             axis.set_title(spec.title)
-            axis.set_xlabel("step")
             axis.grid(True, alpha=0.3)
-            if run.warmup_steps > run.records[0]["step"]:
-                axis.axvspan(run.records[0]["step"], run.warmup_steps, color="0.85", alpha=0.5, zorder=0, label="warm-up (left out)")
-            _resume_spans(run, axis)
-            _resize_markers(run, axis)
+            if spec.over_steps:
+                axis.set_xlabel("step")
+                if run.warmup_steps > run.records[0]["step"]:
+                    axis.axvspan(run.records[0]["step"], run.warmup_steps, color="0.85", alpha=0.5, zorder=0, label="warm-up (left out)")
+                _resume_spans(run, axis)
+                _resize_markers(run, axis)
             entries = [ax.get_legend_handles_labels() for ax in figure.axes]  # a twin axis's lines too
             handles, labels = [h for hs, _ in entries for h in hs], [label for _, ls in entries for label in ls]
             if labels:
@@ -75,13 +77,6 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
             plots.append(spec)
         finally:
             plt.close(figure)
-    from raytrain_fast.report.tasks import CAPTION, TITLE, draw_tasks
-
-    why_not = draw_tasks(run, out_dir, plt)  # its x axis is tokens, not steps
-    if why_not:
-        skipped.append(f"{TITLE}: {why_not}")
-    else:
-        plots.append(Plot(file="tasks.png", title=TITLE, caption=CAPTION))
     return PlotResult(plots=plots, skipped=skipped)
 
 
@@ -117,6 +112,8 @@ class _Spec(Plot):
     draw: Callable[[RunMetrics, object], str | None]
     """Draws on the axis; returns why it could not (missing metrics), or None."""
     legend_loc: str = "best"
+    over_steps: bool = True
+    """The x axis is the step: warm-up, resumes and resizes are marked on it."""
 
 
 def _loss(run: RunMetrics, axis) -> str | None:
@@ -350,4 +347,5 @@ _SPECS = [
         file="memory.png", title="Memory", caption="Peak and current memory (GPU allocator or process RSS on CPU).",
         draw=_memory, legend_loc="below",  # two y axes: "best" only sees the first one's lines
     ),
+    _Spec(file="tasks.png", title=tasks.TITLE, caption=tasks.CAPTION, draw=tasks.draw_tasks, legend_loc="below", over_steps=False),
 ]
