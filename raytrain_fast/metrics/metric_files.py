@@ -4,6 +4,7 @@ every (re)start into one series."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import TYPE_CHECKING, Any
@@ -51,13 +52,10 @@ def read_metrics(run_uri: str, *, storage: StorageConfig | None = None) -> list[
     """
     fs, root = metrics_filesystem(run_uri, storage)
     records: list[dict[str, Any]] = []
-    by_restart: dict[int, list[str]] = {}
-    for restart, _, path in list_segments(fs, f"{root}/{METRICS_DIR}"):
-        by_restart.setdefault(restart, []).append(path)
-    for restart in sorted(by_restart):
-        segment: list[dict[str, Any]] = []
+    for _, parts in itertools.groupby(list_segments(fs, f"{root}/{METRICS_DIR}"), key=lambda found: found[0]):
+        segment: list[dict[str, Any]] = []  # one (re)start's records, from all its parts
         start_step: int | None = None
-        for path in by_restart[restart]:
+        for _, _, path in parts:
             with fs.open_input_stream(path) as stream:
                 text = stream.read().decode("utf-8", errors="replace")
             for line in text.splitlines():
