@@ -326,11 +326,7 @@ class TrainMetrics:
         if self._writer is not None:
             self._writer.log(metrics, step)
         if self._print:
-            say(self.format_line(step, metrics))
-
-    def format_line(self, step: int, metrics: dict[str, float]) -> str:
-        """The progress line rank 0 prints on log steps."""
-        return progress_line(step, self.steps.total_steps, metrics, self.health_marks)
+            say(progress_line(step, self.steps.total_steps, metrics, self.health_marks))
 
     # --- end -----------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ STALL_MIN_LOST_S = 60.0
 DEFAULT_STALL_FACTOR = 2.5
 
 
-def _record_window(record: dict[str, Any], steps: int) -> Window:
+def record_window(record: dict[str, Any], steps: int) -> Window:
     """A log record as the detectors' Window (seconds per step)."""
     step_s = record["time/step_s"]
     return Window(
@@ -38,7 +38,7 @@ def replay_stalls(run: RunMetrics) -> tuple[list[Stall], dict[int, float]]:
     stalls, thresholds = [], {}
     for record in run.steady:
         if "time/step_s" in record:
-            stall = detector.update(_record_window(record, windows[record["step"]]))
+            stall = detector.update(record_window(record, windows[record["step"]]))
             if stall is not None:
                 stalls.append(stall)
             if detector.threshold_s is not None:
