@@ -300,7 +300,6 @@ def _memory(run: RunMetrics, axis) -> str | None:
         return "memory/peak_gb was not recorded"
     axis.plot(steps, peak, marker=".", label="peak")
     cur_steps, current = run.series("memory/current_gb")
-    current = current or []
     if current:
         axis.plot(cur_steps, current, marker=".", label="in use at the log step")
     axis.set_ylabel("GB")
