@@ -24,11 +24,11 @@ def test_epochs_come_from_the_data_position():
 
 
 def test_progress_line_shows_the_epoch():
-    from raytrain_fast.metrics.train_metrics import TrainMetrics
+    from raytrain_fast.metrics.progress import progress_line
 
     metrics = {"train/loss": 1.5, "train/lr": 1e-3, "train/epoch": 2.5, "time/step_s": 0.1,
                "throughput/tokens_per_sec": 1000.0, "time/data_wait_frac": 0.01}
-    line = TrainMetrics.format_line(SimpleNamespace(steps=SimpleNamespace(total_steps=40), health_marks={}), 10, metrics)
+    line = progress_line(10, 40, metrics, {})
     assert line.startswith("step 10/40  epoch 2.50  loss 1.5000"), line
 
 

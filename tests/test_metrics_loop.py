@@ -170,12 +170,11 @@ def test_checkpoint_time_is_reported_and_counted():
         metrics.add_loss(torch.tensor(2.0))
         metrics.end_step(step)
         if step == 3:
-            with metrics.checkpoint_timer():
-                time.sleep(0.03)
+            metrics.record_checkpoint(blocked_s=0.03)
             metrics.record_checkpoint(upload_s=1.5)
     record = metrics.log(5)
     metrics.close()
-    assert 0.03 <= record["checkpoint/blocked_s"] < 1.5  # a 0.03 s sleep, oversleeping under load
+    assert record["checkpoint/blocked_s"] == 0.03
     assert record["checkpoint/upload_s"] == 1.5
     assert record["train/loss"] == 2.0
 
@@ -189,7 +188,7 @@ def test_gc_control_freezes_times_and_restores():
         assert gc.get_freeze_count() > 0
         collected = [control.step(step) for step in range(1, 10)]
         assert collected == [False, False, True] * 3
-        assert control.num_full >= 3
+        assert control.num_collections >= 3
         assert control.collect_s > 0
     finally:
         control.close()
@@ -221,7 +220,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_path: str) -> None:
         if metrics.is_log_step(step):
             flags = (1 << rank) if step == 10 else 0  # e.g. rank 0: "my timer is due", rank 1: "stop requested"
             results[step] = metrics.log(step, flags=flags)
-            results[step]["flags_any_rank"] = float(metrics.flags_any_rank)
+            results[step]["flags_any_rank"] = float(metrics.agreement.flags)
     metrics.close()
     if rank == 0:
         with open(out_path, "w") as out:

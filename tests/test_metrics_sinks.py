@@ -214,15 +214,13 @@ def test_build_sinks_always_has_jsonl(tmp_path):
 
 
 def test_the_node_local_copy_is_removed_once_its_last_sync_went_through(tmp_path):
-    import pyarrow.fs as pafs
-
     from raytrain_fast.metrics.sinks import LocalDirSync
 
     local = tmp_path / "raytrain-fast-sinks-x"
     (local / "tensorboard").mkdir(parents=True)
     (local / "tensorboard" / "events.out.tfevents.1").write_bytes(b"first")
     remote = tmp_path / "storage" / "run"
-    sync = LocalDirSync(str(local), str(remote), filesystem=pafs.LocalFileSystem())
+    sync = LocalDirSync(str(local), str(remote))
     writer = SinkWriter([sync])
     writer.request_flush()
     assert writer.flush(30) and (remote / "tensorboard" / "events.out.tfevents.1").read_bytes() == b"first"
@@ -237,7 +235,7 @@ def test_the_node_local_copy_is_removed_once_its_last_sync_went_through(tmp_path
     failing.mkdir()
     (failing / "kept").write_bytes(b"not copied")
     (tmp_path / "blocked").write_bytes(b"a file where the run's directory should be")
-    broken = LocalDirSync(str(failing), str(tmp_path / "blocked" / "run"), filesystem=pafs.LocalFileSystem())
+    broken = LocalDirSync(str(failing), str(tmp_path / "blocked" / "run"))
     writer = SinkWriter([broken])
     writer.close()
     assert writer.errors == 1 and (failing / "kept").read_bytes() == b"not copied"  # nothing lost

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from raytrain_fast.metrics import MetricsConfig, SlowdownDetector, StepPlan, TrainMetrics, Window
+from raytrain_fast.metrics import MetricsConfig, SinkWriter, SlowdownDetector, StepPlan, TrainMetrics, Window
 from raytrain_fast.metrics.slowdown import StallDetector, largest_cause
 
 pytestmark = pytest.mark.unit
@@ -151,7 +151,7 @@ def _run(config: MetricsConfig, *, steps: int, step_fn, sinks=(), log_every: int
 
     metrics = TrainMetrics(
         config, steps=StepPlan(log_every=log_every, total_steps=steps, start_step=0, tokens_per_step=1000),
-        device="cpu", sinks=list(sinks), print_progress=False,
+        device="cpu", sinks=SinkWriter(list(sinks), max_queue=config.queue_size) if sinks else None, print_progress=False,
     )
     records = {}
     try:
@@ -198,7 +198,6 @@ def test_planted_data_slowdown_is_named(caplog):
         metrics, records = _run(_config(), steps=70, step_fn=step_fn)
     first = _first_alert(records, after=40)
     assert first["alert/slowdown_cause/data_wait"] == 1.0
-    assert metrics.slowdown.last_alert.cause == "data_wait"
     assert "data pipeline" in caplog.text and "slowdown at step" in caplog.text
 
 
@@ -212,7 +211,6 @@ def test_planted_slow_sink_is_named():
     metrics, records = _run(_config(queue_size=2), steps=80, step_fn=step_fn, sinks=[sink])
     first = _first_alert(records, after=40)
     assert first["alert/slowdown_cause/sink"] == 1.0
-    assert metrics.slowdown.last_alert.cause == "sink"
 
 
 def test_planted_gc_pressure_is_named():

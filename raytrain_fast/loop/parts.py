@@ -265,7 +265,7 @@ def build_metrics(worker: Worker, state: TrainState, engine: DeepSpeedEngine, mf
                      tokens_per_step=worker.tokens_per_step)
     return TrainMetrics(
         config.metrics, steps=steps, device=engine.device, rank=worker.rank, world_size=worker.world_size, mfu=mfu,
-        memory_budget_gb=config.resources.memory_budget_gb, niceness=worker.niceness, sinks=sinks if sinks is not None else (),
+        memory_budget_gb=config.resources.memory_budget_gb, niceness=worker.niceness, sinks=sinks,
     )
 
 

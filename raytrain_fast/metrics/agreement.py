@@ -4,7 +4,7 @@ It carries the window's on-device sums (an all-reduce), a few host floats per ra
 time to reach the log step, data wait, GC, CPU share and wait) and each rank's bit flags, and ends in
 ONE host read. So what one rank knows ("my checkpoint timer is due", "a stop notice reached me",
 "Ray is draining my node") becomes what every rank knows, at the same step, with no extra
-collective or sync: the loop decides its saves and stops from `StepAgreement.agreed`."""
+collective or sync: the loop decides its saves and stops from `StepAgreement.flags`."""
 
 from __future__ import annotations
 
@@ -50,10 +50,6 @@ class StepAgreement:
         for row in rows:
             self.flags |= int(round(row[-1]))
         return values[:n], [row[:-1] for row in rows]
-
-    def agreed(self, flag: int) -> bool:
-        """Whether any rank raised `flag` at the last drain (the same answer on every rank)."""
-        return bool(self.flags & flag)
 
     def all_finite(self, sums: torch.Tensor) -> bool:
         """Whether `sums` is finite on every rank: one all-reduce (with several ranks) and ONE host read."""

@@ -22,10 +22,6 @@ class WindowAlerts:
 
     def check(self, metrics: dict[str, float], window: Window) -> None:
         """Feed the window to both detectors; alert/* into `metrics`."""
-        self._slowdown(metrics, window)
-        self._stall(metrics, window)
-
-    def _slowdown(self, metrics: dict[str, float], window: Window) -> None:
         slowdown, alert = self.slowdown.update(window)
         if self.slowdown.baseline is not None:
             metrics["alert/slowdown"] = slowdown
@@ -36,8 +32,6 @@ class WindowAlerts:
         if alert is not None:
             metrics[f"alert/slowdown_cause/{alert.cause}"] = 1.0
             logger.warning(alert.message)
-
-    def _stall(self, metrics: dict[str, float], window: Window) -> None:
         stall = self.stall.update(window)
         metrics["alert/stall"] = 1.0 if stall else 0.0
         if stall is not None:

@@ -27,7 +27,6 @@ class GcControl:
         self.collect_s = 0.0
         """Seconds spent in any collection (automatic or ours) since start()."""
         self.num_collections = 0
-        self.num_full = 0
         self._started_at: float | None = None
         self._saved_threshold: tuple[int, int, int] | None = None
 
@@ -39,8 +38,6 @@ class GcControl:
         elif self._started_at is not None:
             self.collect_s += time.perf_counter() - self._started_at
             self.num_collections += 1
-            if info.get("generation") == 2:
-                self.num_full += 1
             self._started_at = None
 
     def start(self) -> None:

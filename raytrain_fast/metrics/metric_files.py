@@ -4,6 +4,7 @@ every (re)start into one series."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import TYPE_CHECKING, Any
@@ -21,9 +22,7 @@ def segment_name(restart: int, part: int) -> str:
     return f"metrics-r{restart:04d}-p{part:04d}.jsonl"
 
 
-def metrics_filesystem(uri: str, storage: StorageConfig | None, filesystem: pafs.FileSystem | None) -> tuple[pafs.FileSystem, str]:
-    if filesystem is not None:
-        return filesystem, uri.split("://", 1)[-1].rstrip("/")
+def metrics_filesystem(uri: str, storage: StorageConfig | None) -> tuple[pafs.FileSystem, str]:
     from raytrain_fast.storage import StorageConfig, resolve_filesystem
 
     return resolve_filesystem(uri, storage or StorageConfig())
@@ -44,22 +43,19 @@ def list_segments(fs: pafs.FileSystem, directory: str) -> list[tuple[int, int, s
     return sorted(segments)
 
 
-def read_metrics(run_uri: str, *, storage: StorageConfig | None = None, filesystem: pafs.FileSystem | None = None) -> list[dict[str, Any]]:
+def read_metrics(run_uri: str, *, storage: StorageConfig | None = None) -> list[dict[str, Any]]:
     """Every metrics record of a run as one continuous series ordered by step, one record per step
     (records written for the same step, such as an evaluation's, are merged).
 
     Segments are replayed in (re)start order. When a restart resumed from step s, what earlier
     attempts logged after s was superseded (those steps ran again), so it is dropped.
     """
-    fs, root = metrics_filesystem(run_uri, storage, filesystem)
+    fs, root = metrics_filesystem(run_uri, storage)
     records: list[dict[str, Any]] = []
-    by_restart: dict[int, list[str]] = {}
-    for restart, _, path in list_segments(fs, f"{root}/{METRICS_DIR}"):
-        by_restart.setdefault(restart, []).append(path)
-    for restart in sorted(by_restart):
-        segment: list[dict[str, Any]] = []
+    for _, parts in itertools.groupby(list_segments(fs, f"{root}/{METRICS_DIR}"), key=lambda found: found[0]):
+        segment: list[dict[str, Any]] = []  # one (re)start's records, from all its parts
         start_step: int | None = None
-        for path in by_restart[restart]:
+        for _, _, path in parts:
             with fs.open_input_stream(path) as stream:
                 text = stream.read().decode("utf-8", errors="replace")
             for line in text.splitlines():

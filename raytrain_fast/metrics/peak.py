@@ -29,7 +29,7 @@ TERA = 1e12
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class _Datasheet:
     """Dense (no 2:4 sparsity) tensor-core peaks in TFLOP/s, and the plain FP32 (non-tensor) peak."""
 
@@ -40,59 +40,39 @@ class _Datasheet:
     source: str
 
 
-# NVIDIA datasheets list tensor-core figures "with sparsity" (marked *); those are halved here, since
-# training does not use 2:4 structured sparsity. Figures as printed in each datasheet:
-_A100 = _Datasheet(  # A100 40GB/80GB, SXM and PCIe alike: BF16 312 (624*), TF32 156 (312*), FP32 19.5
-    bf16=312.0, fp16=312.0, tf32=156.0, fp32=19.5, source="NVIDIA A100 Tensor Core GPU datasheet"
-)
-_H100_SXM = _Datasheet(  # H100 SXM: BF16 1,979*, TF32 989*, FP32 67
-    bf16=989.5, fp16=989.5, tf32=494.5, fp32=67.0, source="NVIDIA H100 Tensor Core GPU datasheet (SXM)"
-)
-_H100_PCIE = _Datasheet(  # H100 PCIe: BF16 1,513*, TF32 756*, FP32 51
-    bf16=756.5, fp16=756.5, tf32=378.0, fp32=51.0, source="NVIDIA H100 Tensor Core GPU datasheet (PCIe)"
-)
-_H100_NVL = _Datasheet(  # H100 NVL (per GPU): BF16 1,671*, TF32 835*, FP32 60
-    bf16=835.5, fp16=835.5, tf32=417.5, fp32=60.0, source="NVIDIA H100 Tensor Core GPU datasheet (NVL)"
-)
-_H200_SXM = _Datasheet(  # H200 SXM: same compute as H100 SXM (BF16 1,979*, TF32 989*, FP32 67)
-    bf16=989.5, fp16=989.5, tf32=494.5, fp32=67.0, source="NVIDIA H200 Tensor Core GPU datasheet (SXM)"
-)
-_H200_NVL = _Datasheet(  # H200 NVL: BF16 1,671*, TF32 835*, FP32 60
-    bf16=835.5, fp16=835.5, tf32=417.5, fp32=60.0, source="NVIDIA H200 Tensor Core GPU datasheet (NVL)"
-)
-_L4 = _Datasheet(  # L4: BF16 242*, TF32 120*, FP32 30.3
-    bf16=121.0, fp16=121.0, tf32=60.0, fp32=30.3, source="NVIDIA L4 Tensor Core GPU datasheet"
-)
-_L40S = _Datasheet(  # L40S: BF16 362.05 (733*), TF32 183 (366*), FP32 91.6
-    bf16=362.05, fp16=362.05, tf32=183.0, fp32=91.6, source="NVIDIA L40S GPU datasheet"
-)
-_L40 = _Datasheet(  # L40: BF16 181.05 (362.1*), TF32 90.5 (181*), FP32 90.5
-    bf16=181.05, fp16=181.05, tf32=90.5, fp32=90.5, source="NVIDIA L40 GPU datasheet"
-)
-_A10 = _Datasheet(  # A10: BF16 125 (250*), TF32 62.5 (125*), FP32 31.2
-    bf16=125.0, fp16=125.0, tf32=62.5, fp32=31.2, source="NVIDIA A10 Tensor Core GPU datasheet"
-)
-
 # Ordered: the first pattern that matches `torch.cuda.get_device_name()` wins. Names seen in the wild:
 # "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe", "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe",
 # "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA L4", "NVIDIA L40S", "NVIDIA A10G".
 # \b keeps "GH200" from matching H200 and "L40S" from matching L4.
+# NVIDIA datasheets list tensor-core figures "with sparsity" (marked *); those are halved here, since
+# training does not use 2:4 structured sparsity. The figures as printed in each datasheet are in the comments.
 _TABLE: tuple[tuple[re.Pattern[str], _Datasheet | None], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), sheet)
     for pattern, sheet in (
-        (r"\bH200\b.*\bNVL\b", _H200_NVL),
-        (r"\bH200\b", _H200_SXM),
-        (r"\bH100\b.*\bNVL\b", _H100_NVL),
-        (r"\bH100\b.*\bPCIe\b", _H100_PCIE),
-        (r"\bH100\b.*(\bSXM|\bHBM3\b)", _H100_SXM),
-        (r"\bA100\b", _A100),
-        (r"\bL40S\b", _L40S),
-        (r"\bL40\b", _L40),
-        (r"\bL4\b", _L4),
+        # H200 NVL: BF16 1,671*, TF32 835*, FP32 60
+        (r"\bH200\b.*\bNVL\b", _Datasheet(835.5, 835.5, 417.5, 60.0, "NVIDIA H200 Tensor Core GPU datasheet (NVL)")),
+        # H200 SXM: same compute as H100 SXM (BF16 1,979*, TF32 989*, FP32 67)
+        (r"\bH200\b", _Datasheet(989.5, 989.5, 494.5, 67.0, "NVIDIA H200 Tensor Core GPU datasheet (SXM)")),
+        # H100 NVL (per GPU): BF16 1,671*, TF32 835*, FP32 60
+        (r"\bH100\b.*\bNVL\b", _Datasheet(835.5, 835.5, 417.5, 60.0, "NVIDIA H100 Tensor Core GPU datasheet (NVL)")),
+        # H100 PCIe: BF16 1,513*, TF32 756*, FP32 51
+        (r"\bH100\b.*\bPCIe\b", _Datasheet(756.5, 756.5, 378.0, 51.0, "NVIDIA H100 Tensor Core GPU datasheet (PCIe)")),
+        # H100 SXM: BF16 1,979*, TF32 989*, FP32 67
+        (r"\bH100\b.*(\bSXM|\bHBM3\b)",
+         _Datasheet(989.5, 989.5, 494.5, 67.0, "NVIDIA H100 Tensor Core GPU datasheet (SXM)")),
+        # A100 40GB/80GB, SXM and PCIe alike: BF16 312 (624*), TF32 156 (312*), FP32 19.5
+        (r"\bA100\b", _Datasheet(312.0, 312.0, 156.0, 19.5, "NVIDIA A100 Tensor Core GPU datasheet")),
+        # L40S: BF16 362.05 (733*), TF32 183 (366*), FP32 91.6
+        (r"\bL40S\b", _Datasheet(362.05, 362.05, 183.0, 91.6, "NVIDIA L40S GPU datasheet")),
+        # L40: BF16 181.05 (362.1*), TF32 90.5 (181*), FP32 90.5
+        (r"\bL40\b", _Datasheet(181.05, 181.05, 90.5, 90.5, "NVIDIA L40 GPU datasheet")),
+        # L4: BF16 242*, TF32 120*, FP32 30.3
+        (r"\bL4\b", _Datasheet(121.0, 121.0, 60.0, 30.3, "NVIDIA L4 Tensor Core GPU datasheet")),
         # The A10G is an AWS-only variant of the A10 with different tensor-core throughput; NVIDIA
         # publishes no datasheet for it, so there is no honest figure: MFU against the measured peak only.
         (r"\bA10G\b", None),
-        (r"\bA10\b", _A10),
+        # A10: BF16 125 (250*), TF32 62.5 (125*), FP32 31.2
+        (r"\bA10\b", _Datasheet(125.0, 125.0, 62.5, 31.2, "NVIDIA A10 Tensor Core GPU datasheet")),
     )
 )
 
@@ -113,11 +93,10 @@ def datasheet_peak_flops(device_name: str, dtype: str) -> float | None:
 
 
 def matmul_dtype(precision: str) -> str:
-    """The dtype the tensor cores see for a training precision: fp32 runs as tf32 when torch allows it."""
-    if precision in ("bf16", "fp16"):
-        return precision
+    """The dtype the tensor cores see for a training precision (bf16, fp16 or fp32, as the config's
+    validation allows): fp32 runs as tf32 when torch allows it."""
     if precision != "fp32":
-        raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
+        return precision
     import torch
 
     tf32 = torch.cuda.is_available() and torch.backends.cuda.matmul.allow_tf32
@@ -165,24 +144,21 @@ PEAK_SAMPLES = 5
 
 
 def measure_matmul_peak(
-    *, device: torch.device | str, dtype: str, seconds: float = 3.0, size: int | None = None, samples: int = PEAK_SAMPLES
+    *, device: torch.device | str, dtype: str, seconds: float = 3.0, size: int | None = None
 ) -> float:
-    """Achievable dense matmul FLOP/s of one device in `dtype`: the median of `samples` short samples
+    """Achievable dense matmul FLOP/s of one device in `dtype`: the median of PEAK_SAMPLES short samples
     over about `seconds` in all, each sample the best of a few timed bursts of square (size x size)
     products.
 
     Best-of within a sample drops a burst that lost the cores for a moment; the median across samples
-    drops a whole sample taken while a neighbour held them. One long best-of (what this was) swung
-    2.5x between runs on one busy machine. Measure in the dtype training uses: on CPUs without native
-    bf16, bf16 matmuls run ~50x slower than fp32. `tf32` means fp32 tensors with TF32 allowed (the
-    caller's torch settings decide).
+    drops a whole sample taken while a neighbour held them. Measure in the dtype training uses: on
+    CPUs without native bf16, bf16 matmuls run ~50x slower than fp32. `tf32` means fp32 tensors with
+    TF32 allowed (the caller's torch settings decide).
     """
     import torch
 
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_TORCH_DTYPES)}, got {dtype!r}")
-    if samples < 1:
-        raise ValueError(f"samples must be at least 1, got {samples}")
     device = torch.device(device)
     torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
     is_cuda = device.type == "cuda"
@@ -206,10 +182,10 @@ def measure_matmul_peak(
 
     burst(1)  # warm-up: kernel selection, first-touch allocation
     one = burst(1)
-    per_sample = max(0.0, seconds - 2 * one) / samples
+    per_sample = max(0.0, seconds - 2 * one) / PEAK_SAMPLES
     count = max(1, int(per_sample / 3 / one))  # ~3 bursts per sample
     results = []
-    for _ in range(samples):
+    for _ in range(PEAK_SAMPLES):
         deadline = time.perf_counter() + per_sample
         best = count * flops_per_product / burst(count)
         while time.perf_counter() < deadline:

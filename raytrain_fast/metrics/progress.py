@@ -6,6 +6,13 @@ import math
 
 from raytrain_fast.metrics.slowdown import STALL_CAUSES
 
+# The window's figures on the line, in order: (metric, format); one the window lacks is left out.
+_SHOWN = (
+    ("train/epoch", "epoch {:.2f}"), ("train/loss", "loss {:.4f}"), ("train/lr", "lr {:.2e}"),
+    ("throughput/tokens_per_sec", "{:,.0f} tok/s"), ("ms/step", "{:.0f} ms/step"), ("throughput/mfu", "MFU {:.1%}"),
+    ("throughput/mfu_measured_peak", "{:.0%} of measured peak"), ("time/data_wait_frac", "data wait {:.1%}"),
+)
+
 
 def duration(seconds: float) -> str:
     seconds = int(round(seconds))
@@ -17,22 +24,10 @@ def duration(seconds: float) -> str:
 def progress_line(step: int, total_steps: int, metrics: dict[str, float], health_marks: dict[str, tuple[int, int]]) -> str:
     """`step 40/100  epoch 0.02  loss 2.95  lr 1.0e-04  18,735 tok/s  109 ms/step  ...  ETA 0m07s`,
     then any alert and what the health check saw so far (event -> (count, last step))."""
-    width = len(str(total_steps))
-    parts = [f"step {step:>{width}}/{total_steps}"]
-    if "train/epoch" in metrics:
-        parts.append(f"epoch {metrics['train/epoch']:.2f}")
-    if "train/loss" in metrics:
-        parts.append(f"loss {metrics['train/loss']:.4f}")
-    if "train/lr" in metrics:
-        parts.append(f"lr {metrics['train/lr']:.2e}")
     step_s = metrics["time/step_s"]
-    parts.append(f"{metrics['throughput/tokens_per_sec']:,.0f} tok/s")
-    parts.append(f"{step_s * 1000:.0f} ms/step")
-    if "throughput/mfu" in metrics:
-        parts.append(f"MFU {metrics['throughput/mfu']:.1%}")
-    if "throughput/mfu_measured_peak" in metrics:
-        parts.append(f"{metrics['throughput/mfu_measured_peak']:.0%} of measured peak")
-    parts.append(f"data wait {metrics['time/data_wait_frac']:.1%}")
+    shown = {**metrics, "ms/step": step_s * 1000}
+    parts = [f"step {step:>{len(str(total_steps))}}/{total_steps}"]
+    parts += [fmt.format(shown[name]) for name, fmt in _SHOWN if name in shown]
     parts.append(f"ETA {duration(step_s * max(0, total_steps - step))}")
     if metrics.get("alert/slowdown"):
         parts.append(f"SLOWDOWN x{metrics.get('alert/slowdown_ratio', math.nan):.2f}")

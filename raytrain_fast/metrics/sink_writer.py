@@ -37,8 +37,6 @@ class SinkWriter:
     """
 
     def __init__(self, sinks: Sequence[MetricSink], *, max_queue: int = 1000, close_timeout_s: float = 60.0) -> None:
-        if max_queue <= 0:
-            raise ValueError(f"max_queue must be > 0, got {max_queue}")
         self.sinks = list(sinks)
         self.max_queue = max_queue
         self.close_timeout_s = close_timeout_s
@@ -124,9 +122,7 @@ class SinkWriter:
             )
 
     def _run(self) -> None:
-        for sink in self.sinks:
-            if hasattr(sink, "open"):
-                self._call(sink, "open")
+        self._call_all("open")
         self.opened.set()
         while True:
             with self._cond:
@@ -137,23 +133,21 @@ class SinkWriter:
             if item is None:
                 break
             if item is _FLUSH:
-                for sink in self.sinks:
-                    if hasattr(sink, "flush"):
-                        self._call(sink, "flush")
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-                continue
-            metrics, step = item
-            for sink in self.sinks:
-                self._call(sink, "log", metrics, step)
+                self._call_all("flush")
+            else:
+                self._call_all("log", *item)
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
-        for sink in self.sinks:
-            self._call(sink, "close")
+        self._call_all("close")
         with self._cond:
             self._cond.notify_all()
+
+    def _call_all(self, method: str, *args: Any) -> None:
+        """`method` of every sink that has it, in order (`log` and `close` are on every sink)."""
+        for sink in self.sinks:
+            if hasattr(sink, method):
+                self._call(sink, method, *args)
 
     def _call(self, sink: MetricSink, method: str, *args: Any) -> None:
         started = time.thread_time()

@@ -1,13 +1,7 @@
-"""Metric sinks, written from rank 0 on one background thread (`SinkWriter`, in sink_writer.py).
-
-Every sink has `log(metrics, step)` and `close()`.
-
-- `JsonlSink`: always on. Metrics as JSON lines in the run's storage (local or S3-compatible), read
-  back by `read_metrics` (metric_files.py), which merges the segments of every (re)start into one series.
-- `WandbSink`, `TensorBoardSink`: when asked for; their libraries are imported lazily, on the sink
-  thread, the first time they log.
-- `LocalDirSync`: copies their node-local files into the run's storage.
-
+"""Metric sinks, written from rank 0 on one background thread (`SinkWriter`, in sink_writer.py); every
+sink has `log(metrics, step)` and `close()`. JSONL in the run's storage is always on (read back by
+`read_metrics`, metric_files.py); W&B and TensorBoard when asked for (their libraries imported on the
+sink thread), with `LocalDirSync` copying their node-local files into the run's storage.
 `SinkWriter`, `MetricSink` and `read_metrics` are handed on from here, where callers import them.
 """
 
@@ -27,8 +21,6 @@ from raytrain_fast.metrics.metric_files import METRICS_DIR, list_segments, metri
 from raytrain_fast.metrics.sink_writer import MetricSink, SinkWriter
 
 if TYPE_CHECKING:
-    import pyarrow.fs as pafs
-
     from raytrain_fast.config.metrics import MetricsConfig
     from raytrain_fast.storage import StorageConfig
 
@@ -54,13 +46,12 @@ class JsonlSink:
         *,
         start_step: int,
         storage: StorageConfig | None = None,
-        filesystem: pafs.FileSystem | None = None,
         flush_every_s: float = 10.0,
         max_part_bytes: int = 1 << 20,
     ) -> None:
         import pyarrow.fs as pafs
 
-        self._fs, root = metrics_filesystem(run_uri, storage, filesystem)
+        self._fs, root = metrics_filesystem(run_uri, storage)
         self._dir = f"{root}/{METRICS_DIR}"
         self._local = isinstance(self._fs, pafs.LocalFileSystem)
         self._fs.create_dir(self._dir, recursive=True)
@@ -150,24 +141,20 @@ class WandbSink:
         entity: str | None = None,
         config: Mapping[str, Any] | None = None,
     ) -> None:
-        self.run_name = run_name
-        self.project = project
-        self.entity = entity
-        self.mode = resolve_wandb_mode(mode)
-        self.run_id = wandb_run_id(run_name, project)
-        self.dir = os.path.abspath(os.path.expanduser(local_dir))
         from raytrain_fast.storage import redact
 
-        self.config = redact(dict(config or {}))  # credential-like values masked before W&B sees them
-        self.skipped = 0
+        self.dir = os.path.abspath(os.path.expanduser(local_dir))
+        self._init_args = dict(  # wandb.init's
+            project=project, entity=entity, name=run_name, id=wandb_run_id(run_name, project), resume="allow",
+            mode=resolve_wandb_mode(mode), dir=self.dir, reinit="create_new",
+            config=redact(dict(config or {})),  # credential-like values masked before W&B sees them
+        )
         self._run: Any = None
         self._next_step = 0
 
     def open(self) -> None:
-        if self._run is None:
-            self._open()
-
-    def _open(self) -> None:
+        if self._run is not None:
+            return
         import wandb
 
         os.makedirs(self.dir, exist_ok=True)
@@ -179,25 +166,12 @@ class WandbSink:
             silent=True,
             x_save_requirements=False,
         )
-        self._run = wandb.init(
-            project=self.project,
-            entity=self.entity,
-            name=self.run_name,
-            id=self.run_id,
-            resume="allow",
-            mode=self.mode,
-            dir=self.dir,
-            config=self.config,
-            settings=settings,
-            reinit="create_new",
-        )
+        self._run = wandb.init(**self._init_args, settings=settings)
         self._next_step = int(getattr(self._run, "step", 0) or 0)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        if self._run is None:
-            self._open()
+        self.open()
         if step < self._next_step:
-            self.skipped += 1
             return
         self._run.log(dict(metrics), step=step)
         self._next_step = step + 1
@@ -253,13 +227,10 @@ class LocalDirSync:
     is removed. If that copy fails, it stays, and the writer's warning names the sink.
     """
 
-    def __init__(
-        self, local_dir: str, run_uri: str, *, storage: StorageConfig | None = None, filesystem: pafs.FileSystem | None = None
-    ) -> None:
+    def __init__(self, local_dir: str, run_uri: str, *, storage: StorageConfig | None = None) -> None:
         self.local_dir = os.path.abspath(local_dir)
-        self._fs, self._root = metrics_filesystem(run_uri, storage, filesystem)
+        self._fs, self._root = metrics_filesystem(run_uri, storage)
         self._sent: dict[str, tuple[int, int]] = {}
-        self.files_copied = 0
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         pass
@@ -273,11 +244,10 @@ class LocalDirSync:
         self.sync()  # raises on a failed copy: the local files stay
         shutil.rmtree(self.local_dir, ignore_errors=True)
 
-    def sync(self) -> int:
-        """Copy what changed; returns how many files went."""
+    def sync(self) -> None:
+        """Copy what changed."""
         import stat
 
-        copied = 0
         for directory, subdirs, names in os.walk(self.local_dir):
             subdirs.sort()
             for name in sorted(names):
@@ -295,9 +265,6 @@ class LocalDirSync:
                     while chunk := source.read(1 << 20):
                         sink.write(chunk)
                 self._sent[relative] = key
-                copied += 1
-        self.files_copied += copied
-        return copied
 
 
 def build_sinks(

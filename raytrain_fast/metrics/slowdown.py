@@ -21,9 +21,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-CAUSES = ("data_wait", "gc", "checkpoint", "sink", "memory", "cpu", "unexplained")
+from dataclasses import dataclass
 
 _DESCRIPTIONS = {
     "data_wait": "the data pipeline: waiting for the next batch",
@@ -61,8 +59,6 @@ class Window:
     sink_backlog: int = 0
     memory_gb: float = 0.0
     """Memory in use now (host RSS on CPU, allocated on GPU)."""
-    cpu_share: float | None = None
-    """host/cpu_share: CPU time the training process got / (wall time x its compute threads)."""
     cpu_wait_frac: float | None = None
     """host/cpu_wait_frac: share of the window the training thread was ready to run but had no core."""
 
@@ -76,7 +72,6 @@ class Alert:
     message: str
     since_step: int
     """The step of the first window above the threshold among the rolling ones that raised the alert."""
-    excess_s: dict[str, float] = field(default_factory=dict)
 
 
 class SlowdownDetector:
@@ -86,7 +81,6 @@ class SlowdownDetector:
         self.warmup_steps = warmup_steps
         self.baseline: Window | None = None
         self.alerting = False
-        self.last_alert: Alert | None = None
         self.last_ratio: float | None = None
         """Rolling median step time / baseline at the last update: the number the alert compares."""
         self._baseline_windows: list[Window] = []
@@ -125,7 +119,6 @@ class SlowdownDetector:
                 _mean_window(slow_windows), ratio=ratio, median_s=current.step_s, step=window.step,
                 since_step=slow_windows[0].step, dropped=dropped,
             )
-            self.last_alert = alert
             self.alerting = True
         return (1.0 if self.alerting else 0.0), alert
 
@@ -135,12 +128,7 @@ class SlowdownDetector:
         base = self.baseline
         assert base is not None
         excess = current.step_s - base.step_s
-        grew = {
-            "data_wait": current.data_wait_s - base.data_wait_s,
-            "gc": current.gc_s - base.gc_s,
-            "checkpoint": current.checkpoint_s - base.checkpoint_s,
-            "sink": current.sink_cpu_s - base.sink_cpu_s,
-        }
+        grew = _grew(current, base, ("data_wait", "gc", "checkpoint", "sink"))
         cause = (
             largest_cause(grew, excess) or largest_cause(_cpu_growth(current, base), excess)
             or _unmeasured_cause(current, base, dropped=dropped)
@@ -165,7 +153,7 @@ class SlowdownDetector:
             + (f" ({details[cause]})" if cause in details else "")
             + ". Measured: " + "; ".join(v for k, v in details.items() if k != cause) + "."
         )
-        return Alert(step=step, ratio=ratio, cause=cause, message=message, since_step=since_step, excess_s=grew)
+        return Alert(step=step, ratio=ratio, cause=cause, message=message, since_step=since_step)
 
 
 def _unmeasured_cause(current: Window, base: Window, *, dropped: int) -> str:
@@ -175,6 +163,14 @@ def _unmeasured_cause(current: Window, base: Window, *, dropped: int) -> str:
         return "sink"
     memory_growth = (current.memory_gb - base.memory_gb) / base.memory_gb if base.memory_gb > 0 else 0.0
     return "memory" if memory_growth > _MEMORY_GROWTH else "unexplained"
+
+
+_SECONDS_OF = {"data_wait": "data_wait_s", "gc": "gc_s", "checkpoint": "checkpoint_s", "sink": "sink_cpu_s"}
+
+
+def _grew(current: Window, base: Window, causes: tuple[str, ...]) -> dict[str, float]:
+    """How many more seconds per step each of `causes` took in `current` than in `base`."""
+    return {cause: getattr(current, _SECONDS_OF[cause]) - getattr(base, _SECONDS_OF[cause]) for cause in causes}
 
 
 def largest_cause(grew: dict[str, float], excess_s: float) -> str | None:
@@ -197,7 +193,6 @@ def _cpu_growth(current: Window, base: Window) -> dict[str, float]:
 
 
 _SECONDS = ("step_s", "data_wait_s", "gc_s", "checkpoint_s", "sink_cpu_s")
-_OPTIONAL = ("cpu_share", "cpu_wait_frac")
 
 
 def _median_window(windows: list[Window]) -> Window:
@@ -218,14 +213,11 @@ def _mean_window(windows: list[Window]) -> Window:
 
 
 def _combine(windows: list[Window], average: Callable[[list[float]], float], *, sink_backlog: int, memory_gb: float) -> Window:
-    optional = {}
-    for name in _OPTIONAL:
-        values = [getattr(w, name) for w in windows if getattr(w, name) is not None]
-        optional[name] = average(values) if values else None
+    waits = [w.cpu_wait_frac for w in windows if w.cpu_wait_frac is not None]
     return Window(
         step=windows[-1].step,
         **{name: average([getattr(w, name) for w in windows]) for name in _SECONDS},
-        **optional,
+        cpu_wait_frac=average(waits) if waits else None,
         sink_dropped=sum(w.sink_dropped for w in windows),
         sink_backlog=sink_backlog,
         memory_gb=memory_gb,
@@ -283,6 +275,8 @@ class StallDetector:
         self.num_windows = num_windows
         self.warmup_steps = warmup_steps
         self._recent: deque[Window] = deque(maxlen=num_windows)
+        self.threshold_s: float | None = None
+        """The step time the last window was held to: `factor` x the median (None before the detector has one)."""
 
     def update(self, window: Window) -> Stall | None:
         if window.step <= self.warmup_steps:
@@ -291,6 +285,7 @@ class StallDetector:
             self._recent.append(window)
             return None
         base = _median_window(list(self._recent))
+        self.threshold_s = self.factor * base.step_s
         lost = (window.step_s - base.step_s) * window.num_steps
         if base.step_s <= 0 or window.step_s <= self.factor * base.step_s or lost < self.min_lost_s:
             self._recent.append(window)  # stalls stay out of the median, so a long one keeps firing
@@ -307,10 +302,6 @@ class StallDetector:
 
 
 def stall_cause(window: Window, base: Window) -> str:
-    grew = {
-        "data_wait": window.data_wait_s - base.data_wait_s,
-        "checkpoint": window.checkpoint_s - base.checkpoint_s,
-        "gc": window.gc_s - base.gc_s,
-    }
+    grew = _grew(window, base, ("data_wait", "checkpoint", "gc"))
     excess = window.step_s - base.step_s
     return largest_cause(grew, excess) or largest_cause(_cpu_growth(window, base), excess) or "unknown"

@@ -1,26 +1,17 @@
 """What the step loop measures, and the one place it reads the device back (every `log_every` steps).
 
-`TrainMetrics` is the loop's one metrics object, made of four parts:
-- the accumulators (metrics/accumulators.py): per step, detached tensors added into on-device sums
-  (loss, grad norm) and the host clock around each phase; no host syncs;
-- the agreement (metrics/agreement.py): on log steps, one all-reduce of the sums and one all-gather
-  of a few host floats and bit flags per rank, queued without waiting, then ONE host read;
-- the window computation (here): throughput, MFU, phase times, memory, host CPU and memory, rank
-  spread and the sink's health, from what the drain read;
-- the alerts (metrics/alerts.py, rank 0): slowdown and stall checks; then the progress line
-  (metrics/progress.py) and a hand-off of the record to the sink thread, which never blocks training.
-
-The window's wall time runs from one drain's host sync to the next, so it is exact even on a GPU
-where the host runs ahead.
+`TrainMetrics` is the loop's one metrics object: the accumulators (accumulators.py, no host syncs), the
+log step's collective and ONE host read (agreement.py), the window computation (here), the alerts
+(alerts.py), the progress line (progress.py) and the hand-off to the sink thread. docs/architecture.md
+(steps 4-6 of the loop) says how they fit.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
@@ -35,20 +26,11 @@ from raytrain_fast.metrics.memory import GB, host_memory_gb, memory_in_use_gb, p
 from raytrain_fast.metrics.peak import mfu
 from raytrain_fast.metrics.progress import progress_line
 from raytrain_fast.metrics.setup import MfuInputs
-from raytrain_fast.metrics.sinks import MetricSink, SinkWriter
-from raytrain_fast.metrics.slowdown import SlowdownDetector, Window
+from raytrain_fast.metrics.sinks import SinkWriter
+from raytrain_fast.metrics.slowdown import Window
 
 __all__ = ["StepPlan", "TrainMetrics"]
 _HOST_FLOATS = 5  # per rank, gathered on log steps: seconds to reach the drain, data wait, GC, CPU share, CPU wait
-
-
-def _writer_for(sinks: Sequence[MetricSink] | SinkWriter, config: MetricsConfig, *, logger: bool) -> SinkWriter | None:
-    """The logging rank's sink writer: one started during setup (its sinks already open), or a new one."""
-    if not logger:
-        return None
-    if isinstance(sinks, SinkWriter):
-        return sinks
-    return SinkWriter(sinks, max_queue=config.queue_size) if sinks else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,10 +44,6 @@ class StepPlan:
     """The step this process starts after (a resumed run's checkpoint)."""
     tokens_per_step: int
     """Tokens per optimizer step across all ranks."""
-
-    def __post_init__(self) -> None:
-        if self.log_every <= 0:
-            raise ValueError(f"log_every must be > 0, got {self.log_every}")
 
     def is_log_step(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.total_steps
@@ -89,22 +67,16 @@ class TrainMetrics:
         if metrics.is_log_step(step):
             last = metrics.log(step, lr=engine.get_lr()[0])   # every rank: a collective + ONE host sync
 
-    Checkpoints: `with metrics.checkpoint_timer(): save(...)` (or `record_checkpoint(blocked_s=...)`),
-    and `record_checkpoint(upload_s=...)` when an async upload reports its duration.
-
-    What it is built from, by concern: the metrics section; the run's steps (`StepPlan`); the rank's
-    place (device, rank, world size); MFU's inputs, measured once per run (`MfuInputs`); what the
-    host/* and memory/* figures are read against (the CPU memory budget, the worker's niceness);
-    where records go (rank 0's sinks, the progress line).
+    Checkpoints: `record_checkpoint(blocked_s=...)` after a save, and `record_checkpoint(upload_s=...)`
+    when an async upload reports its duration.
     """
 
     def __init__(
         self, config: MetricsConfig, *, steps: StepPlan, device: torch.device | str, rank: int = 0, world_size: int = 1,
         mfu: MfuInputs | None = None, memory_budget_gb: float | None = None, niceness: int | None = None,
-        sinks: Sequence[MetricSink] | SinkWriter = (), print_progress: bool = True, agreement: StepAgreement | None = None,
+        sinks: SinkWriter | None = None, print_progress: bool = True,
     ) -> None:
-        self.config, self.steps = config, steps
-        self.rank, self.world_size = rank, world_size
+        self.steps, self.world_size = steps, world_size
         self.flops_per_token = mfu.flops_per_token if mfu is not None else None
         self.peaks = {"throughput/mfu": mfu.datasheet_peak_flops if mfu is not None else None,
                       "throughput/mfu_measured_peak": mfu.measured_peak_flops if mfu is not None else None}
@@ -116,7 +88,7 @@ class TrainMetrics:
             torch.cuda.get_device_properties(self.device).total_memory / GB if self._cuda else memory_budget_gb
         )
         self.acc = StepAccumulators(device=self.device, profile_every=config.profile_every, start_step=steps.start_step)
-        self.agreement = agreement or StepAgreement(world_size=world_size, device=self.device, host_floats=_HOST_FLOATS)
+        self.agreement = StepAgreement(world_size=world_size, device=self.device, host_floats=_HOST_FLOATS)
         # Threads that compute: torch's on a CPU, the one that launches kernels on a GPU.
         self._host = HostSampler(compute_threads=1 if self._cuda else torch.get_num_threads())
         self._niceness = niceness
@@ -129,7 +101,7 @@ class TrainMetrics:
         self._print = print_progress and self._is_logger
         self.health_marks: dict[str, tuple[int, int]] = {}
         """What the health check saw so far (loop/health.py): event -> (count, last step); the progress line shows it."""
-        self._writer = _writer_for(sinks, config, logger=self._is_logger)
+        self._writer = sinks if self._is_logger else None  # rank 0's, started during setup (its sinks already open)
         self._sink_at_window_start = (0.0, 0)  # the sink thread's CPU seconds and dropped records
         self.alerts = WindowAlerts(config, start_step=steps.start_step)
         self._last_upload_s: float | None = None
@@ -164,11 +136,6 @@ class TrainMetrics:
         one all-reduce (with several ranks) and ONE host read. For a save on a step that is not a
         log step (saves are rare); on a log step the drain already told."""
         return self.agreement.all_finite(self.acc.sums)
-
-    @property
-    def flags_any_rank(self) -> int:
-        """After log(): the bitwise OR of the `flags` every rank passed to it."""
-        return self.agreement.flags
 
     # --- side concerns -------------------------------------------------------------------------
 
@@ -215,15 +182,6 @@ class TrainMetrics:
             self._window_start += seconds
             self._window_start_step += 1
 
-    @contextmanager
-    def checkpoint_timer(self) -> Iterator[None]:
-        """Times the block as checkpoint/blocked_s."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.record_checkpoint(blocked_s=time.perf_counter() - start)
-
     # --- log steps -----------------------------------------------------------------------------
 
     def log(self, step: int, *, lr: float | None = None, flags: int = 0, epoch: float | None = None) -> dict[str, float]:
@@ -266,7 +224,7 @@ class TrainMetrics:
                 gc_s=gc_window / num_steps, checkpoint_s=self._checkpoint_blocked_s / num_steps,
                 sink_cpu_s=sink_cpu / num_steps, sink_dropped=dropped,
                 sink_backlog=self._writer.backlog if self._writer is not None else 0, memory_gb=memory_now,
-                cpu_share=metrics["host/cpu_share"], cpu_wait_frac=metrics.get("host/cpu_wait_frac"),
+                cpu_wait_frac=metrics.get("host/cpu_wait_frac"),
             ))
         return metrics
 
@@ -368,17 +326,9 @@ class TrainMetrics:
         if self._writer is not None:
             self._writer.log(metrics, step)
         if self._print:
-            say(self.format_line(step, metrics))
-
-    def format_line(self, step: int, metrics: dict[str, float]) -> str:
-        """The progress line rank 0 prints on log steps."""
-        return progress_line(step, self.steps.total_steps, metrics, self.health_marks)
+            say(progress_line(step, self.steps.total_steps, metrics, self.health_marks))
 
     # --- end -----------------------------------------------------------------------------------
-
-    @property
-    def slowdown(self) -> SlowdownDetector:
-        return self.alerts.slowdown
 
     def close(self) -> None:
         """Deliver queued records, close the sinks, give Python's GC its settings back."""

@@ -25,7 +25,6 @@ class Report:
     html_path: str
     pngs: list[str]
     """Paths of the PNG files written."""
-    skipped_plots: list[str]
 
     @property
     def text(self) -> str:
@@ -50,7 +49,7 @@ def report_for(run: RunMetrics, *, out_dir: str) -> Report:
         out.write(render_html(run, diagnosis, plots, out_dir=out_dir))
     return Report(
         run=run, diagnosis=diagnosis, out_dir=out_dir, html_path=html_path,
-        pngs=[os.path.join(out_dir, p.file) for p in plots.plots], skipped_plots=plots.skipped,
+        pngs=[os.path.join(out_dir, p.file) for p in plots.plots],
     )
 
 

@@ -70,14 +70,10 @@ class Diagnosis:
         else:
             lines.append(f"Diagnosis: {len(self.findings)} finding{'s' if len(self.findings) > 1 else ''}.")
         for number, finding in enumerate(self.findings, 1):
-            lines.append("")
-            lines.append(f"{number}. {finding.title}")
-            lines += [f"   - {item}" for item in finding.evidence]
+            lines += ["", f"{number}. {finding.title}", *(f"   - {item}" for item in finding.evidence)]
             lines += [f"   Change: {item}" for item in finding.advice]
         if self.skipped:
-            lines.append("")
-            lines.append("Not checked:")
-            lines += [f"  - {item}" for item in self.skipped]
+            lines += ["", "Not checked:", *(f"  - {item}" for item in self.skipped)]
         return "\n".join(lines)
 
 

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 from raytrain_fast.errors import RaytrainFastError
 
 if TYPE_CHECKING:
+    import pyarrow.fs as pafs
+
     from raytrain_fast.storage import StorageConfig
 
 # Steps the report leaves out as warm-up when the run's config does not say (the loop's default
@@ -73,6 +75,15 @@ class RunMetrics:
     def has(self, metric: str) -> bool:
         return any(metric in r for r in self.records)
 
+    def names_under(self, prefix: str, suffix: str = "") -> list[str]:
+        """The <name>s of the `<prefix><name><suffix>` metrics in the records, in first-seen order."""
+        names: dict[str, None] = {}
+        for record in self.records:
+            for key in record:
+                if key.startswith(prefix) and key.endswith(suffix) and len(key) > len(prefix) + len(suffix):
+                    names.setdefault(key[len(prefix):len(key) - len(suffix)], None)
+        return list(names)
+
     def series(self, metric: str, *, steady: bool = False) -> tuple[list[int], list[float]]:
         """(steps, values) of the records that hold `metric`."""
         records = self.steady if steady else self.records
@@ -132,8 +143,10 @@ class RunMetrics:
 
 def load_run(storage_uri: str, name: str, *, storage: StorageConfig | None = None) -> RunMetrics:
     """Read run `name` under `storage_uri` (local or s3://). Raises ReportError when it has no metrics."""
+    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs
+    from raytrain_fast.loop.health import read_health
     from raytrain_fast.metrics.sinks import read_metrics
-    from raytrain_fast.storage import StorageConfig
+    from raytrain_fast.storage import StorageConfig, resolve_filesystem
 
     storage = storage or StorageConfig(uri=storage_uri)
     uri = f"{storage_uri.rstrip('/')}/{name}"
@@ -151,33 +164,40 @@ def load_run(storage_uri: str, name: str, *, storage: StorageConfig | None = Non
             f"(`raytrain-fast runs --storage {storage_uri}` lists the runs there)."
         )
     run = from_records(records, name=name, uri=uri, config=newest_config(uri, storage))
-    run.saved_steps = _saved_steps(uri, storage)
+    filesystem, path = resolve_filesystem(uri, storage)  # read_metrics has just read through it
+    try:
+        run.saved_steps = sorted(step for step, _ in list_checkpoint_dirs(filesystem, path))
+    except OSError:
+        pass
     run.auto_micro_batch = _auto_micro_batch(storage_uri, storage, run.config)
-    run.hangs = _hang_records(uri, storage)
-    health = _health_record(uri, storage)
+    try:  # the hang watchdog's records (none when it never acted)
+        run.hangs = _json_files(filesystem, f"{path}/hangs", prefix="hang-")
+    except (OSError, ValueError):
+        pass
+    health = read_health(filesystem, path)
     run.rollbacks, run.divergence_stop = list(health.get("rollbacks", [])), health.get("stopped")
     return run
 
 
-def _saved_steps(run_uri: str, storage: StorageConfig) -> list[int]:
-    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs
-    from raytrain_fast.storage import resolve_filesystem
+def _json_files(filesystem: pafs.FileSystem, directory: str, *, prefix: str = "") -> list[Any]:
+    """The parsed `<prefix>*.json` files of `directory`, by name ([] when it does not exist)."""
+    import json
 
-    try:
-        filesystem, path = resolve_filesystem(run_uri, storage)
-        return sorted(step for step, _ in list_checkpoint_dirs(filesystem, path))
-    except (FileNotFoundError, OSError):
-        return []
+    import pyarrow.fs as pafs
+
+    found = []
+    infos = filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
+    for info in sorted(infos, key=lambda i: i.path):
+        if info.base_name.startswith(prefix) and info.base_name.endswith(".json"):
+            with filesystem.open_input_stream(info.path) as stream:
+                found.append(json.loads(stream.read()))
+    return found
 
 
 def _auto_micro_batch(storage_uri: str, storage: StorageConfig, config: dict[str, Any] | None) -> int | None:
     """The micro-batch `auto` chose for this run's inputs, from the choices autobatch caches under
     <storage>/_autobatch/ (key_inputs: model, batch, workers, precision, memory budget). The model's
     activation_checkpointing is left out of the match: the choice itself may have turned it on."""
-    import json
-
-    import pyarrow.fs as pafs
-
     from raytrain_fast.microbatch.auto import CACHE_DIR
     from raytrain_fast.storage import resolve_filesystem
 
@@ -193,12 +213,7 @@ def _auto_micro_batch(storage_uri: str, storage: StorageConfig, config: dict[str
     model = {k: v for k, v in section("model").items() if k != "activation_checkpointing"}
     try:
         filesystem, root = resolve_filesystem(storage_uri, storage)
-        infos = filesystem.get_file_info(pafs.FileSelector(f"{root.rstrip('/')}/{CACHE_DIR}", allow_not_found=True))
-        for info in infos:
-            if not info.path.endswith(".json"):
-                continue
-            with filesystem.open_input_stream(info.path) as stream:
-                cached = json.loads(stream.read())
+        for cached in _json_files(filesystem, f"{root.rstrip('/')}/{CACHE_DIR}"):
             inputs = cached.get("key_inputs") or {}
             cached_model = {k: v for k, v in (inputs.get("model") or {}).items() if k != "activation_checkpointing"}
             if cached_model == model and all(inputs.get(k) == v for k, v in wanted.items()):
@@ -260,39 +275,6 @@ def newest_config(run_uri: str, storage: StorageConfig) -> dict[str, Any] | None
     except (FileNotFoundError, OSError):
         pass
     return None
-
-
-def _hang_records(run_uri: str, storage: StorageConfig) -> list[dict[str, Any]]:
-    """The hang watchdog's records of the run (none when it never acted)."""
-    import json
-
-    import pyarrow.fs as pafs
-
-    from raytrain_fast.storage import resolve_filesystem
-
-    try:
-        filesystem, path = resolve_filesystem(run_uri, storage)
-        infos = filesystem.get_file_info(pafs.FileSelector(f"{path}/hangs", allow_not_found=True))
-        records = []
-        for info in sorted(infos, key=lambda i: i.path):
-            if info.base_name.startswith("hang-") and info.base_name.endswith(".json"):
-                with filesystem.open_input_stream(info.path) as stream:
-                    records.append(json.loads(stream.read()))
-        return records
-    except (OSError, ValueError):
-        return []
-
-
-def _health_record(run_uri: str, storage: StorageConfig) -> dict[str, Any]:
-    """The run's rollbacks and divergence stop (loop/health.py; {} when it had neither)."""
-    from raytrain_fast.loop.health import read_health
-    from raytrain_fast.storage import resolve_filesystem
-
-    try:
-        filesystem, path = resolve_filesystem(run_uri, storage)
-        return read_health(filesystem, path)
-    except (OSError, ValueError):
-        return {}
 
 
 def median(values: list[float]) -> float:

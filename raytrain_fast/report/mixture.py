@@ -34,16 +34,6 @@ class SourceShare:
     """The step that closed that window (None with a single record)."""
 
 
-def source_names(run: RunMetrics) -> list[str]:
-    """The mixture's sources named in the records, in first-seen order (empty: not a mixture)."""
-    names: dict[str, None] = {}
-    for record in run.records:
-        for key in record:
-            if key.startswith(PREFIX):
-                names.setdefault(key[len(PREFIX):], None)
-    return list(names)
-
-
 def configured_weights(run: RunMetrics, names: list[str]) -> dict[str, float]:
     """Each source's weight from the run's config (data.sources), normalised; 0 for a source it lacks."""
     raw: dict[str, float] = {}
@@ -58,25 +48,26 @@ def configured_weights(run: RunMetrics, names: list[str]) -> dict[str, float]:
 
 def realised_mixture(run: RunMetrics) -> list[SourceShare]:
     """The realised share of each source, for the run and for its worst log window (empty: no mixture)."""
-    names = source_names(run)
+    names = run.names_under(PREFIX)  # the mixture's sources
     rows = [r for r in run.records if all(f"{PREFIX}{n}" in r for n in names)]
     if not names or not rows:
         return []
     weights = configured_weights(run, names)
-    last = rows[-1]
-    total = sum(float(last[f"{PREFIX}{n}"]) for n in names) or 1.0
+    tokens = [(int(r["step"]), {n: float(r[f"{PREFIX}{n}"]) for n in names}) for r in rows]
+    last = tokens[-1][1]
+    total = sum(last.values()) or 1.0
     shares = []
     for name in names:
-        worst, worst_step = float(last[f"{PREFIX}{name}"]) / total, None
-        for before, after in zip(rows, rows[1:]):
-            window = sum(float(after[f"{PREFIX}{n}"]) - float(before[f"{PREFIX}{n}"]) for n in names)
+        worst, worst_step = last[name] / total, None
+        for (_, before), (step, after) in zip(tokens, tokens[1:]):
+            window = sum(after[n] - before[n] for n in names)
             if window <= 0:
                 continue  # a rollback or a resume from an earlier checkpoint: the counts went back
-            share = (float(after[f"{PREFIX}{name}"]) - float(before[f"{PREFIX}{name}"])) / window
+            share = (after[name] - before[name]) / window
             if worst_step is None or abs(share - weights[name]) > abs(worst - weights[name]):
-                worst, worst_step = share, int(after["step"])
+                worst, worst_step = share, step
         shares.append(SourceShare(
-            name=name, weight=weights[name], tokens=float(last[f"{PREFIX}{name}"]), share=float(last[f"{PREFIX}{name}"]) / total,
+            name=name, weight=weights[name], tokens=last[name], share=last[name] / total,
             worst_window_share=worst, worst_window_step=worst_step,
         ))
     return shares
@@ -111,4 +102,4 @@ def mixture_facts(run: RunMetrics) -> dict[str, Any]:
     return {f"mixture: {s.name}": f"weight {pct(s.weight)}, realised {pct(s.share)}" for s in realised_mixture(run)}
 
 
-__all__ = ["SourceShare", "mixture_facts", "mixture_lines", "realised_mixture", "source_names"]
+__all__ = ["SourceShare", "mixture_facts", "mixture_lines", "realised_mixture"]

@@ -13,7 +13,8 @@ from raytrain_fast.metrics.slowdown import StallDetector
 from raytrain_fast.report.findings.checkpoint_stall import CHECKPOINT_MAX_BLOCK_S
 from raytrain_fast.report.findings.data_bound import DATA_WAIT_FRAC
 from raytrain_fast.report.findings.memory_underused import MEMORY_UNDERUSED_FRAC
-from raytrain_fast.report.findings.stall import run_stalls, stall_factor
+from raytrain_fast.report.findings.stall import replay_stalls, stall_factor
+from raytrain_fast.report import tasks
 from raytrain_fast.report.load import RunMetrics, median
 
 
@@ -53,17 +54,15 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
                 skipped.append(f"{spec.title}: {why_not}")
                 continue
             axis.set_title(spec.title)
-            axis.set_xlabel("step")
             axis.grid(True, alpha=0.3)
-            if run.warmup_steps > run.records[0]["step"]:
-                axis.axvspan(run.records[0]["step"], run.warmup_steps, color="0.85", alpha=0.5, zorder=0, label="warm-up (left out)")
-            _resume_spans(run, axis)
-            _resize_markers(run, axis)
-            handles, labels = [], []
-            for ax in figure.axes:
-                h, l = ax.get_legend_handles_labels()
-                handles += h
-                labels += l
+            if spec.over_steps:
+                axis.set_xlabel("step")
+                if run.warmup_steps > run.records[0]["step"]:
+                    axis.axvspan(run.records[0]["step"], run.warmup_steps, color="0.85", alpha=0.5, zorder=0, label="warm-up (left out)")
+                _resume_spans(run, axis)
+                _resize_markers(run, axis)
+            entries = [ax.get_legend_handles_labels() for ax in figure.axes]  # a twin axis's lines too
+            handles, labels = [h for hs, _ in entries for h in hs], [label for _, ls in entries for label in ls]
             if labels:
                 if spec.legend_loc == "below":  # nothing on the axes to cover: spikes, band and lines stay visible
                     columns = _legend_columns(labels)
@@ -75,16 +74,9 @@ def draw_plots(run: RunMetrics, out_dir: str) -> PlotResult:
                     axis.legend(handles, labels, loc=spec.legend_loc, fontsize="small")
             figure.tight_layout()
             figure.savefig(os.path.join(out_dir, spec.file), bbox_inches="tight")
-            plots.append(Plot(file=spec.file, title=spec.title, caption=spec.caption))
+            plots.append(spec)
         finally:
             plt.close(figure)
-    from raytrain_fast.report.tasks import CAPTION, TITLE, draw_tasks
-
-    why_not = draw_tasks(run, out_dir, plt)  # its x axis is tokens, not steps
-    if why_not:
-        skipped.append(f"{TITLE}: {why_not}")
-    else:
-        plots.append(Plot(file="tasks.png", title=TITLE, caption=CAPTION))
     return PlotResult(plots=plots, skipped=skipped)
 
 
@@ -116,13 +108,12 @@ def _resize_markers(run: RunMetrics, axis) -> None:
 
 
 @dataclass(kw_only=True)
-class _Spec:
-    file: str
-    title: str
-    caption: str
+class _Spec(Plot):
     draw: Callable[[RunMetrics, object], str | None]
     """Draws on the axis; returns why it could not (missing metrics), or None."""
     legend_loc: str = "best"
+    over_steps: bool = True
+    """The x axis is the step: warm-up, resumes and resizes are marked on it."""
 
 
 def _loss(run: RunMetrics, axis) -> str | None:
@@ -157,24 +148,18 @@ def _val_loss(run: RunMetrics, axis) -> None:
     steps, val = run.series("val/loss")
     if val:
         axis.plot(steps, val, marker="o", label="val/loss (held out)")
-        axis.legend()
-
-
-def _thousands(axis) -> None:
-    """Tick labels with thousands separators (12,500 rather than 12500)."""
-    from matplotlib.ticker import FuncFormatter
-
-    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
 
 
 def _throughput(run: RunMetrics, axis) -> str | None:
+    from matplotlib.ticker import FuncFormatter
+
     steps, tps = run.series("throughput/tokens_per_sec")
     if not tps:
         return "throughput/tokens_per_sec was not recorded"
     axis.plot(steps, tps, marker=".", color="tab:blue", label="tokens/s")
     axis.set_ylabel("tokens/s")
     axis.set_ylim(0, 1.1 * max(tps))
-    _thousands(axis)
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))  # 12,500 rather than 12500
     return None
 
 
@@ -215,7 +200,8 @@ def _step_time(run: RunMetrics, axis) -> str | None:
     ms = [1e3 * v for v in step_s]
     axis.plot(steps, ms, marker=".", label="step time")
     by_step = dict(zip(steps, ms))
-    baseline = _baseline_band(run, axis)
+    found, thresholds = replay_stalls(run)
+    baseline = _baseline_band(run, axis, thresholds)
     alert_steps = [s for s, v in zip(*run.series("alert/slowdown")) if v >= 1 and s in by_step]
     if alert_steps:
         axis.scatter(alert_steps, [by_step[s] for s in alert_steps], color="tab:red", zorder=3, s=40, label="slowdown alert")
@@ -233,12 +219,12 @@ def _step_time(run: RunMetrics, axis) -> str | None:
         gaps = [1e3 * v * windows[s] for s, v in zip(spread_steps, spread)]
         axis.plot(spread_steps, gaps, marker=".", color="tab:gray", label="rank arrival gap")
     axis.set_ylabel("ms")
-    stalls = {stall.step for stall in run_stalls(run)}
+    stalls = {stall.step for stall in found}
     # Scale to the steady windows that are not stalls, so one 70x window (or the first window's
     # startup) never flattens the baseline: what is above the scale is drawn at its top, with its value.
     steady = [v for s, v in zip(steps, ms) if s > run.warmup_steps and s not in stalls]
     steady += [g for s, g in zip(spread_steps, gaps) if s > run.warmup_steps]
-    top = max(1.25 * max(steady, default=0.0), 1.15 * max((t for _, t in _stall_thresholds(run)), default=0.0) if baseline else 0.0)
+    top = max(1.25 * max(steady, default=0.0), 1.15e3 * max(thresholds.values(), default=0.0) if baseline else 0.0)
     above = [(s, v) for s, v in zip(steps, ms) if v > top]
     if top > 0 and (above or max(gaps, default=0.0) > top):
         axis.set_ylim(0, top)
@@ -259,9 +245,10 @@ def _step_time(run: RunMetrics, axis) -> str | None:
     return None
 
 
-def _baseline_band(run: RunMetrics, axis) -> float | None:
+def _baseline_band(run: RunMetrics, axis, stall_thresholds: dict[int, float]) -> float | None:
     """The slowdown detector's baseline (median step time of the first windows after warm-up), its
-    threshold as a band and the stall threshold as a line; returns the baseline in ms."""
+    threshold as a band and the stall threshold as the detector applied it to each window (step ->
+    seconds: a flat line at the baseline would claim a threshold no detector uses); returns the baseline in ms."""
     steady = [1e3 * v for _, v in zip(*run.series("time/step_s", steady=True))]
     windows = int(run.setting("metrics", "slowdown_windows", 3) or 3)
     if len(steady) < windows:
@@ -270,35 +257,10 @@ def _baseline_band(run: RunMetrics, axis) -> float | None:
     threshold = float(run.setting("metrics", "slowdown_threshold", 0.10) or 0.10)
     axis.axhspan(baseline, baseline * (1 + threshold), color="tab:green", alpha=0.15, zorder=0,
                  label=f"baseline {baseline:,.0f} ms to +{threshold:.0%} (slowdown alert above)")
-    _stall_threshold(run, axis)
+    if stall_thresholds:
+        axis.plot(list(stall_thresholds), [1e3 * t for t in stall_thresholds.values()], drawstyle="steps-pre",
+                  color="tab:purple", linestyle=":", linewidth=1, label=f"stall threshold ({stall_factor(run):.1f}x the median of the {StallDetector().num_windows} windows before)")
     return baseline
-
-
-def _stall_thresholds(run: RunMetrics) -> list[tuple[int, float]]:
-    """(step, ms) of the stall threshold as the detector applies it: per window, stall_factor x the
-    median of the windows before it that were not stalls (the last num_windows, at least 3). A flat
-    line at the baseline would claim a threshold no detector uses."""
-    from collections import deque
-
-    stalls = {stall.step for stall in run_stalls(run)}
-    num_windows = StallDetector().num_windows
-    recent: deque[float] = deque(maxlen=num_windows)
-    points = []
-    for record in run.steady:
-        if "time/step_s" not in record:
-            continue
-        if len(recent) >= min(3, num_windows):
-            points.append((record["step"], 1e3 * stall_factor(run) * median(list(recent))))
-        if record["step"] not in stalls:
-            recent.append(record["time/step_s"])
-    return points
-
-
-def _stall_threshold(run: RunMetrics, axis) -> None:
-    points = _stall_thresholds(run)
-    if points:
-        axis.plot([p for p, _ in points], [t for _, t in points], drawstyle="steps-pre", color="tab:purple", linestyle=":",
-                  linewidth=1, label=f"stall threshold ({stall_factor(run):.1f}x the median of the {StallDetector().num_windows} windows before)")
 
 
 def _checkpoint(run: RunMetrics, axis) -> str | None:
@@ -338,7 +300,6 @@ def _memory(run: RunMetrics, axis) -> str | None:
         return "memory/peak_gb was not recorded"
     axis.plot(steps, peak, marker=".", label="peak")
     cur_steps, current = run.series("memory/current_gb")
-    current = current or []
     if current:
         axis.plot(cur_steps, current, marker=".", label="in use at the log step")
     axis.set_ylabel("GB")
@@ -385,4 +346,5 @@ _SPECS = [
         file="memory.png", title="Memory", caption="Peak and current memory (GPU allocator or process RSS on CPU).",
         draw=_memory, legend_loc="below",  # two y axes: "best" only sees the first one's lines
     ),
+    _Spec(file="tasks.png", title=tasks.TITLE, caption=tasks.CAPTION, draw=tasks.draw_tasks, legend_loc="below", over_steps=False),
 ]

@@ -67,10 +67,11 @@ def summarize(run: RunMetrics) -> dict[str, str]:
     if loss:
         summary["loss"] = f"{loss[0]:.4f} -> {loss[-1]:.4f} (min {min(loss):.4f})"
 
-    def add(label: str, metric: str, fmt) -> None:
-        _, values = run.series(metric, steady=steady)
+    def add(label: str, metric: str, fmt, of=None) -> None:
+        """`fmt` of the median over the steady windows, or of `of(every value)`, when the metric was recorded."""
+        _, values = run.series(metric, steady=steady and of is None)
         if values:
-            summary[label] = fmt(median(values))
+            summary[label] = fmt((of or median)(values))
 
     add("tokens/s (median)", "throughput/tokens_per_sec", lambda v: f"{v:,.0f}")
     add("step time (median)", "time/step_s", ms)
@@ -80,20 +81,15 @@ def summarize(run: RunMetrics) -> dict[str, str]:
     _, blocked = run.series("checkpoint/blocked_s")
     if blocked:
         summary["checkpoint blocked"] = f"median {duration(median(blocked))}, worst {duration(max(blocked))} ({_saves_timed(run, len(blocked))})"
-    _, peak = run.series("memory/peak_gb")
-    if peak:
-        summary["peak memory"] = f"{max(peak):.2f} GB"
-        _, fracs = run.series("memory/peak_frac")
-        if fracs:
-            summary["peak memory"] += f" ({pct(max(fracs))} of available)"
-    _, nice = run.series("host/niceness")
-    if nice:
-        summary["worker niceness"] = f"{nice[0]:.0f}" + (" (normal priority)" if nice[0] <= 0 else " (below normal priority: other processes come first)")
+    add("peak memory", "memory/peak_gb", lambda v: f"{v:.2f} GB", of=max)
+    _, fracs = run.series("memory/peak_frac")
+    if "peak memory" in summary and fracs:
+        summary["peak memory"] += f" ({pct(max(fracs))} of available)"
+    add("worker niceness", "host/niceness", of=lambda values: values[0], fmt=lambda n: f"{n:.0f}" + (
+        " (normal priority)" if n <= 0 else " (below normal priority: other processes come first)"))
     add("CPU wait (median)", "host/cpu_wait_frac", pct)
     _, alerts = run.series("alert/slowdown")
     if alerts:
         summary["slowdown alerts"] = f"{int(sum(a >= 1 for a in alerts))} of {len(alerts)} windows"
-    _, dropped = run.series("sink/dropped")
-    if dropped:
-        summary["sink records dropped"] = str(int(max(dropped)))
+    add("sink records dropped", "sink/dropped", lambda v: str(int(v)), of=max)
     return summary

@@ -3,8 +3,6 @@ each task's chance level drawn, and a table of the first, last and best evaluati
 
 from __future__ import annotations
 
-import os
-
 from raytrain_fast.report.load import RunMetrics
 
 PREFIX = "eval/"
@@ -13,16 +11,6 @@ CAPTION = (
     "Accuracy of each task of eval.tasks against the tokens trained on: acc (solid, the choice with the highest "
     "log-likelihood) and acc_norm (dashed, per character of the choice); the dotted grey lines are the tasks' chance levels."
 )
-
-
-def task_names(run: RunMetrics) -> list[str]:
-    """The tasks the run scored, in first-seen order."""
-    names: dict[str, None] = {}
-    for record in run.records:
-        for key in record:
-            if key.startswith(PREFIX) and key.endswith("/acc"):
-                names.setdefault(key[len(PREFIX):-len("/acc")], None)
-    return list(names)
 
 
 def task_points(run: RunMetrics, name: str) -> list[dict[str, float]]:
@@ -40,36 +28,28 @@ def task_points(run: RunMetrics, name: str) -> list[dict[str, float]]:
     return points
 
 
-def draw_tasks(run: RunMetrics, out_dir: str, pyplot) -> str | None:
-    """Write tasks.png; returns why it was not drawn, or None."""
-    names = task_names(run)
+def draw_tasks(run: RunMetrics, axis) -> str | None:
+    """Accuracy against tokens trained on, on `axis` (report/plots.py draws the figure); returns why
+    it was not drawn, or None."""
+    names = run.names_under(PREFIX, "/acc")  # the tasks the run scored
     if not names:
         return "the run scored no tasks (eval.tasks, docs/evaluation.md)"
     from matplotlib.ticker import FuncFormatter
 
-    figure, axis = pyplot.subplots(figsize=(8, 3.6), dpi=100)
-    try:
-        chances: dict[float, list[str]] = {}
-        for index, name in enumerate(names):
-            points, color = task_points(run, name), f"C{index % 10}"
-            x = [p["tokens"] for p in points]
-            axis.plot(x, [p["acc"] for p in points], marker="o", color=color, label=f"{name} acc ({int(points[-1]['items'])} items)")
-            axis.plot(x, [p["acc_norm"] for p in points], marker=".", linestyle="--", color=color, label=f"{name} acc_norm")
-            chances.setdefault(round(points[-1]["chance"], 3), []).append(name)
-        for chance, tasks in chances.items():  # one line per level: tasks of equal chance share it
-            axis.axhline(chance, color="0.35", linestyle=":", linewidth=1.2, label=f"chance {chance:.2f} ({', '.join(tasks)})")
-        axis.set_title(TITLE)
-        axis.set_xlabel("tokens trained on")
-        axis.set_ylabel("accuracy")
-        axis.set_ylim(0, 1.03)
-        axis.set_xlim(left=0)
-        axis.xaxis.set_major_formatter(FuncFormatter(_tokens))
-        axis.grid(True, alpha=0.3)
-        axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, fontsize="small", frameon=False)
-        figure.tight_layout()
-        figure.savefig(os.path.join(out_dir, "tasks.png"), bbox_inches="tight")
-    finally:
-        pyplot.close(figure)
+    chances: dict[float, list[str]] = {}
+    for index, name in enumerate(names):
+        points, color = task_points(run, name), f"C{index % 10}"
+        x = [p["tokens"] for p in points]
+        axis.plot(x, [p["acc"] for p in points], marker="o", color=color, label=f"{name} acc ({int(points[-1]['items'])} items)")
+        axis.plot(x, [p["acc_norm"] for p in points], marker=".", linestyle="--", color=color, label=f"{name} acc_norm")
+        chances.setdefault(round(points[-1]["chance"], 3), []).append(name)
+    for chance, tasks in chances.items():  # one line per level: tasks of equal chance share it
+        axis.axhline(chance, color="0.35", linestyle=":", linewidth=1.2, label=f"chance {chance:.2f} ({', '.join(tasks)})")
+    axis.set_xlabel("tokens trained on")
+    axis.set_ylabel("accuracy")
+    axis.set_ylim(0, 1.03)
+    axis.set_xlim(left=0)
+    axis.xaxis.set_major_formatter(FuncFormatter(_tokens))
     return None
 
 
@@ -83,7 +63,7 @@ def _tokens(value: float, _position: object) -> str:
 def task_rows(run: RunMetrics) -> list[dict[str, str]]:
     """Per task: its first and last evaluation, its best acc, chance and items, formatted."""
     rows = []
-    for name in task_names(run):
+    for name in run.names_under(PREFIX, "/acc"):
         points = task_points(run, name)
         first, last = points[0], points[-1]
         best = max(points, key=lambda p: p["acc"])
@@ -106,4 +86,4 @@ def task_lines(run: RunMetrics) -> list[str]:
     return lines
 
 
-__all__ = ["draw_tasks", "task_lines", "task_names", "task_points", "task_rows"]
+__all__ = ["draw_tasks", "task_lines", "task_points", "task_rows"]

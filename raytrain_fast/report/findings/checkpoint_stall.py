@@ -18,12 +18,8 @@ def find(run: RunMetrics) -> Finding | str | None:
         return "checkpoint stalls: no checkpoint was saved between two log steps (checkpoint/blocked_s absent)"
     windows = run.window_steps()
     every = run.setting("checkpoint", "every_steps")
-    total_blocked = 0.0
-    num_checkpoints = 0
-    for step, seconds in zip(steps, blocked):
-        count = len(run.saves_in_window(step))  # blocked_s is per checkpoint saved in the window
-        total_blocked += seconds * count
-        num_checkpoints += count
+    counts = [len(run.saves_in_window(step)) for step in steps]  # blocked_s is per checkpoint saved in the window
+    total_blocked, num_checkpoints = sum(s * c for s, c in zip(blocked, counts)), sum(counts)
     wall = sum(r.get("time/step_s", 0.0) * windows[r["step"]] for r in run.records)
     share = total_blocked / wall if wall > 0 else 0.0
     worst = max(blocked)

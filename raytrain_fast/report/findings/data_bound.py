@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from raytrain_fast.report.finding import Finding, ms, pct, setting_note, steady_note
 from raytrain_fast.report.load import RunMetrics, median
 
@@ -25,16 +23,16 @@ def find(run: RunMetrics) -> Finding | str | None:
     share = median(fracs)
     if share <= DATA_WAIT_FRAC:
         return None
-    _, step_s = run.series("time/step_s", steady=True)
-    wait_s = share * median(step_s) if step_s else math.nan
+    step_s = median(run.series("time/step_s", steady=True)[1])  # NaN without
+    wait_s = share * step_s
     above = sum(f > DATA_WAIT_FRAC for f in fracs)
     evidence = [
         f"median time/data_wait_frac {pct(share)} (threshold {pct(DATA_WAIT_FRAC)}, target 2%) over "
         f"{steady_note(run, len(fracs))}; {above} of {len(fracs)} windows above the threshold, worst {pct(max(fracs))}",
-        f"about {ms(wait_s)} of each {ms(median(step_s))} step is spent waiting for the next batch",
+        f"about {ms(wait_s)} of each {ms(step_s)} step is spent waiting for the next batch",
         f"removing the wait would make training about {1 / (1 - min(share, 0.99)):.2f}x faster",
     ]
-    numbers = {"data_wait_frac": share, "step_s": median(step_s) if step_s else math.nan}
+    numbers = {"data_wait_frac": share, "step_s": step_s}
     _, rank_min = run.series("time/data_wait_frac_rank_min", steady=True)
     gap = share - median(rank_min) if rank_min else 0.0
     if rank_min:

@@ -22,10 +22,10 @@ def episodes(run: RunMetrics) -> tuple[list[dict[str, float]], str]:
     vocab = run.setting("model", "vocab_size")
     if not isinstance(vocab, int) or run.setting("health", "on_divergence") not in (None, "off"):
         return [], ""
-    settings = run.config.get("health") or {} if run.config else {}
     check = DivergenceCheck.for_vocabulary(
         vocab, warmup_steps=int(run.setting("optim", "warmup_steps", 0) or 0),
-        windows=int(settings.get("divergence_windows", 3)), climb=float(settings.get("divergence_climb", 0.5)),
+        windows=int(run.setting("health", "divergence_windows", 3)),
+        climb=float(run.setting("health", "divergence_climb", 0.5)),
     )
     found = []
     for step, loss in zip(*run.series("train/loss")):

@@ -19,12 +19,11 @@ def find(run: RunMetrics) -> list[Finding]:
         resumed_at = resumed.get(int(hang["step"]))
         redone = hang["step"] - resumed_at if resumed_at is not None else None
         lost = hang["stuck_s"] + (redone * step_s if redone is not None and not math.isnan(step_s) else 0.0)
-        tops = [f"rank {r}: {hang['ranks'][str(r)]['top']}" for r in ranks]
         waiting = hang.get("waiting_ranks") or []
         evidence = [
             f"no rank completed a step after step {hang['step']} for {duration(hang['stuck_s'])} (timeout {duration(hang['timeout_s'])})",
             f"stuck: rank {', '.join(map(str, ranks))}" + (f"; rank {', '.join(map(str, waiting))} waited in a collective" if waiting else ""),
-            *[f"top of the stack of {top}" for top in tops],
+            *[f"top of the stack of rank {r}: {hang['ranks'][str(r)]['top']}" for r in ranks],
             f"every rank's stack: {run.uri}/{hang['stacks_file']}",
             f"the worker group restarted from the checkpoint at step {resumed_at} and trained {redone} steps again" if redone is not None
             else "the worker group restarted from its newest checkpoint",

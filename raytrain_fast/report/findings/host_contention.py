@@ -33,8 +33,8 @@ def find(run: RunMetrics) -> Finding | str | None:
         f"the training thread was ready to run but waited for a CPU a median {pct(wait_in)} of the time in {len(contended)} of "
         f"{len(waits)} steady windows (host/cpu_wait_frac, threshold {pct(CONTENTION_WAIT_FRAC)}): steps "
         + ", ".join(str(s) for s, _ in contended[:12]) + (" ..." if len(contended) > 12 else ""),
+        f"it waited {duration(waited_s)} in those windows",
     ]
-    evidence.append(f"it waited {duration(waited_s)} in those windows")
     if quiet:
         evidence.append(f"in the other windows it waited {pct(median(quiet))}")
     shares = [by_step[s]["host/cpu_share"] for s, _ in contended if "host/cpu_share" in by_step[s]]

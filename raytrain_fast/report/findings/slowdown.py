@@ -8,6 +8,7 @@ from typing import Any
 
 from raytrain_fast.metrics.slowdown import SlowdownDetector, Window, largest_cause
 from raytrain_fast.report.finding import Finding, ms
+from raytrain_fast.report.findings.stall import record_window
 from raytrain_fast.report.load import RunMetrics, median
 
 
@@ -155,26 +156,19 @@ def _slowdown_finding(
     )
 
 
+_SIGNALS = {  # seconds per step of each measured signal in a window, None where it was not measured
+    "data_wait": lambda w: w.data_wait_s, "checkpoint": lambda w: w.checkpoint_s, "gc": lambda w: w.gc_s,
+    "cpu": lambda w: None if w.cpu_wait_frac is None else w.cpu_wait_frac * w.step_s,
+}
+
+
 def _growth(run: RunMetrics, before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, tuple[float, float, float]]:
     """Per-step seconds of each measured signal before and after: key -> (before, after, growth)."""
     windows = run.window_steps()
-
-    def per_step(records: list[dict[str, Any]], signal: str) -> float | None:
-        values = []
-        for r in records:
-            if signal == "data_wait" and "time/data_wait_frac" in r:
-                values.append(r["time/data_wait_frac"] * r["time/step_s"])
-            elif signal == "checkpoint":
-                values.append(r.get("checkpoint/blocked_s", 0.0) / windows[r["step"]])
-            elif signal == "gc" and "gc/collect_s" in r:
-                values.append(r["gc/collect_s"] / windows[r["step"]])
-            elif signal == "cpu" and "host/cpu_wait_frac" in r:
-                values.append(r["host/cpu_wait_frac"] * r["time/step_s"])
-        return median(values) if values else None
-
+    before_w, after_w = ([record_window(r, windows[r["step"]]) for r in records] for records in (before, after))
     result = {}
-    for signal in ("data_wait", "checkpoint", "gc", "cpu"):
-        old, new = per_step(before, signal), per_step(after, signal)
-        if old is not None and new is not None and (old > 0 or new > 0):
+    for signal, seconds in _SIGNALS.items():
+        old, new = (median([v for w in ws if (v := seconds(w)) is not None]) for ws in (before_w, after_w))
+        if not math.isnan(old + new) and (old > 0 or new > 0):  # NaN: not measured before or after
             result[signal] = (old, new, new - old)
     return result

@@ -17,7 +17,7 @@ STALL_MIN_LOST_S = 60.0
 DEFAULT_STALL_FACTOR = 2.5
 
 
-def _record_window(record: dict[str, Any], steps: int) -> Window:
+def record_window(record: dict[str, Any], steps: int) -> Window:
     """A log record as the detectors' Window (seconds per step)."""
     step_s = record["time/step_s"]
     return Window(
@@ -26,21 +26,24 @@ def _record_window(record: dict[str, Any], steps: int) -> Window:
         gc_s=record.get("gc/collect_s", 0.0) / steps,
         checkpoint_s=record.get("checkpoint/blocked_s", 0.0) / steps,
         memory_gb=record.get("memory/current_gb", 0.0),
-        cpu_share=record.get("host/cpu_share"), cpu_wait_frac=record.get("host/cpu_wait_frac"),
+        cpu_wait_frac=record.get("host/cpu_wait_frac"),
     )
 
 
-def run_stalls(run: RunMetrics) -> list[Stall]:
-    """The stalls of the steady windows: the run's own stall detector replayed with its factor."""
+def replay_stalls(run: RunMetrics) -> tuple[list[Stall], dict[int, float]]:
+    """The stalls of the steady windows (the run's own stall detector replayed with its factor), and
+    the step time it held each window to (step -> seconds; none for the first windows, its median's)."""
     detector = StallDetector(factor=stall_factor(run), warmup_steps=0)
     windows = run.window_steps()
-    stalls = []
+    stalls, thresholds = [], {}
     for record in run.steady:
         if "time/step_s" in record:
-            stall = detector.update(_record_window(record, windows[record["step"]]))
+            stall = detector.update(record_window(record, windows[record["step"]]))
             if stall is not None:
                 stalls.append(stall)
-    return stalls
+            if detector.threshold_s is not None:
+                thresholds[record["step"]] = detector.threshold_s
+    return stalls, thresholds
 
 
 _STALL_ADVICE = {
@@ -55,7 +58,7 @@ _STALL_ADVICE = {
 def find(run: RunMetrics) -> Finding | str | None:
     if not run.has("time/step_s"):
         return "stalls: time/step_s was not recorded"
-    stalls = run_stalls(run)
+    stalls, _ = replay_stalls(run)
     if not stalls:
         return None
     windows = run.window_steps()
