@@ -87,7 +87,7 @@ class SlowData(StepHooks):
         return self if _on(self.rank, rank) else None
 
     def batches(self, data: Iterator[T], *, current_step: Callable[[], int]) -> Iterator[T]:
-        return plants.slow_data(data, [(self.seconds, self.from_step)], current_step=current_step)
+        return plants.slow_data(data, self.seconds, self.from_step, current_step=current_step)
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class SlowStep(StepHooks):
         return self if _on(self.rank, rank) else None
 
     def after_step(self, step: int) -> None:
-        plants.sleep_for([(self.seconds, self.from_step)], step)
+        plants.sleep_for(self.seconds, self.from_step, step)
 
 
 @dataclass(frozen=True)
@@ -140,18 +140,7 @@ class CpuBurn(StepHooks):
     processes: int = 2
 
     def for_rank(self, rank: int) -> StepHooks | None:
-        return _Burning(plants.CpuBurner((self.from_step, self.to_step, self.processes))) if rank == 0 else None
-
-
-class _Burning(StepHooks):
-    def __init__(self, burner: plants.CpuBurner) -> None:
-        self.burner = burner
-
-    def after_step(self, step: int) -> None:
-        self.burner.step(step)
-
-    def close(self) -> None:
-        self.burner.stop()
+        return plants.CpuBurner(self.from_step, self.to_step, self.processes) if rank == 0 else None
 
 
 @dataclass(frozen=True)
@@ -162,15 +151,7 @@ class HoldMemory(StepHooks):
     from_step: int = 0
 
     def for_rank(self, rank: int) -> StepHooks | None:
-        return _Holding(plants.MemoryHolder((self.gb, self.from_step))) if rank == 0 else None
-
-
-class _Holding(StepHooks):
-    def __init__(self, holder: plants.MemoryHolder) -> None:
-        self.holder = holder
-
-    def after_step(self, step: int) -> None:
-        self.holder.step(step)
+        return plants.MemoryHolder(self.gb, self.from_step) if rank == 0 else None
 
 
 @dataclass(frozen=True)
@@ -201,20 +182,10 @@ class Nonfinite(StepHooks):
     what: str = "loss"
 
     def for_rank(self, rank: int) -> StepHooks | None:
-        return _Planting(plants.NonfinitePlanter(self.step, self.what)) if rank == self.rank else None
+        return plants.NonfinitePlanter(self.step, self.what) if rank == self.rank else None
 
 
 def Spike(step: int, rank: int = 0) -> Nonfinite:  # noqa: N802 - a drill's name, as the others
     """Rank `rank` multiplies its loss by plants.SPIKE_FACTOR in `step` (a loss and gradient-norm spike)."""
     return Nonfinite(step, rank, "spike")
 
-
-class _Planting(StepHooks):
-    def __init__(self, planter: plants.NonfinitePlanter) -> None:
-        self.planter = planter
-
-    def on_loss(self, loss: Any) -> Any:
-        return self.planter.plant(loss)
-
-    def after_step(self, step: int) -> None:
-        self.planter.completed(step)
