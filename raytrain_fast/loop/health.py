@@ -50,16 +50,8 @@ _WARN_ADVICE = {
 }
 
 
-class Rollback(Exception):
-    """Every rank raises it at the same log step: go back to the newest healthy checkpoint."""
-
-    def __init__(self, *, step: int, what: str, loss: float, grad_norm: float, setting: str = "on_nonfinite") -> None:
-        super().__init__(f"{what} at step {step}")
-        self.step, self.what, self.loss, self.grad_norm, self.setting = step, what, loss, grad_norm, setting
-
-
-class DivergenceStop(Exception):
-    """Every rank raises it at the same log step: the run stops (`message` says why and what to change)."""
+class _WindowVerdict(Exception):
+    """What the health check decided on a window, raised on every rank at the same log step."""
 
     def __init__(self, message: str, *, step: int, what: str, loss: float, grad_norm: float,
                  setting: str = "on_nonfinite", policy: str = "stop") -> None:
@@ -67,6 +59,14 @@ class DivergenceStop(Exception):
         self.step, self.what, self.loss, self.grad_norm = step, what, loss, grad_norm
         self.setting, self.policy = setting, policy
         """The health.* setting that decided (on_nonfinite, on_spike, on_divergence) and its value."""
+
+
+class Rollback(_WindowVerdict):
+    """Go back to the newest healthy checkpoint."""
+
+
+class DivergenceStop(_WindowVerdict):
+    """The run stops (the message says why and what to change)."""
 
     def record(self) -> dict[str, Any]:
         """What `<run>/health.json` keeps of the stop (the report's divergence finding)."""
@@ -161,7 +161,8 @@ class HealthMonitor:
                                _WARN_ADVICE.get(setting, ""))
             return
         if policy == "rollback" and len(self.rollbacks) < self.config.max_rollbacks:
-            raise Rollback(step=step, what=what, loss=loss, grad_norm=grad, setting=setting)
+            raise Rollback(f"{what} at step {step}", step=step, what=what, loss=loss, grad_norm=grad, setting=setting,
+                           policy=policy)
         raise DivergenceStop(self.stop_message(step=step, what=what, loss=loss, grad=grad, setting=setting),
                              step=step, what=what, loss=loss, grad_norm=grad, setting=setting, policy=policy)
 
@@ -213,11 +214,6 @@ def read_health(filesystem: Any, run_path: str) -> dict[str, Any]:
             return dict(json.loads(stream.read()))
     except (FileNotFoundError, OSError, ValueError):
         return {}
-
-
-def read_records(filesystem: Any, run_path: str) -> list[dict[str, Any]]:
-    """The rollbacks recorded in `<run>/health.json` ([] when there is none)."""
-    return list(read_health(filesystem, run_path).get("rollbacks", []))
 
 
 def write_records(filesystem: Any, run_path: str, rollbacks: list[dict[str, Any]], *, stopped: dict[str, Any] | None = None) -> None:
