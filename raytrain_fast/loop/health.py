@@ -1,27 +1,10 @@
-"""Divergence: what the step loop does when a window's loss or gradient norm is non-finite or spikes.
+"""Divergence: what the step loop does when a window's loss or gradient norm is non-finite, spikes or
+climbs (loop/divergence.py): roll back (loop/rollback.py), stop or warn, as `health.*` says.
 
-Detection costs no host sync of its own. Every step adds its loss and gradient norm into the
-metrics' on-device sums (DeepSpeed's -1 / inf "invalid norm" enters as NaN), so one non-finite
-step makes the window's sums non-finite; the drain's all-reduce and single read, which every log
-step already does, bring them to every rank. Every rank then runs the same decision on the same
-all-reduced numbers, so the ranks agree without another collective. The update of a non-finite
-step never reached the weights (engine/deepspeed_compat.py `skip_nonfinite_update`).
-
-Policy (`health.*`, docs/health.md):
-- rollback (default): raise `Rollback`; loop/rollback.py loads the newest healthy
-  checkpoint into the live engine and restarts the data reader past everything read since that
-  checkpoint (a skip of N sequences at position P, written to `<run>/health.json` and kept in the
-  train state, so a resume from that checkpoint skips the same data), then trains again. After
-  `max_rollbacks` it stops.
-- stop: raise `DivergenceStop` with the step, the loss, what was tried and what to change.
-- warn: a warning; no checkpoint is saved while the state is not healthy.
-
-Spikes: a window whose loss or gradient norm is above median + k x MAD of the recent windows
-(and at least 50% above the median) is recorded as health/spike and warned about, or rolled back.
-
-Finite divergence (loop/divergence.py): after warm-up, a window loss above what a uniform guess over
-the vocabulary scores, or a sustained climb far back from the run's best, is recorded as
-health/divergence once per episode and follows `health.on_divergence` (warn, rollback or stop).
+Detection costs no host sync of its own: every step adds its loss and gradient norm into the metrics'
+on-device sums, which the log step's drain all-reduces and reads once; every rank then runs the same
+decision on the same numbers, so the ranks agree without another collective. The whole policy, as
+users read it: docs/health.md.
 """
 
 from __future__ import annotations
