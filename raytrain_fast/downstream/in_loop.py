@@ -24,10 +24,6 @@ class RunTasks:
     tasks: list[EncodedTask]
     window: int
 
-    @property
-    def names(self) -> list[str]:
-        return [task.name for task in self.tasks]
-
     def note(self, every_steps: int) -> str:
         parts = ", ".join(f"{t.name} ({t.num_items} of {t.total} items, chance {t.chance:.2f})" for t in self.tasks)
         return f"Tasks: {parts}, scored at each evaluation (every {every_steps} steps; docs/evaluation.md)."

@@ -187,21 +187,17 @@ class GPT(nn.Module):
         return self.config.activation_checkpointing == "full" or index % max(1, self.config.activation_checkpointing_n) == 0
 
     def _rotary_for(self, seq: int, x: torch.Tensor, layout: DocumentLayout | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary tables for this batch: (T, hd/2) shared by every row, or with document masking
-        (B, 1, T, hd/2) gathered at each token's position inside its document."""
-        cos, sin = self._rotary(seq, x)
-        if layout is None:
-            return cos, sin
-        return cos[layout.positions].unsqueeze(1), sin[layout.positions].unsqueeze(1)
-
-    def _rotary(self, seq: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin tables for `seq` positions in x's dtype and device: built once, then reused by
-        every block of every step (they were rebuilt in each block before)."""
+        """The rotary tables for this batch in x's dtype: (T, hd/2) shared by every row, or with document
+        masking (B, 1, T, hd/2) gathered at each token's position inside its document. The (T, hd/2)
+        tables are built once per (length, device, dtype), then reused by every block of every step."""
         key = (seq, x.device, x.dtype)
         if key not in self._rotary_cache:
             cos, sin = self._make_rotary_tables(seq, x.device)
             self._rotary_cache[key] = (cos.to(x.dtype), sin.to(x.dtype))
-        return self._rotary_cache[key]
+        cos, sin = self._rotary_cache[key]
+        if layout is None:
+            return cos, sin
+        return cos[layout.positions].unsqueeze(1), sin[layout.positions].unsqueeze(1)
 
     @contextlib.contextmanager
     def counting_flops(self) -> Iterator[None]:
