@@ -14,7 +14,7 @@ import logging
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from raytrain_fast.config.train import HealthConfig
@@ -63,19 +63,18 @@ class SpikeCheck:
 
     mads: float
     windows: int
-    history: deque = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        self.history: deque[float] = deque(maxlen=self.windows)
 
     def is_spike(self, value: float) -> bool:
-        recent = list(self.history)[-self.windows:]
         spike = False
-        if len(recent) >= _SPIKE_MIN_WINDOWS and math.isfinite(value):
-            median = statistics.median(recent)
-            mad = statistics.median(abs(v - median) for v in recent)
+        if len(self.history) >= _SPIKE_MIN_WINDOWS and math.isfinite(value):
+            median = statistics.median(self.history)
+            mad = statistics.median(abs(v - median) for v in self.history)
             spike = value > median + self.mads * mad and value > median * (1 + _SPIKE_MIN_RISE)
         if not spike and math.isfinite(value):  # a spike stays out of the level it is compared with
             self.history.append(value)
-            while len(self.history) > self.windows:
-                self.history.popleft()
         return spike
 
 
