@@ -107,13 +107,13 @@ def test_the_notice_saves_once_and_times_from_the_log_step_that_saw_it():
     assert notice.flag() is True
     assert notice.save_due(True) is True
     assert notice.save_due(True) is False  # the bit stays up on later log steps: one save per notice
-    values = notice.saved(step=8)
+    values = notice.saved()
     assert 0 <= values["preemption/notice_to_checkpoint_s"] < 5
     assert 90 < values["preemption/deadline_margin_s"] <= 100
     line = notice.message(step=8, metrics=values)
     assert "checkpoint at step 8 complete" in line and "ranks [1]" in line and "before the node's deadline" in line
     other_rank = PreemptionNotice(reader=lambda: None)  # never saw it itself: the flags word told it
-    assert other_rank.save_due(True) is True and "preemption/notice_to_checkpoint_s" in other_rank.saved(step=8)
+    assert other_rank.save_due(True) is True and "preemption/notice_to_checkpoint_s" in other_rank.saved()
 
 
 def test_each_resize_is_a_marker_with_its_worker_counts():

@@ -14,6 +14,7 @@ with a continuation longer than the window cannot be scored and is left out (cou
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,32 +82,28 @@ def encode_tasks(tasks: list[Task], encoder: Encoder) -> list[EncodedTask]:
 
 
 def encode_task(task: Task, encoder: Encoder) -> EncodedTask:
-    out = EncodedTask(
-        name=task.name, total=task.total, chance=task.chance, sequences=[], continuation_tokens=np.zeros(0, np.int64),
-        characters=np.zeros(0, np.float64), request_item=np.zeros(0, np.int64), gold=np.zeros(0, np.int64),
-        item_index=np.zeros(0, np.int64), cut=np.zeros(0, np.int64), context_tokens=np.zeros(0, np.int64),
-        shared=np.zeros(0, np.int64), skipped=[],
-    )
-    cont_tokens, characters, request_item, gold, index, cut, shared = [], [], [], [], [], [], []
+    sequences, cont_tokens, characters, request_item, gold, index, cut, shared, skipped = [], [], [], [], [], [], [], [], []
     for item in task.items:
         encoded = _encode_item(item, encoder, task=task.name)
         if encoded is None:
-            out.skipped.append(item.index)
+            skipped.append(item.index)
             continue
-        sequences, lengths, was_cut = encoded
-        out.sequences += sequences
+        item_sequences, lengths, was_cut = encoded
+        sequences += item_sequences
         cont_tokens += lengths
         characters += [max(1, len(c.lstrip())) for c in item.continuations]
-        request_item += [len(gold)] * len(sequences)
+        request_item += [len(gold)] * len(item_sequences)
         gold.append(item.gold)
         index.append(item.index)
         cut.append(int(was_cut))
         shared.append(int(len(set(item.contexts)) == 1))
-    out.continuation_tokens, out.characters = np.array(cont_tokens, np.int64), np.array(characters, np.float64)
-    out.request_item, out.gold = np.array(request_item, np.int64), np.array(gold, np.int64)
-    out.item_index, out.cut, out.shared = np.array(index, np.int64), np.array(cut, np.int64), np.array(shared, np.int64)
-    out.context_tokens = np.array([len(s) - c for s, c in zip(out.sequences, cont_tokens)], np.int64)
-    return out
+    ints = functools.partial(np.array, dtype=np.int64)
+    return EncodedTask(
+        name=task.name, total=task.total, chance=task.chance, sequences=sequences, continuation_tokens=ints(cont_tokens),
+        characters=np.array(characters, np.float64), request_item=ints(request_item), gold=ints(gold), item_index=ints(index),
+        cut=ints(cut), context_tokens=ints([len(s) - c for s, c in zip(sequences, cont_tokens)]), shared=ints(shared),
+        skipped=skipped,
+    )
 
 
 def _encode_item(item: Item, encoder: Encoder, *, task: str) -> tuple[list[np.ndarray], list[int], bool] | None:

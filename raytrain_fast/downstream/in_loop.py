@@ -24,10 +24,6 @@ class RunTasks:
     tasks: list[EncodedTask]
     window: int
 
-    @property
-    def names(self) -> list[str]:
-        return [task.name for task in self.tasks]
-
     def note(self, every_steps: int) -> str:
         parts = ", ".join(f"{t.name} ({t.num_items} of {t.total} items, chance {t.chance:.2f})" for t in self.tasks)
         return f"Tasks: {parts}, scored at each evaluation (every {every_steps} steps; docs/evaluation.md)."
@@ -86,19 +82,18 @@ class DeviceTimer:
         self._start: Any = None
         self._stop: Any = None
 
+    def _mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def start(self) -> None:
-        if self.cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
+        self._start = self._mark()
 
     def stop(self) -> None:
-        if self.cuda:
-            self._stop = torch.cuda.Event(enable_timing=True)
-            self._stop.record()
-        else:
-            self._stop = time.perf_counter()
+        self._stop = self._mark()
 
     def seconds(self) -> float:
         if self.cuda:

@@ -21,12 +21,15 @@ from raytrain_fast.loop.hooks import StepHooks
 T = TypeVar("T")
 
 
-def _on(rank: int | None, here: int) -> bool:
-    return rank is None or rank == here
+class _OnItsRank(StepHooks):
+    """A drill of the rank in its `rank` field only (None: every rank)."""
+
+    def for_rank(self, rank: int) -> StepHooks | None:
+        return self if self.rank is None or self.rank == rank else None  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
-class FailOnce(StepHooks):
+class FailOnce(_OnItsRank):
     """Rank `rank` raises (or, with `kill`, dies by SIGKILL as on a lost node) when it completes
     `step`, once: the marker file records that it happened, so the restarted run goes through."""
 
@@ -34,9 +37,6 @@ class FailOnce(StepHooks):
     marker: str
     rank: int = 0
     kill: bool = False
-
-    def for_rank(self, rank: int) -> StepHooks | None:
-        return self if rank == self.rank else None
 
     def after_step(self, step: int) -> None:
         if step == self.step and not os.path.exists(self.marker):
@@ -75,7 +75,7 @@ class _SequenceRecorder(StepHooks):
 
 
 @dataclass(frozen=True)
-class SlowData(StepHooks):
+class SlowData(_OnItsRank):
     """Sleep `seconds` before each micro-batch is fetched, from optimizer step `from_step` on, on
     `rank` only (None: every rank). The loop counts it as data wait: a data-bound run."""
 
@@ -83,15 +83,12 @@ class SlowData(StepHooks):
     from_step: int = 0
     rank: int | None = None
 
-    def for_rank(self, rank: int) -> StepHooks | None:
-        return self if _on(self.rank, rank) else None
-
     def batches(self, data: Iterator[T], *, current_step: Callable[[], int]) -> Iterator[T]:
-        return plants.slow_data(data, [(self.seconds, self.from_step)], current_step=current_step)
+        return plants.slow_data(data, self.seconds, self.from_step, current_step=current_step)
 
 
 @dataclass(frozen=True)
-class SlowStep(StepHooks):
+class SlowStep(_OnItsRank):
     """Sleep `seconds` after each optimizer step from `from_step` on, outside the data wait: on one
     rank a straggler, on every rank from a step on a progressive slowdown."""
 
@@ -99,11 +96,8 @@ class SlowStep(StepHooks):
     from_step: int = 0
     rank: int | None = None
 
-    def for_rank(self, rank: int) -> StepHooks | None:
-        return self if _on(self.rank, rank) else None
-
     def after_step(self, step: int) -> None:
-        plants.sleep_for([(self.seconds, self.from_step)], step)
+        plants.sleep_for(self.seconds, self.from_step, step)
 
 
 @dataclass(frozen=True)
@@ -117,14 +111,11 @@ class SlowSink(StepHooks):
 
 
 @dataclass(frozen=True)
-class SlowUpload(StepHooks):
+class SlowUpload(_OnItsRank):
     """Each checkpoint upload of `rank` (None: every rank) starts `seconds` late."""
 
     seconds: float
     rank: int | None = None
-
-    def for_rank(self, rank: int) -> StepHooks | None:
-        return self if _on(self.rank, rank) else None
 
     def before_upload(self) -> None:
         time.sleep(self.seconds)
@@ -140,18 +131,7 @@ class CpuBurn(StepHooks):
     processes: int = 2
 
     def for_rank(self, rank: int) -> StepHooks | None:
-        return _Burning(plants.CpuBurner((self.from_step, self.to_step, self.processes))) if rank == 0 else None
-
-
-class _Burning(StepHooks):
-    def __init__(self, burner: plants.CpuBurner) -> None:
-        self.burner = burner
-
-    def after_step(self, step: int) -> None:
-        self.burner.step(step)
-
-    def close(self) -> None:
-        self.burner.stop()
+        return plants.CpuBurner(self.from_step, self.to_step, self.processes) if rank == 0 else None
 
 
 @dataclass(frozen=True)
@@ -162,19 +142,11 @@ class HoldMemory(StepHooks):
     from_step: int = 0
 
     def for_rank(self, rank: int) -> StepHooks | None:
-        return _Holding(plants.MemoryHolder((self.gb, self.from_step))) if rank == 0 else None
-
-
-class _Holding(StepHooks):
-    def __init__(self, holder: plants.MemoryHolder) -> None:
-        self.holder = holder
-
-    def after_step(self, step: int) -> None:
-        self.holder.step(step)
+        return plants.MemoryHolder(self.gb, self.from_step) if rank == 0 else None
 
 
 @dataclass(frozen=True)
-class Hang(StepHooks):
+class Hang(_OnItsRank):
     """Rank `rank` freezes inside `step`, once (the marker file records it): SIGSTOP of its own
     process, or with `seconds` a sleep of its training thread (the hang watchdog, watchdog/)."""
 
@@ -182,9 +154,6 @@ class Hang(StepHooks):
     marker: str
     rank: int = 0
     seconds: float | None = None
-
-    def for_rank(self, rank: int) -> StepHooks | None:
-        return self if rank == self.rank else None
 
     def batches(self, data: Iterator[T], *, current_step: Callable[[], int]) -> Iterator[T]:
         return plants.hang_data(data, (self.step, self.marker, self.rank, self.seconds), current_step=current_step)
@@ -201,20 +170,10 @@ class Nonfinite(StepHooks):
     what: str = "loss"
 
     def for_rank(self, rank: int) -> StepHooks | None:
-        return _Planting(plants.NonfinitePlanter(self.step, self.what)) if rank == self.rank else None
+        return plants.NonfinitePlanter(self.step, self.what) if rank == self.rank else None
 
 
 def Spike(step: int, rank: int = 0) -> Nonfinite:  # noqa: N802 - a drill's name, as the others
     """Rank `rank` multiplies its loss by plants.SPIKE_FACTOR in `step` (a loss and gradient-norm spike)."""
     return Nonfinite(step, rank, "spike")
 
-
-class _Planting(StepHooks):
-    def __init__(self, planter: plants.NonfinitePlanter) -> None:
-        self.planter = planter
-
-    def on_loss(self, loss: Any) -> Any:
-        return self.planter.plant(loss)
-
-    def after_step(self, step: int) -> None:
-        self.planter.completed(step)

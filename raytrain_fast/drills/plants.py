@@ -1,22 +1,6 @@
-"""How each drill plants its problem (the typed drills in drills/kinds.py use these). The spec
-forms, as `raytrain-fast pretrain --drill NAME=SPEC` takes them (drills/specs.py parses them):
-
-- slow_data="<seconds>[:<from_step>[:<rank>]]": sleep before each micro-batch is fetched, from
-  optimizer step <from_step> on (default 0), on <rank> only (default every rank). The loop counts it
-  as data wait: a data-bound run. Several specs, comma-separated, add up.
-- slow_step (same form): sleep after each optimizer step, outside the data wait: on one rank a
-  straggler, from a step on a progressive slowdown (e.g. "0.1:0:1,0.2:40" = rank 1 is 0.1 s late
-  every step, and every rank 0.2 s slower from step 40).
-- slow_sink="<seconds>": rank 0's metric sinks sleep this long before each record (a slow W&B or
-  bucket): the sink backlog grows and, with a small metrics.queue_size, records are dropped.
-- slow_upload="<seconds>[:<rank>]": each checkpoint upload of <rank> starts this much later: ranks
-  whose files reach storage at different times.
-- cpu_burn="<from_step>:<to_step>[:<processes>]": rank 0 starts <processes> (default 2) separate
-  busy-loop processes at normal priority when it completes <from_step> and stops them at <to_step>:
-  other work on the node taking the CPU (host contention, a stall).
-- hold_memory="<GB>:<from_step>": rank 0 allocates and touches <GB> of host memory at <from_step>
-  and holds it to the end: memory pressure against resources.memory_budget_gb.
-"""
+"""How each drill plants its problem (the typed drills in drills/kinds.py use these), and the
+parsers of the spec forms `raytrain-fast pretrain --drill NAME=SPEC` takes: docs/development.md#drills
+and docs/report.md#drills list each form."""
 
 from __future__ import annotations
 
@@ -29,38 +13,29 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+from raytrain_fast.loop.hooks import StepHooks
+
 T = TypeVar("T")
 
 
-def _delay(active: list[tuple[float, int]], step: int) -> float:
-    return sum(seconds for seconds, from_step in active if step >= from_step)
+def sleep_for(seconds: float, from_step: int, step: int) -> None:
+    if step >= from_step:
+        time.sleep(seconds)
 
 
-def sleep_for(active: list[tuple[float, int]], step: int) -> None:
-    time.sleep(_delay(active, step))
+def slow_data(batches: Iterator[T], seconds: float, from_step: int, *, current_step: Callable[[], int]) -> Iterator[T]:
+    """An iterator that sleeps before each batch of `batches` is fetched, from step `from_step` on."""
+    while True:
+        sleep_for(seconds, from_step, current_step())  # inside the loop's next(data): measured as data wait
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        yield batch
 
 
-def slow_data(batches: Iterator[T], active: list[tuple[float, int]], *, current_step: Callable[[], int]) -> Iterator[T]:
-    """`batches` itself when no spec applies, else an iterator that sleeps before each batch."""
-    if not active:
-        return batches
-
-    def delayed() -> Iterator[T]:
-        while True:
-            sleep_for(active, current_step())  # inside the loop's next(data): measured as data wait
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            yield batch
-
-    return delayed()
-
-
-def hang_spec(text: str) -> tuple[int, str, int, float | None] | None:
+def hang_spec(text: str) -> tuple[int, str, int, float | None]:
     """(step, marker file, rank, seconds or None for SIGSTOP) of a "<step>:<marker>[:<rank>[:<seconds>]]" spec."""
-    if not text:
-        return None
     step, marker, *rest = text.split(":")
     rank = int(rest[0]) if rest and rest[0] else 0
     seconds = float(rest[1]) if len(rest) > 1 and rest[1] else None
@@ -125,10 +100,8 @@ while os.getppid() == parent and time.monotonic() < end:
 """
 
 
-def cpu_burn_range(text: str) -> tuple[int, int, int] | None:
-    """(from_step, to_step, processes) of a "<from_step>:<to_step>[:<processes>]" spec, or None."""
-    if not text:
-        return None
+def cpu_burn_range(text: str) -> tuple[int, int, int]:
+    """(from_step, to_step, processes) of a "<from_step>:<to_step>[:<processes>]" spec."""
     start, end, *rest = text.split(":")
     processes = int(rest[0]) if rest else 2
     if int(end) <= int(start) or processes <= 0:
@@ -136,22 +109,22 @@ def cpu_burn_range(text: str) -> tuple[int, int, int] | None:
     return int(start), int(end), processes
 
 
-class CpuBurner:
+class CpuBurner(StepHooks):
     """Starts and stops the cpu_burn drill's processes at their steps."""
 
-    def __init__(self, spec: tuple[int, int, int], *, limit_s: float = 600.0) -> None:
-        self.start_step, self.end_step, self.processes = spec
+    def __init__(self, start_step: int, end_step: int, processes: int, *, limit_s: float = 600.0) -> None:
+        self.start_step, self.end_step, self.processes = start_step, end_step, processes
         self._limit_s = limit_s
         self._procs: list[subprocess.Popen] = []
 
-    def step(self, step: int) -> None:
+    def after_step(self, step: int) -> None:
         if step == self.start_step and not self._procs:
             code = _BURN.format(limit_s=self._limit_s)
             self._procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(self.processes)]
         elif step >= self.end_step:
-            self.stop()
+            self.close()
 
-    def stop(self) -> None:
+    def close(self) -> None:
         for proc in self._procs:
             proc.kill()
         for proc in self._procs:
@@ -159,26 +132,24 @@ class CpuBurner:
         self._procs = []
 
 
-def hold_memory_spec(text: str) -> tuple[float, int] | None:
-    """(GB, from_step) of a "<GB>:<from_step>" spec, or None."""
-    if not text:
-        return None
+def hold_memory_spec(text: str) -> tuple[float, int]:
+    """(GB, from_step) of a "<GB>:<from_step>" spec."""
     gb, _, start = text.partition(":")
     if float(gb) <= 0:
         raise ValueError(text)
     return float(gb), int(start or 0)
 
 
-class MemoryHolder:
+class MemoryHolder(StepHooks):
     """Allocates and touches the hold_memory drill's buffer at its step and keeps it. A thread does
     the allocation (a second or two per GB), so the drill plants memory, not a stall."""
 
-    def __init__(self, spec: tuple[float, int]) -> None:
-        self.gb, self.start_step = spec
-        self._buffer: list[Any] | None = None
+    def __init__(self, gb: float, start_step: int) -> None:
+        self.gb, self.start_step = gb, start_step
+        self._buffer: list[Any] | None = None  # held, never read: the memory the drill plants
         self._thread: threading.Thread | None = None
 
-    def step(self, step: int) -> None:
+    def after_step(self, step: int) -> None:
         if step >= self.start_step and self._thread is None:
             self._thread = threading.Thread(target=self._allocate, name="drill-hold-memory", daemon=True)
             self._thread.start()
@@ -195,10 +166,8 @@ class MemoryHolder:
         self._buffer = chunks
 
 
-def nonfinite_spec(text: str, *, kind: str = "") -> tuple[int, int, str] | None:
-    """(step, rank, kind) of a "<step>[:<rank>[:loss|grad]]" spec (or, with `kind` given, "<step>[:<rank>]"), or None."""
-    if not text:
-        return None
+def nonfinite_spec(text: str, *, kind: str = "") -> tuple[int, int, str]:
+    """(step, rank, kind) of a "<step>[:<rank>[:loss|grad]]" spec (or, with `kind` given, "<step>[:<rank>]")."""
     step, *rest = text.split(":")
     rank = int(rest[0]) if rest and rest[0] else 0
     kind = kind or (rest[1] if len(rest) > 1 else "loss")
@@ -211,7 +180,7 @@ SPIKE_FACTOR = 1000.0
 """The spike drill multiplies the step's loss (and so its gradient) by this."""
 
 
-class NonfinitePlanter:
+class NonfinitePlanter(StepHooks):
     """Makes the loss (kind loss) or only its gradient (kind grad) NaN, or multiplies the loss by
     SPIKE_FACTOR (kind spike), in every micro-batch of one step, once per worker process: the step
     a rollback goes back over is healthy the second time, as a bad batch skipped would be."""
@@ -221,7 +190,7 @@ class NonfinitePlanter:
         self._completed = 0
         self._done = False
 
-    def plant(self, loss: Any) -> Any:
+    def on_loss(self, loss: Any) -> Any:
         if self._done or self._completed + 1 != self.step:
             return loss
         if self.kind == "grad":
@@ -229,6 +198,6 @@ class NonfinitePlanter:
             return loss
         return loss * (SPIKE_FACTOR if self.kind == "spike" else float("nan"))
 
-    def completed(self, step: int) -> None:
+    def after_step(self, step: int) -> None:
         self._done = self._done or step == self.step
         self._completed = step

@@ -1,4 +1,4 @@
-"""`raytrain-fast pretrain --drill NAME=SPEC`: each spec (the forms in drills/plants.py) parsed into
+"""`raytrain-fast pretrain --drill NAME=SPEC`: each spec (the forms in docs/development.md#drills) parsed into
 typed drills (drills/kinds.py), so a malformed one is refused before anything starts."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _slow_upload(text: str) -> list[StepHooks]:
 
 def _nonfinite(kind: str) -> Callable[[str], list[StepHooks]]:
     def parse(text: str) -> list[StepHooks]:
-        step, rank, what = plants.nonfinite_spec(text, kind=kind)  # type: ignore[misc]
+        step, rank, what = plants.nonfinite_spec(text, kind=kind)
         return [Nonfinite(step, rank, what)]
     return parse
 
@@ -62,9 +62,9 @@ PARSERS: dict[str, Callable[[str], list[StepHooks]]] = {
     "slow_step": _rate_specs(SlowStep),
     "slow_sink": lambda text: [SlowSink(float(text))],
     "slow_upload": _slow_upload,
-    "cpu_burn": lambda text: [CpuBurn(*plants.cpu_burn_range(text))],  # type: ignore[misc]
-    "hold_memory": lambda text: [HoldMemory(*plants.hold_memory_spec(text))],  # type: ignore[misc]
-    "hang": lambda text: [Hang(*plants.hang_spec(text))],  # type: ignore[misc]
+    "cpu_burn": lambda text: [CpuBurn(*plants.cpu_burn_range(text))],
+    "hold_memory": lambda text: [HoldMemory(*plants.hold_memory_spec(text))],
+    "hang": lambda text: [Hang(*plants.hang_spec(text))],
     "nonfinite": _nonfinite(""),
     "spike": _nonfinite("spike"),
 }
@@ -81,5 +81,5 @@ def parse_drills(items: Sequence[str]) -> LoopHooks:
         try:
             drills += PARSERS[name](spec)
         except (ValueError, TypeError, IndexError):
-            raise ValueError(f"--drill {item!r}: malformed SPEC for {name} (see drills/plants.py for each form)") from None
+            raise ValueError(f"--drill {item!r}: malformed SPEC for {name} (see docs/development.md#drills for each form)") from None
     return LoopHooks(*drills)

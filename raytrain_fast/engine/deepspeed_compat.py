@@ -227,12 +227,6 @@ def _gather_with_the_current_api(original: Callable[..., Any]) -> Callable[..., 
     return get_all_gather_function
 
 
-def _torch_has_all_gather_single() -> bool:
-    import torch.distributed
-
-    return hasattr(torch.distributed, "all_gather_single")  # an older torch: all_gather_into_tensor is current
-
-
 @dataclass(frozen=True, kw_only=True)
 class ZeroPatch:
     """One replacement of a DeepSpeed method (a `DeepSpeedZeroOptimizer`'s unless `owner` says another
@@ -282,7 +276,8 @@ PATCHES: tuple[ZeroPatch, ...] = (
     ),
     ZeroPatch(
         name="current-all-gather-api", method="get_all_gather_function", make=_gather_with_the_current_api,
-        owner="deepspeed.comm.torch:TorchBackend", signature="()", applies=_torch_has_all_gather_single,
+        owner="deepspeed.comm.torch:TorchBackend", signature="()",
+        applies=lambda: hasattr(torch.distributed, "all_gather_single"),  # an older torch: all_gather_into_tensor is current
         source_sha256=frozenset({"8db96204e5d658bdf9a8d4b2aca4aa6e9b38ec3f57114ab8472d46fdeefa4942"}),
     ),
 )

@@ -148,7 +148,7 @@ _DECAY_SHAPES = {
     "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
     "sqrt": lambda p: 1.0 - math.sqrt(p),
 }
-"""wsd's decay shapes: 1 at progress 0, 0 at progress 1."""
+"""The decay shapes (cosine's, and wsd's decay_shape): 1 at progress 0, 0 at progress 1."""
 
 
 def lr_lambda(*, optim: OptimConfig, total_steps: int):
@@ -162,40 +162,25 @@ def lr_lambda(*, optim: OptimConfig, total_steps: int):
     - constant: 1.
 
     Past total_steps the factor stays at its value there."""
-    warmup = optim.warmup_steps
-    floor = optim.min_lr_ratio
-
-    def warming(step: int) -> float:
-        return (step + 1) / warmup
-
-    if optim.schedule == "constant":
-        return lambda step: warming(step) if step < warmup else 1.0
-
-    if optim.schedule == "wsd":
+    warmup, floor = optim.warmup_steps, optim.min_lr_ratio
+    if optim.schedule == "cosine":
+        decay_start, shape = warmup, _DECAY_SHAPES["cosine"]
+    elif optim.schedule == "wsd":
         decay_start = max(warmup, total_steps - wsd_decay_steps(optim=optim, total_steps=total_steps))
-        decay_length = max(1, total_steps - decay_start)
         shape = _DECAY_SHAPES[optim.decay_shape]
-
-        def wsd(step: int) -> float:
-            if step < warmup:
-                return warming(step)
-            if step < decay_start:
-                return 1.0
-            progress = min(1.0, (step - decay_start) / decay_length)
-            return floor + (1.0 - floor) * shape(progress)
-
-        return wsd
-
-    if optim.schedule != "cosine":
+    elif optim.schedule == "constant":
+        decay_start, shape = math.inf, _DECAY_SHAPES["linear"]  # no decay: the shape is never used
+    else:
         raise ValueError(f"optim.schedule must be cosine, wsd or constant, got {optim.schedule!r}")
+    decay_length = max(1, total_steps - decay_start)
 
     def factor(step: int) -> float:
         if step < warmup:
-            return warming(step)
-        decay_steps = max(1, total_steps - warmup)
-        progress = min(1.0, (step - warmup) / decay_steps)
-        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return floor + (1.0 - floor) * cosine
+            return (step + 1) / warmup
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / decay_length)
+        return floor + (1.0 - floor) * shape(progress)
 
     return factor
 

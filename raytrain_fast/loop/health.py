@@ -1,27 +1,10 @@
-"""Divergence: what the step loop does when a window's loss or gradient norm is non-finite or spikes.
+"""Divergence: what the step loop does when a window's loss or gradient norm is non-finite, spikes or
+climbs (loop/divergence.py): roll back (loop/rollback.py), stop or warn, as `health.*` says.
 
-Detection costs no host sync of its own. Every step adds its loss and gradient norm into the
-metrics' on-device sums (DeepSpeed's -1 / inf "invalid norm" enters as NaN), so one non-finite
-step makes the window's sums non-finite; the drain's all-reduce and single read, which every log
-step already does, bring them to every rank. Every rank then runs the same decision on the same
-all-reduced numbers, so the ranks agree without another collective. The update of a non-finite
-step never reached the weights (engine/deepspeed_compat.py `skip_nonfinite_update`).
-
-Policy (`health.*`, docs/health.md):
-- rollback (default): raise `Rollback`; loop/rollback.py loads the newest healthy
-  checkpoint into the live engine and restarts the data reader past everything read since that
-  checkpoint (a skip of N sequences at position P, written to `<run>/health.json` and kept in the
-  train state, so a resume from that checkpoint skips the same data), then trains again. After
-  `max_rollbacks` it stops.
-- stop: raise `DivergenceStop` with the step, the loss, what was tried and what to change.
-- warn: a warning; no checkpoint is saved while the state is not healthy.
-
-Spikes: a window whose loss or gradient norm is above median + k x MAD of the recent windows
-(and at least 50% above the median) is recorded as health/spike and warned about, or rolled back.
-
-Finite divergence (loop/divergence.py): after warm-up, a window loss above what a uniform guess over
-the vocabulary scores, or a sustained climb far back from the run's best, is recorded as
-health/divergence once per episode and follows `health.on_divergence` (warn, rollback or stop).
+Detection costs no host sync of its own: every step adds its loss and gradient norm into the metrics'
+on-device sums, which the log step's drain all-reduces and reads once; every rank then runs the same
+decision on the same numbers, so the ranks agree without another collective. The whole policy, as
+users read it: docs/health.md.
 """
 
 from __future__ import annotations
@@ -31,7 +14,7 @@ import logging
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from raytrain_fast.config.train import HealthConfig
@@ -50,16 +33,8 @@ _WARN_ADVICE = {
 }
 
 
-class Rollback(Exception):
-    """Every rank raises it at the same log step: go back to the newest healthy checkpoint."""
-
-    def __init__(self, *, step: int, what: str, loss: float, grad_norm: float, setting: str = "on_nonfinite") -> None:
-        super().__init__(f"{what} at step {step}")
-        self.step, self.what, self.loss, self.grad_norm, self.setting = step, what, loss, grad_norm, setting
-
-
-class DivergenceStop(Exception):
-    """Every rank raises it at the same log step: the run stops (`message` says why and what to change)."""
+class _WindowVerdict(Exception):
+    """What the health check decided on a window, raised on every rank at the same log step."""
 
     def __init__(self, message: str, *, step: int, what: str, loss: float, grad_norm: float,
                  setting: str = "on_nonfinite", policy: str = "stop") -> None:
@@ -67,6 +42,14 @@ class DivergenceStop(Exception):
         self.step, self.what, self.loss, self.grad_norm = step, what, loss, grad_norm
         self.setting, self.policy = setting, policy
         """The health.* setting that decided (on_nonfinite, on_spike, on_divergence) and its value."""
+
+
+class Rollback(_WindowVerdict):
+    """Go back to the newest healthy checkpoint."""
+
+
+class DivergenceStop(_WindowVerdict):
+    """The run stops (the message says why and what to change)."""
 
     def record(self) -> dict[str, Any]:
         """What `<run>/health.json` keeps of the stop (the report's divergence finding)."""
@@ -80,19 +63,18 @@ class SpikeCheck:
 
     mads: float
     windows: int
-    history: deque = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        self.history: deque[float] = deque(maxlen=self.windows)
 
     def is_spike(self, value: float) -> bool:
-        recent = list(self.history)[-self.windows:]
         spike = False
-        if len(recent) >= _SPIKE_MIN_WINDOWS and math.isfinite(value):
-            median = statistics.median(recent)
-            mad = statistics.median(abs(v - median) for v in recent)
+        if len(self.history) >= _SPIKE_MIN_WINDOWS and math.isfinite(value):
+            median = statistics.median(self.history)
+            mad = statistics.median(abs(v - median) for v in self.history)
             spike = value > median + self.mads * mad and value > median * (1 + _SPIKE_MIN_RISE)
         if not spike and math.isfinite(value):  # a spike stays out of the level it is compared with
             self.history.append(value)
-            while len(self.history) > self.windows:
-                self.history.popleft()
         return spike
 
 
@@ -161,7 +143,8 @@ class HealthMonitor:
                                _WARN_ADVICE.get(setting, ""))
             return
         if policy == "rollback" and len(self.rollbacks) < self.config.max_rollbacks:
-            raise Rollback(step=step, what=what, loss=loss, grad_norm=grad, setting=setting)
+            raise Rollback(f"{what} at step {step}", step=step, what=what, loss=loss, grad_norm=grad, setting=setting,
+                           policy=policy)
         raise DivergenceStop(self.stop_message(step=step, what=what, loss=loss, grad=grad, setting=setting),
                              step=step, what=what, loss=loss, grad_norm=grad, setting=setting, policy=policy)
 
@@ -213,11 +196,6 @@ def read_health(filesystem: Any, run_path: str) -> dict[str, Any]:
             return dict(json.loads(stream.read()))
     except (FileNotFoundError, OSError, ValueError):
         return {}
-
-
-def read_records(filesystem: Any, run_path: str) -> list[dict[str, Any]]:
-    """The rollbacks recorded in `<run>/health.json` ([] when there is none)."""
-    return list(read_health(filesystem, run_path).get("rollbacks", []))
 
 
 def write_records(filesystem: Any, run_path: str, rollbacks: list[dict[str, Any]], *, stopped: dict[str, Any] | None = None) -> None:

@@ -171,16 +171,16 @@ def restore(worker: Worker) -> tuple[Checkpointer, TrainState, TrainState | None
             say(resize_line(step=state.step, old=r["old"], new=r["new"], seconds=r["seconds"], cache=r["cache"],
                             micro_batch=int(config.train.micro_batch), grad_accum=worker.grad_accum), rank=worker.rank)
     state.world_size = worker.world_size  # what the next checkpoint is written by (a resize changes it)
-    state.global_batch = int(config.train.micro_batch) * worker.grad_accum * worker.world_size
+    state.global_batch = worker.global_batch
     return checkpointer, state, restored
 
 
 def build_health(worker: Worker, checkpointer: Checkpointer, state: TrainState) -> HealthMonitor:
     """The divergence policy (loop/health.py) with the run's rollbacks so far; a resume from a
     checkpoint that a rollback went back to skips the same data again (its position moves past it)."""
-    from raytrain_fast.loop.health import read_records, skip_position
+    from raytrain_fast.loop.health import read_health, skip_position
 
-    records = read_records(checkpointer.filesystem, checkpointer.run_path) or list(state.health.get("rollbacks", []))
+    records = read_health(checkpointer.filesystem, checkpointer.run_path).get("rollbacks") or state.health.get("rollbacks", [])
     position = skip_position(records, step=state.step, position=state.data_position)
     if position != state.data_position:
         say(f"Step {state.step}: skipping the data a rollback skipped here (health.json): now at {position}.", rank=worker.rank)

@@ -19,14 +19,6 @@ import time
 from typing import Any, Callable
 
 
-def _local_reader() -> Callable[[], Any] | None:
-    """A function returning this worker's copy of the preemption notice (None until there is one),
-    without a barrier; None where this Ray version keeps it elsewhere or this is not a Ray Train worker."""
-    from raytrain_fast._ray_compat import preemption_info_reader
-
-    return preemption_info_reader()
-
-
 def _public_reader() -> Callable[[], Any] | None:
     try:
         import ray.train
@@ -46,7 +38,9 @@ class PreemptionNotice:
     """
 
     def __init__(self, reader: Callable[[], Any] | None = None) -> None:
-        self._read = reader or _local_reader() or _public_reader()
+        from raytrain_fast._ray_compat import preemption_info_reader  # this worker's copy, without a barrier
+
+        self._read = reader or preemption_info_reader() or _public_reader()
         self.info: Any = None
         """Ray's PreemptionInfo (deadline_ms, preempted_node_to_ranks) once noticed."""
         self.noticed_at: float | None = None
@@ -71,9 +65,9 @@ class PreemptionNotice:
             self.noticed_at = time.time()
         return True
 
-    def saved(self, *, step: int) -> dict[str, float]:
-        """Call once the notice's checkpoint is complete (uploaded). Returns the metrics to log, and
-        rank 0 prints the line the user sees."""
+    def saved(self) -> dict[str, float]:
+        """Call once the notice's checkpoint is complete (uploaded). Returns the metrics to log (and to
+        `message`)."""
         now = time.time()
         metrics = {"preemption/notice_to_checkpoint_s": now - (self.noticed_at or now)}
         deadline_ms = getattr(self.info, "deadline_ms", None)

@@ -61,7 +61,7 @@ def roll_back(worker: Worker, rollback: Rollback, parts: LoopParts) -> None:
             f"{len(health.rollbacks)} of at most {config.health.max_rollbacks}).", rank=worker.rank,
         )
     restored.data_position, restored.world_size = detected_at, worker.world_size
-    restored.global_batch = int(config.train.micro_batch) * worker.grad_accum * worker.world_size
+    restored.global_batch = worker.global_batch
     parts.data.close()
     metrics.restart_at(restored.step)
     health.restart_at(restored.step)

@@ -166,7 +166,7 @@ class StepRun:
         )
         if self.on_notice:  # the node may go at its deadline: this checkpoint must be in storage first
             parts.checkpointer.wait_for_upload()
-            values = self.preemption.saved(step=step)
+            values = self.preemption.saved()
             say(self.preemption.message(step=step, metrics=values), rank=self.worker.rank)
             parts.metrics.emit(step, values)
         parts.metrics.record_checkpoint(blocked_s=blocked_s, upload_s=parts.checkpointer.take_upload_s())

@@ -57,9 +57,13 @@ class Worker:
     """The prepared data's manifest (training shards and the validation split)."""
 
     @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step across the group."""
+        return int(self.config.train.micro_batch) * self.grad_accum * self.world_size
+
+    @property
     def tokens_per_step(self) -> int:
-        train = self.config.train
-        return train.micro_batch * self.grad_accum * self.world_size * self.config.data.seq_len
+        return self.global_batch * self.config.data.seq_len
 
     @property
     def run_uri(self) -> str:

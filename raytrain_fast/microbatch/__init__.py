@@ -7,18 +7,16 @@ from raytrain_fast.microbatch.plan import (
     OK,
     OOM,
     OVER_BUDGET,
-    STATUSES,
     MemoryBudgetExceeded,
     Outcome,
     candidate_micro_batches,
     classify_error,
     classify_peak,
     fastest,
-    per_worker_batch,
     plan_candidates,
 )
 
 __all__ = [
-    "FAILED", "MemoryBudgetExceeded", "OK", "OOM", "OVER_BUDGET", "Outcome", "STATUSES", "candidate_micro_batches",
-    "classify_error", "classify_peak", "fastest", "per_worker_batch", "plan_candidates",
+    "FAILED", "MemoryBudgetExceeded", "OK", "OOM", "OVER_BUDGET", "Outcome", "candidate_micro_batches",
+    "classify_error", "classify_peak", "fastest", "plan_candidates",
 ]

@@ -1,13 +1,7 @@
-"""`train.micro_batch: auto`: before training, the fastest micro-batch that fits the memory budget.
-
-For each candidate (microbatch/plan.py, shared with `raytrain-fast sweep`), smallest first, one probe
-in a fresh process with a worker's resources (a Ray task with max_calls=1: a process's peak RSS never
-goes down) builds the program a training worker builds (engine/program.py), runs one warm-up step
-and `timed_steps` timed ones at the accumulation that keeps the global batch, and reports its peak
-memory, tokens/s and outcome. The search stops at the first candidate that does not fit, the fastest
-fitting one wins, activation checkpointing is turned on only when nothing fits without it, and the
-choice is cached in storage under `_autobatch/<key>.json`. The whole procedure, as users read it:
-docs/sweeps.md#trainmicro_batch-auto.
+"""`train.micro_batch: auto`: before training, the fastest micro-batch that fits the memory budget,
+each candidate probed in a fresh process (a process's peak RSS never goes down) on the program a
+training worker builds (engine/program.py), the choice cached in storage under `_autobatch/<key>.json`.
+The whole procedure, as users read it: docs/sweeps.md#trainmicro_batch-auto.
 """
 
 from __future__ import annotations

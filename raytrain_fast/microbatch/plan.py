@@ -1,9 +1,7 @@
 """The micro-batch search both `train.micro_batch: auto` (microbatch/auto.py) and `raytrain-fast sweep`
-(sweep/) use: which micro-batches to try (`plan_candidates`, `candidate_micro_batches`), which memory
-peak to measure (`peak_memory_gb`, the training metric's own function: CUDA max_memory_reserved, else
-the process's peak RSS, both reset once setup is done), and what to call a try (`classify_peak`,
-`classify_error`: ok, over_budget, oom or failed, each with a one-line reason). The rules and why:
-docs/sweeps.md#trainmicro_batch-auto.
+(sweep/) use: which micro-batches to try (`plan_candidates`, `candidate_micro_batches`) and what to call
+a try (`classify_peak`, `classify_error`: ok, over_budget, oom or failed, each with a one-line reason).
+The rules and why: docs/sweeps.md#trainmicro_batch-auto.
 
 Neither torch nor Ray is imported at module level (nor the loop or the launcher): cheap to import.
 """
@@ -16,7 +14,6 @@ from typing import Any, Iterable, TypeVar
 from raytrain_fast.errors import RaytrainFastError
 
 OK, OVER_BUDGET, OOM, FAILED = "ok", "over_budget", "oom", "failed"
-STATUSES = (OK, OVER_BUDGET, OOM, FAILED)
 _GB = 1e9
 _REASON_CHARS = 200
 
@@ -49,19 +46,12 @@ class Outcome:
 # --------------------------------------------------------------------------- candidates
 
 
-def per_worker_batch(global_batch: int, num_workers: int) -> int | None:
-    """global_batch / num_workers, or None when that is not a positive whole number."""
-    if global_batch <= 0 or num_workers <= 0 or global_batch % num_workers:
-        return None
-    return global_batch // num_workers
-
-
 def candidate_micro_batches(global_batch: int, num_workers: int) -> list[int]:
     """The default candidates: powers of two dividing the per-worker batch, and the per-worker batch
     itself. Ascending; empty when num_workers does not divide global_batch."""
-    per_worker = per_worker_batch(global_batch, num_workers)
-    if per_worker is None:
+    if global_batch <= 0 or num_workers <= 0 or global_batch % num_workers:
         return []
+    per_worker = global_batch // num_workers
     values = {m for m in (2**i for i in range(per_worker.bit_length())) if per_worker % m == 0}
     values.add(per_worker)
     return sorted(values)
@@ -155,8 +145,3 @@ def fastest(results: Iterable[T]) -> T | None:
     done = [r for r in results if r.status == OK and r.tokens_per_sec is not None]  # type: ignore[attr-defined]
     return max(done, key=lambda r: r.tokens_per_sec) if done else None  # type: ignore[attr-defined]
 
-
-__all__ = [
-    "FAILED", "MemoryBudgetExceeded", "OK", "OOM", "OVER_BUDGET", "Outcome", "STATUSES", "candidate_micro_batches",
-    "classify_error", "classify_peak", "fastest", "per_worker_batch", "plan_candidates",
-]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,23 +43,35 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal self-attention, q|k|v in one matrix, with `kv_heads(config)` key/value heads (grouped-query
+    when fewer than num_heads: llama only); rotary positions where the caller passes the tables."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
+        self.num_heads, self.num_kv_heads = config.num_heads, kv_heads(config)
         self.head_dim = config.d_model // config.num_heads
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.kv_width = self.num_kv_heads * self.head_dim
+        self.qkv = nn.Linear(config.d_model, config.d_model + 2 * self.kv_width, bias=False)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
         self.dropout = config.dropout
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return _apply_rotary(x, cos, sin)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, mask: Any = None
     ) -> torch.Tensor:
         batch, seq, width = x.shape  # (B, T, d)
-        q, k, v = self.qkv(x).split(width, dim=-1)
-        # (B, T, d) -> (B, H, T, hd)
-        q, k, v = (t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self.qkv(x).split((width, self.kv_width, self.kv_width), dim=-1)
+        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k, v = (t.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))  # (B, Hkv, T, hd)
         if cos is not None and sin is not None:  # rotary positions: the tables come from GPT.forward
-            q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        if self.num_kv_heads != self.num_heads:
+            # Query head i reads key/value head i // group (Hugging Face's repeat_kv). An explicit
+            # copy rather than SDPA's enable_gqa: every kernel and the FLOP counter take it.
+            group = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = attend(q, k, v, mask, dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, hd); mask: documents
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
 
@@ -76,12 +88,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """A pre-norm residual block of the model's norm, attention and MLP classes (the GPT's or llama's)."""
+
+    def __init__(self, config: ModelConfig, norm: Callable[[ModelConfig], nn.Module], attention: type[nn.Module],
+                 mlp: type[nn.Module]) -> None:
         super().__init__()
-        self.norm_attn = nn.LayerNorm(config.d_model)
-        self.attn = CausalSelfAttention(config)
-        self.norm_mlp = nn.LayerNorm(config.d_model)
-        self.mlp = MLP(config)
+        self.norm_attn = norm(config)
+        self.attn = attention(config)
+        self.norm_mlp = norm(config)
+        self.mlp = mlp(config)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(
@@ -117,11 +132,14 @@ class GPT(nn.Module):
         self.chunked_loss = chunked == "on" or (chunked == "auto" and config.vocab_size >= CHUNKED_LOSS_MIN_VOCAB)
 
     # The parts a subclass (model/llama.py) replaces; forward, checkpointing and the loss are shared.
+    attention_class: type[nn.Module] = CausalSelfAttention
+    mlp_class: type[nn.Module] = MLP
+
     def _learned_positions(self) -> bool:
         return self.config.positions == "learned"
 
     def _make_block(self, config: ModelConfig) -> nn.Module:
-        return Block(config)
+        return Block(config, self._make_norm, self.attention_class, self.mlp_class)
 
     def _make_norm(self, config: ModelConfig) -> nn.Module:
         return nn.LayerNorm(config.d_model)
@@ -169,21 +187,17 @@ class GPT(nn.Module):
         return self.config.activation_checkpointing == "full" or index % max(1, self.config.activation_checkpointing_n) == 0
 
     def _rotary_for(self, seq: int, x: torch.Tensor, layout: DocumentLayout | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary tables for this batch: (T, hd/2) shared by every row, or with document masking
-        (B, 1, T, hd/2) gathered at each token's position inside its document."""
-        cos, sin = self._rotary(seq, x)
-        if layout is None:
-            return cos, sin
-        return cos[layout.positions].unsqueeze(1), sin[layout.positions].unsqueeze(1)
-
-    def _rotary(self, seq: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin tables for `seq` positions in x's dtype and device: built once, then reused by
-        every block of every step (they were rebuilt in each block before)."""
+        """The rotary tables for this batch in x's dtype: (T, hd/2) shared by every row, or with document
+        masking (B, 1, T, hd/2) gathered at each token's position inside its document. The (T, hd/2)
+        tables are built once per (length, device, dtype), then reused by every block of every step."""
         key = (seq, x.device, x.dtype)
         if key not in self._rotary_cache:
             cos, sin = self._make_rotary_tables(seq, x.device)
             self._rotary_cache[key] = (cos.to(x.dtype), sin.to(x.dtype))
-        return self._rotary_cache[key]
+        cos, sin = self._rotary_cache[key]
+        if layout is None:
+            return cos, sin
+        return cos[layout.positions].unsqueeze(1), sin[layout.positions].unsqueeze(1)
 
     @contextlib.contextmanager
     def counting_flops(self) -> Iterator[None]:

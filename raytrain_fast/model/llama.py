@@ -1,7 +1,7 @@
 """The Llama-family decoder (`model.architecture: llama`): RMSNorm, a SwiGLU MLP, grouped-query
 attention, rotary positions with a configurable base, no biases, untied embeddings in the presets.
 
-A subclass of the GPT (model/gpt.py) that swaps the blocks, the final norm and the rotary tables:
+A subclass of the GPT (model/gpt.py) that swaps the attention, the MLP, the norms and the rotary tables:
 the forward pass, activation checkpointing, the chunked loss, FLOPs counting and regional compile
 (each of `blocks`) are the GPT's. The numerics follow Hugging Face's LlamaForCausalLM, so an
 export (checkpoint/hf.py) gives the same logits: rotary in the "rotate half" layout (the first and
@@ -12,15 +12,13 @@ each instead of three and two); the export splits them.
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raytrain_fast.config.model import ModelConfig, kv_heads, llama_mlp_hidden
-from raytrain_fast.model.documents import attend
-from raytrain_fast.model.gpt import GPT
+from raytrain_fast.config.model import ModelConfig, llama_mlp_hidden
+from raytrain_fast.model.gpt import GPT, CausalSelfAttention
 
 
 class RMSNorm(nn.Module):
@@ -51,33 +49,12 @@ def _llama_rotary_tables(seq_len: int, head_dim: int, device: torch.device, base
     return angles.cos(), angles.sin()
 
 
-class GroupedQueryAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, kv_heads(config)
-        self.head_dim = config.d_model // config.num_heads
-        self.kv_width = self.num_kv_heads * self.head_dim
-        self.qkv = nn.Linear(config.d_model, config.d_model + 2 * self.kv_width, bias=False)
-        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
-        self.dropout = config.dropout
+class GroupedQueryAttention(CausalSelfAttention):
+    """The GPT's attention with grouped-query heads (`kv_heads`) and rotary in the rotate-half layout;
+    cos/sin: (T, hd), or (B, 1, T, hd) at positions inside each document (document masking)."""
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, mask: Any = None
-    ) -> torch.Tensor:
-        batch, seq, width = x.shape  # (B, T, d)
-        q, k, v = self.qkv(x).split((width, self.kv_width, self.kv_width), dim=-1)
-        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k, v = (t.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))  # (B, Hkv, T, hd)
-        assert cos is not None and sin is not None  # llama is always rotary: Llama._rotary makes them
-        # cos/sin: (T, hd), or (B, 1, T, hd) at positions inside each document (document masking)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        if self.num_kv_heads != self.num_heads:
-            # Query head i reads key/value head i // group (Hugging Face's repeat_kv). An explicit
-            # copy rather than SDPA's enable_gqa: every kernel and the FLOP counter take it.
-            group = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = attend(q, k, v, mask, dropout_p=self.dropout if self.training else 0.0)  # mask: documents, or None
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + _rotate_half(x) * sin
 
 
 class SwiGLU(nn.Module):
@@ -94,31 +71,15 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
-class LlamaBlock(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.norm_attn = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = GroupedQueryAttention(config)
-        self.norm_mlp = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp = SwiGLU(config)
-        self.drop = nn.Dropout(config.dropout)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, mask: Any = None
-    ) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm_attn(x), cos, sin, mask))
-        return x + self.drop(self.mlp(self.norm_mlp(x)))
-
-
 class Llama(GPT):
     """The Llama-family model; see the module docstring. Parameter names: token_emb, blocks.<i>.
     {norm_attn, attn.qkv, attn.proj, norm_mlp, mlp.gate_up, mlp.down}, norm_out, lm_head."""
 
+    attention_class = GroupedQueryAttention
+    mlp_class = SwiGLU
+
     def _learned_positions(self) -> bool:
         return False
-
-    def _make_block(self, config: ModelConfig) -> nn.Module:
-        return LlamaBlock(config)
 
     def _make_norm(self, config: ModelConfig) -> nn.Module:
         return RMSNorm(config.d_model, config.norm_eps)
