@@ -34,6 +34,7 @@ import json
 import logging
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -64,17 +65,12 @@ class _CoordinatorActor:
         self._values: dict[str, Any] = {}
         self._meta: dict[str, dict[str, Any]] = {}
         self._claims: dict[str, tuple[str, float]] = {}  # key -> (claim token, last renewal)
-        self._events: dict[str, asyncio.Event] = {}
+        self._events: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._measured: dict[str, int] = {}
         self._next_token = 0
         self._stop_reason: str | None = None
         self._watchdog: Any = None
         self._group_size: int | None = None
-
-    def _event(self, key: str) -> asyncio.Event:
-        if key not in self._events:
-            self._events[key] = asyncio.Event()
-        return self._events[key]
 
     async def claim(self, key: str, may_measure: bool, lease_s: float) -> tuple[str, Any]:
         """("have", value) | ("measure", token): measure, renew with the token, post | ("wait", None)."""
@@ -105,7 +101,7 @@ class _CoordinatorActor:
             self._values[key] = value
             self._meta[key] = meta
         self._claims.pop(key, None)
-        self._event(key).set()
+        self._events[key].set()
         return self._values[key]
 
     async def release(self, key: str, token: str) -> None:
@@ -117,7 +113,7 @@ class _CoordinatorActor:
     async def wait(self, key: str, timeout_s: float) -> tuple[bool, Any]:
         if key not in self._values:
             try:
-                await asyncio.wait_for(self._event(key).wait(), timeout=timeout_s)
+                await asyncio.wait_for(self._events[key].wait(), timeout=timeout_s)
             except asyncio.TimeoutError:
                 return False, None
         return True, self._values[key]
@@ -134,7 +130,7 @@ class _CoordinatorActor:
             if key not in self._values:
                 self._values[key] = value
                 self._meta[key] = {**state.get("meta", {}).get(key, {}), "imported": True}
-                self._event(key).set()
+                self._events[key].set()
                 adopted.append(key)
         return adopted
 
@@ -146,12 +142,12 @@ class _CoordinatorActor:
         """The driver got a stop notice (SIGTERM, Ctrl-C): the workers save and stop."""
         if self._stop_reason is None:
             self._stop_reason = reason
-        self._event("__stop__").set()
+        self._events["__stop__"].set()
 
     async def wait_for_stop(self, timeout_s: float) -> str | None:
         """The stop reason as soon as there is one, or None after timeout_s."""
         try:
-            await asyncio.wait_for(self._event("__stop__").wait(), timeout=timeout_s)
+            await asyncio.wait_for(self._events["__stop__"].wait(), timeout=timeout_s)
         except asyncio.TimeoutError:
             pass
         return self._stop_reason
@@ -179,10 +175,6 @@ class _CoordinatorActor:
     async def beat_end(self, *, rank: int, pid: int) -> None:
         if self._watchdog is not None:
             self._watchdog.watch.end(rank=rank, pid=pid)
-
-    async def hangs(self) -> list[dict[str, Any]]:
-        """The hangs the watchdog acted on during this actor's life (records as written to storage)."""
-        return list(self._watchdog.hangs) if self._watchdog is not None else []
 
     async def swap_group_size(self, world_size: int) -> int | None:
         """The size of this job's previous worker group (None for the first), and this one's kept."""
@@ -356,15 +348,8 @@ class Coordinator:
         """Measured matmul FLOP/s of this device type in `dtype` (`measure()`, e.g.
         metrics.peak.measure_matmul_peak), once per run and device type (the first rank of that type
         measures; any others wait)."""
-        return float(
-            self.get_or_measure(
-                f"peak/{device_key}/{dtype}",
-                measure=measure,
-                may_measure=True,
-                who="the first rank on this device type",
-                meta={"seconds": seconds},
-            )
-        )
+        key, who = f"peak/{device_key}/{dtype}", "the first rank on this device type"
+        return float(self.get_or_measure(key, measure=measure, may_measure=True, who=who, meta={"seconds": seconds}))
 
     def watch_for_stop(self, *, poll_s: float = 1.0) -> None:
         """Start a daemon thread that waits on the actor for the driver's stop request, so that
@@ -397,36 +382,31 @@ class Coordinator:
         if self._watcher is not None:
             self._watcher.join(timeout=10)
 
-    def export_state(self) -> dict[str, Any]:
-        """JSON-able values to store in a checkpoint."""
+    def _call(self, method: str, *args: Any) -> Any:
+        """The actor's `method`, called and waited for."""
         import ray
 
-        return ray.get(self.actor.export_state.remote())
+        return ray.get(getattr(self.actor, method).remote(*args))
+
+    def export_state(self) -> dict[str, Any]:
+        """JSON-able values to store in a checkpoint."""
+        return self._call("export_state")
 
     def import_state(self, state: Mapping[str, Any] | None) -> list[str]:
         """Adopt values saved in a checkpoint (call on resume, before asking for any value)."""
-        import ray
-
-        if not state:
-            return []
-        return ray.get(self.actor.import_state.remote(dict(state)))
+        return self._call("import_state", dict(state)) if state else []
 
     def swap_group_size(self, world_size: int) -> int | None:
         """Rank 0 of each worker group: the previous group's size in this job (None for the first)."""
-        import ray
-
-        return ray.get(self.actor.swap_group_size.remote(world_size))
+        return self._call("swap_group_size", world_size)
 
     def take_hangs(self) -> list[dict[str, Any]]:
         """The watchdog's hang records not yet announced (see watchdog/stacks.py)."""
-        import ray
-
-        return ray.get(self.actor.take_hangs.remote())
+        return self._call("take_hangs")
 
     def measurements(self) -> dict[str, int]:
-        import ray
-
-        return ray.get(self.actor.measurements.remote())
+        """How many times each value was measured and posted during the actor's life."""
+        return self._call("measurements")
 
 
 __all__ = [
