@@ -7,6 +7,8 @@ node is retried."""
 
 from __future__ import annotations
 
+import functools
+
 
 class RaytrainFastError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -29,11 +31,7 @@ class ConfigError(RaytrainFastError, ValueError):
         super().__init__(message)
 
     def __reduce__(self):  # keep both arguments when pickled across Ray actors
-        return (_rebuild_config_error, (self.problems, self.source))
-
-
-def _rebuild_config_error(problems: list[str], source: str | None) -> ConfigError:
-    return ConfigError(problems, source=source)
+        return functools.partial(ConfigError, source=self.source), (self.problems,)
 
 
 class DataError(RaytrainFastError):
