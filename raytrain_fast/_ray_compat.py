@@ -83,8 +83,10 @@ def preemption_info_reader() -> Callable[[], Any] | None:
 
 def create_ray_data_cluster_actors() -> None:
     """Create Ray Data's cluster-wide detached actors (its stats actor and autoscaling coordinator)
-    from this process, so they live on its node. Where the private helpers are missing, a one-row
-    dataset run here creates the same actors."""
+    from this process, so they live on its node. Ray pins them to the node of the process that first
+    needs them, else a training worker's: when that node goes (preemption, an elastic shrink), every
+    later dataset fails with ActorDiedError. Where the private helpers are missing, a one-row dataset
+    run here creates the same actors."""
     try:
         from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
             get_or_create_autoscaling_coordinator,

@@ -278,14 +278,3 @@ def prepare_tasks(config: Config, tasks: list, data_uri: str):
     for note in notes:
         say(note)
     return run_tasks
-
-
-def keep_ray_data_actors_on_this_node() -> None:
-    """Ray Data keeps cluster-wide detached actors (its stats actor, its autoscaling coordinator),
-    pinned to the node of the process that first needs them: without this, a training worker's node.
-    When that node goes (preemption, an elastic shrink), every later dataset fails with
-    ActorDiedError. Created here first, they live on the driver's node. Ray 2.60's private helpers;
-    where they are missing, a one-row dataset run here creates the same actors."""
-    from raytrain_fast._ray_compat import create_ray_data_cluster_actors
-
-    create_ray_data_cluster_actors()

@@ -20,7 +20,6 @@ from raytrain_fast.console import nothing_to_do, say
 from raytrain_fast.errors import WILL_REPEAT, DivergenceError, RaytrainFastError, repeating_error
 from raytrain_fast.launch.checks import (
     check_before_ray,
-    keep_ray_data_actors_on_this_node,
     max_sequences,
     prepare_mixture_data,
     prepare_tasks,
@@ -65,7 +64,7 @@ def build_trainer(
     `callbacks`: Ray Train run callbacks (a sweep trial's TuneReportCallback). `tasks`: eval.tasks
     encoded for the loop (downstream/in_loop.py RunTasks), or None."""
     import ray.train
-    from ray.train.torch import TorchConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     resources = config.resources
     # Built from config and passed explicitly: pyarrow ignores AWS_ENDPOINT_URL, so a bare
@@ -78,7 +77,8 @@ def build_trainer(
         hooks=hooks or LoopHooks(), on_window=on_window, save_checkpoints=save_checkpoints, tasks=tasks,
         s3_filesystem=filesystem if config.storage.uri.startswith("s3://") else None,
     )
-    return _trainer_class()(
+    # Ctrl-C takes _StopOnSignal's path, and an error that will repeat is not retried (_ray_compat.trainer_class).
+    return trainer_class(TorchTrainer, is_final=will_repeat)(
         functools.partial(_train_loop_without_result_dumps, inputs),  # pickled to every worker
         # gloo/NCCL give up just after the hang watchdog would have acted (Ray's default waits 30 minutes).
         torch_config=TorchConfig(backend="nccl" if resources.use_gpu else "gloo", timeout_s=config.watchdog.process_group_timeout_s()),
@@ -118,29 +118,16 @@ def worker_env(config: Config) -> dict[str, str]:
     }
 
 
-def _trainer_class() -> type:
-    """TorchTrainer without Ray Train's own SIGINT handler (Ctrl-C takes `_StopOnSignal`'s path: save
-    at the next log step, stop, exit 130; a second Ctrl-C stops at once), whose failure policy does
-    not retry an error that will repeat (a ConfigError or DataError raised in a worker:
-    errors.WILL_REPEAT). Both are overrides of Ray's private methods: `_ray_compat.trainer_class`."""
-    from ray.train.torch import TorchTrainer
-
-    return trainer_class(TorchTrainer, is_final=will_repeat)
-
-
 def will_repeat(error: BaseException) -> bool:
     """A worker's error that a restart would meet again (errors.WILL_REPEAT): the run ends at once."""
     return repeating_error(error) is not None
 
 
 def _train_loop_without_result_dumps(inputs: LoopInputs) -> None:
-    """The step loop, with Ray Train's per-report INFO line (a ~1 KB `TrainingReport(...)` dump) off.
-
-    That logger is named after its file, outside `ray.train`, so RunConfig's LoggingConfig does not
-    reach it; it is quieted in the worker, where it logs. An error that will repeat (a ConfigError or
-    DataError, also inside a Ray task's error) leaves the worker as itself and without Ray Train's
-    traceback on the console: the failure policy ends the run on it and the driver prints its line.
-    """
+    """The step loop, with Ray Train's per-report INFO line (a ~1 KB `TrainingReport(...)` dump) off
+    in the worker, where it logs. An error that will repeat (a ConfigError or DataError, also inside a
+    Ray task's error) leaves the worker as itself and without Ray Train's traceback on the console:
+    the failure policy ends the run on it and the driver prints its line."""
     from raytrain_fast.loop.train_loop import train_loop_per_worker
 
     from raytrain_fast._ray_compat import quiet_train_report_logger, quiet_worker_tracebacks_of
@@ -256,10 +243,10 @@ def fit_run(
     short); the arguments in between are `build_trainer`'s."""
     import ray
 
-    from raytrain_fast._ray_compat import controller_poll_interval
+    from raytrain_fast._ray_compat import controller_poll_interval, create_ray_data_cluster_actors
     from raytrain_fast.coordinator import start_coordinator
 
-    keep_ray_data_actors_on_this_node()
+    create_ray_data_cluster_actors()
     drop_ray_run_snapshot(config)
     # One named actor per run, owned by this driver: it outlives worker-group restarts, so FLOPs
     # and the matmul peak are measured once per run. Kept referenced until fit() returns.

@@ -23,12 +23,8 @@ class TrialFailed(RaytrainFastError):
 
 def report_window(*, step: int, metrics: dict[str, float], memory_budget_gb: float | None) -> None:
     """Worker side, on log steps of a sweep trial only: hand the window's metrics to Tune (through
-    Ray Train's report and TuneReportCallback), after checking the memory budget.
-
-    Every rank calls it at the same step (report is a barrier). With the controller polling every
-    RAY_TRAIN_HEALTH_CHECK_INTERVAL_S and the result queue holding one report, a report costs
-    little as long as log windows are longer than that interval.
-    """
+    Ray Train's report and TuneReportCallback), after checking the memory budget. Every rank calls it
+    at the same step (report is a barrier; TRIAL_POLL_S keeps it short)."""
     import ray.train
     import ray.util
 
