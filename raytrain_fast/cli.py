@@ -13,7 +13,7 @@ import sys
 import traceback
 
 from raytrain_fast.console import add_command
-from raytrain_fast.errors import RaytrainFastError
+from raytrain_fast.errors import ConfigError, RaytrainFastError
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -38,10 +38,8 @@ def _add_config_args(parser: argparse.ArgumentParser, *, name_help: str) -> None
 def _add_s3_args(parser: argparse.ArgumentParser, *, endpoint_help: str) -> None:
     parser.add_argument("--endpoint-url", default=None, help=endpoint_help)
     parser.add_argument("--region", default=None, help="S3 region (default: the AWS profile's or AWS_REGION)")
-    parser.add_argument(
-        "--profile", default=None,
-        help="named AWS profile for credentials (default: the usual AWS chain: environment, ~/.aws, instance role)",
-    )
+    parser.add_argument("--profile", default=None, help="named AWS profile for credentials (default: the usual AWS "
+                        "chain: environment, ~/.aws, instance role)")
 
 
 def _add_storage_args(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -248,12 +246,10 @@ def _settle_worker_output() -> None:
 
 def pretrain(args: argparse.Namespace) -> int:
     from raytrain_fast.config import load_config
+    from raytrain_fast.drills import parse_drills
     from raytrain_fast.launch.trainer import run
 
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
-    from raytrain_fast.errors import ConfigError
-    from raytrain_fast.drills import parse_drills
-
     config = load_config(args.config, overrides, name=args.name)
     try:
         hooks = parse_drills(args.drill)
@@ -275,7 +271,6 @@ def pretrain(args: argparse.Namespace) -> int:
 
 def sweep(args: argparse.Namespace) -> int:
     from raytrain_fast.config import load_config
-    from raytrain_fast.errors import ConfigError
     from raytrain_fast.sweep import SweepSpec, run_sweep
 
     try:
@@ -377,7 +372,6 @@ def evaluate(args: argparse.Namespace) -> int:
 
 def prepare_data(args: argparse.Namespace) -> int:
     from raytrain_fast.data import prepare_data as prepare
-    from raytrain_fast.errors import ConfigError
     from raytrain_fast.storage import check_uri
 
     if args.seq_len < 1:
