@@ -261,11 +261,21 @@ def no_worker_colour_prefix() -> None:
     os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
-def quiet_tune_output() -> contextlib.AbstractContextManager[None]:
-    """Tune's console output engine switched to the old one for the block: the new one prints its
-    experiment banner, results path and TensorBoard hint even at verbose=0; the old one, chosen by
-    Ray's internal flag RAY_AIR_NEW_OUTPUT=0, is silent at 0. The previous value comes back after."""
-    return _environ("RAY_AIR_NEW_OUTPUT", "0")
+@contextlib.contextmanager
+def quiet_tune_output() -> Iterator[None]:
+    """Tune's own console output off for the block. Its output engine switched to the old one: the new
+    one prints its experiment banner, results path and TensorBoard hint even at verbose=0; the old one,
+    chosen by Ray's internal flag RAY_AIR_NEW_OUTPUT=0, is silent at 0. And its per-trial error
+    tracebacks, logged by ray.tune, off (a sweep's table has each reason, Tune's error.txt the whole
+    error). The previous flag and level come back after."""
+    tune_logger = logging.getLogger("ray.tune")
+    saved_level = tune_logger.level
+    tune_logger.setLevel(logging.CRITICAL)
+    try:
+        with _environ("RAY_AIR_NEW_OUTPUT", "0"):
+            yield
+    finally:
+        tune_logger.setLevel(saved_level)
 
 
 def remove_placement_group_by_hex(group_id: str) -> None:

@@ -10,7 +10,6 @@ clearly behind stops early (sweep/stopping.py). At most `max_concurrent_trials` 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -306,29 +305,11 @@ def _run_trials(sweep: _Sweep, spec: SweepSpec, micro_batches: list[int], *, hoo
             storage_filesystem=sweep.filesystem if sweep.remote else None, verbose=0, callbacks=[_release_stopped_trial()],
         ),
     )
+    from raytrain_fast._ray_compat import quiet_tune_output
     from raytrain_fast.console import SWEEP_NOISE_WITH_TRACEBACK, quiet_lines
 
-    with _quiet_tune(), quiet_lines(SWEEP_NOISE_WITH_TRACEBACK):
+    with quiet_tune_output(), quiet_lines(SWEEP_NOISE_WITH_TRACEBACK):
         return tuner.fit()
-
-
-@contextlib.contextmanager
-def _quiet_tune():
-    """Tune's own console output off while the trials run: its experiment banner, results path and
-    TensorBoard hint (`_ray_compat.quiet_tune_output`) and its per-trial error tracebacks (logged by
-    ray.tune; each reason is in the results table, the full error in Tune's error.txt under tune/)."""
-    import logging
-
-    from raytrain_fast._ray_compat import quiet_tune_output
-
-    tune_logger = logging.getLogger("ray.tune")
-    saved_level = tune_logger.level
-    tune_logger.setLevel(logging.CRITICAL)
-    try:
-        with quiet_tune_output():
-            yield
-    finally:
-        tune_logger.setLevel(saved_level)
 
 
 def _trial_rows(sweep: _Sweep, grid, accum: dict[int, int]) -> list[SweepRow]:
