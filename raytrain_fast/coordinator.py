@@ -1,18 +1,9 @@
 """One named Ray actor per run that holds what must be measured only once: FLOPs per token and the
-achievable matmul peak per device type and dtype.
-
-The launcher creates it before `fit()` (`start_coordinator`); workers find it by name
-(`Coordinator.connect`). It is owned by the driver, so it outlives worker-group restarts: a restarted
-group reads the values instead of measuring again. `export_state()` / `import_state()` carry the
-values through checkpoints, so a job that is run again (a new driver, a new actor) does not measure
-again either.
-
-Protocol, per value: a rank that may measure asks for a claim; the first one gets it, measures and
-posts; the others wait for the post (bounded by a timeout, with an error that says who was
-expected to post). The claimant renews its claim from a background thread while it measures; a
-claim not renewed for `lease_s` expires, so when a rank dies mid-measurement (and Ray restarts the
-worker group) the new rank takes over within seconds instead of waiting for the timeout.
-The actor uses no CPU reservation and imports neither torch nor deepspeed.
+achievable matmul peak per device type and dtype. The launcher creates it before `fit()`
+(`start_coordinator`); workers find it by name (`Coordinator.connect`). docs/architecture.md
+("The per-run coordinator") describes its lifetime, the claim protocol by which exactly one rank
+measures each value (a claim not renewed for `lease_s` expires), and how `export_state()` /
+`import_state()` carry the values through checkpoints. It imports neither torch nor deepspeed.
 
 The same actor carries four more of the run's concerns, each a few small methods:
 - the driver's stop notice to rank 0 (`request_stop` / `watch_for_stop`);
@@ -152,25 +143,19 @@ class _CoordinatorActor:
             pass
         return self._stop_reason
 
-
     # --- the hang watchdog (watchdog/stacks.py): heartbeats in; stacks, a record and a restart out ---
 
-    async def start_watchdog(self, *, timeout_s: float | str, min_timeout_s: float, beat_interval_s: float, filesystem: Any, run_path: str) -> None:
-        """The driver, before fit(): watch the heartbeats from now on (`filesystem`, `run_path`: where the stacks go)."""
+    async def start_watchdog(self, **settings: Any) -> None:
+        """The driver, before fit(): watch the heartbeats from now on (`settings`: the Watchdog's)."""
         from raytrain_fast.watchdog.stacks import Watchdog
 
         if self._watchdog is None:
-            self._watchdog = Watchdog(
-                timeout_s=timeout_s, min_timeout_s=min_timeout_s, beat_interval_s=beat_interval_s,
-                filesystem=filesystem, run_path=run_path,
-            )
+            self._watchdog = Watchdog(**settings)
 
-    async def beat(self, *, rank: int, world_size: int, pid: int, node_id: str, step: int, start_step: int, phase: str) -> None:
+    async def beat(self, **beat: Any) -> None:
+        """A rank's heartbeat (watchdog/hang.py's `beat`, less the time, which is the actor's)."""
         if self._watchdog is not None:
-            self._watchdog.watch.beat(
-                rank=rank, world_size=world_size, pid=pid, node_id=node_id, step=step, start_step=start_step, phase=phase,
-                now=time.monotonic(),
-            )
+            self._watchdog.watch.beat(**beat, now=time.monotonic())
 
     async def beat_end(self, *, rank: int, pid: int) -> None:
         if self._watchdog is not None:
