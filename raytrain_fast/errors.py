@@ -18,9 +18,7 @@ class ConfigError(RaytrainFastError, ValueError):
     """A configuration is invalid. The message names each bad field and how to fix it."""
 
     def __init__(self, problems: list[str] | str, *, source: str | None = None) -> None:
-        if isinstance(problems, str):
-            problems = [problems]
-        self.problems = list(problems)
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
         self.source = source
         where = f" in {source}" if source else ""
         if len(self.problems) == 1:

@@ -212,14 +212,11 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
 
 @dataclass(kw_only=True)
 class Fitted:
-    """What `fit_run` returns."""
+    """What `fit_run` returns: Ray Train's Result, and the measurements and stopped_by of RunResult."""
 
     result: Any
-    """Ray Train's Result."""
     measurements: dict
-    """How many times the coordinator measured each value during this fit (FLOPs, peaks)."""
     stopped_by: str | None
-    """The signal that stopped the run early after a checkpoint; None if it ran to the end."""
 
 
 class HungRun(RaytrainFastError):
@@ -248,8 +245,7 @@ def fit_run(
 
     create_ray_data_cluster_actors()
     drop_ray_run_snapshot(config)
-    # One named actor per run, owned by this driver: it outlives worker-group restarts, so FLOPs
-    # and the matmul peak are measured once per run. Kept referenced until fit() returns.
+    # One named actor per run, owned by this driver (coordinator.py); kept referenced until fit() returns.
     coordinator = start_coordinator(config.name or "run")
     try:
         start_watchdog(config, coordinator)
@@ -326,8 +322,6 @@ class _StopOnSignal:
     sends the request. Outside the main thread (where Python allows no handlers) it does nothing.
     """
 
-    SIGNALS = ("SIGTERM", "SIGINT")
-
     def __init__(self, coordinator) -> None:
         self.coordinator = coordinator
         self.signal_name: str | None = None
@@ -338,8 +332,7 @@ class _StopOnSignal:
     def __enter__(self) -> _StopOnSignal:
         if threading.current_thread() is not threading.main_thread():
             return self
-        for name in self.SIGNALS:
-            number = getattr(signal, name)
+        for number in (signal.SIGTERM, signal.SIGINT):
             self._previous[number] = signal.signal(number, self._handle)
         self._thread = threading.Thread(target=self._send, name="raytrain-fast-stop", daemon=True)
         self._thread.start()
