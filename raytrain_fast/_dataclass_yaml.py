@@ -32,6 +32,10 @@ def from_dict(cls: type, data: Any, *, path: str, problems: list[str]) -> Any:
     return cls(**kwargs)
 
 
+_EXPECTED = {bool: "true or false", int: "an integer", str: "a string"}
+"""The plain types checked as they are, and how a problem names them."""
+
+
 def coerce(tp: Any, value: Any, *, path: str, problems: list[str]) -> Any:
     """Check `value` against the type annotation `tp`; convert where lossless (int -> float)."""
     origin = get_origin(tp)
@@ -41,13 +45,11 @@ def coerce(tp: Any, value: Any, *, path: str, problems: list[str]) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
-        inner_problems: list[str] = []
         for arg in (a for a in args if a is not type(None)):
             attempt: list[str] = []
             result = coerce(arg, value, path=path, problems=attempt)
             if not attempt:
                 return result
-            inner_problems.extend(attempt)
         names = " or ".join(_type_name(a) for a in args)
         problems.append(f"{path}: expected {names}, got {value!r}")
         return None
@@ -69,13 +71,9 @@ def coerce(tp: Any, value: Any, *, path: str, problems: list[str]) -> Any:
         return value
     if tp is Any:
         return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            problems.append(f"{path}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            problems.append(f"{path}: expected an integer, got {value!r}")
+    if tp in _EXPECTED:
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            problems.append(f"{path}: expected {_EXPECTED[tp]}, got {value!r}")
         return value
     if tp is float:
         if isinstance(value, str):  # PyYAML reads 6e-4 (no dot) as a string: accept it as a number
@@ -87,10 +85,6 @@ def coerce(tp: Any, value: Any, *, path: str, problems: list[str]) -> Any:
             problems.append(f"{path}: expected a number, got {value!r}")
             return value
         return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            problems.append(f"{path}: expected a string, got {value!r}")
-        return value
     raise TypeError(f"unsupported config annotation {tp!r} at {path}")  # internal: a new field type
 
 

@@ -83,8 +83,10 @@ def preemption_info_reader() -> Callable[[], Any] | None:
 
 def create_ray_data_cluster_actors() -> None:
     """Create Ray Data's cluster-wide detached actors (its stats actor and autoscaling coordinator)
-    from this process, so they live on its node. Where the private helpers are missing, a one-row
-    dataset run here creates the same actors."""
+    from this process, so they live on its node. Ray pins them to the node of the process that first
+    needs them, else a training worker's: when that node goes (preemption, an elastic shrink), every
+    later dataset fails with ActorDiedError. Where the private helpers are missing, a one-row dataset
+    run here creates the same actors."""
     try:
         from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
             get_or_create_autoscaling_coordinator,
@@ -174,7 +176,6 @@ def quiet_worker_tracebacks_of(errors: tuple[type, ...]) -> None:
     """In this Ray Train worker: Ray Train's traceback of a failure that ends with one of `errors` off
     the console (the driver prints that error's one-line message); every other failure keeps its
     traceback. Another Ray: nothing changes."""
-    import logging
     import re
 
     names = "|".join(re.escape(f"{error.__module__}.{error.__qualname__}") for error in errors)
@@ -193,8 +194,6 @@ def quiet_worker_tracebacks_of(errors: tuple[type, ...]) -> None:
 def quiet_train_report_logger() -> None:
     """Ray Train's per-report INFO line off in this worker (its logger is named after its file, outside
     `ray.train`, so RunConfig's LoggingConfig does not reach it). Another Ray: the console filter drops it."""
-    import logging
-
     logging.getLogger(TRAIN_CONTEXT_LOGGER).setLevel(logging.WARNING)
 
 
@@ -211,24 +210,31 @@ def _poll_interval_flag() -> str:
 def health_check_interval_s() -> float:
     """Ray Train's controller polls each worker this often: its health-check interval, as the
     environment sets it (Ray passes the variable to the controller); 2.60's default otherwise."""
-    variable = _poll_interval_flag()
-    return float(os.environ.get(variable, _train_constant("DEFAULT_HEALTH_CHECK_INTERVAL_S", 2.0)))
+    return float(os.environ.get(_poll_interval_flag(), _train_constant("DEFAULT_HEALTH_CHECK_INTERVAL_S", 2.0)))
 
 
 @contextlib.contextmanager
-def controller_poll_interval(seconds: float | None) -> Iterator[None]:
+def _environ(variable: str, value: str) -> Iterator[None]:
+    """`variable` set to `value` in this process's environment for the block, then as it was."""
+    saved = os.environ.get(variable)
+    os.environ[variable] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = saved
+
+
+def controller_poll_interval(seconds: float | None) -> contextlib.AbstractContextManager[None]:
     """Ray Train's controller polls the workers (and takes one reported result from each) every
     `seconds` in the fit() started inside the block: Ray hands its environment flag to the controller
     that fit() starts. Where the variable is set already, or `seconds` is None, it stays as it is."""
     variable = _poll_interval_flag()
     if seconds is None or variable in os.environ:
-        yield
-        return
-    os.environ[variable] = str(seconds)
-    try:
-        yield
-    finally:
-        os.environ.pop(variable, None)
+        return contextlib.nullcontext()
+    return _environ(variable, str(seconds))
 
 
 def worker_env_flags() -> dict[str, str]:
@@ -257,19 +263,19 @@ def no_worker_colour_prefix() -> None:
 
 @contextlib.contextmanager
 def quiet_tune_output() -> Iterator[None]:
-    """Tune's console output engine switched to the old one for the block: the new one prints its
-    experiment banner, results path and TensorBoard hint even at verbose=0; the old one, chosen by
-    Ray's internal flag RAY_AIR_NEW_OUTPUT=0, is silent at 0. The previous value comes back after."""
-    variable = "RAY_AIR_NEW_OUTPUT"
-    saved = os.environ.get(variable)
-    os.environ[variable] = "0"
+    """Tune's own console output off for the block. Its output engine switched to the old one: the new
+    one prints its experiment banner, results path and TensorBoard hint even at verbose=0; the old one,
+    chosen by Ray's internal flag RAY_AIR_NEW_OUTPUT=0, is silent at 0. And its per-trial error
+    tracebacks, logged by ray.tune, off (a sweep's table has each reason, Tune's error.txt the whole
+    error). The previous flag and level come back after."""
+    tune_logger = logging.getLogger("ray.tune")
+    saved_level = tune_logger.level
+    tune_logger.setLevel(logging.CRITICAL)
     try:
-        yield
+        with _environ("RAY_AIR_NEW_OUTPUT", "0"):
+            yield
     finally:
-        if saved is None:
-            os.environ.pop(variable, None)
-        else:
-            os.environ[variable] = saved
+        tune_logger.setLevel(saved_level)
 
 
 def remove_placement_group_by_hex(group_id: str) -> None:

@@ -13,7 +13,7 @@ import sys
 import traceback
 
 from raytrain_fast.console import add_command
-from raytrain_fast.errors import RaytrainFastError
+from raytrain_fast.errors import ConfigError, RaytrainFastError
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -35,18 +35,22 @@ def _add_config_args(parser: argparse.ArgumentParser, *, name_help: str) -> None
     parser.add_argument("--name", default=None, help=name_help)
 
 
+def _add_s3_args(parser: argparse.ArgumentParser, *, endpoint_help: str) -> None:
+    parser.add_argument("--endpoint-url", default=None, help=endpoint_help)
+    parser.add_argument("--region", default=None, help="S3 region (default: the AWS profile's or AWS_REGION)")
+    parser.add_argument("--profile", default=None, help="named AWS profile for credentials (default: the usual AWS "
+                        "chain: environment, ~/.aws, instance role)")
+
+
 def _add_storage_args(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     parser.add_argument("--storage", required=required, help="storage URI: a local directory or s3://bucket/prefix")
-    parser.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
-    parser.add_argument("--region", default=None, help=REGION_HELP)
-    parser.add_argument("--profile", default=None, help=PROFILE_HELP)
+    _add_s3_args(parser, endpoint_help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
     parser.add_argument(
         "--request-checksums", choices=("auto", "when_supported", "when_required"), default="auto",
         help="S3 upload checksums (storage.request_checksums); auto = when_required with --endpoint-url",
     )
 
 
-REGION_HELP = "S3 region (default: the AWS profile's or AWS_REGION)"
 DRILL_NAMES = ("fail_once_at", "record_sequences", "slow_data", "slow_step", "slow_sink", "slow_upload", "cpu_burn",
                "hold_memory", "hang", "nonfinite", "spike")
 """drills.specs.PARSERS' names, listed without importing the drills (tests/test_printed_commands.py checks the help lists them all)."""
@@ -62,15 +66,15 @@ config keys:
   docs: docs/configuration.md (presets, --set), docs/data.md (data.source, prepare-data, mixtures)"""
 TEXT_FIELD_HELP = ("the JSONL field or Parquet column that holds each document's text (default: text); several names, "
                    "comma-separated (content,text), take the first each record or file has")
-PROFILE_HELP = "named AWS profile for credentials (default: the usual AWS chain: environment, ~/.aws, instance role)"
 
 
-def _storage_config(args: argparse.Namespace):
+def _storage_config(args: argparse.Namespace, uri: str):
+    """The S3 options of a command, for storage at `uri`."""
     from raytrain_fast.storage import StorageConfig
 
     return StorageConfig(
-        uri=args.storage, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile,
-        request_checksums=args.request_checksums,
+        uri=uri, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile,
+        request_checksums=getattr(args, "request_checksums", "auto"),
     )
 
 
@@ -78,7 +82,7 @@ def _readable_storage(args: argparse.Namespace):
     """The --storage of runs / export / report, checked to exist and answer within seconds."""
     from raytrain_fast.storage import check_storage_readable
 
-    storage = _storage_config(args)
+    storage = _storage_config(args, args.storage)
     check_storage_readable(args.storage, storage)
     return storage
 
@@ -117,9 +121,7 @@ def _add_prepare_args(prepare: argparse.ArgumentParser) -> None:
     )
     prepare.add_argument("--val-input", nargs="+", default=None, metavar="PATH_OR_GLOB", help="a separate validation corpus instead of --val-fraction")
     prepare.add_argument("--text-field", default="text", metavar="NAME", help=TEXT_FIELD_HELP)
-    prepare.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// inputs/outputs")
-    prepare.add_argument("--region", default=None, help=REGION_HELP)
-    prepare.add_argument("--profile", default=None, help=PROFILE_HELP)
+    _add_s3_args(prepare, endpoint_help="S3-compatible endpoint for s3:// inputs/outputs")
 
 
 def _add_sweep_args(sweep: argparse.ArgumentParser) -> None:
@@ -147,9 +149,7 @@ def _add_train_tokenizer_args(train_tok: argparse.ArgumentParser) -> None:
                            help="the end-of-document token, id 256 (default <|endoftext|>, as the byte tokenizer's export; also </s>, <eos>, ...)")
     train_tok.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --output")
     train_tok.add_argument("--text-field", default="text", metavar="NAME", help=TEXT_FIELD_HELP)
-    train_tok.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for s3:// inputs")
-    train_tok.add_argument("--region", default=None, help=REGION_HELP)
-    train_tok.add_argument("--profile", default=None, help=PROFILE_HELP)
+    _add_s3_args(train_tok, endpoint_help="S3-compatible endpoint for s3:// inputs")
 
 
 def _version() -> str:
@@ -246,12 +246,10 @@ def _settle_worker_output() -> None:
 
 def pretrain(args: argparse.Namespace) -> int:
     from raytrain_fast.config import load_config
+    from raytrain_fast.drills import parse_drills
     from raytrain_fast.launch.trainer import run
 
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
-    from raytrain_fast.errors import ConfigError
-    from raytrain_fast.drills import parse_drills
-
     config = load_config(args.config, overrides, name=args.name)
     try:
         hooks = parse_drills(args.drill)
@@ -261,20 +259,18 @@ def pretrain(args: argparse.Namespace) -> int:
         print(f"Drills on: {', '.join(hooks.active())}", flush=True)
     result = run(config, create_bucket=args.create_bucket, hooks=hooks)
     _settle_worker_output()
-    if result.stopped_by:
-        print(f"\nStopped by {result.stopped_by}. Run directory: {result.run_dir}")
-        print(f"Latest checkpoint: {result.checkpoint or 'none'}")
-        print(f"Continue this run: the same command with --name {result.name}")
-        return 128 + int(getattr(signal, result.stopped_by))  # the shell's convention for "ended by a signal"
-    print(f"\nDone. Run directory: {result.run_dir}")
+    stopped = result.stopped_by
+    print(f"\n{f'Stopped by {stopped}' if stopped else 'Done'}. Run directory: {result.run_dir}")
     print(f"Latest checkpoint: {result.checkpoint or 'none'}")
+    if stopped:
+        print(f"Continue this run: the same command with --name {result.name}")
+        return 128 + int(getattr(signal, stopped))  # the shell's convention for "ended by a signal"
     print(f"Continue this run: same command with --name {result.name} (raise train.steps to train further)")
     return 0
 
 
 def sweep(args: argparse.Namespace) -> int:
     from raytrain_fast.config import load_config
-    from raytrain_fast.errors import ConfigError
     from raytrain_fast.sweep import SweepSpec, run_sweep
 
     try:
@@ -376,16 +372,13 @@ def evaluate(args: argparse.Namespace) -> int:
 
 def prepare_data(args: argparse.Namespace) -> int:
     from raytrain_fast.data import prepare_data as prepare
-    from raytrain_fast.storage import StorageConfig
-
-    from raytrain_fast.errors import ConfigError
     from raytrain_fast.storage import check_uri
 
     if args.seq_len < 1:
         raise ConfigError(f"--seq-len must be >= 1 (tokens per training sequence), got {args.seq_len}; e.g. --seq-len 128")
     for uri, setting in [(args.output, "--output"), *((item, "--input") for item in args.input)]:
         check_uri(uri, setting=setting)
-    storage = StorageConfig(uri=args.output, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile)
+    storage = _storage_config(args, args.output)
     manifest = prepare(
         inputs=args.input, output=args.output, seq_len=args.seq_len, tokenizer=args.tokenizer,
         storage=storage, overwrite=args.overwrite, val_fraction=args.val_fraction, val_inputs=args.val_input,
@@ -402,11 +395,11 @@ def prepare_data(args: argparse.Namespace) -> int:
 
 def train_tokenizer(args: argparse.Namespace) -> int:
     from raytrain_fast.data.train_tokenizer import train_tokenizer as train
-    from raytrain_fast.storage import StorageConfig, check_uri
+    from raytrain_fast.storage import check_uri
 
     for uri in args.input:
         check_uri(uri, setting="--input")
-    storage = StorageConfig(uri=args.output, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile)
+    storage = _storage_config(args, args.output)
     result = train(
         inputs=args.input, output=args.output, vocab_size=args.vocab_size, min_frequency=args.min_frequency,
         eod_token=args.eod_token, storage=storage, overwrite=args.overwrite, text_field=args.text_field,
@@ -473,26 +466,22 @@ def _run(argv: list[str], *, debug: bool) -> int:
     }
     try:
         return handlers[args.command](args)
-    except RaytrainFastError as error:
-        if debug:
-            traceback.print_exc()
-        _settle_worker_output()  # a worker's error: its last lines before this one
-        _error(str(error))
-        return EXIT_ERROR
-    except OSError as error:  # storage or files, past the checks: still the user's environment
-        if debug:
-            traceback.print_exc()
-        _error(f"{error.strerror or error}{f': {error.filename}' if error.filename else ''} "
-               "(run with --debug for the traceback)")
-        return EXIT_ERROR
     except KeyboardInterrupt:
         _error("interrupted")
         return EXIT_INTERRUPTED
-    except Exception as error:  # noqa: BLE001 - a bug: one line, the traceback on request
+    except Exception as error:  # noqa: BLE001 - one line, the traceback on request
         if debug:
             traceback.print_exc()
+        if isinstance(error, RaytrainFastError):
+            _settle_worker_output()  # a worker's error: its last lines before this one
+            _error(str(error))
+            return EXIT_ERROR
+        if isinstance(error, OSError):  # storage or files, past the checks: still the user's environment
+            _error(f"{error.strerror or error}{f': {error.filename}' if error.filename else ''} "
+                   "(run with --debug for the traceback)")
+            return EXIT_ERROR
         _error(f"unexpected {type(error).__name__}: {error}. Run again with --debug for the traceback and report it.")
-        return EXIT_FAILED
+        return EXIT_FAILED  # a bug
 
 
 if __name__ == "__main__":

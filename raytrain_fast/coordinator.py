@@ -1,18 +1,9 @@
 """One named Ray actor per run that holds what must be measured only once: FLOPs per token and the
-achievable matmul peak per device type and dtype.
-
-The launcher creates it before `fit()` (`start_coordinator`); workers find it by name
-(`Coordinator.connect`). It is owned by the driver, so it outlives worker-group restarts: a restarted
-group reads the values instead of measuring again. `export_state()` / `import_state()` carry the
-values through checkpoints, so a job that is run again (a new driver, a new actor) does not measure
-again either.
-
-Protocol, per value: a rank that may measure asks for a claim; the first one gets it, measures and
-posts; the others wait for the post (bounded by a timeout, with an error that says who was
-expected to post). The claimant renews its claim from a background thread while it measures; a
-claim not renewed for `lease_s` expires, so when a rank dies mid-measurement (and Ray restarts the
-worker group) the new rank takes over within seconds instead of waiting for the timeout.
-The actor uses no CPU reservation and imports neither torch nor deepspeed.
+achievable matmul peak per device type and dtype. The launcher creates it before `fit()`
+(`start_coordinator`); workers find it by name (`Coordinator.connect`). docs/architecture.md
+("The per-run coordinator") describes its lifetime, the claim protocol by which exactly one rank
+measures each value (a claim not renewed for `lease_s` expires), and how `export_state()` /
+`import_state()` carry the values through checkpoints. It imports neither torch nor deepspeed.
 
 The same actor carries four more of the run's concerns, each a few small methods:
 - the driver's stop notice to rank 0 (`request_stop` / `watch_for_stop`);
@@ -34,6 +25,7 @@ import json
 import logging
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -64,17 +56,12 @@ class _CoordinatorActor:
         self._values: dict[str, Any] = {}
         self._meta: dict[str, dict[str, Any]] = {}
         self._claims: dict[str, tuple[str, float]] = {}  # key -> (claim token, last renewal)
-        self._events: dict[str, asyncio.Event] = {}
+        self._events: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._measured: dict[str, int] = {}
         self._next_token = 0
         self._stop_reason: str | None = None
         self._watchdog: Any = None
         self._group_size: int | None = None
-
-    def _event(self, key: str) -> asyncio.Event:
-        if key not in self._events:
-            self._events[key] = asyncio.Event()
-        return self._events[key]
 
     async def claim(self, key: str, may_measure: bool, lease_s: float) -> tuple[str, Any]:
         """("have", value) | ("measure", token): measure, renew with the token, post | ("wait", None)."""
@@ -105,7 +92,7 @@ class _CoordinatorActor:
             self._values[key] = value
             self._meta[key] = meta
         self._claims.pop(key, None)
-        self._event(key).set()
+        self._events[key].set()
         return self._values[key]
 
     async def release(self, key: str, token: str) -> None:
@@ -117,7 +104,7 @@ class _CoordinatorActor:
     async def wait(self, key: str, timeout_s: float) -> tuple[bool, Any]:
         if key not in self._values:
             try:
-                await asyncio.wait_for(self._event(key).wait(), timeout=timeout_s)
+                await asyncio.wait_for(self._events[key].wait(), timeout=timeout_s)
             except asyncio.TimeoutError:
                 return False, None
         return True, self._values[key]
@@ -134,7 +121,7 @@ class _CoordinatorActor:
             if key not in self._values:
                 self._values[key] = value
                 self._meta[key] = {**state.get("meta", {}).get(key, {}), "imported": True}
-                self._event(key).set()
+                self._events[key].set()
                 adopted.append(key)
         return adopted
 
@@ -146,43 +133,33 @@ class _CoordinatorActor:
         """The driver got a stop notice (SIGTERM, Ctrl-C): the workers save and stop."""
         if self._stop_reason is None:
             self._stop_reason = reason
-        self._event("__stop__").set()
+        self._events["__stop__"].set()
 
     async def wait_for_stop(self, timeout_s: float) -> str | None:
         """The stop reason as soon as there is one, or None after timeout_s."""
         try:
-            await asyncio.wait_for(self._event("__stop__").wait(), timeout=timeout_s)
+            await asyncio.wait_for(self._events["__stop__"].wait(), timeout=timeout_s)
         except asyncio.TimeoutError:
             pass
         return self._stop_reason
 
-
     # --- the hang watchdog (watchdog/stacks.py): heartbeats in; stacks, a record and a restart out ---
 
-    async def start_watchdog(self, *, timeout_s: float | str, min_timeout_s: float, beat_interval_s: float, filesystem: Any, run_path: str) -> None:
-        """The driver, before fit(): watch the heartbeats from now on (`filesystem`, `run_path`: where the stacks go)."""
+    async def start_watchdog(self, **settings: Any) -> None:
+        """The driver, before fit(): watch the heartbeats from now on (`settings`: the Watchdog's)."""
         from raytrain_fast.watchdog.stacks import Watchdog
 
         if self._watchdog is None:
-            self._watchdog = Watchdog(
-                timeout_s=timeout_s, min_timeout_s=min_timeout_s, beat_interval_s=beat_interval_s,
-                filesystem=filesystem, run_path=run_path,
-            )
+            self._watchdog = Watchdog(**settings)
 
-    async def beat(self, *, rank: int, world_size: int, pid: int, node_id: str, step: int, start_step: int, phase: str) -> None:
+    async def beat(self, **beat: Any) -> None:
+        """A rank's heartbeat (watchdog/hang.py's `beat`, less the time, which is the actor's)."""
         if self._watchdog is not None:
-            self._watchdog.watch.beat(
-                rank=rank, world_size=world_size, pid=pid, node_id=node_id, step=step, start_step=start_step, phase=phase,
-                now=time.monotonic(),
-            )
+            self._watchdog.watch.beat(**beat, now=time.monotonic())
 
     async def beat_end(self, *, rank: int, pid: int) -> None:
         if self._watchdog is not None:
             self._watchdog.watch.end(rank=rank, pid=pid)
-
-    async def hangs(self) -> list[dict[str, Any]]:
-        """The hangs the watchdog acted on during this actor's life (records as written to storage)."""
-        return list(self._watchdog.hangs) if self._watchdog is not None else []
 
     async def swap_group_size(self, world_size: int) -> int | None:
         """The size of this job's previous worker group (None for the first), and this one's kept."""
@@ -356,15 +333,8 @@ class Coordinator:
         """Measured matmul FLOP/s of this device type in `dtype` (`measure()`, e.g.
         metrics.peak.measure_matmul_peak), once per run and device type (the first rank of that type
         measures; any others wait)."""
-        return float(
-            self.get_or_measure(
-                f"peak/{device_key}/{dtype}",
-                measure=measure,
-                may_measure=True,
-                who="the first rank on this device type",
-                meta={"seconds": seconds},
-            )
-        )
+        key, who = f"peak/{device_key}/{dtype}", "the first rank on this device type"
+        return float(self.get_or_measure(key, measure=measure, may_measure=True, who=who, meta={"seconds": seconds}))
 
     def watch_for_stop(self, *, poll_s: float = 1.0) -> None:
         """Start a daemon thread that waits on the actor for the driver's stop request, so that
@@ -397,36 +367,31 @@ class Coordinator:
         if self._watcher is not None:
             self._watcher.join(timeout=10)
 
-    def export_state(self) -> dict[str, Any]:
-        """JSON-able values to store in a checkpoint."""
+    def _call(self, method: str, *args: Any) -> Any:
+        """The actor's `method`, called and waited for."""
         import ray
 
-        return ray.get(self.actor.export_state.remote())
+        return ray.get(getattr(self.actor, method).remote(*args))
+
+    def export_state(self) -> dict[str, Any]:
+        """JSON-able values to store in a checkpoint."""
+        return self._call("export_state")
 
     def import_state(self, state: Mapping[str, Any] | None) -> list[str]:
         """Adopt values saved in a checkpoint (call on resume, before asking for any value)."""
-        import ray
-
-        if not state:
-            return []
-        return ray.get(self.actor.import_state.remote(dict(state)))
+        return self._call("import_state", dict(state)) if state else []
 
     def swap_group_size(self, world_size: int) -> int | None:
         """Rank 0 of each worker group: the previous group's size in this job (None for the first)."""
-        import ray
-
-        return ray.get(self.actor.swap_group_size.remote(world_size))
+        return self._call("swap_group_size", world_size)
 
     def take_hangs(self) -> list[dict[str, Any]]:
         """The watchdog's hang records not yet announced (see watchdog/stacks.py)."""
-        import ray
-
-        return ray.get(self.actor.take_hangs.remote())
+        return self._call("take_hangs")
 
     def measurements(self) -> dict[str, int]:
-        import ray
-
-        return ray.get(self.actor.measurements.remote())
+        """How many times each value was measured and posted during the actor's life."""
+        return self._call("measurements")
 
 
 __all__ = [

@@ -7,6 +7,8 @@ node is retried."""
 
 from __future__ import annotations
 
+import functools
+
 
 class RaytrainFastError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -16,9 +18,7 @@ class ConfigError(RaytrainFastError, ValueError):
     """A configuration is invalid. The message names each bad field and how to fix it."""
 
     def __init__(self, problems: list[str] | str, *, source: str | None = None) -> None:
-        if isinstance(problems, str):
-            problems = [problems]
-        self.problems = list(problems)
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
         self.source = source
         where = f" in {source}" if source else ""
         if len(self.problems) == 1:
@@ -29,11 +29,7 @@ class ConfigError(RaytrainFastError, ValueError):
         super().__init__(message)
 
     def __reduce__(self):  # keep both arguments when pickled across Ray actors
-        return (_rebuild_config_error, (self.problems, self.source))
-
-
-def _rebuild_config_error(problems: list[str], source: str | None) -> ConfigError:
-    return ConfigError(problems, source=source)
+        return functools.partial(ConfigError, source=self.source), (self.problems,)
 
 
 class DataError(RaytrainFastError):

@@ -42,23 +42,21 @@ class MetricsConfig:
     """How long a rank waits for a value another rank measures (FLOPs per token, peak) before failing with an error."""
 
 
+_BOUNDS = {
+    **dict.fromkeys(("profile_every", "gc_every", "slowdown_warmup_steps"), ">= 0 (0 = off)"),
+    **dict.fromkeys(("queue_size", "slowdown_windows", "coordinator_timeout_s"), "> 0"),
+    **dict.fromkeys(("jsonl_flush_every_s", "tensorboard_flush_every_s", "peak_measure_s"), ">= 0"),
+}
+"""The fields with a lower bound, and the bound as a problem names it."""
+
+
 def metrics_config_problems(config: MetricsConfig) -> list[str]:
     """Every problem with `config`, as messages naming the field and the fix (empty when valid)."""
     problems: list[str] = []
-    for name in ("profile_every", "gc_every", "slowdown_warmup_steps"):
+    for name, bound in _BOUNDS.items():
         value = getattr(config, name)
-        if value < 0:
-            problems.append(f"metrics.{name} must be >= 0 (0 = off), got {value}")
-    for name in ("queue_size", "slowdown_windows"):
-        value = getattr(config, name)
-        if value <= 0:
-            problems.append(f"metrics.{name} must be > 0, got {value}")
-    for name in ("jsonl_flush_every_s", "tensorboard_flush_every_s", "peak_measure_s"):
-        value = getattr(config, name)
-        if value < 0:
-            problems.append(f"metrics.{name} must be >= 0, got {value}")
-    if config.coordinator_timeout_s <= 0:
-        problems.append(f"metrics.coordinator_timeout_s must be > 0, got {config.coordinator_timeout_s}")
+        if value < 0 or (value == 0 and bound == "> 0"):
+            problems.append(f"metrics.{name} must be {bound}, got {value}")
     if config.stall_factor <= 1:
         problems.append(f"metrics.stall_factor must be > 1 (a window this many times slower than the ones before it), got {config.stall_factor}")
     if config.slowdown_threshold <= 0:

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from raytrain_fast._dataclass_yaml import from_dict, to_dict
+from raytrain_fast._dataclass_yaml import field_docs, from_dict, to_dict
 from raytrain_fast.config.checkpoint import CheckpointConfig
 from raytrain_fast.config.data import DataConfig
 from raytrain_fast.config.engine import EngineConfig, OptimConfig
@@ -124,8 +124,8 @@ def resolve_config_path(config: str | None) -> Path:
     if config is None:
         config = DEFAULT_PRESET
     shipped = presets()
-    if PRESET_ALIASES.get(config, config) in shipped:
-        return shipped[PRESET_ALIASES.get(config, config)]
+    if (preset := PRESET_ALIASES.get(config, config)) in shipped:
+        return shipped[preset]
     path = Path(config).expanduser()
     if path.is_file():
         return path
@@ -179,7 +179,9 @@ ON_OFF_KEYS = (("engine", "compile"), ("engine", "deepspeed_patches"), ("model",
 """auto | on | off keys: YAML 1.1 reads a bare on/off as true/false, so those mean "on"/"off" here."""
 
 
-def _accept_dtype_spellings(data: dict[str, Any]) -> None:
+def _accept_spellings(data: dict[str, Any]) -> None:
+    """torch's dtype names, a bare on/off (ON_OFF_KEYS) and eval.tasks as a comma-separated string
+    (--set eval.tasks=arc_easy,piqa), each read as the value it spells."""
     engine = data.get("engine")
     if isinstance(engine, dict) and isinstance(engine.get("precision"), str):
         engine["precision"] = PRECISION_ALIASES.get(engine["precision"].lower(), engine["precision"])
@@ -187,10 +189,6 @@ def _accept_dtype_spellings(data: dict[str, Any]) -> None:
         values = data.get(section)
         if isinstance(values, dict) and isinstance(values.get(key), bool):
             values[key] = "on" if values[key] else "off"
-
-
-def _accept_task_list(data: dict[str, Any]) -> None:
-    """eval.tasks as a comma-separated string (--set eval.tasks=arc_easy,piqa) is that list."""
     values = data.get("eval")
     if isinstance(values, dict) and isinstance(values.get("tasks"), str):
         values["tasks"] = [task.strip() for task in values["tasks"].split(",") if task.strip()]
@@ -201,8 +199,7 @@ def load_config(config: str | None = None, overrides: list[str] | tuple[str, ...
     path = resolve_config_path(config)
     data = read_yaml(path)
     problems = apply_overrides(data, list(overrides))
-    _accept_dtype_spellings(data)
-    _accept_task_list(data)
+    _accept_spellings(data)
     if name is not None:
         data["name"] = name
     structure: list[str] = []
@@ -233,8 +230,6 @@ def _in_another_section(problem: str) -> str:
 
 def reference_markdown() -> str:
     """The config reference table (docs/configuration.md), generated from the dataclasses' field docstrings."""
-    from raytrain_fast._dataclass_yaml import field_docs
-
     lines = ["| key | default | meaning |", "| --- | --- | --- |"]
     root_docs = field_docs(Config)
     lines.append(f"| `name` | `null` | {root_docs['name']} |")

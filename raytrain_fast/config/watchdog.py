@@ -32,16 +32,13 @@ class WatchdogConfig:
             return 2.0
         return max(0.2, min(2.0, float(self.hang_timeout_s) / 10))
 
-    def longest_timeout_s(self) -> float:
-        """The longest the watchdog can wait: what the process group's timeout must exceed."""
-        return AUTO_MAX_S if self.hang_timeout_s == "auto" else float(self.hang_timeout_s)
-
     def process_group_timeout_s(self) -> int:
-        """TorchConfig(timeout_s=...): gloo/NCCL give up just after the watchdog would have acted,
-        never 30 minutes later (Ray's default, 1800 s); with the watchdog off, Ray's default."""
+        """TorchConfig(timeout_s=...): gloo/NCCL give up just after the watchdog's longest wait would
+        have acted, never 30 minutes later (Ray's default, 1800 s); with the watchdog off, Ray's default."""
         if not self.enabled:
             return 1800
-        return int(max(self.longest_timeout_s() + PROCESS_GROUP_MARGIN_S, PROCESS_GROUP_MIN_S))
+        longest = AUTO_MAX_S if self.hang_timeout_s == "auto" else float(self.hang_timeout_s)
+        return int(max(longest + PROCESS_GROUP_MARGIN_S, PROCESS_GROUP_MIN_S))
 
 
 def watchdog_config_problems(config: WatchdogConfig) -> list[str]:

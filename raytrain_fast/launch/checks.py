@@ -28,19 +28,13 @@ from raytrain_fast.storage.filesystem import checksum_env
 logger = logging.getLogger("raytrain_fast")
 
 
-def _read_snapshot(config: Config) -> RunSnapshot | None:
-    """The run's checkpoints, or None where storage cannot be read yet: `check_storage` then names
-    the problem, after validation (a malformed storage.uri is validation's to name)."""
-    try:
-        return RunSnapshot.read(config)
-    except Exception:  # noqa: BLE001 - reported with a clear message by the checks that follow
-        return None
-
-
 def check_before_ray(config: Config, *, create_bucket: bool = False):
     """Everything decided without a cluster: validation, storage reachable and writable, the
     resume policy. Returns (config with absolute local paths, TrainState of the checkpoint to resume or None)."""
-    snapshot = _read_snapshot(config)  # the run's checkpoints, listed once (launch/resume.py)
+    try:  # the run's checkpoints, listed once (launch/resume.py)
+        snapshot: RunSnapshot | None = RunSnapshot.read(config)
+    except Exception:  # noqa: BLE001 - storage not readable yet: check_storage names the problem, after validation
+        snapshot = None
     config = keep_checkpoint_batch(config, snapshot)  # before validation: a resize may need another micro_batch
     validate(config)
     config = with_absolute_paths(config)  # before anything leaves this process
@@ -57,15 +51,6 @@ def check_before_ray(config: Config, *, create_bucket: bool = False):
     config = keep_checkpoint_precision(config, state)
     set_aside_later_checkpoints(config, snapshot)  # the last step: every check passed
     return config, state
-
-
-def check_derived_run(config: Config) -> None:
-    """The checks again for a run derived from one that passed `check_before_ray` and whose
-    data.source is the data `prepare_training_data` prepared for it (a sweep trial: another
-    micro-batch or activation checkpointing): validation, and the prepared data against the model
-    and batch. Storage and the resume policy are the checked run's."""
-    validate(config)
-    check_data_matches_model(config)
 
 
 def with_absolute_paths(config: Config) -> Config:
@@ -103,7 +88,7 @@ def check_data_matches_model(config: Config) -> None:
     (seq_len, vocabulary, sequences per worker) against the config, or, for a source prepared on the
     fly, the tokenizer's vocabulary against model.vocab_size. `prepare_training_data` checks the
     prepared corpus again once it exists (a source prepared on the fly has no manifest before)."""
-    from raytrain_fast.data import check_manifest_matches, load_manifest
+    from raytrain_fast.data import load_manifest
     from raytrain_fast.data.cache import STDLIB, is_prepared
     from raytrain_fast.data.tokenizer import load_tokenizer
 
@@ -113,12 +98,7 @@ def check_data_matches_model(config: Config) -> None:
 
         return check_sources_before_start(config)
     if data.source != STDLIB and is_prepared(data.source, config.storage):
-        micro_batch = config.train.micro_batch if isinstance(config.train.micro_batch, int) else None
-        problems = check_manifest_matches(
-            load_manifest(data.source, config.storage), seq_len=data.seq_len, vocab_size=model.vocab_size,
-            micro_batch=micro_batch, world_size=config.resources.num_workers if micro_batch else None,
-            max_sequences=max_sequences(config),
-        )
+        problems = _manifest_problems(config, load_manifest(data.source, config.storage))
         problems += [
             f"data.{key} applies to a source prepared on the fly, but {data.source} is already prepared: run "
             f"`raytrain-fast prepare-data` again with --{key.replace('_', '-')}, or leave data.{key} unset"
@@ -205,6 +185,17 @@ def resolve_precision_on_a_worker(*, use_gpu: bool, cpus_per_worker: int) -> tup
     return ray.get(task.remote())
 
 
+def _manifest_problems(config: Config, manifest) -> list[str]:
+    """A prepared corpus's manifest against the model and, once train.micro_batch is a number, the batch."""
+    from raytrain_fast.data import check_manifest_matches
+
+    micro_batch = config.train.micro_batch if isinstance(config.train.micro_batch, int) else None
+    return check_manifest_matches(
+        manifest, seq_len=config.data.seq_len, vocab_size=config.model.vocab_size, micro_batch=micro_batch,
+        world_size=config.resources.num_workers if micro_batch else None, max_sequences=max_sequences(config),
+    )
+
+
 def max_sequences(config: Config) -> int | None:
     """data.max_tokens as whole sequences; None = all of the prepared data."""
     if config.data.max_tokens <= 0:
@@ -219,8 +210,7 @@ def _cache_dir(config: Config) -> str:
 
 def prepare_training_data(config: Config) -> str:
     """Prepare data.source once (cached) and check it against the model; returns the manifest URI."""
-    from raytrain_fast.data import check_manifest_matches, ensure_prepared_corpus, load_manifest
-    from raytrain_fast.errors import ConfigError
+    from raytrain_fast.data import ensure_prepared_corpus, load_manifest
 
     uri = ensure_prepared_corpus(
         config.data.source, seq_len=config.data.seq_len, cache_dir=_cache_dir(config),
@@ -228,12 +218,7 @@ def prepare_training_data(config: Config) -> str:
         val_fraction=config.data.val_fraction, val_input=config.data.val_input, text_field=config.data.text_field,
     )
     manifest = load_manifest(uri, config.storage)
-    problems = check_manifest_matches(
-        manifest, seq_len=config.data.seq_len, vocab_size=config.model.vocab_size,
-        micro_batch=config.train.micro_batch, world_size=config.resources.num_workers,
-        max_sequences=max_sequences(config),
-    )
-    if problems:
+    if problems := _manifest_problems(config, manifest):
         raise ConfigError(problems)
     _, notes = resolve_eval(config, manifest)  # the workers resolve it the same way; errors surface here, before them
     used = min(manifest.num_sequences, max_sequences(config) or manifest.num_sequences)
@@ -278,14 +263,3 @@ def prepare_tasks(config: Config, tasks: list, data_uri: str):
     for note in notes:
         say(note)
     return run_tasks
-
-
-def keep_ray_data_actors_on_this_node() -> None:
-    """Ray Data keeps cluster-wide detached actors (its stats actor, its autoscaling coordinator),
-    pinned to the node of the process that first needs them: without this, a training worker's node.
-    When that node goes (preemption, an elastic shrink), every later dataset fails with
-    ActorDiedError. Created here first, they live on the driver's node. Ray 2.60's private helpers;
-    where they are missing, a one-row dataset run here creates the same actors."""
-    from raytrain_fast._ray_compat import create_ray_data_cluster_actors
-
-    create_ray_data_cluster_actors()

@@ -15,9 +15,7 @@ import os
 
 from raytrain_fast._ray_compat import canonicalize_bootstrap_address, workers_at_normal_priority
 
-# Ray 2.60's resolver: RAY_ADDRESS, "auto", then the recorded cluster. Where it is missing (another
-# Ray version), nothing is pinned and Ray resolves as before.
-_canonicalize = canonicalize_bootstrap_address()
+_canonicalize = canonicalize_bootstrap_address()  # None on a Ray without it: nothing is pinned
 
 
 def cluster_address() -> str | None:
@@ -32,24 +30,16 @@ def cluster_address() -> str | None:
         return None
 
 
-def job_env(env_vars: dict[str, str] | None, address: str | None) -> dict[str, str] | None:
-    """The job's runtime-environment variables, with RAY_ADDRESS pinned to the joined cluster."""
-    if address is None:
-        return env_vars or None
-    return {**(env_vars or {}), "RAY_ADDRESS": address}
-
-
 def ensure_ray(env_vars: dict[str, str] | None = None) -> None:
     """Join RAY_ADDRESS (a cluster, or the job's cluster under `ray job submit`), else start a local
-    instance; nothing when Ray is already initialized in this process."""
+    instance; nothing when Ray is already initialized in this process. `env_vars` reach every process
+    of the job (Ray Train's controller too), and so does the joined cluster's address as RAY_ADDRESS."""
     import ray
 
     if not ray.is_initialized():
         workers_at_normal_priority()  # a local instance started here: training workers at niceness 0, not 15
-        # Joins RAY_ADDRESS (a cluster, or the job's cluster under `ray job submit`), else starts a
-        # local instance. env_vars reach every process of the job (Ray Train's controller too), and
-        # so does the joined cluster's address (see launch/ray_address.py).
         address = cluster_address()
-        env_vars = job_env(env_vars, address)
+        if address is not None:
+            env_vars = {**(env_vars or {}), "RAY_ADDRESS": address}
         ray.init(address=address, log_to_driver=True, configure_logging=False,
                  runtime_env={"env_vars": env_vars} if env_vars else None)

@@ -16,7 +16,7 @@ from typing import Any
 from raytrain_fast.config import Config
 from raytrain_fast.console import say
 from raytrain_fast.errors import CheckpointError
-from raytrain_fast.storage import resolve_filesystem
+from raytrain_fast.storage import resolve_filesystem, uri_of
 
 
 def storage_path(uri: str) -> str:
@@ -97,10 +97,9 @@ def keep_checkpoint_batch(config: Config, snapshot: RunSnapshot | None) -> Confi
     if train.micro_batch == "auto":
         fitted = dataclasses.replace(train, global_batch=global_batch, grad_accum=None)
     else:
-        scheme = "s3://" if config.storage.uri.startswith("s3://") else ""
         micro_batch, grad_accum = fit_batch(
             global_batch=global_batch, micro_batch=int(train.micro_batch), num_workers=workers,
-            saved_workers=state.world_size, uri=f"{scheme}{complete[0][1]}",
+            saved_workers=state.world_size, uri=uri_of(complete[0][1], like=config.storage.uri),
         )
         fitted = dataclasses.replace(train, global_batch=global_batch, micro_batch=micro_batch, grad_accum=grad_accum)
     return dataclasses.replace(config, train=fitted)
@@ -152,10 +151,9 @@ def _check_run_unchanged(config: Config, filesystem, config_file: str, *, step: 
             saved = yaml.safe_load(stream.read().decode()) or {}
     except FileNotFoundError:
         return  # a checkpoint written without its config: nothing to compare
-    scheme = "s3://" if config.storage.uri.startswith("s3://") else ""
     for line in check_run_unchanged(
         saved, redact(config.to_dict()), allow_changes=config.checkpoint.allow_changes, name=config.name or "",
-        step=step, checkpoint=f"{scheme}{config_file.rsplit('/', 1)[0]}",
+        step=step, checkpoint=uri_of(config_file.rsplit("/", 1)[0], like=config.storage.uri),
     ):
         say(line)
 
@@ -196,9 +194,8 @@ def set_aside_later_checkpoints(config: Config, snapshot: RunSnapshot) -> None:
         except (OSError, NotImplementedError):  # S3 moves no directories: copy, then delete
             pafs.copy_files(path, target, source_filesystem=filesystem, destination_filesystem=filesystem)
             filesystem.delete_dir(path)
-    scheme = "s3://" if config.storage.uri.startswith("s3://") else ""
     steps = ", ".join(str(step) for step, _ in reversed(later))
     say(
         f"checkpoint.resume={config.checkpoint.resume}: moved the {len(later)} later checkpoint(s) (steps {steps}) "
-        f"to {scheme}{aside}; they are kept, and not resumed from or pruned (see docs/checkpoints.md)"
+        f"to {uri_of(aside, like=config.storage.uri)}; they are kept, and not resumed from or pruned (see docs/checkpoints.md)"
     )

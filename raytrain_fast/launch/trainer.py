@@ -20,7 +20,6 @@ from raytrain_fast.console import nothing_to_do, say
 from raytrain_fast.errors import WILL_REPEAT, DivergenceError, RaytrainFastError, repeating_error
 from raytrain_fast.launch.checks import (
     check_before_ray,
-    keep_ray_data_actors_on_this_node,
     max_sequences,
     prepare_mixture_data,
     prepare_tasks,
@@ -54,8 +53,8 @@ class RunResult:
 
 
 def build_trainer(
-    config: Config, *, data_uri: str, hooks: LoopHooks | None = None, on_window: WindowCallback | None = None,
-    save_checkpoints: bool = True, callbacks: list | None = None, data_uris: list[str] | None = None, tasks=None,
+    config: Config, *, data_uris: list[str], hooks: LoopHooks | None = None, on_window: WindowCallback | None = None,
+    save_checkpoints: bool = True, callbacks: list | None = None, tasks=None,
 ):
     """A TorchTrainer for an already resolved config (see `resolve_resources`).
 
@@ -65,7 +64,7 @@ def build_trainer(
     `callbacks`: Ray Train run callbacks (a sweep trial's TuneReportCallback). `tasks`: eval.tasks
     encoded for the loop (downstream/in_loop.py RunTasks), or None."""
     import ray.train
-    from ray.train.torch import TorchConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     resources = config.resources
     # Built from config and passed explicitly: pyarrow ignores AWS_ENDPOINT_URL, so a bare
@@ -74,11 +73,12 @@ def build_trainer(
     if "://" not in config.storage.uri:
         filesystem = None  # local: let Ray use a plain path
     inputs = LoopInputs(
-        config=config, data_uri=data_uri, data_uris=data_uris or [data_uri], max_sequences=max_sequences(config),
+        config=config, data_uri=data_uris[0], data_uris=data_uris, max_sequences=max_sequences(config),
         hooks=hooks or LoopHooks(), on_window=on_window, save_checkpoints=save_checkpoints, tasks=tasks,
         s3_filesystem=filesystem if config.storage.uri.startswith("s3://") else None,
     )
-    return _trainer_class()(
+    # Ctrl-C takes _StopOnSignal's path, and an error that will repeat is not retried (_ray_compat.trainer_class).
+    return trainer_class(TorchTrainer, is_final=will_repeat)(
         functools.partial(_train_loop_without_result_dumps, inputs),  # pickled to every worker
         # gloo/NCCL give up just after the hang watchdog would have acted (Ray's default waits 30 minutes).
         torch_config=TorchConfig(backend="nccl" if resources.use_gpu else "gloo", timeout_s=config.watchdog.process_group_timeout_s()),
@@ -118,29 +118,16 @@ def worker_env(config: Config) -> dict[str, str]:
     }
 
 
-def _trainer_class() -> type:
-    """TorchTrainer without Ray Train's own SIGINT handler (Ctrl-C takes `_StopOnSignal`'s path: save
-    at the next log step, stop, exit 130; a second Ctrl-C stops at once), whose failure policy does
-    not retry an error that will repeat (a ConfigError or DataError raised in a worker:
-    errors.WILL_REPEAT). Both are overrides of Ray's private methods: `_ray_compat.trainer_class`."""
-    from ray.train.torch import TorchTrainer
-
-    return trainer_class(TorchTrainer, is_final=will_repeat)
-
-
 def will_repeat(error: BaseException) -> bool:
     """A worker's error that a restart would meet again (errors.WILL_REPEAT): the run ends at once."""
     return repeating_error(error) is not None
 
 
 def _train_loop_without_result_dumps(inputs: LoopInputs) -> None:
-    """The step loop, with Ray Train's per-report INFO line (a ~1 KB `TrainingReport(...)` dump) off.
-
-    That logger is named after its file, outside `ray.train`, so RunConfig's LoggingConfig does not
-    reach it; it is quieted in the worker, where it logs. An error that will repeat (a ConfigError or
-    DataError, also inside a Ray task's error) leaves the worker as itself and without Ray Train's
-    traceback on the console: the failure policy ends the run on it and the driver prints its line.
-    """
+    """The step loop, with Ray Train's per-report INFO line (a ~1 KB `TrainingReport(...)` dump) off
+    in the worker, where it logs. An error that will repeat (a ConfigError or DataError, also inside a
+    Ray task's error) leaves the worker as itself and without Ray Train's traceback on the console:
+    the failure policy ends the run on it and the driver prints its line."""
     from raytrain_fast.loop.train_loop import train_loop_per_worker
 
     from raytrain_fast._ray_compat import quiet_train_report_logger, quiet_worker_tracebacks_of
@@ -172,8 +159,9 @@ def drop_ray_run_snapshot(config: Config) -> None:
         filesystem.delete_file(path)
 
 
-def kept_checkpoints(config: Config) -> list[tuple[str, dict]]:
-    """(path, metrics at save time) of every complete checkpoint of the run in storage, oldest first."""
+def run_result(config: Config, *, metrics: dict, measurements: dict, stopped_by: str | None = None) -> RunResult:
+    """The run as storage holds it after retention (what a rerun resumes from): every complete
+    checkpoint, oldest first, with its metrics at save time; `metrics` where the run kept none."""
     from raytrain_fast.checkpoint.checkpointing import TrainState
     from raytrain_fast.checkpoint.layout import STATE_FILE
     from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs, verify_checkpoint
@@ -184,7 +172,15 @@ def kept_checkpoints(config: Config) -> list[tuple[str, dict]]:
         if verify_checkpoint(filesystem, path, checksums=False)[0]:
             with filesystem.open_input_stream(f"{path}/{STATE_FILE}") as stream:
                 kept.append((uri_of(path, like=config.storage.uri), TrainState.from_json(stream.read().decode()).metrics))
-    return kept
+    return RunResult(
+        name=config.name or "", run_dir=run_dir(config), checkpoint=kept[-1][0] if kept else None,
+        metrics=dict(kept[-1][1] if kept else metrics), checkpoints=kept, measurements=measurements, stopped_by=stopped_by,
+    )
+
+
+def run_dir(config: Config) -> str:
+    """`<storage.uri>/<name>`: where the run's checkpoints are."""
+    return f"{config.storage.uri.rstrip('/')}/{config.name}"
 
 
 def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None = None) -> RunResult:
@@ -196,37 +192,31 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
 
     tasks = load_run_tasks(config)  # an unknown task or a malformed line fails here, in a second
     if resume_state is not None and resume_state.step >= config.train.steps:
-        return _nothing_to_do(config, resume_state)  # decided from storage: no Ray, no workers
+        say(nothing_to_do(config.name, steps=config.train.steps, saved_step=resume_state.step))
+        return run_result(config, metrics=resume_state.metrics, measurements={})  # from storage: no Ray, no workers
     config = resolve_resources(config, create_bucket=create_bucket, checked=True, announce_precision=resume_state is None)
     if config.train.micro_batch == "auto":
         from raytrain_fast.microbatch.auto import resolve_micro_batch
 
         config = resolve_micro_batch(config)  # measured in fresh processes (or cached), before any worker starts
-    run_dir = f"{config.storage.uri.rstrip('/')}/{config.name}"
     r = config.resources
     workers = f"{r.min_workers}-{r.num_workers} workers (elastic)" if r.elastic else f"{r.num_workers} worker(s)"
-    say(f"Run '{config.name}': {workers}, storage {run_dir}")
+    say(f"Run '{config.name}': {workers}, storage {run_dir(config)}")
     data_uris = prepare_mixture_data(config) if config.data.sources else [prepare_training_data(config)]
     run_tasks = prepare_tasks(config, tasks, data_uris[0])  # encoded with the data's tokenizer
     fitted = fit_run(config, data_uris=data_uris, hooks=hooks, tasks=run_tasks)
-    kept = kept_checkpoints(config)  # what storage holds after retention: what a rerun resumes from
-    return RunResult(
-        name=config.name or "", run_dir=run_dir, checkpoint=kept[-1][0] if kept else None,
-        metrics=dict(kept[-1][1]) if kept else dict(fitted.result.metrics or {}),
-        checkpoints=kept, measurements=fitted.measurements, stopped_by=fitted.stopped_by,
+    return run_result(
+        config, metrics=fitted.result.metrics or {}, measurements=fitted.measurements, stopped_by=fitted.stopped_by
     )
 
 
 @dataclass(kw_only=True)
 class Fitted:
-    """What `fit_run` returns."""
+    """What `fit_run` returns: Ray Train's Result, and the measurements and stopped_by of RunResult."""
 
     result: Any
-    """Ray Train's Result."""
     measurements: dict
-    """How many times the coordinator measured each value during this fit (FLOPs, peaks)."""
     stopped_by: str | None
-    """The signal that stopped the run early after a checkpoint; None if it ran to the end."""
 
 
 class HungRun(RaytrainFastError):
@@ -250,22 +240,21 @@ def fit_run(
     short); the arguments in between are `build_trainer`'s."""
     import ray
 
-    from raytrain_fast._ray_compat import controller_poll_interval
+    from raytrain_fast._ray_compat import controller_poll_interval, create_ray_data_cluster_actors
     from raytrain_fast.coordinator import start_coordinator
 
-    keep_ray_data_actors_on_this_node()
+    create_ray_data_cluster_actors()
     drop_ray_run_snapshot(config)
-    # One named actor per run, owned by this driver: it outlives worker-group restarts, so FLOPs
-    # and the matmul peak are measured once per run. Kept referenced until fit() returns.
+    # One named actor per run, owned by this driver (coordinator.py); kept referenced until fit() returns.
     coordinator = start_coordinator(config.name or "run")
     try:
         start_watchdog(config, coordinator)
         trainer = build_trainer(
-            config, data_uri=data_uris[0], data_uris=data_uris, hooks=hooks, tasks=tasks, on_window=on_window,
+            config, data_uris=data_uris, hooks=hooks, tasks=tasks, on_window=on_window,
             save_checkpoints=save_checkpoints, callbacks=callbacks,
         )
         with _StopOnSignal(coordinator) as stop, controller_poll_interval(controller_poll_s):
-            result = _fit_naming_a_hang(trainer, coordinator, config)
+            result = fit(trainer, coordinator, config)
         measurements = ray.get(coordinator.measurements.remote())
         diverged, message = ray.get(coordinator.wait.remote(DIVERGENCE_KEY, 0))
     finally:  # the next run of this name starts a fresh one (values come from checkpoints)
@@ -276,21 +265,26 @@ def fit_run(
     return Fitted(result=result, measurements=measurements, stopped_by=stop.signal_name)
 
 
-def _fit_naming_a_hang(trainer, coordinator, config: Config):
-    """`fit(trainer)`; a failure after the watchdog ended a group that no new group followed (its
-    hang not yet announced by a restarted rank 0) is raised as HungRun, naming the hang."""
+def fit(trainer, coordinator, config: Config):
+    """trainer.fit(). A failure after the watchdog ended a group that no new group followed (its hang
+    not yet announced by a restarted rank 0) is raised as HungRun, naming the hang; a ConfigError or
+    DataError that ended it in a worker as itself (its one-line message, exit status 2 from the
+    command line), not as Ray's worker group error."""
     import ray
 
     try:
-        return fit(trainer)
+        return trainer.fit()
     except Exception as error:
+        repeated = repeating_error(error)
         try:
             hangs = ray.get(coordinator.take_hangs.remote())
         except Exception:  # noqa: BLE001 - the coordinator is gone: the failure as it is
             hangs = []
-        if not hangs:
+        if hangs:
+            raise HungRun(hang_summary(hangs[-1], config=config)) from (repeated or error)
+        if repeated is None:
             raise
-        raise HungRun(hang_summary(hangs[-1], config=config)) from error
+        raise repeated from None
 
 
 def hang_summary(record: dict, *, config: Config) -> str:
@@ -301,20 +295,8 @@ def hang_summary(record: dict, *, config: Config) -> str:
         f"hang at step {record['step']}: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} completed no "
         f"step for {record['stuck_s']:.0f} s (top of stack: {tops}); the hang watchdog ended the workers and no restart "
         f"was left (resources.max_failures={config.resources.max_failures}). All stacks: "
-        f"{config.storage.uri.rstrip('/')}/{config.name}/{record['stacks_file']}"
+        f"{run_dir(config)}/{record['stacks_file']}"
     )
-
-
-def fit(trainer):
-    """trainer.fit(); a ConfigError or DataError that ended it in a worker is raised as itself (its
-    one-line message, exit status 2 from the command line), not as Ray's worker group error."""
-    try:
-        return trainer.fit()
-    except Exception as error:
-        repeated = repeating_error(error)
-        if repeated is None:
-            raise
-        raise repeated from None
 
 
 def start_watchdog(config: Config, coordinator) -> None:
@@ -332,17 +314,6 @@ def start_watchdog(config: Config, coordinator) -> None:
     ))
 
 
-def _nothing_to_do(config: Config, state) -> RunResult:
-    """The run already reached train.steps: say so and return what storage holds."""
-    say(nothing_to_do(config.name, steps=config.train.steps, saved_step=state.step))
-    kept = kept_checkpoints(config)
-    return RunResult(
-        name=config.name or "", run_dir=f"{config.storage.uri.rstrip('/')}/{config.name}",
-        checkpoint=kept[-1][0] if kept else None, metrics=dict(kept[-1][1]) if kept else dict(state.metrics),
-        checkpoints=kept, measurements={},
-    )
-
-
 class _StopOnSignal:
     """While fit() runs: the first SIGTERM or SIGINT (Ctrl-C) asks the workers, through the
     coordinator, to save a checkpoint at their next log step and stop; a second one stops at once.
@@ -350,8 +321,6 @@ class _StopOnSignal:
     The handler only records the signal (it may run inside a blocking Ray call); a small thread
     sends the request. Outside the main thread (where Python allows no handlers) it does nothing.
     """
-
-    SIGNALS = ("SIGTERM", "SIGINT")
 
     def __init__(self, coordinator) -> None:
         self.coordinator = coordinator
@@ -363,8 +332,7 @@ class _StopOnSignal:
     def __enter__(self) -> _StopOnSignal:
         if threading.current_thread() is not threading.main_thread():
             return self
-        for name in self.SIGNALS:
-            number = getattr(signal, name)
+        for number in (signal.SIGTERM, signal.SIGINT):
             self._previous[number] = signal.signal(number, self._handle)
         self._thread = threading.Thread(target=self._send, name="raytrain-fast-stop", daemon=True)
         self._thread.start()

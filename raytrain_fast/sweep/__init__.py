@@ -2,7 +2,6 @@
 stopping of trials clearly behind (beyond timing noise), concurrency derived from the resources a trial needs, a failed trial (out of memory,
 over budget, invalid) recorded with its reason while the sweep goes on."""
 
-from raytrain_fast.sweep.results import SweepRow, format_table
-from raytrain_fast.sweep.runner import SweepResult, SweepSpec, max_concurrent_trials, plan, run_sweep
+from raytrain_fast.sweep.runner import SweepSpec, max_concurrent_trials, plan, run_sweep
 
-__all__ = ["SweepResult", "SweepRow", "SweepSpec", "format_table", "max_concurrent_trials", "plan", "run_sweep"]
+__all__ = ["SweepSpec", "max_concurrent_trials", "plan", "run_sweep"]

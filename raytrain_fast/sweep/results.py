@@ -85,21 +85,17 @@ def row_from_reports(*, micro_batch: int, grad_accum: int, reports: list[dict[st
         return [float(r[name]) for r in windows if r.get(name) is not None and r[name] == r[name]]  # not NaN
 
     speeds = series("throughput/tokens_per_sec", steady)
+    low, high = _quartiles(speeds)
     peaks = series("memory/peak_gb", reports)
     fracs = series("memory/peak_frac", reports)
     losses = series("train/loss", reports)
     val_losses = series("val/loss", reports)
     steps_done = max((int(r.get("step", 0)) for r in reports), default=0)
-    if error:
-        status = "failed"
-    elif steps_done < steps:
-        status = "stopped"
-    else:
-        status = "ok"
+    status = "failed" if error else "stopped" if steps_done < steps else OK
     return SweepRow(
         micro_batch=micro_batch, grad_accum=grad_accum, activation_checkpointing=activation_checkpointing, status=status,
         reason=error or ("early: more than 10% behind the best trial at the same window" if status == "stopped" else ""),
-        tokens_per_sec=_median(speeds), tokens_per_sec_low=_quartiles(speeds)[0], tokens_per_sec_high=_quartiles(speeds)[1],
+        tokens_per_sec=_median(speeds), tokens_per_sec_low=low, tokens_per_sec_high=high,
         windows=len(speeds), load_per_cpu=_median(series("host/load_per_cpu", reports)),
         mfu=_median(series("throughput/mfu", steady)),
         mfu_measured_peak=_median(series("throughput/mfu_measured_peak", steady)),

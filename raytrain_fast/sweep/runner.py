@@ -4,16 +4,12 @@ For each micro-batch m asked for (by default the candidates `train.micro_batch: 
 accumulation = global_batch / (m x num_workers); combinations that don't divide are skipped with
 the reason (one rule for both: raytrain_fast.microbatch). The others are Tune trials (grid
 search; with `activation_checkpointing`, over micro-batch x model.activation_checkpointing), each a
-short TorchTrainer run through the package's normal path (see sweep/trial.py)
-reporting every log window; a trial more than timing noise slower (or, objective=loss, worse)
-than the best before it stops early (sweep/stopping.py). At most `max_concurrent_trials` run at
-once, derived from what one trial's workers need, so trials never wait on each other's placement groups (on a CPU machine that is one
-trial at a time, which also keeps one trial's timing free of another's load).
+short run through the package's run workflow (sweep/trial.py) reporting every log window; a trial
+clearly behind stops early (sweep/stopping.py). At most `max_concurrent_trials` run at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -198,7 +194,8 @@ def _prepare(config: Config, spec: SweepSpec, *, first_micro_batch: int, create_
     once, derive the concurrency, and create the sweep's directory."""
     import ray
 
-    from raytrain_fast.launch.checks import keep_ray_data_actors_on_this_node, prepare_training_data, resolve_resources
+    from raytrain_fast._ray_compat import create_ray_data_cluster_actors
+    from raytrain_fast.launch.checks import prepare_training_data, resolve_resources
     from raytrain_fast.storage import resolve_filesystem
 
     name = spec.name or f"{config.name}-sweep"
@@ -214,7 +211,7 @@ def _prepare(config: Config, spec: SweepSpec, *, first_micro_batch: int, create_
         )
     resolved = resolve_resources(_trial_config(base, spec), create_bucket=create_bucket)
     data_uri = prepare_training_data(resolved)
-    keep_ray_data_actors_on_this_node()  # before the trials, whose actors may be on any node
+    create_ray_data_cluster_actors()  # on this node, before the trials, whose actors may be on any node
     # The trials read the prepared data; naming it keeps their own checks off the user's relative
     # data.source, which a trial (in Tune's working directory) would not find. What prepared it
     # on the fly (a validation split's source) is done.
@@ -308,29 +305,11 @@ def _run_trials(sweep: _Sweep, spec: SweepSpec, micro_batches: list[int], *, hoo
             storage_filesystem=sweep.filesystem if sweep.remote else None, verbose=0, callbacks=[_release_stopped_trial()],
         ),
     )
+    from raytrain_fast._ray_compat import quiet_tune_output
     from raytrain_fast.console import SWEEP_NOISE_WITH_TRACEBACK, quiet_lines
 
-    with _quiet_tune(), quiet_lines(SWEEP_NOISE_WITH_TRACEBACK):
+    with quiet_tune_output(), quiet_lines(SWEEP_NOISE_WITH_TRACEBACK):
         return tuner.fit()
-
-
-@contextlib.contextmanager
-def _quiet_tune():
-    """Tune's own console output off while the trials run: its experiment banner, results path and
-    TensorBoard hint (`_ray_compat.quiet_tune_output`) and its per-trial error tracebacks (logged by
-    ray.tune; each reason is in the results table, the full error in Tune's error.txt under tune/)."""
-    import logging
-
-    from raytrain_fast._ray_compat import quiet_tune_output
-
-    tune_logger = logging.getLogger("ray.tune")
-    saved_level = tune_logger.level
-    tune_logger.setLevel(logging.CRITICAL)
-    try:
-        with quiet_tune_output():
-            yield
-    finally:
-        tune_logger.setLevel(saved_level)
 
 
 def _trial_rows(sweep: _Sweep, grid, accum: dict[int, int]) -> list[SweepRow]:

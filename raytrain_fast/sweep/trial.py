@@ -23,19 +23,14 @@ class TrialFailed(RaytrainFastError):
 
 def report_window(*, step: int, metrics: dict[str, float], memory_budget_gb: float | None) -> None:
     """Worker side, on log steps of a sweep trial only: hand the window's metrics to Tune (through
-    Ray Train's report and TuneReportCallback), after checking the memory budget.
-
-    Every rank calls it at the same step (report is a barrier). With the controller polling every
-    RAY_TRAIN_HEALTH_CHECK_INTERVAL_S and the result queue holding one report, a report costs
-    little as long as log windows are longer than that interval.
-    """
+    Ray Train's report and TuneReportCallback), after checking the memory budget. Every rank calls it
+    at the same step (report is a barrier; TRIAL_POLL_S keeps it short)."""
     import ray.train
     import ray.util
 
     from raytrain_fast._ray_compat import quiet_train_report_logger
 
-    # Ray Train logs every report's whole metrics dict at INFO: one line per window is printed already.
-    quiet_train_report_logger()
+    quiet_train_report_logger()  # one line per window is printed already
     peak = metrics.get("memory/peak_gb")
     if memory_budget_gb is not None and peak is not None and peak > memory_budget_gb:
         raise MemoryBudgetExceeded(
@@ -85,8 +80,8 @@ def run_trial(
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from raytrain_fast.config import Config
-    from raytrain_fast.launch.checks import check_derived_run
+    from raytrain_fast.config import Config, validate
+    from raytrain_fast.launch.checks import check_data_matches_model
     from raytrain_fast.launch.trainer import fit_run
 
     micro_batch = int(params["micro_batch"])
@@ -100,8 +95,9 @@ def run_trial(
         train=dataclasses.replace(config.train, micro_batch=micro_batch, grad_accum=None),
         storage=dataclasses.replace(config.storage, uri=trials_uri),
     )
-    try:
-        check_derived_run(config)
+    try:  # the sweep's checked run on its prepared data, at this micro-batch: storage and resume were checked
+        validate(config)
+        check_data_matches_model(config)
     except RaytrainFastError as error:
         raise TrialFailed(f"{FAILED_MARK}invalid: {' '.join(str(error).split())[:300]}") from None
     try:
