@@ -111,21 +111,17 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
     import contextlib
     import sys
 
-    from raytrain_fast.bench.overhead import drift_warning, ensure_ray, overhead_report
+    from raytrain_fast.bench.overhead import drift_warning, overhead_report
     from raytrain_fast.bench.overhead_setup import SIZE_DEFAULTS, VARIANTS, OverheadSetup
 
-    defaults = SIZE_DEFAULTS[args.model]
-    changes: dict[str, Any] = {
-        "steps": args.steps or defaults["steps"],
-        "warmup_steps": defaults["warmup_steps"] if args.warmup_steps is None else args.warmup_steps,
-        "log_every": args.log_every or defaults["log_every"],
-        "precision": args.precision, "threads": args.threads, "checkpoint_every": args.checkpoint_every,
-    }
     shape = {"d_model": args.d_model, "num_layers": args.layers, "num_heads": args.heads}
-    changes.update({key: value for key, value in shape.items() if value is not None})
+    given = {**shape, "steps": args.steps or None, "warmup_steps": args.warmup_steps, "log_every": args.log_every or None}
+    changes = {key: value for key, value in given.items() if value is not None}  # the size's defaults for the rest
     if any(value is not None for value in shape.values()):
         changes["size"] = "custom"
-    setup = OverheadSetup.for_size(args.model, **changes)
+    setup = OverheadSetup.for_size(
+        args.model, precision=args.precision, threads=args.threads, checkpoint_every=args.checkpoint_every, **changes,
+    )
     variants = VARIANTS if not args.variants else [name.strip() for name in args.variants.split(",") if name.strip()]
     problems = overhead_argument_problems(setup, variants, VARIANTS)
     if problems:
@@ -134,10 +130,8 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
     try:
         # The runs print their progress: to stderr, so that with --json stdout holds only the JSON.
         with contextlib.redirect_stdout(sys.stderr):
-            ensure_ray()
-            report = overhead_report(
-                setup=setup, variants=variants, repeats=args.repeats or defaults["repeats"], storage_dir=scratch,
-            )
+            repeats = args.repeats or SIZE_DEFAULTS[args.model]["repeats"]
+            report = overhead_report(setup=setup, variants=variants, repeats=repeats, storage_dir=scratch)
         warning = drift_warning(report["machine_drift"])
         if warning:
             say(warning, stderr=True)
