@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from raytrain_fast.bench.overhead_setup import OverheadSetup, measurement, run_config
+from raytrain_fast.bench.overhead_setup import OverheadSetup, measurement, run_config, token_batches
 
 
 def set_threads(setup: OverheadSetup, device: Any) -> None:
@@ -23,13 +23,6 @@ def set_threads(setup: OverheadSetup, device: Any) -> None:
     if device.type == "cpu":
         torch.set_num_threads(setup.threads)
         os.environ["OMP_NUM_THREADS"] = str(setup.threads)
-
-
-def _batches(setup: OverheadSetup, device: Any):
-    import torch
-
-    generator = torch.Generator().manual_seed(setup.seed)
-    return torch.randint(0, 257, (8, setup.micro_batch, setup.seq_len + 1), generator=generator).to(device)
 
 
 def build_bare(setup: OverheadSetup, device: Any):
@@ -49,7 +42,7 @@ def build_bare(setup: OverheadSetup, device: Any):
         autocast: Callable[[], Any] = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
     else:
         autocast = contextlib.nullcontext
-    return model, optimizer, _batches(setup, device), autocast
+    return model, optimizer, token_batches(setup.micro_batch, setup.seq_len, setup.seed, device), autocast
 
 
 def _timed(setup: OverheadSetup, step: Callable[[int], Any], device: Any) -> tuple[float, int, dict[str, Any]]:
@@ -122,7 +115,7 @@ def bare_deepspeed(setup: OverheadSetup) -> dict[str, Any]:
             model, engine=config.engine, optim=config.optim, micro_batch=setup.micro_batch, grad_accum=1, world_size=1,
             total_steps=config.train.steps,
         )
-        batches = _batches(setup, device)
+        batches = token_batches(setup.micro_batch, setup.seq_len, setup.seed, device)
 
         def step(i: int) -> torch.Tensor:
             tokens = batches[i % batches.shape[0]]
@@ -144,8 +137,6 @@ IN_PROCESS_VARIANTS = {"bare": bare, "bare_deepspeed": bare_deepspeed}
 def in_fresh_process(variant: str, setup: OverheadSetup, *, timeout_s: float = 1800) -> dict[str, Any]:
     """Run `bare` or `bare_deepspeed` in a new Python process (DeepSpeed and process groups are
     per process; no state of an earlier variant carries over)."""
-    if variant not in IN_PROCESS_VARIANTS:
-        raise ValueError(f"{variant!r} does not run in a subprocess: one of {', '.join(IN_PROCESS_VARIANTS)}")
     setup = setup.resolved()
     with tempfile.TemporaryDirectory(prefix="raytrain-fast-bench-") as scratch:
         out = os.path.join(scratch, "result.json")
