@@ -229,59 +229,47 @@ def _cold_compile_caches(jobs: list[dict[str, Any]]) -> Any:
 
 def _measure(setup: ModelBenchSetup, jobs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Start every variant's process, warm each up in turn, then the timed rounds, one run at a time."""
-    with stopped_by_sigterm() as stopped:
-        return _measure_in(setup, jobs, stopped)
-
-
-def _measure_in(setup: ModelBenchSetup, jobs: list[dict[str, Any]], stopped: list[int]) -> dict[str, dict[str, Any]]:
     context = multiprocessing.get_context("spawn")
     workers: list[VariantProcess] = []
-    try:
-        _say(f"setting up {len(jobs)} variant process(es) at once...")
-        workers = [VariantProcess(context, job) for job in jobs]
-        results: dict[str, dict[str, Any]] = {}
-        for worker in workers:
-            results[worker.name] = {"info": worker.answer(timeout_s=_SETUP_TIMEOUT_S), "rounds": []}
-            info = results[worker.name]["info"]
-            note = f"; {info['compile_note']}" if info["compile_note"] else ""
-            _say(f"{worker.name}: set up in {info['setup_s']:.1f} s, {info['built_gb']:.2f} GB{note}")
-        for worker in workers:
-            if setup.warmup_steps:
-                _say(f"{worker.name}: {setup.warmup_steps} warm-up step(s)...")
-            warm = results[worker.name]["warmup"] = worker.ask("warmup", setup.warmup_steps)
-            first = ""
-            if warm["step_s"]:
-                compiled = " (compilation included)" if results[worker.name]["info"]["compiled"] else ""
-                first = f", first step {warm['step_s'][0]:.2f} s{compiled}"
-            _say(f"{worker.name}: warmed up{first}; setup memory {warm['setup_gb']:.2f} GB")
-        per_round = setup.steps_per_round()
-        load = {"before": _load_average()}
-        order: list[list[str]] = []
-        for r, count in enumerate(per_round):
-            turn = workers[r % len(workers):] + workers[:r % len(workers)]
-            order.append([w.name for w in turn])
-            for worker in turn:
-                done = worker.ask("run", count)
-                results[worker.name]["rounds"].append(done)
-                tps = count * setup.grad_accum * setup.micro_batch * setup.seq_len / done["elapsed_s"]
-                _say(f"round {r + 1}/{len(per_round)}: {worker.name}: {count} step(s) in {done['elapsed_s']:.2f} s, "
-                     f"{tps:,.0f} tokens/s")
-        for worker in workers:
-            results[worker.name]["memory"] = worker.ask("memory")
-        load["after"] = _load_average()
-        results["_order"] = {"order": order, "load_avg_1m": load}
-        return results
-    finally:
-        for worker in workers:
-            worker.stop(now=bool(stopped))
-
-
-def _load_average() -> float | None:
-    """The 1-minute load average (Unix): above the threads in use, something else shared the CPUs."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
+    with stopped_by_sigterm() as stopped:
+        try:
+            _say(f"setting up {len(jobs)} variant process(es) at once...")
+            workers = [VariantProcess(context, job) for job in jobs]
+            results: dict[str, dict[str, Any]] = {}
+            for worker in workers:
+                results[worker.name] = {"info": worker.answer(timeout_s=_SETUP_TIMEOUT_S), "rounds": []}
+                info = results[worker.name]["info"]
+                note = f"; {info['compile_note']}" if info["compile_note"] else ""
+                _say(f"{worker.name}: set up in {info['setup_s']:.1f} s, {info['built_gb']:.2f} GB{note}")
+            for worker in workers:
+                if setup.warmup_steps:
+                    _say(f"{worker.name}: {setup.warmup_steps} warm-up step(s)...")
+                warm = results[worker.name]["warmup"] = worker.ask("warmup", setup.warmup_steps)
+                first = ""
+                if warm["step_s"]:
+                    compiled = " (compilation included)" if results[worker.name]["info"]["compiled"] else ""
+                    first = f", first step {warm['step_s'][0]:.2f} s{compiled}"
+                _say(f"{worker.name}: warmed up{first}; setup memory {warm['setup_gb']:.2f} GB")
+            per_round = setup.steps_per_round()
+            load = {"before": os.getloadavg()[0]}
+            order: list[list[str]] = []
+            for r, count in enumerate(per_round):
+                turn = workers[r % len(workers):] + workers[:r % len(workers)]
+                order.append([w.name for w in turn])
+                for worker in turn:
+                    done = worker.ask("run", count)
+                    results[worker.name]["rounds"].append(done)
+                    tps = count * setup.grad_accum * setup.micro_batch * setup.seq_len / done["elapsed_s"]
+                    _say(f"round {r + 1}/{len(per_round)}: {worker.name}: {count} step(s) in {done['elapsed_s']:.2f} s, "
+                         f"{tps:,.0f} tokens/s")
+            for worker in workers:
+                results[worker.name]["memory"] = worker.ask("memory")
+            load["after"] = os.getloadavg()[0]
+            results["_order"] = {"order": order, "load_avg_1m": load}
+            return results
+        finally:
+            for worker in workers:
+                worker.stop(now=bool(stopped))
 
 
 def _variant_report(name: str, result: dict[str, Any], *, mfu: Any) -> dict[str, Any]:
@@ -394,11 +382,8 @@ def add_arguments(parser: Any) -> None:
 
 
 def from_args(args: Any) -> ModelBenchSetup:
-    return ModelBenchSetup(
-        preset=args.preset, seq_len=args.seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum, steps=args.steps, rounds=args.rounds,
-        warmup_steps=args.warmup_steps, precision=args.precision, threads=args.threads, variants=args.variants,
-        peak_seconds=args.peak_seconds, seed=args.seed,
-    )
+    """The setup `add_arguments`' options give (each option is named after its field)."""
+    return ModelBenchSetup(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelBenchSetup)})
 
 
 __all__ = ["AC_PAIRS", "VARIANTS", "ModelBenchSetup", "add_arguments", "bench_model", "from_args", "parse_variants"]
