@@ -45,7 +45,7 @@ def build_bare(setup: OverheadSetup, device: Any):
     return model, optimizer, token_batches(setup.micro_batch, setup.seq_len, setup.seed, device), autocast
 
 
-def _timed(setup: OverheadSetup, step: Callable[[int], Any], device: Any) -> tuple[float, int, dict[str, Any]]:
+def timed_steps(setup: OverheadSetup, step: Callable[[int], Any], device: Any) -> tuple[float, int, dict[str, Any]]:
     """(seconds from the end of warm-up to the end of the last step, torch threads in use, the
     process's /proc counters over those steps: bench/proc_counters.py)."""
     import torch
@@ -88,7 +88,7 @@ def bare(setup: OverheadSetup) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    seconds, threads, proc = _timed(setup, step, device)
+    seconds, threads, proc = timed_steps(setup, step, device)
     return measurement(setup, seconds=seconds, precision=setup.precision, threads=threads, niceness=os.nice(0), proc=proc)
 
 
@@ -124,7 +124,7 @@ def bare_deepspeed(setup: OverheadSetup) -> dict[str, Any]:
             engine.step()
             return loss
 
-        seconds, threads, proc = _timed(setup, step, device)
+        seconds, threads, proc = timed_steps(setup, step, device)
         precision = "bf16" if engine.bfloat16_enabled() else "fp32"
     finally:
         dist.destroy_process_group()

@@ -22,7 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from raytrain_fast._ray_compat import health_check_interval_s, worker_env_flags, workers_at_normal_priority
-from raytrain_fast.bench.bare_loops import IN_PROCESS_VARIANTS, bare, build_bare, in_fresh_process, set_threads
+from raytrain_fast.bench.bare_loops import (
+    IN_PROCESS_VARIANTS, bare, build_bare, in_fresh_process, set_threads, timed_steps,
+)
 from raytrain_fast.bench.overhead_setup import (
     TYPICAL_RAY_TRAIN_MAX_STEPS,
     VARIANTS,
@@ -41,7 +43,6 @@ def _typical(setup: OverheadSetup, *, report: bool, wandb_dir: str) -> dict[str,
     from ray.train.torch import prepare_model
     from torch.utils.flop_counter import FlopCounterMode
 
-    from raytrain_fast.bench import proc_counters
     from raytrain_fast.engine import training_device
 
     device = training_device()
@@ -50,11 +51,10 @@ def _typical(setup: OverheadSetup, *, report: bool, wandb_dir: str) -> dict[str,
     model = prepare_model(model)
     run = wandb.init(project="raytrain-fast-bench", mode="offline", dir=wandb_dir, reinit="create_new")
     flops_per_step = 0.0
-    start = threads = counters = None
     last = time.perf_counter()
-    for i in range(setup.end_step):
-        if i == setup.warmup_steps:  # step warmup_steps is done, its report included
-            threads, counters, start = torch.get_num_threads(), proc_counters.snapshot(), time.perf_counter()
+
+    def step(i: int) -> Any:
+        nonlocal flops_per_step, last
         tokens = batches[i % batches.shape[0]]
         counting = bool(setup.flops_every) and i % setup.flops_every == 0
         with FlopCounterMode(display=False) if counting else contextlib.nullcontext() as counter:
@@ -79,9 +79,9 @@ def _typical(setup: OverheadSetup, *, report: bool, wandb_dir: str) -> dict[str,
         )
         if report:
             ray.train.report({"loss": loss_value, "step": i})
-    assert start is not None and threads is not None
-    seconds = time.perf_counter() - start
-    proc = proc_counters.window(counters, proc_counters.snapshot(), steps=setup.steps)
+        return loss
+
+    seconds, threads, proc = timed_steps(setup, step, device)  # the clock of the bare loops
     run.finish()
     return measurement(setup, seconds=seconds, precision=setup.precision, threads=threads, niceness=os.nice(0), proc=proc)
 
