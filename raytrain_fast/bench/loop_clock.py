@@ -18,6 +18,7 @@ The loop never imports this module: the object arrives pickled in the loop confi
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -55,12 +56,9 @@ def in_memory_batches(*, micro_batch: int, seq_len: int, seed: int, device: Any 
 
     from raytrain_fast.bench.overhead_setup import token_batches
 
-    batches = token_batches(micro_batch, seq_len, seed, device)
     seq_ids = torch.arange(micro_batch, dtype=torch.int64)
-    i = 0
-    while True:
-        yield batches[i % 8], seq_ids
-        i += 1
+    for tokens in itertools.cycle(token_batches(micro_batch, seq_len, seed, device)):
+        yield tokens, seq_ids
 
 
 class _ClockRank(StepHooks):
