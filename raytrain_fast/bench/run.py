@@ -38,8 +38,6 @@ def add_parser(commands: Any) -> None:
         "--checkpoint-every", type=int, default=None,
         help="our loop's checkpoint.every_steps (default: the timed steps, so one checkpoint falls in the window; 0: none in it)",
     )
-    overhead.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help="auto: what the engine picks here")
-    overhead.add_argument("--threads", type=int, default=0, help="torch threads in every variant (0: this process's count)")
     overhead.add_argument(
         "--variants", default=None,
         help="comma-separated subset of bare,bare_deepspeed,bare_in_ray_worker,raytrain_fast_memory,raytrain_fast,"
@@ -66,9 +64,10 @@ def add_parser(commands: Any) -> None:
     health.add_argument("--steps", type=int, default=20, help="timed steps per variant and round (default: 20)")
     health.add_argument("--rounds", type=int, default=10, help="interleaved rounds of both variants (default: 10)")
     health.add_argument("--warmup-steps", type=int, default=5, help="untimed steps first (default: 5)")
-    health.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help="auto: what the engine picks here")
-    health.add_argument("--threads", type=int, default=0, help="torch threads (0: this process's count)")
     health.add_argument("--ops-calls", type=int, default=5000, help="calls per round when timing the checks' ops alone (default: 5000)")
+    for parser in (overhead, health):
+        parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help="auto: what the engine picks here")
+        parser.add_argument("--threads", type=int, default=0, help="torch threads in every variant (0: this process's count)")
     for parser in (data, overhead, checkpoint, model, health):
         parser.add_argument("--json", action="store_true", help="print only the JSON object")
 
