@@ -93,28 +93,24 @@ def bare(setup: OverheadSetup) -> dict[str, Any]:
 
 
 def bare_deepspeed(setup: OverheadSetup) -> dict[str, Any]:
-    """The bare loop through our DeepSpeed engine (the run's engine and optim config), no Ray.
-    Makes a process group: call it in a fresh process (`in_fresh_process`)."""
+    """The bare loop through the training worker's program (`engine.program.build_program` on the
+    run's config: its model and DeepSpeed engine), no Ray. Makes a process group: call it in a fresh
+    process (`in_fresh_process`)."""
     import torch
     import torch.distributed as dist
 
+    from raytrain_fast.engine import select_accelerator, training_device
     from raytrain_fast.engine.process_group import single_process_group
-    from raytrain_fast.engine import build_engine, select_accelerator, training_device
-    from raytrain_fast.model import build_model
+    from raytrain_fast.engine.program import build_program
 
     setup = setup.resolved()
     select_accelerator()
     device = training_device()
     set_threads(setup, device)
-    config = run_config(setup)
     single_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         torch.manual_seed(setup.seed)
-        model = build_model(config.model, device)
-        engine = build_engine(
-            model, engine=config.engine, optim=config.optim, micro_batch=setup.micro_batch, grad_accum=1, world_size=1,
-            total_steps=config.train.steps,
-        )
+        engine = build_program(run_config(setup), device=device).engine
         batches = token_batches(setup.micro_batch, setup.seq_len, setup.seed, device)
 
         def step(i: int) -> torch.Tensor:
