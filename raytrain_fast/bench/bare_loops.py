@@ -26,18 +26,17 @@ def set_threads(setup: OverheadSetup, device: Any) -> None:
 
 
 def build_bare(setup: OverheadSetup, device: Any):
-    """Model (the run's model config), AdamW, in-memory batches and the autocast context."""
+    """Model and AdamW (the run's model and optim config, as training builds them), in-memory
+    batches and the autocast context."""
     import torch
 
-    from raytrain_fast.engine.deepspeed_engine import fused_adamw_supported
+    from raytrain_fast.engine import build_optimizer
     from raytrain_fast.model import build_model
 
+    config = run_config(setup)
     torch.manual_seed(setup.seed)
-    model = build_model(run_config(setup).model, device)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=setup.lr, betas=(0.9, 0.95), weight_decay=0.1,
-        **({"fused": True} if fused_adamw_supported(device) else {"foreach": True}),
-    )
+    model = build_model(config.model, device)
+    optimizer = build_optimizer(list(model.parameters()), optim=config.optim, device=device)
     if setup.precision == "bf16":
         autocast: Callable[[], Any] = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
     else:
