@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from raytrain_fast._ray_compat import health_check_interval_s
 from raytrain_fast.bench import loop_clock
 from raytrain_fast.bench.loop_clock import ClockHooks
 from raytrain_fast.bench.overhead import (
@@ -19,7 +20,6 @@ from raytrain_fast.bench.overhead import (
     in_ray_worker,
     machine_drift,
     overhead_report,
-    ray_train_poll_interval_s,
     raytrain_fast_loop,
 )
 
@@ -215,7 +215,7 @@ def test_our_loop_at_ray_default_poll_interval_reports_far_less_than_once_per_st
     from ray.train.v2._internal.constants import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_INTERVAL_S_ENV_VAR
 
     monkeypatch.setenv(HEALTH_CHECK_INTERVAL_S_ENV_VAR, str(DEFAULT_HEALTH_CHECK_INTERVAL_S))
-    poll = ray_train_poll_interval_s()
+    poll = health_check_interval_s()
     assert poll == DEFAULT_HEALTH_CHECK_INTERVAL_S == 2.0
     # The default reaches the controller: a report per step waits for a poll each.
     typical = in_ray_worker("typical_ray_train", micro_setup(corpus_dir, warmup_steps=1, steps=3))

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from raytrain_fast.bench.overhead_setup import OverheadSetup, measurement, run_config
+from raytrain_fast.bench.overhead_setup import OverheadSetup, measurement, run_config, token_batches
 
 
 def set_threads(setup: OverheadSetup, device: Any) -> None:
@@ -25,34 +25,26 @@ def set_threads(setup: OverheadSetup, device: Any) -> None:
         os.environ["OMP_NUM_THREADS"] = str(setup.threads)
 
 
-def _batches(setup: OverheadSetup, device: Any):
-    import torch
-
-    generator = torch.Generator().manual_seed(setup.seed)
-    return torch.randint(0, 257, (8, setup.micro_batch, setup.seq_len + 1), generator=generator).to(device)
-
-
 def build_bare(setup: OverheadSetup, device: Any):
-    """Model (the run's model config), AdamW, in-memory batches and the autocast context."""
+    """Model and AdamW (the run's model and optim config, as training builds them), in-memory
+    batches and the autocast context."""
     import torch
 
-    from raytrain_fast.engine.deepspeed_engine import fused_adamw_supported
+    from raytrain_fast.engine import build_optimizer
     from raytrain_fast.model import build_model
 
+    config = run_config(setup)
     torch.manual_seed(setup.seed)
-    model = build_model(run_config(setup).model, device)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=setup.lr, betas=(0.9, 0.95), weight_decay=0.1,
-        **({"fused": True} if fused_adamw_supported(device) else {"foreach": True}),
-    )
+    model = build_model(config.model, device)
+    optimizer = build_optimizer(list(model.parameters()), optim=config.optim, device=device)
     if setup.precision == "bf16":
         autocast: Callable[[], Any] = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
     else:
         autocast = contextlib.nullcontext
-    return model, optimizer, _batches(setup, device), autocast
+    return model, optimizer, token_batches(setup.micro_batch, setup.seq_len, setup.seed, device), autocast
 
 
-def _timed(setup: OverheadSetup, step: Callable[[int], Any], device: Any) -> tuple[float, int, dict[str, Any]]:
+def timed_steps(setup: OverheadSetup, step: Callable[[int], Any], device: Any) -> tuple[float, int, dict[str, Any]]:
     """(seconds from the end of warm-up to the end of the last step, torch threads in use, the
     process's /proc counters over those steps: bench/proc_counters.py)."""
     import torch
@@ -95,34 +87,30 @@ def bare(setup: OverheadSetup) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    seconds, threads, proc = _timed(setup, step, device)
+    seconds, threads, proc = timed_steps(setup, step, device)
     return measurement(setup, seconds=seconds, precision=setup.precision, threads=threads, niceness=os.nice(0), proc=proc)
 
 
 def bare_deepspeed(setup: OverheadSetup) -> dict[str, Any]:
-    """The bare loop through our DeepSpeed engine (the run's engine and optim config), no Ray.
-    Makes a process group: call it in a fresh process (`in_fresh_process`)."""
+    """The bare loop through the training worker's program (`engine.program.build_program` on the
+    run's config: its model and DeepSpeed engine), no Ray. Makes a process group: call it in a fresh
+    process (`in_fresh_process`)."""
     import torch
     import torch.distributed as dist
 
+    from raytrain_fast.engine import select_accelerator, training_device
     from raytrain_fast.engine.process_group import single_process_group
-    from raytrain_fast.engine import build_engine, select_accelerator, training_device
-    from raytrain_fast.model import build_model
+    from raytrain_fast.engine.program import build_program
 
     setup = setup.resolved()
     select_accelerator()
     device = training_device()
     set_threads(setup, device)
-    config = run_config(setup)
     single_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         torch.manual_seed(setup.seed)
-        model = build_model(config.model, device)
-        engine = build_engine(
-            model, engine=config.engine, optim=config.optim, micro_batch=setup.micro_batch, grad_accum=1, world_size=1,
-            total_steps=config.train.steps,
-        )
-        batches = _batches(setup, device)
+        engine = build_program(run_config(setup), device=device).engine
+        batches = token_batches(setup.micro_batch, setup.seq_len, setup.seed, device)
 
         def step(i: int) -> torch.Tensor:
             tokens = batches[i % batches.shape[0]]
@@ -131,7 +119,7 @@ def bare_deepspeed(setup: OverheadSetup) -> dict[str, Any]:
             engine.step()
             return loss
 
-        seconds, threads, proc = _timed(setup, step, device)
+        seconds, threads, proc = timed_steps(setup, step, device)
         precision = "bf16" if engine.bfloat16_enabled() else "fp32"
     finally:
         dist.destroy_process_group()
@@ -144,8 +132,6 @@ IN_PROCESS_VARIANTS = {"bare": bare, "bare_deepspeed": bare_deepspeed}
 def in_fresh_process(variant: str, setup: OverheadSetup, *, timeout_s: float = 1800) -> dict[str, Any]:
     """Run `bare` or `bare_deepspeed` in a new Python process (DeepSpeed and process groups are
     per process; no state of an earlier variant carries over)."""
-    if variant not in IN_PROCESS_VARIANTS:
-        raise ValueError(f"{variant!r} does not run in a subprocess: one of {', '.join(IN_PROCESS_VARIANTS)}")
     setup = setup.resolved()
     with tempfile.TemporaryDirectory(prefix="raytrain-fast-bench-") as scratch:
         out = os.path.join(scratch, "result.json")

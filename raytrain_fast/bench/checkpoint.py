@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import statistics
 import tempfile
 import time
@@ -180,14 +179,11 @@ def measure_checkpoint_blocking(
     result: dict[str, Any] = {"model": {"d_model": model.d_model, "num_layers": model.num_layers}}
     try:
         for mode in ("ASYNC", "SYNC"):
-            results_dir = tempfile.mkdtemp(prefix="raytrain-fast-bench-results-")
-            try:
+            with tempfile.TemporaryDirectory(prefix="raytrain-fast-bench-results-", ignore_cleanup_errors=True) as results_dir:
                 per_rank, complete, reason, checkpoint_bytes = _run_mode(
                     mode, storage=storage, model=model, num_workers=num_workers, cpus_per_worker=cpus_per_worker,
                     num_checkpoints=num_checkpoints, seconds_between=seconds_between, results_dir=results_dir,
                 )
-            finally:
-                shutil.rmtree(results_dir, ignore_errors=True)
             per_checkpoint = [max(r[i]["blocked_s"] for r in per_rank) for i in range(num_checkpoints)]
             key = mode.lower()
             # Ray merged every rank's files, manifests included: the result must verify, checksums and all.

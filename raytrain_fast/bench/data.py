@@ -1,16 +1,9 @@
-"""`raytrain-fast bench data`: is the data pipeline ever the bottleneck?
+"""`raytrain-fast bench data`: is the data pipeline ever the bottleneck? (docs/benchmarks.md#data-wait)
 
-Trains the tiny GPT (fp32, plain torch AdamW) on the prepared stdlib corpus twice, interleaved in
-rounds so a busy machine slows both alike:
-- `ingest`: the package's path, `BatchIterator` (Ray Data read tasks, `iter_torch_batches` prefetch,
-  a producer thread);
-- `baseline`: a `torch.utils.data.DataLoader(num_workers=0)` over the same Parquet shards, the loader
-  people write first: rows read in the training thread, collated by torch's default collate.
-- `mixture`: the same ingest over a three-source mixture (`data.sources`, weights 0.7 / 0.2 / 0.1; each
-  source the same prepared corpus, read as its own stream: its own shards, windows and epochs), so the
-  interleave, the per-source plans and the reads of three sources' windows are in the timing.
-Per step it records the host time blocked in `next()` (data wait) and the whole step (wait + forward +
-backward + optimizer). Warm-up steps are excluded. Target: `data_wait_frac` <= 0.02 for ingest and mixture.
+The tiny GPT trains on three batch sources, interleaved in rounds so a busy machine slows all alike:
+`ingest` (`BatchIterator`), `baseline` (a DataLoader(num_workers=0) over the same Parquet shards) and
+`mixture` (the ingest over three sources, each the same corpus read as its own stream). Per step it
+records the host time blocked in `next()` (data wait) and the whole step; warm-up steps are excluded.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""`raytrain-fast bench health`: what the divergence checks (docs/health.md) cost a training step.
-
-The checks add, per optimizer step and on the device (no host read):
-- the gradient norm's finiteness, handed to the fused AdamW as `found_inf`
-  (`engine.deepspeed_compat.skip_nonfinite_update`), which the kernel then reads;
-- a `where` on the norm before it enters the window's sum (`StepAccumulators.add_grad_norm`).
-
-Two variants of one bare step of a model (forward, backward, clip, fused or foreach AdamW, the loss
-and norm into on-device window sums) share one model, optimizer, batch, precision and thread count:
-`without` adds the norm to the sum and steps; `with` goes through the two functions the loop calls.
-They run interleaved in rounds of `steps` steps, the order alternating every round, after untimed
-warm-up steps. The statistic is each variant's median time per step over the rounds, and the ratio is
-the median of the per-round ratios (with / without). The ops alone are also timed (`ops_us`), in the
-same interleaved way, on a norm that is already computed.
+"""`raytrain-fast bench health`: what the divergence checks cost a training step. One bare step with
+the two functions the loop calls (`skip_nonfinite_update`, `StepAccumulators.add_grad_norm`) and
+without them, interleaved in rounds; what it measures and how: docs/health.md#cost.
 """
 
 from __future__ import annotations
@@ -26,7 +15,7 @@ from raytrain_fast.console import say
 
 
 def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmup_steps: int = 5,
-                 precision: str = "auto", threads: int = 0, ops_calls: int = 5000, verbose: bool = True) -> dict[str, Any]:
+                 precision: str = "auto", threads: int = 0, ops_calls: int = 5000) -> dict[str, Any]:
     from raytrain_fast.bench.bare_loops import set_threads
     from raytrain_fast.bench.overhead_setup import OverheadSetup
     from raytrain_fast.engine import training_device
@@ -50,9 +39,8 @@ def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmu
             per_step[name].append(value)
         ratios.append(seconds["with"] / seconds["without"])
         orders.append(list(order))
-        if verbose:  # progress on stderr: stdout is the JSON alone
-            say(f"[bench health] round {r + 1}/{rounds}: without {seconds['without'] * 1e3:.1f} ms/step, "
-                f"with {seconds['with'] * 1e3:.1f} ms/step", stderr=True)
+        say(f"[bench health] round {r + 1}/{rounds}: without {seconds['without'] * 1e3:.1f} ms/step, "
+            f"with {seconds['with'] * 1e3:.1f} ms/step", stderr=True)  # progress on stderr: stdout is the JSON alone
 
     ops = _ops_cost(bare.optimizer, device, calls=ops_calls, rounds=rounds)
     return _report(size=size, setup=setup, device=device, optimizer=bare.optimizer, per_step=per_step, ratios=ratios,

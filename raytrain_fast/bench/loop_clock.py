@@ -18,6 +18,7 @@ The loop never imports this module: the object arrives pickled in the loop confi
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -50,16 +51,14 @@ class ClockHooks(StepHooks):
 
 
 def in_memory_batches(*, micro_batch: int, seq_len: int, seed: int, device: Any = "cpu") -> Iterator[tuple[Any, Any]]:
-    """(tokens, seq_ids) forever: 8 distinct (micro_batch, seq_len + 1) batches of byte tokens, cycled."""
+    """(tokens, seq_ids) forever: the bare loops' `token_batches`, cycled."""
     import torch
 
-    generator = torch.Generator().manual_seed(seed)
-    batches = torch.randint(0, 257, (8, micro_batch, seq_len + 1), generator=generator).to(device)
+    from raytrain_fast.bench.overhead_setup import token_batches
+
     seq_ids = torch.arange(micro_batch, dtype=torch.int64)
-    i = 0
-    while True:
-        yield batches[i % 8], seq_ids
-        i += 1
+    for tokens in itertools.cycle(token_batches(micro_batch, seq_len, seed, device)):
+        yield tokens, seq_ids
 
 
 class _ClockRank(StepHooks):
@@ -74,9 +73,7 @@ class _ClockRank(StepHooks):
         if clock.memory_batches is not None:
             micro_batch, seq_len, seed = clock.memory_batches
             source = in_memory_batches(micro_batch=micro_batch, seq_len=seq_len, seed=seed, device=getattr(data, "device", "cpu"))
-            close = getattr(data, "close", None)
-            if close is not None:
-                close()  # the Ray Data pipeline stops: nothing of it runs during the steps
+            getattr(data, "close", lambda: None)()  # the Ray Data pipeline stops: nothing of it runs during the steps
         if self.rank != 0 or not clock.timing_file:
             return source
         return _clocked(source, current_step, clock)
@@ -102,24 +99,18 @@ def _clocked(source: Iterator[Any], current_step: Callable[[], int], clock: Cloc
                 start = (time.perf_counter(), time.time(), torch.get_num_threads())
             elif done == clock.end_step and start is not None:
                 end = (time.perf_counter(), time.time())
-                _write(clock.timing_file, {
-                    "start_step": clock.start_step, "end_step": clock.end_step, "seconds": end[0] - start[0],
-                    "start_time": start[1], "end_time": end[1], "threads": start[2], "niceness": os.nice(0),
-                    "memory_batches": clock.memory_batches is not None,
-                    "proc": proc_counters.window(counters, proc_counters.snapshot(), steps=clock.end_step - counted_from),
-                })
+                with open(clock.timing_file, "w") as out:  # read once the run is over
+                    json.dump({
+                        "start_step": clock.start_step, "end_step": clock.end_step, "seconds": end[0] - start[0],
+                        "start_time": start[1], "end_time": end[1], "threads": start[2], "niceness": os.nice(0),
+                        "memory_batches": clock.memory_batches is not None,
+                        "proc": proc_counters.window(counters, proc_counters.snapshot(), steps=clock.end_step - counted_from),
+                    }, out)
         try:
             item = next(source)
         except StopIteration:
             return
         yield item
-
-
-def _write(path: str, record: dict[str, Any]) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as out:
-        json.dump(record, out)
-    os.replace(tmp, path)
 
 
 __all__ = ["ClockHooks", "in_memory_batches"]

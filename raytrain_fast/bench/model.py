@@ -44,30 +44,44 @@ def parse_variants(text: str | list[str] | tuple[str, ...]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _variants_arg(text: str) -> list[str]:
+    import argparse
+
+    try:
+        return parse_variants(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(error.problems[0].removeprefix("--variants: ")) from None
+
+
+def _option(default: Any, help: str, **argparse: Any) -> Any:
+    """A field of the setup that is also the option of `bench model` named after it, with this help."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **argparse})
+    return field(default=default, metadata={"help": help, **argparse})
+
+
 @dataclass(kw_only=True)
 class ModelBenchSetup:
-    """What every variant trains, and for how long."""
+    """What every variant trains, and for how long: the options of `raytrain-fast bench model`."""
 
-    preset: str = "gpt-124m"
-    """A preset name (or alias, e.g. gpt2-124m) or YAML file: its model, optimizer and engine settings."""
-    seq_len: int = 256
-    micro_batch: int = 4
-    steps: int = 12
-    """Timed steps per variant in all, spread over the rounds (the same for every variant)."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step, as train.grad_accum: the optimizer's share of a step as training has it."""
-    rounds: int = 6
-    warmup_steps: int = 2
-    """Untimed steps first (allocation, kernel selection; a compiled variant compiles in the first)."""
-    precision: str | None = None
-    """bf16, fp32 or auto; None = the preset's engine.precision. Resolved once, the same for all."""
-    threads: int = 0
-    """torch threads (every variant, and the peak measurement); 0 = torch.get_num_threads()."""
-    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
-    peak_seconds: float | None = None
-    """Seconds of the matmul peak measurement; None = the preset's metrics.peak_measure_s."""
-    seed: int | None = None
-    """Model init and token seed; None = the preset's train.seed."""
+    preset: str = _option("gpt-124m", "preset (or an alias such as gpt2-124m, or a YAML file) whose model, optimizer and "
+                          "engine settings to measure (default: %(default)s)")
+    seq_len: int = _option(256, "tokens per sequence (default: %(default)s)", type=int)
+    micro_batch: int = _option(4, "sequences per micro-batch (default: %(default)s)", type=int)
+    grad_accum: int = _option(1, "micro-batches per optimizer step, as train.grad_accum (default: %(default)s)", type=int)
+    steps: int = _option(12, "timed steps per variant, spread over the rounds (default: %(default)s)", type=int)
+    rounds: int = _option(6, "interleaved rounds, order rotated each round (default: %(default)s)", type=int)
+    warmup_steps: int = _option(2, "untimed steps per variant first; compilation happens in the first (default: %(default)s)",
+                                type=int)
+    precision: str | None = _option(None, "default: the preset's engine.precision, resolved once, the same for every variant",
+                                    choices=("auto", "bf16", "fp32"))
+    threads: int = _option(0, "torch threads of every variant and the peak measurement (default: torch.get_num_threads())",
+                           type=int)
+    variants: list[str] = _option(list(VARIANTS), f"comma list of {', '.join(VARIANTS)} (default: all)", type=_variants_arg)
+    peak_seconds: float | None = _option(
+        None, "seconds of the matmul peak measurement (default: the preset's metrics.peak_measure_s)", type=float,
+    )
+    seed: int | None = _option(None, "model init and token seed (default: the preset's train.seed)", type=int)
 
     def steps_per_round(self) -> list[int]:
         base, extra = divmod(self.steps, self.rounds)
@@ -229,59 +243,47 @@ def _cold_compile_caches(jobs: list[dict[str, Any]]) -> Any:
 
 def _measure(setup: ModelBenchSetup, jobs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Start every variant's process, warm each up in turn, then the timed rounds, one run at a time."""
-    with stopped_by_sigterm() as stopped:
-        return _measure_in(setup, jobs, stopped)
-
-
-def _measure_in(setup: ModelBenchSetup, jobs: list[dict[str, Any]], stopped: list[int]) -> dict[str, dict[str, Any]]:
     context = multiprocessing.get_context("spawn")
     workers: list[VariantProcess] = []
-    try:
-        _say(f"setting up {len(jobs)} variant process(es) at once...")
-        workers = [VariantProcess(context, job) for job in jobs]
-        results: dict[str, dict[str, Any]] = {}
-        for worker in workers:
-            results[worker.name] = {"info": worker.answer(timeout_s=_SETUP_TIMEOUT_S), "rounds": []}
-            info = results[worker.name]["info"]
-            note = f"; {info['compile_note']}" if info["compile_note"] else ""
-            _say(f"{worker.name}: set up in {info['setup_s']:.1f} s, {info['built_gb']:.2f} GB{note}")
-        for worker in workers:
-            if setup.warmup_steps:
-                _say(f"{worker.name}: {setup.warmup_steps} warm-up step(s)...")
-            warm = results[worker.name]["warmup"] = worker.ask("warmup", setup.warmup_steps)
-            first = ""
-            if warm["step_s"]:
-                compiled = " (compilation included)" if results[worker.name]["info"]["compiled"] else ""
-                first = f", first step {warm['step_s'][0]:.2f} s{compiled}"
-            _say(f"{worker.name}: warmed up{first}; setup memory {warm['setup_gb']:.2f} GB")
-        per_round = setup.steps_per_round()
-        load = {"before": _load_average()}
-        order: list[list[str]] = []
-        for r, count in enumerate(per_round):
-            turn = workers[r % len(workers):] + workers[:r % len(workers)]
-            order.append([w.name for w in turn])
-            for worker in turn:
-                done = worker.ask("run", count)
-                results[worker.name]["rounds"].append(done)
-                tps = count * setup.grad_accum * setup.micro_batch * setup.seq_len / done["elapsed_s"]
-                _say(f"round {r + 1}/{len(per_round)}: {worker.name}: {count} step(s) in {done['elapsed_s']:.2f} s, "
-                     f"{tps:,.0f} tokens/s")
-        for worker in workers:
-            results[worker.name]["memory"] = worker.ask("memory")
-        load["after"] = _load_average()
-        results["_order"] = {"order": order, "load_avg_1m": load}
-        return results
-    finally:
-        for worker in workers:
-            worker.stop(now=bool(stopped))
-
-
-def _load_average() -> float | None:
-    """The 1-minute load average (Unix): above the threads in use, something else shared the CPUs."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
+    with stopped_by_sigterm() as stopped:
+        try:
+            _say(f"setting up {len(jobs)} variant process(es) at once...")
+            workers = [VariantProcess(context, job) for job in jobs]
+            results: dict[str, dict[str, Any]] = {}
+            for worker in workers:
+                results[worker.name] = {"info": worker.answer(timeout_s=_SETUP_TIMEOUT_S), "rounds": []}
+                info = results[worker.name]["info"]
+                note = f"; {info['compile_note']}" if info["compile_note"] else ""
+                _say(f"{worker.name}: set up in {info['setup_s']:.1f} s, {info['built_gb']:.2f} GB{note}")
+            for worker in workers:
+                if setup.warmup_steps:
+                    _say(f"{worker.name}: {setup.warmup_steps} warm-up step(s)...")
+                warm = results[worker.name]["warmup"] = worker.ask("warmup", setup.warmup_steps)
+                first = ""
+                if warm["step_s"]:
+                    compiled = " (compilation included)" if results[worker.name]["info"]["compiled"] else ""
+                    first = f", first step {warm['step_s'][0]:.2f} s{compiled}"
+                _say(f"{worker.name}: warmed up{first}; setup memory {warm['setup_gb']:.2f} GB")
+            per_round = setup.steps_per_round()
+            load = {"before": os.getloadavg()[0]}
+            order: list[list[str]] = []
+            for r, count in enumerate(per_round):
+                turn = workers[r % len(workers):] + workers[:r % len(workers)]
+                order.append([w.name for w in turn])
+                for worker in turn:
+                    done = worker.ask("run", count)
+                    results[worker.name]["rounds"].append(done)
+                    tps = count * setup.grad_accum * setup.micro_batch * setup.seq_len / done["elapsed_s"]
+                    _say(f"round {r + 1}/{len(per_round)}: {worker.name}: {count} step(s) in {done['elapsed_s']:.2f} s, "
+                         f"{tps:,.0f} tokens/s")
+            for worker in workers:
+                results[worker.name]["memory"] = worker.ask("memory")
+            load["after"] = os.getloadavg()[0]
+            results["_order"] = {"order": order, "load_avg_1m": load}
+            return results
+        finally:
+            for worker in workers:
+                worker.stop(now=bool(stopped))
 
 
 def _variant_report(name: str, result: dict[str, Any], *, mfu: Any) -> dict[str, Any]:
@@ -357,48 +359,16 @@ def _report(setup: ModelBenchSetup, variants: list[str], measured: dict[str, dic
     }
 
 
-def _variants_arg(text: str) -> list[str]:
-    import argparse
-
-    try:
-        return parse_variants(text)
-    except ConfigError as error:
-        raise argparse.ArgumentTypeError(error.problems[0].removeprefix("--variants: ")) from None
-
-
 def add_arguments(parser: Any) -> None:
-    """The options of `raytrain-fast bench model`."""
-    parser.add_argument(
-        "--preset", default="gpt-124m", help="preset (or YAML file) whose model and engine settings to measure (default: gpt-124m)",
-    )
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
-    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (default: 4)")
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step, as train.grad_accum (default: 1)")
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per variant, spread over the rounds (default: 12)")
-    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds, order rotated each round (default: 6)")
-    parser.add_argument(
-        "--warmup-steps", type=int, default=2, help="untimed steps per variant first; compilation happens in the first (default: 2)",
-    )
-    parser.add_argument(
-        "--precision", choices=("auto", "bf16", "fp32"), default=None, help="default: the preset's engine.precision, resolved once",
-    )
-    parser.add_argument("--threads", type=int, default=0, help="torch threads of every variant (default: torch.get_num_threads())")
-    parser.add_argument(
-        "--variants", type=_variants_arg, default=list(VARIANTS), help=f"comma list of {', '.join(VARIANTS)} (default: all)",
-    )
-    parser.add_argument(
-        "--peak-seconds", type=float, default=None,
-        help="seconds of the matmul peak measurement (default: the preset's metrics.peak_measure_s)",
-    )
-    parser.add_argument("--seed", type=int, default=None, help="model init and token seed (default: the preset's train.seed)")
+    """The options of `raytrain-fast bench model`: one per field of ModelBenchSetup."""
+    for option in dataclasses.fields(ModelBenchSetup):
+        default = option.default_factory() if option.default is dataclasses.MISSING else option.default
+        parser.add_argument(f"--{option.name.replace('_', '-')}", default=default, **option.metadata)
 
 
 def from_args(args: Any) -> ModelBenchSetup:
-    return ModelBenchSetup(
-        preset=args.preset, seq_len=args.seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum, steps=args.steps, rounds=args.rounds,
-        warmup_steps=args.warmup_steps, precision=args.precision, threads=args.threads, variants=args.variants,
-        peak_seconds=args.peak_seconds, seed=args.seed,
-    )
+    """The setup `add_arguments`' options give (each option is named after its field)."""
+    return ModelBenchSetup(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelBenchSetup)})
 
 
 __all__ = ["AC_PAIRS", "VARIANTS", "ModelBenchSetup", "add_arguments", "bench_model", "from_args", "parse_variants"]

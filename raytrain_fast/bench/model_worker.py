@@ -15,7 +15,6 @@ from typing import Any
 from raytrain_fast.errors import RaytrainFastError
 
 
-ENGINE_VARIANTS = {"engine", "engine_ac", "engine_compiled", "engine_compiled_ac"}
 COMPILED_VARIANTS = {"engine_compiled", "engine_compiled_ac"}
 GB = 1e9
 
@@ -84,7 +83,7 @@ class _Variant:
         from raytrain_fast.engine import build_optimizer
         from raytrain_fast.engine.program import build_program
 
-        with_engine = self.name in ENGINE_VARIANTS
+        with_engine = self.name != "bare"  # every other variant trains through the engine
         if with_engine:
             from raytrain_fast.engine.process_group import single_process_group
 
@@ -260,16 +259,12 @@ class VariantProcess:
 
 @contextlib.contextmanager
 def stopped_by_sigterm():
-    """SIGTERM (`kill`, a job's stop) becomes SystemExit(143) in the main thread, so the variant
-    processes are ended on the way out instead of outliving the bench; yields a list that holds
-    the signal's number once it came."""
+    """SIGTERM (`kill`, a job's stop) becomes SystemExit(143) in the main thread (the CLI's), so the
+    variant processes are ended on the way out instead of outliving the bench; yields a list that
+    holds the signal's number once it came."""
     import signal
-    import threading
 
     came: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield came
-        return
 
     def stop(signum: int, frame: Any) -> None:
         came.append(signum)

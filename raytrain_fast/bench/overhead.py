@@ -1,18 +1,15 @@
 """`raytrain-fast bench overhead`: tokens/s of the package's loop against loops that split the gap
-to a bare PyTorch loop (`VARIANTS`, described in docs/benchmarks.md#loop-overhead), all on the same
-model, batch, precision, thread count and machine.
+to a bare PyTorch loop (`VARIANTS`; the variants and the statistic: docs/benchmarks.md#loop-overhead).
 
-One statistic for every variant: tokens of the timed steps over the wall time from the end of the
-warm-up to the end of the last timed step, taken by the variant in its own training process (for our
-loop by `bench/loop_clock.py`'s hook on rank 0, so the window holds the same steps and whole log
-windows). `compare` runs the variants interleaved, the order rotated every round; `overhead_report`
-adds medians, the ratios to `bare`, the headline ratios and `machine_drift` (how much the machine's
-own speed moved between rounds, read from a variant that does the same work every round). The setup
-and sizes are in overhead_setup.py, the two loops outside Ray in bare_loops.py.
+Each variant takes its own clock in its own training process (our loop by `bench/loop_clock.py`'s
+hook on rank 0, so the window holds the same steps and whole log windows); `compare` interleaves
+them, `overhead_report` adds the medians and ratios. The setup and sizes are in overhead_setup.py,
+the two loops outside Ray in bare_loops.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,11 +21,11 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from raytrain_fast._ray_compat import worker_env_flags, workers_at_normal_priority
-from raytrain_fast.bench.bare_loops import IN_PROCESS_VARIANTS, bare, bare_deepspeed, build_bare, in_fresh_process, set_threads
+from raytrain_fast._ray_compat import health_check_interval_s, worker_env_flags, workers_at_normal_priority
+from raytrain_fast.bench.bare_loops import (
+    IN_PROCESS_VARIANTS, bare, build_bare, in_fresh_process, set_threads, timed_steps,
+)
 from raytrain_fast.bench.overhead_setup import (
-    MODEL_SIZES,
-    SIZE_DEFAULTS,
     TYPICAL_RAY_TRAIN_MAX_STEPS,
     VARIANTS,
     OverheadSetup,
@@ -46,7 +43,6 @@ def _typical(setup: OverheadSetup, *, report: bool, wandb_dir: str) -> dict[str,
     from ray.train.torch import prepare_model
     from torch.utils.flop_counter import FlopCounterMode
 
-    from raytrain_fast.bench import proc_counters
     from raytrain_fast.engine import training_device
 
     device = training_device()
@@ -55,22 +51,18 @@ def _typical(setup: OverheadSetup, *, report: bool, wandb_dir: str) -> dict[str,
     model = prepare_model(model)
     run = wandb.init(project="raytrain-fast-bench", mode="offline", dir=wandb_dir, reinit="create_new")
     flops_per_step = 0.0
-    start = threads = counters = None
     last = time.perf_counter()
-    for i in range(setup.end_step):
-        if i == setup.warmup_steps:  # step warmup_steps is done, its report included
-            threads, counters, start = torch.get_num_threads(), proc_counters.snapshot(), time.perf_counter()
+
+    def step(i: int) -> Any:
+        nonlocal flops_per_step, last
         tokens = batches[i % batches.shape[0]]
-        if setup.flops_every and i % setup.flops_every == 0:
-            with FlopCounterMode(display=False) as counter:
-                with autocast():
-                    loss = model(tokens[:, :-1], tokens[:, 1:])
-                loss.backward()
-            flops_per_step = counter.get_total_flops()
-        else:
+        counting = bool(setup.flops_every) and i % setup.flops_every == 0
+        with FlopCounterMode(display=False) if counting else contextlib.nullcontext() as counter:
             with autocast():
                 loss = model(tokens[:, :-1], tokens[:, 1:])
             loss.backward()
+        if counting:
+            flops_per_step = counter.get_total_flops()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), setup.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -87,9 +79,9 @@ def _typical(setup: OverheadSetup, *, report: bool, wandb_dir: str) -> dict[str,
         )
         if report:
             ray.train.report({"loss": loss_value, "step": i})
-    assert start is not None and threads is not None
-    seconds = time.perf_counter() - start
-    proc = proc_counters.window(counters, proc_counters.snapshot(), steps=setup.steps)
+        return loss
+
+    seconds, threads, proc = timed_steps(setup, step, device)  # the clock of the bare loops
     run.finish()
     return measurement(setup, seconds=seconds, precision=setup.precision, threads=threads, niceness=os.nice(0), proc=proc)
 
@@ -112,16 +104,13 @@ def _worker_loop(config: dict[str, Any]) -> None:
 RAY_WORKER_VARIANTS = ("bare_in_ray_worker", "typical_no_report", "typical_ray_train")
 
 
-def in_ray_worker(variant: str, setup: OverheadSetup, *, num_workers: int = 1) -> dict[str, Any]:
+def in_ray_worker(variant: str, setup: OverheadSetup) -> dict[str, Any]:
     """Run `bare_in_ray_worker`, `typical_no_report` or `typical_ray_train` on a TorchTrainer with
-    one worker (the bench runs on one machine: the worker writes its result to a local file).
-    num_workers=0 is Ray Train's local mode (the loop runs in this process): for tests only."""
+    one worker (the bench runs on one machine: the worker writes its result to a local file)."""
     import ray.train
     import torch
     from ray.train.torch import TorchTrainer
 
-    if variant not in RAY_WORKER_VARIANTS:
-        raise ValueError(f"{variant!r} is not a Ray worker variant: one of {', '.join(RAY_WORKER_VARIANTS)}")
     ensure_ray()
     setup = setup.resolved()
     if variant == "typical_ray_train":  # one step per controller poll: see TYPICAL_RAY_TRAIN_MAX_STEPS
@@ -135,7 +124,7 @@ def in_ray_worker(variant: str, setup: OverheadSetup, *, num_workers: int = 1) -
                 "setup": dataclasses.asdict(setup), "variant": variant, "scratch": scratch, "result_file": result_file,
             },
             scaling_config=ray.train.ScalingConfig(
-                num_workers=num_workers, use_gpu=use_gpu, resources_per_worker={"CPU": 1 if use_gpu else setup.threads}
+                num_workers=1, use_gpu=use_gpu, resources_per_worker={"CPU": 1 if use_gpu else setup.threads}
             ),
             run_config=ray.train.RunConfig(
                 name=f"bench-{variant.replace('_', '-')}-{uuid.uuid4().hex[:8]}",
@@ -165,17 +154,16 @@ def raytrain_fast_loop(setup: OverheadSetup, *, storage_dir: str, memory: bool =
     ensure_ray()
     name = f"bench-overhead-{uuid.uuid4().hex[:8]}"
     config = run_config(setup, storage_dir=storage_dir, name=name)
-    timing_file = os.path.join(tempfile.mkdtemp(prefix="raytrain-fast-bench-"), "timing.json")
-    hooks = LoopHooks(ClockHooks(
-        timing_file=timing_file, start_step=setup.warmup_steps, end_step=setup.end_step,
-        memory_batches=(setup.micro_batch, setup.seq_len, setup.seed) if memory else None,
-    ))
     os.environ.setdefault("WANDB_SILENT", "true")
-    result = run_training(config, hooks=hooks)
-    with open(timing_file) as stream:
-        clock = json.load(stream)
-    os.remove(timing_file)
-    os.rmdir(os.path.dirname(timing_file))
+    with tempfile.TemporaryDirectory(prefix="raytrain-fast-bench-") as scratch:
+        timing_file = os.path.join(scratch, "timing.json")
+        hooks = LoopHooks(ClockHooks(
+            timing_file=timing_file, start_step=setup.warmup_steps, end_step=setup.end_step,
+            memory_batches=(setup.micro_batch, setup.seq_len, setup.seed) if memory else None,
+        ))
+        result = run_training(config, hooks=hooks)
+        with open(timing_file) as stream:
+            clock = json.load(stream)
     with open(os.path.join(result.checkpoint, STATE_FILE)) as stream:
         precision = json.load(stream)["precision"]  # what the run trained in
     window = _window_statistics(read_metrics(result.run_dir), setup)
@@ -222,15 +210,6 @@ def ensure_ray() -> None:
     if not ray.is_initialized():
         workers_at_normal_priority()
         ray.init(configure_logging=False, include_dashboard=False, log_to_driver=True)
-
-
-def ray_train_poll_interval_s() -> float:
-    """Ray Train's controller polls each worker (and takes one reported result) this often: the
-    health-check interval, as the driver's environment sets it for this fit (Ray passes the
-    variable to the controller)."""
-    from raytrain_fast._ray_compat import health_check_interval_s
-
-    return health_check_interval_s()
 
 
 def variant_runners(setup: OverheadSetup, names: Sequence[str], *, storage_dir: str) -> dict[str, Callable[[], dict[str, Any]]]:
@@ -352,22 +331,11 @@ def drift_warning(drift: dict[str, Any] | None) -> str | None:
     )
 
 
-def overhead_report(
-    *, setup: OverheadSetup | None = None, variants: Sequence[str] = VARIANTS, repeats: int = 3,
-    storage_dir: str | None = None,
-) -> dict[str, Any]:
-    """The JSON of `raytrain-fast bench overhead --json`."""
-    setup = (setup or OverheadSetup()).resolved()
+def overhead_report(*, setup: OverheadSetup, storage_dir: str, variants: Sequence[str] = VARIANTS, repeats: int = 3) -> dict[str, Any]:
+    """The JSON of `raytrain-fast bench overhead --json`; our loop's runs go under `storage_dir`."""
+    setup = setup.resolved()
     load_before = os.getloadavg()
-    scratch = None
-    if storage_dir is None:
-        scratch = tempfile.TemporaryDirectory(prefix="raytrain-fast-bench-")
-        storage_dir = scratch.name
-    try:
-        report = compare(variant_runners(setup, variants, storage_dir=storage_dir), repeats=repeats)
-    finally:
-        if scratch is not None:
-            scratch.cleanup()
+    report = compare(variant_runners(setup, variants, storage_dir=storage_dir), repeats=repeats)
     medians = {name: summary["median"] for name, summary in report["variants"].items()}
     head: dict[str, Any] = {
         "size": setup.size,
@@ -377,7 +345,8 @@ def overhead_report(
         "tokens_per_step": setup.tokens_per_step,
         "statistic": "tokens of the timed steps / wall seconds from the end of the warm-up step to the end of the last timed step",
         "checkpoint_every": setup.checkpoint_every,
-        "ray_train_poll_interval_s": ray_train_poll_interval_s(),
+        # Ray Train's controller polls each worker (and takes one reported result) this often.
+        "ray_train_poll_interval_s": health_check_interval_s(),
         "loadavg_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
         "tokens_per_sec": medians,
         "proc": {name: proc_summary(summary["runs"]) for name, summary in report["variants"].items()},
@@ -402,7 +371,6 @@ def overhead_report(
     return {**head, "detail": report}
 
 
-__all__ = [  # the setup and the loops outside Ray are handed on from their modules
-    "MODEL_SIZES", "SIZE_DEFAULTS", "OverheadSetup", "VARIANTS", "bare", "bare_deepspeed", "compare", "in_fresh_process",
-    "drift_warning", "in_ray_worker", "machine_drift", "overhead_report", "raytrain_fast_loop", "ray_train_poll_interval_s", "run_config",
+__all__ = [  # the setup is handed on from its module
+    "OverheadSetup", "VARIANTS", "compare", "drift_warning", "in_ray_worker", "machine_drift", "overhead_report", "raytrain_fast_loop",
 ]

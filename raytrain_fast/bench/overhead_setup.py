@@ -25,7 +25,7 @@ SIZE_DEFAULTS: dict[str, dict[str, int]] = {
 20-40 s on 2 CPU cores: tiny 200 steps of ~0.12 s after 50 warm-up steps (the first
 log windows of a run are its slowest: allocator, kernel selection, W&B start-up); medium
 (d_model 384, 6 layers, seq 256, micro-batch 8) 40 steps of ~0.6 s after 10; large 30 steps of
-~1.3 s after 5. A 30-step tiny window (4 s, the old default) spread by 0.05-0.13 between rounds."""
+~1.3 s after 5."""
 
 TYPICAL_RAY_TRAIN_MAX_STEPS = 30
 """`typical_ray_train` reports every step and Ray Train takes one report per controller poll (2 s):
@@ -134,6 +134,14 @@ def run_config(setup: OverheadSetup, *, storage_dir: str = "/tmp/raytrain-fast-b
     if setup.data_cache_dir:
         overrides.append(f"data.cache_dir={setup.data_cache_dir}")
     return load_config("tiny", overrides, name=name)
+
+
+def token_batches(micro_batch: int, seq_len: int, seed: int, device: Any = "cpu") -> Any:
+    """The in-memory data every loop of the bench can train on: 8 (micro_batch, seq_len + 1) batches of byte tokens."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 257, (8, micro_batch, seq_len + 1), generator=generator).to(device)
 
 
 def model_parameters(setup: OverheadSetup) -> int:

@@ -1,16 +1,13 @@
 """What a training process and the rest of the machine did during a timed window, from Linux's
 /proc counters (read at the two ends of the window, nothing sampled in between, so the steps are
 not slowed): the process's threads, its CPU seconds and context switches per step, and the CPU
-that every other process took meanwhile, with the largest of them by name.
-
-On 2 cores with 2 torch threads, every other process that wakes takes a core from one of the
-threads, and the other thread waits for it at the next parallel region: `other_processes_cores`
-and `involuntary_switches_per_step` show what a variant's neighbours cost it. Elsewhere than
-Linux the counters are absent ({}), never invented."""
+that every other process took meanwhile, with the largest of them by name. Elsewhere than
+Linux the counters are absent ({}), never invented. What they showed: docs/benchmarks.md#where-the-gap-goes."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,17 +34,11 @@ def _stat_cpu_s(path: str) -> tuple[float, str]:
     return (int(fields[11]) + int(fields[12])) / _TICK, name
 
 
-def _thread_names() -> dict[int, str]:
-    import threading
-
-    return {thread.native_id: thread.name for thread in threading.enumerate() if thread.native_id is not None}
-
-
 def _per_thread(pid: int) -> dict[int, tuple[str, float, int, int]]:
     """Every thread alive now: (name, CPU s, voluntary, involuntary context switches). CPU from the
     thread's schedstat (nanoseconds) where the kernel has it: a window of a fraction of a second
     would otherwise be a few clock ticks."""
-    names = _thread_names()
+    names = {thread.native_id: thread.name for thread in threading.enumerate() if thread.native_id is not None}
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:

@@ -38,8 +38,6 @@ def add_parser(commands: Any) -> None:
         "--checkpoint-every", type=int, default=None,
         help="our loop's checkpoint.every_steps (default: the timed steps, so one checkpoint falls in the window; 0: none in it)",
     )
-    overhead.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help="auto: what the engine picks here")
-    overhead.add_argument("--threads", type=int, default=0, help="torch threads in every variant (0: this process's count)")
     overhead.add_argument(
         "--variants", default=None,
         help="comma-separated subset of bare,bare_deepspeed,bare_in_ray_worker,raytrain_fast_memory,raytrain_fast,"
@@ -66,9 +64,10 @@ def add_parser(commands: Any) -> None:
     health.add_argument("--steps", type=int, default=20, help="timed steps per variant and round (default: 20)")
     health.add_argument("--rounds", type=int, default=10, help="interleaved rounds of both variants (default: 10)")
     health.add_argument("--warmup-steps", type=int, default=5, help="untimed steps first (default: 5)")
-    health.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help="auto: what the engine picks here")
-    health.add_argument("--threads", type=int, default=0, help="torch threads (0: this process's count)")
     health.add_argument("--ops-calls", type=int, default=5000, help="calls per round when timing the checks' ops alone (default: 5000)")
+    for parser in (overhead, health):
+        parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help="auto: what the engine picks here")
+        parser.add_argument("--threads", type=int, default=0, help="torch threads in every variant (0: this process's count)")
     for parser in (data, overhead, checkpoint, model, health):
         parser.add_argument("--json", action="store_true", help="print only the JSON object")
 
@@ -111,21 +110,17 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
     import contextlib
     import sys
 
-    from raytrain_fast.bench.overhead import drift_warning, ensure_ray, overhead_report
+    from raytrain_fast.bench.overhead import drift_warning, overhead_report
     from raytrain_fast.bench.overhead_setup import SIZE_DEFAULTS, VARIANTS, OverheadSetup
 
-    defaults = SIZE_DEFAULTS[args.model]
-    changes: dict[str, Any] = {
-        "steps": args.steps or defaults["steps"],
-        "warmup_steps": defaults["warmup_steps"] if args.warmup_steps is None else args.warmup_steps,
-        "log_every": args.log_every or defaults["log_every"],
-        "precision": args.precision, "threads": args.threads, "checkpoint_every": args.checkpoint_every,
-    }
     shape = {"d_model": args.d_model, "num_layers": args.layers, "num_heads": args.heads}
-    changes.update({key: value for key, value in shape.items() if value is not None})
+    given = {**shape, "steps": args.steps or None, "warmup_steps": args.warmup_steps, "log_every": args.log_every or None}
+    changes = {key: value for key, value in given.items() if value is not None}  # the size's defaults for the rest
     if any(value is not None for value in shape.values()):
         changes["size"] = "custom"
-    setup = OverheadSetup.for_size(args.model, **changes)
+    setup = OverheadSetup.for_size(
+        args.model, precision=args.precision, threads=args.threads, checkpoint_every=args.checkpoint_every, **changes,
+    )
     variants = VARIANTS if not args.variants else [name.strip() for name in args.variants.split(",") if name.strip()]
     problems = overhead_argument_problems(setup, variants, VARIANTS)
     if problems:
@@ -134,10 +129,8 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
     try:
         # The runs print their progress: to stderr, so that with --json stdout holds only the JSON.
         with contextlib.redirect_stdout(sys.stderr):
-            ensure_ray()
-            report = overhead_report(
-                setup=setup, variants=variants, repeats=args.repeats or defaults["repeats"], storage_dir=scratch,
-            )
+            repeats = args.repeats or SIZE_DEFAULTS[args.model]["repeats"]
+            report = overhead_report(setup=setup, variants=variants, repeats=repeats, storage_dir=scratch)
         warning = drift_warning(report["machine_drift"])
         if warning:
             say(warning, stderr=True)

@@ -78,7 +78,3 @@ class S3Server:
     def make_bucket(self, name: str) -> str:
         self.client().create_bucket(Bucket=name)
         return name
-
-    def reset(self) -> None:
-        """Drop every bucket and object (moto's reset endpoint)."""
-        urllib.request.urlopen(urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST"), timeout=5).close()
