@@ -28,9 +28,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raytrain_fast._ray_compat import DATA_EXECUTOR_LOGGER
-from raytrain_fast.data.manifest import MANIFEST_NAME, Manifest
+from raytrain_fast.data.manifest import MANIFEST_NAME, Manifest, shard_locations
 from raytrain_fast.data.order import (  # the order is its own module; these names stay importable from here
     SHUFFLE_WINDOW_SHARDS, EpochOrder, locate_absolute, rank_stream, shard_order, usable_rows, window_permutation,
+    window_rows,
 )
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
@@ -172,22 +173,6 @@ class _ReadPieces:
             offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in read])])
             tables.append(pa.concat_tables(read).take(pa.array(offsets[which] + rows)))
         return pa.concat_tables(tables)
-
-
-def shard_locations(manifests: list[Manifest], storage: StorageConfig | None) -> tuple[list, list, np.ndarray]:
-    """(a filesystem per manifest, (manifest index, path) and first seq_id of every shard, manifest after manifest)."""
-    filesystems, paths, first_seq_ids = [], [], []
-    for index, manifest in enumerate(manifests):
-        filesystem, root = resolve_filesystem(manifest.root, storage or StorageConfig())
-        filesystems.append(filesystem)
-        paths += [(index, f"{root.rstrip('/')}/{shard.path}") for shard in manifest.shards]
-        first_seq_ids += [shard.first_seq_id for shard in manifest.shards]
-    return filesystems, paths, np.asarray(first_seq_ids, dtype=np.int64)
-
-
-def window_rows(shard_rows: list[int]) -> float:
-    """Sequences in an average shuffle window of a source whose shards hold `shard_rows` usable rows."""
-    return sum(shard_rows) * min(SHUFFLE_WINDOW_SHARDS, len(shard_rows)) / max(1, len(shard_rows))
 
 
 def _collate_class():

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from raytrain_fast.data.ingest import BatchIterator, shard_locations, window_rows
-from raytrain_fast.data.order import EpochOrder, locate_absolute, usable_rows
-from raytrain_fast.data.manifest import Manifest
+from raytrain_fast.data.ingest import BatchIterator
+from raytrain_fast.data.manifest import Manifest, shard_locations
+from raytrain_fast.data.order import EpochOrder, locate_absolute, rank_indexes, usable_rows, window_rows
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig
 
@@ -141,13 +141,13 @@ def mixture_rank_stream(
     micro_batch: int, batches: int, first_batch: int = 0, orders: list[dict[int, EpochOrder]] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sources, shards, rows) of rank `rank`'s micro-batches first_batch .. first_batch + batches - 1
-    after global position `consumed`: micro-batch k is global indexes consumed + (k * W + rank) * B ..
-    + B - 1, as in ingest.rank_stream. Pure: the ingest's plan, and what tests check.
-    `source_rows`: usable rows of each shard, per source; `orders`: per-source EpochOrder caches."""
+    after global position `consumed`, sliced as a single source's stream (order.rank_indexes). Pure: the
+    ingest's plan, and what tests check. `source_rows`: usable rows of each shard, per source; `orders`:
+    per-source EpochOrder caches."""
     orders = [{} for _ in source_rows] if orders is None else orders
-    k = np.arange(first_batch, first_batch + batches, dtype=np.int64)
-    offsets = (k * world_size + rank) * micro_batch
-    g = (consumed + offsets[:, None] + np.arange(micro_batch, dtype=np.int64)[None, :]).ravel()
+    g = rank_indexes(
+        consumed, rank=rank, world_size=world_size, micro_batch=micro_batch, batches=batches, first_batch=first_batch
+    )
     sources, local = schedule.locate(g)
     shards, rows = np.empty_like(g), np.empty_like(g)
     for s in np.unique(sources).tolist():
