@@ -50,9 +50,10 @@ def test_ray_data_execution_summary_stays_off_the_console(ray_session, capfd):
 
     import logging
 
-    from raytrain_fast.data.ingest import _EXECUTOR_LOGGER, _HideExecutionSummary
+    from raytrain_fast._ray_compat import DATA_EXECUTOR_LOGGER
+    from raytrain_fast.data.ingest import _HideExecutionSummary
 
-    executor_logger = logging.getLogger(_EXECUTOR_LOGGER)
+    executor_logger = logging.getLogger(DATA_EXECUTOR_LOGGER)
     earlier = [f for f in executor_logger.filters if isinstance(f, _HideExecutionSummary)]
     for found in earlier:  # an earlier test in this process (any training run) installed it already
         executor_logger.removeFilter(found)

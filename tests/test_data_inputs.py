@@ -209,8 +209,9 @@ def test_one_parquet_file_is_cut_into_row_group_pieces_for_every_cpu(tmp_path, r
     pq.write_table(pa.table({"text": rows}), tmp_path / "one.parquet", row_group_size=10)  # 9 row groups
     listing, filesystems = list_inputs([str(tmp_path / "one.parquet")], Storage())
     items = _work_items(listing.sources, filesystems, num_cpus=2)
-    assert [(i["piece"], i["first_group"], i["end_group"]) for i in items] == [(0, 0, 4), (1, 4, 9)]
-    assert [i["end_group"] for i in _work_items(listing.sources * 2, filesystems, num_cpus=2)] == [-1, -1]  # enough files
+    assert [(piece, row_groups) for _, piece, _, row_groups in items] == [(0, (0, 4)), (1, (4, 9))]
+    enough_files = _work_items(listing.sources * 2, filesystems, num_cpus=2)
+    assert [row_groups for *_, row_groups in enough_files] == [None, None]
 
     in_ray = prepare_data(inputs=[str(tmp_path / "one.parquet")], output=str(tmp_path / "ray"), seq_len=16, parallel=True)
     in_process = prepare_data(inputs=[str(tmp_path / "one.parquet")], output=str(tmp_path / "local"), seq_len=16, parallel=False)

@@ -17,7 +17,7 @@ import pyarrow.fs as pafs
 from raytrain_fast.data.corpus import stdlib_files
 from raytrain_fast.console import say
 from raytrain_fast.data.manifest import MANIFEST_NAME, join_uri
-from raytrain_fast.data.inputs import canonical_input, list_sources
+from raytrain_fast.data.inputs import canonical_input, list_inputs
 from raytrain_fast.data.prepare import prepare_data
 from raytrain_fast.data.readers import DEFAULT_TEXT_FIELD, TEXT_FIELD_SETTING, name_settings
 from raytrain_fast.data.tokenizer import load_tokenizer
@@ -41,8 +41,7 @@ def is_prepared(uri: str, storage: StorageConfig) -> bool:
 
 def _fingerprint(inputs: list[str], storage: StorageConfig) -> str:
     """sha256 over (path, size, mtime) of every input file: notices changed files without reading them."""
-    s3 = resolve_filesystem("s3://", storage)[0] if any(i.startswith("s3://") for i in inputs) else None
-    listing = list_sources(inputs, s3=s3, exclude=None)
+    listing = list_inputs(inputs, storage)[0]
     digest = hashlib.sha256()
     for source in listing.sources:
         digest.update(f"{source.uri}\0{source.size}\0{source.mtime_ns}\n".encode())

@@ -31,10 +31,8 @@ def _byte_level_characters() -> dict[int, str]:
 
 
 def byte_tokenizer_json() -> str:
-    """tokenizer.json of the byte tokenizer (ids 0-255 = bytes, 256 = `<|endoftext|>`), written as
-    the `tokenizers` library writes it (a BPE model with the 256 byte characters and no merges, a
-    ByteLevel pre-tokenizer without its regex split or prefix space, a ByteLevel decoder), without
-    the library: an export needs no optional package."""
+    """tokenizer.json of the byte tokenizer (see the module's docstring), written as the `tokenizers`
+    library writes it, without the library: an export needs no optional package."""
     eod = {"id": EOD_TOKEN, "content": BYTE_EOD_TEXT, "single_word": False, "lstrip": False, "rstrip": False,
            "normalized": False, "special": True}
     model = {
@@ -84,11 +82,10 @@ def hf_tokenizer_files(spec: TokenizerSpec, *, model_max_length: int | None) -> 
         raise DataError(f"tokenizer {spec.info.name} has no token with the end-of-document id {spec.info.eod_id}")
     special = {"eos_token": eod, "pad_token": eod}
     config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **({"model_max_length": model_max_length} if model_max_length is not None else {}),
         "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False, **special,
     }
-    if model_max_length is None:
-        del config["model_max_length"]
     return {
         "tokenizer.json": json_text,
         "tokenizer_config.json": json.dumps(config, indent=2),

@@ -1,27 +1,14 @@
 """Training-side ingest: a per-rank, resumable stream of micro-batches from prepared shards.
 
-The plan is deterministic and knows no world size, so a resumed run continues exactly where it
-stopped, on the same or on another number of workers:
-  - each epoch is one global stream of every usable sequence, in an order drawn from (seed, epoch):
-    the shards are put in an order hashed from (seed, epoch), cut into shuffle windows of
-    `SHUFFLE_WINDOW_SHARDS` consecutive shards, and the sequences of each window are permuted by a
-    hash of (seed, epoch, window). A micro-batch therefore draws from many documents of many shards;
-  - the epochs follow each other in one endless stream (no sequence is dropped at an epoch's end);
-  - with W ranks and micro-batch B, rank r's k-th micro-batch since the start position P is
-    stream[P + (k * W + r) * B : P + (k * W + r + 1) * B].
-After every step all ranks have taken the same number of micro-batches, so one global position,
-`DataPosition(epoch, consumed)` = "sequences of the epoch consumed by all ranks together", saved by
-rank 0, restores every rank. A resize (another W or B) is a new slicing of the rest of the stream:
-no sequence of the epoch is seen twice and none is skipped.
+The order, the rank slicing, the global `DataPosition` and the sequential reads are described in
+docs/data.md ("How training reads the shards"); the order itself is `order.py`. With W ranks and
+micro-batch B, rank r's k-th micro-batch since the start position P is
+stream[P + (k * W + r) * B : P + (k * W + r + 1) * B].
 
-Reading goes through Ray Data: one small read task per (chunk, window) piece (num_cpus=0, one at a
-time, on this node) reads the window's shards whole (sequential Parquet reads, never single rows),
-keeps this rank's rows and puts them in stream order in memory; `iter_torch_batches(prefetch_batches=...)`
-collates the next batches while the step runs. A producer thread starts the pipeline as soon as the
-iterator is built and hands batches over through a small queue, `HANDOVER_BATCHES` micro-batches at a
-time (views of one collated tensor), so the step loop only ever blocks on `queue.get()`, once per group
-(the loop times that wait itself: TrainMetrics' data wait). Each rank decodes every
-shard of the windows it reads (W times the bytes over all ranks): the price of a world-size-free order.
+Reading goes through Ray Data: one small read task per piece of the plan (num_cpus=0, one at a time,
+on this node); `iter_torch_batches` collates the next batches while the step runs. A producer thread
+hands batches over through a small queue, `HANDOVER_BATCHES` micro-batches at a time, so the step loop
+only ever blocks on `queue.get()`, once per group (the loop times that wait: TrainMetrics' data wait).
 """
 
 from __future__ import annotations
@@ -41,9 +28,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raytrain_fast._ray_compat import DATA_EXECUTOR_LOGGER
-from raytrain_fast.data.manifest import MANIFEST_NAME, Manifest
+from raytrain_fast.data.manifest import MANIFEST_NAME, Manifest, shard_locations
 from raytrain_fast.data.order import (  # the order is its own module; these names stay importable from here
     SHUFFLE_WINDOW_SHARDS, EpochOrder, locate_absolute, rank_stream, shard_order, usable_rows, window_permutation,
+    window_rows,
 )
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
@@ -168,11 +156,12 @@ def check_manifest_matches(
 
 
 class _ReadPieces:
-    """map_batches function: one pickled piece (shard paths, and which row of which shard, in stream
-    order) -> those rows, in that order. Shards are read whole: sequential reads, shuffled in memory."""
+    """map_batches function: one pickled piece ([(source, shard path)], which of them and which row each
+    sequence comes from, in stream order) -> those rows, in that order. Shards are read whole: sequential
+    reads, shuffled in memory. `filesystems`: one per source (a mixture's, or the single source's)."""
 
-    def __init__(self, filesystem: pafs.FileSystem) -> None:
-        self.filesystem = filesystem
+    def __init__(self, filesystems: list[pafs.FileSystem]) -> None:
+        self.filesystems = filesystems
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
         from raytrain_fast.data.manifest import read_shard
@@ -180,7 +169,7 @@ class _ReadPieces:
         tables = []
         for spec in batch["piece"]:
             paths, which, rows = pickle.loads(spec)
-            read = [read_shard(path, self.filesystem) for path in paths]
+            read = [read_shard(path, self.filesystems[source]) for source, path in paths]
             offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in read])])
             tables.append(pa.concat_tables(read).take(pa.array(offsets[which] + rows)))
         return pa.concat_tables(tables)
@@ -254,15 +243,8 @@ class BatchIterator(Iterator):
         storage: StorageConfig | None = None,
         max_sequences: int | None = None,
     ) -> None:
-        import torch
-
-        if not 0 <= rank < world_size:
-            raise DataError(f"rank {rank} is outside world size {world_size}")
-        if micro_batch < 1 or prefetch_batches < 1:
-            raise DataError(f"micro_batch and prefetch_batches must be >= 1, got {micro_batch} and {prefetch_batches}")
-        self.manifest, self.rank, self.world_size, self.micro_batch, self.seed = manifest, rank, world_size, micro_batch, seed
-        self.prefetch_batches = prefetch_batches
-        self.device = torch.device(device)
+        self._setup(rank, world_size, micro_batch, seed, prefetch_batches, device)
+        self.manifest = manifest
         self.shard_rows = usable_rows(manifest, max_sequences)
         self.sequences_per_epoch = sum(self.shard_rows)
         """Sequences in the global stream per epoch (all ranks together)."""
@@ -282,13 +264,24 @@ class BatchIterator(Iterator):
         absolute = position.epoch * self.sequences_per_epoch + min(position.consumed, self.sequences_per_epoch)
         self._start = DataPosition(epoch=absolute // self.sequences_per_epoch, consumed=absolute % self.sequences_per_epoch)
         self._position = self._start
-        self._filesystem, root_path = resolve_filesystem(manifest.root, storage or StorageConfig())
-        self._paths = [f"{root_path.rstrip('/')}/{shard.path}" for shard in manifest.shards]
-        self._first_seq_id = np.asarray([shard.first_seq_id for shard in manifest.shards], dtype=np.int64)
-        window_rows = self.sequences_per_epoch * min(SHUFFLE_WINDOW_SHARDS, len(self.shard_rows)) / max(1, len(self.shard_rows))
-        self._batches_per_chunk = max(1, int(window_rows * _WINDOWS_PER_DATASET) // (micro_batch * world_size))
+        self._filesystems, self._paths, self._first_seq_id = shard_locations([manifest], storage)
+        chunk_rows = int(window_rows(self.shard_rows) * _WINDOWS_PER_DATASET)
+        self._batches_per_chunk = max(1, chunk_rows // (micro_batch * world_size))
         self._orders: dict[int, EpochOrder] = {}
         self._start_pipeline()
+
+    def _setup(
+        self, rank: int, world_size: int, micro_batch: int, seed: int, prefetch_batches: int, device: Any
+    ) -> None:
+        """The settings every reader checks and keeps, single source or mixture."""
+        import torch
+
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank {rank} is outside world size {world_size}")
+        if micro_batch < 1 or prefetch_batches < 1:
+            raise DataError(f"micro_batch and prefetch_batches must be >= 1, got {micro_batch} and {prefetch_batches}")
+        self.rank, self.world_size, self.micro_batch, self.seed = rank, world_size, micro_batch, seed
+        self.prefetch_batches, self.device = prefetch_batches, torch.device(device)
 
     def _start_pipeline(self) -> None:
         self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch_batches)  # of groups of micro-batches
@@ -351,22 +344,25 @@ class BatchIterator(Iterator):
         absolute = self._start.epoch * self.sequences_per_epoch + self._start.consumed + batches * self.world_size * self.micro_batch
         return DataPosition(epoch=absolute // self.sequences_per_epoch, consumed=absolute % self.sequences_per_epoch)
 
-    def _chunk(self, first_batch: int) -> _Chunk:
-        """The next `_batches_per_chunk` micro-batches of this rank: read pieces, one per (epoch, window) run."""
-        count = self._batches_per_chunk
+    def _plan(self, first_batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(shard index into `_paths`, row) of every sequence of this rank's next `_batches_per_chunk`
+        micro-batches, and where to cut them into read pieces: one per (epoch, window) run, so that
+        each piece reads one window's shards once."""
         epochs, windows, shards, rows = rank_stream(
             self.shard_rows, seed=self.seed, start=self._start, rank=self.rank, world_size=self.world_size,
-            micro_batch=self.micro_batch, batches=count, first_batch=first_batch, orders=self._orders,
+            micro_batch=self.micro_batch, batches=self._batches_per_chunk, first_batch=first_batch, orders=self._orders,
         )
-        # Split where the (epoch, window) changes: each piece reads one window's shards once.
-        keys = epochs * (1 << 32) + windows
-        cuts = np.flatnonzero(np.diff(keys)) + 1
+        return shards, rows, np.flatnonzero(np.diff(epochs * (1 << 32) + windows)) + 1
+
+    def _chunk(self, first_batch: int) -> _Chunk:
+        shards, rows, cuts = self._plan(first_batch)
         pieces = []
-        for lo, hi in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(keys)]])):
-            unique, which = np.unique(shards[lo:hi], return_inverse=True)
+        for piece_shards, piece_rows in zip(np.split(shards, cuts), np.split(rows, cuts)):
+            unique, which = np.unique(piece_shards, return_inverse=True)
             paths = [self._paths[int(s)] for s in unique]
-            pieces.append(pickle.dumps((paths, which.astype(np.int64), rows[lo:hi].astype(np.int64))))
-        return _Chunk(first_batch=first_batch, batches=count, pieces=pieces, seq_ids=self._first_seq_id[shards] + rows)
+            pieces.append(pickle.dumps((paths, which.astype(np.int64), piece_rows.astype(np.int64))))
+        seq_ids = self._first_seq_id[shards] + rows
+        return _Chunk(first_batch=first_batch, batches=self._batches_per_chunk, pieces=pieces, seq_ids=seq_ids)
 
     # -- producer thread --------------------------------------------------------------------
 
@@ -398,7 +394,7 @@ class BatchIterator(Iterator):
         Data task's error reaches the caller as text only, so a missing or unreadable shard (an error
         every retry would meet) is named this way; None: the shards read fine (a transient failure)."""
         try:
-            self._read_function()({"piece": chunk.pieces})
+            _ReadPieces(self._filesystems)({"piece": chunk.pieces})
         except DataError as error:
             return error
         except Exception:  # noqa: BLE001 - not a damaged shard: the pipeline's own error stands
@@ -439,16 +435,13 @@ class BatchIterator(Iterator):
                 f"{chunk.first_batch + index} after {self._start}); exact resume would break"
             )
 
-    def _read_function(self) -> Any:
-        return _ReadPieces(self._filesystem)
-
     def _dataset(self, pieces: list[bytes]):
         import ray
         import ray.data
 
         dataset = ray.data.from_items([{"piece": piece} for piece in pieces], override_num_blocks=len(pieces))
         dataset = dataset.map_batches(
-            self._read_function(),
+            _ReadPieces(self._filesystems),
             batch_size=1,
             batch_format="numpy",
             compute=ray.data.TaskPoolStrategy(size=1),
@@ -477,12 +470,9 @@ class _HideExecutionSummary(logging.Filter):
         return True
 
 
-_EXECUTOR_LOGGER = DATA_EXECUTOR_LOGGER
-
-
 def hide_execution_summaries() -> None:
     """Install _HideExecutionSummary once in this process (idempotent)."""
-    executor_logger = logging.getLogger(_EXECUTOR_LOGGER)
+    executor_logger = logging.getLogger(DATA_EXECUTOR_LOGGER)
     if not any(isinstance(f, _HideExecutionSummary) for f in executor_logger.filters):
         executor_logger.addFilter(_HideExecutionSummary())
 

@@ -86,17 +86,17 @@ def _list_s3(item: str, filesystem: pafs.FileSystem, listing: Listing) -> None:
     pattern = path if any(c in path for c in _GLOB_CHARS) else None
     if pattern is not None:
         base = pattern[: min(pattern.index(c) for c in _GLOB_CHARS if c in pattern)].rsplit("/", 1)[0]
-        infos = _s3_files_under(base, filesystem, item)
+        infos = _s3_files_under(base, filesystem)
         matches = [info for info in infos if fnmatch.fnmatchcase(info.path, pattern)]
         if not matches:
             listing.skipped.append(Skipped(path=item, reason="matched no files"))
         infos = matches
     else:
-        info = _s3_info(path, filesystem, item)
+        info = filesystem.get_file_info(path)
         if info.type == pafs.FileType.File:
             infos = [info]
         elif info.type == pafs.FileType.Directory:
-            infos = _s3_files_under(path, filesystem, item)
+            infos = _s3_files_under(path, filesystem)
             if not infos:
                 listing.skipped.append(Skipped(path=item, reason="no files under this prefix"))
         else:
@@ -109,18 +109,8 @@ def _list_s3(item: str, filesystem: pafs.FileSystem, listing: Listing) -> None:
         listing.sources.append(Source(uri=f"s3://{info.path}", location="s3", path=info.path, size=info.size, mtime_ns=None))
 
 
-def _s3_info(path: str, filesystem: pafs.FileSystem, item: str) -> pafs.FileInfo:
-    try:
-        return filesystem.get_file_info(path)
-    except OSError as error:
-        raise DataError(f"input '{item}' cannot be listed: {error}") from None
-
-
-def _s3_files_under(base: str, filesystem: pafs.FileSystem, item: str) -> list[pafs.FileInfo]:
-    try:
-        infos = filesystem.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-    except OSError as error:
-        raise DataError(f"input '{item}' cannot be listed: {error}") from None
+def _s3_files_under(base: str, filesystem: pafs.FileSystem) -> list[pafs.FileInfo]:
+    infos = filesystem.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
     return [info for info in infos if info.type == pafs.FileType.File]
 
 
@@ -150,7 +140,10 @@ def list_sources(inputs: list[str], *, s3: pafs.FileSystem | None, exclude: str 
     for item in inputs:
         if item.startswith("s3://"):
             assert s3 is not None  # built by the caller whenever an input is on S3
-            _list_s3(item, s3, listing)
+            try:
+                _list_s3(item, s3, listing)
+            except OSError as error:
+                raise DataError(f"input '{item}' cannot be listed: {error}") from None
         else:
             _list_local(item, listing, exclude)
     unique: list[Source] = []

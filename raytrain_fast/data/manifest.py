@@ -7,7 +7,7 @@ to the manifest's directory, so a prepared dataset can be copied or moved (local
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from raytrain_fast.errors import DataError
@@ -86,12 +86,6 @@ class ValidationSplit:
     sources: list[SourceFile] = field(default_factory=list)
     """The `--val-input` files (method `inputs`); empty for `hash` (the documents come from `sources`)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
-        data["shards"] = [dict(vars(s)) for s in self.shards]
-        data["sources"] = [dict(vars(s)) for s in self.sources]
-        return data
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ValidationSplit:
         values = dict(data)
@@ -140,21 +134,10 @@ class Manifest:
         """Tokens stored: num_sequences x (seq_len + 1)."""
         return self.num_sequences * (self.seq_len + 1)
 
-    def identity(self) -> dict[str, Any]:
-        return {"recipe": self.recipe, "sources_hash": self.sources_hash}
-
-    def to_dict(self) -> dict[str, Any]:
-        # Shallow copies per entry: dataclasses.asdict deep-copies thousands of source entries slowly.
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "root"}
-        data["tokenizer"] = asdict(self.tokenizer)
-        data["recipe"] = json.loads(json.dumps(self.recipe))
-        data["validation"] = self.validation.to_dict() if self.validation is not None else None
-        for name in ("sources", "skipped", "shards"):
-            data[name] = [dict(vars(entry)) for entry in data[name]]
-        return data
-
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1) + "\n"
+        # json asks `default` for each dataclass in turn: no copies (dataclasses.asdict deep-copies
+        # thousands of source entries slowly). `root` is where the manifest was read from, not stored.
+        return json.dumps(self, default=_stored_fields, indent=1) + "\n"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, root: str = "") -> Manifest:
@@ -176,8 +159,28 @@ class Manifest:
             raise DataError(f"manifest at {root or '?'} is malformed ({error}); prepare the data again") from None
 
 
+def _stored_fields(entry: Any) -> dict[str, Any]:
+    return {f.name: getattr(entry, f.name) for f in fields(entry) if f.name != "root"}
+
+
 def join_uri(root: str, relative: str) -> str:
     return f"{root.rstrip('/')}/{relative}" if root else relative
+
+
+def shard_locations(manifests: list[Manifest], storage: Any) -> tuple[list, list, Any]:
+    """(a filesystem per manifest, (manifest index, path) and first seq_id of every shard, manifest after
+    manifest): what the training readers read. `storage`: a StorageConfig or None."""
+    import numpy as np
+
+    from raytrain_fast.storage import StorageConfig, resolve_filesystem
+
+    filesystems, paths, first_seq_ids = [], [], []
+    for index, manifest in enumerate(manifests):
+        filesystem, root = resolve_filesystem(manifest.root, storage or StorageConfig())
+        filesystems.append(filesystem)
+        paths += [(index, f"{root.rstrip('/')}/{shard.path}") for shard in manifest.shards]
+        first_seq_ids += [shard.first_seq_id for shard in manifest.shards]
+    return filesystems, paths, np.asarray(first_seq_ids, dtype=np.int64)
 
 
 def read_shard(path: str, filesystem: Any) -> Any:
@@ -199,4 +202,5 @@ def read_shard(path: str, filesystem: Any) -> Any:
 
 __all__ = [
     "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "Shard", "Skipped", "SourceFile", "TokenizerInfo", "ValidationSplit", "join_uri", "read_shard",
+    "shard_locations",
 ]

@@ -1,17 +1,9 @@
 """Mixtures: several prepared datasets interleaved by weight into one global stream (data.sources).
 
-The global stream knows no world size, as the single-source one does (ingest.py): the source of
-global sequence g is `pattern[g % period]`, a fixed schedule built once from the weights, and it is
-that source's `counts(g)[s]`-th sequence (its own endless stream: its own hash-shuffled epochs, one
-after another, as ingest.py draws them). So the mixture's position is one integer, the sequences
-consumed by all ranks together, and a resume on any worker count reads the same sequence at the same
-index. A source that runs out starts its next epoch on its own; the others go on.
-
-The schedule: weights become integer counts per period (exact for decimal weights such as 0.7 / 0.2
-/ 0.1: period 10), then each slot goes to the source furthest behind its share ("largest deficit
-first"). Its largest prefix deviation D, |count_s(g) - g * w_s|, is computed over one period (the
-pattern repeats) and is below 1 sequence for every weight set tried (tests); any window of G
-sequences then holds G * w_s +- 2D sequences of source s: within 2 sequences of its share.
+docs/data.md ("Mixtures") describes the schedule and its bound. The source of global sequence g is
+`pattern[g % period]`, a fixed schedule built once from the weights ("largest deficit first"), and it
+is that source's `counts(g)[s]`-th sequence in its own endless stream of hash-shuffled epochs. So the
+position is one integer, the sequences consumed by all ranks together, valid on any worker count.
 """
 
 from __future__ import annotations
@@ -19,19 +11,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import pickle
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from raytrain_fast.data.ingest import BatchIterator
-from raytrain_fast.data.order import SHUFFLE_WINDOW_SHARDS, EpochOrder, locate_absolute, usable_rows
-from raytrain_fast.data.manifest import Manifest
+from raytrain_fast.data.manifest import Manifest, shard_locations
+from raytrain_fast.data.order import EpochOrder, locate_absolute, rank_indexes, usable_rows, window_rows
 from raytrain_fast.errors import DataError
-from raytrain_fast.storage import StorageConfig, resolve_filesystem
+from raytrain_fast.storage import StorageConfig
 
 MIXTURE_STREAM = "mixture-v1"
 MAX_PERIOD = 100_000
@@ -51,12 +41,8 @@ class MixtureSchedule:
         """The realised weights (normalised; equal to the configured ones unless MAX_PERIOD rounded them)."""
         steps = np.arange(self.period + 1, dtype=np.float64)[:, None]
         self.max_deviation = float(np.abs(self.prefix - steps * shares[None, :]).max())
-        """Largest |sequences of source s among the first g - g * w_s| over all g (< 1 in practice)."""
-
-    @property
-    def window_bound(self) -> float:
-        """Any window of G consecutive sequences holds G * w_s +- this many sequences of source s."""
-        return 2 * self.max_deviation
+        """Largest |sequences of source s among the first g - g * w_s| over all g (< 1 in practice): any
+        window of G consecutive sequences holds G * w_s +- 2 x this many sequences of source s."""
 
     def counts(self, g: int | np.ndarray) -> np.ndarray:
         """Sequences of each source among the first g of the stream: (S,) for an int, (n, S) for an array."""
@@ -143,10 +129,6 @@ class Source:
     manifest: Manifest
 
 
-def source_identity(sources: list[Source]) -> list[dict[str, Any]]:
-    return [{"name": s.name, "weight": s.weight} for s in sources]
-
-
 def tokens_per_source(schedule: MixtureSchedule, *, consumed: int, seq_len: int, names: list[str]) -> dict[str, float]:
     """{'data/tokens/<name>': tokens of each source trained on so far} at a global position: plain
     arithmetic on the position and the weights (host-side, no device work), for the metrics record."""
@@ -159,13 +141,13 @@ def mixture_rank_stream(
     micro_batch: int, batches: int, first_batch: int = 0, orders: list[dict[int, EpochOrder]] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sources, shards, rows) of rank `rank`'s micro-batches first_batch .. first_batch + batches - 1
-    after global position `consumed`: micro-batch k is global indexes consumed + (k * W + rank) * B ..
-    + B - 1, as in ingest.rank_stream. Pure: the ingest's plan, and what tests check.
-    `source_rows`: usable rows of each shard, per source; `orders`: per-source EpochOrder caches."""
+    after global position `consumed`, sliced as a single source's stream (order.rank_indexes). Pure: the
+    ingest's plan, and what tests check. `source_rows`: usable rows of each shard, per source; `orders`:
+    per-source EpochOrder caches."""
     orders = [{} for _ in source_rows] if orders is None else orders
-    k = np.arange(first_batch, first_batch + batches, dtype=np.int64)
-    offsets = (k * world_size + rank) * micro_batch
-    g = (consumed + offsets[:, None] + np.arange(micro_batch, dtype=np.int64)[None, :]).ravel()
+    g = rank_indexes(
+        consumed, rank=rank, world_size=world_size, micro_batch=micro_batch, batches=batches, first_batch=first_batch
+    )
     sources, local = schedule.locate(g)
     shards, rows = np.empty_like(g), np.empty_like(g)
     for s in np.unique(sources).tolist():
@@ -174,34 +156,9 @@ def mixture_rank_stream(
     return sources, shards, rows
 
 
-class _ReadMixturePieces:
-    """map_batches function: one pickled piece ([(source, shard path)], which, rows) -> those rows in
-    that order. Each shard is read whole (sequential reads) and only its wanted rows are kept."""
-
-    def __init__(self, filesystems: list[Any]) -> None:
-        self.filesystems = filesystems
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
-        from raytrain_fast.data.manifest import read_shard
-
-        tables = []
-        for spec in batch["piece"]:
-            paths, which, rows = pickle.loads(spec)
-            parts, order = [], np.empty(len(rows), dtype=np.int64)
-            done = 0
-            for index, (source, path) in enumerate(paths):
-                wanted = np.flatnonzero(which == index)
-                table = read_shard(path, self.filesystems[source])
-                parts.append(table.take(pa.array(rows[wanted])).combine_chunks())
-                order[wanted] = np.arange(done, done + len(wanted))
-                done += len(wanted)
-            tables.append(pa.concat_tables(parts).take(pa.array(order)))
-        return pa.concat_tables(tables)
-
-
 class MixtureIterator(BatchIterator):
     """BatchIterator over a mixture: the same micro-batches, ranks, prefetch and checks, with global
-    index g drawn from source `schedule.locate(g)`. seq_ids are each source's own (`plan` says whose).
+    index g drawn from source `schedule.locate(g)`. seq_ids are each source's own.
 
     `position`: a MixturePosition (or its dict) of the same sources and weights, or None (the start).
     """
@@ -211,36 +168,26 @@ class MixtureIterator(BatchIterator):
         prefetch_batches: int = 2, device: Any = "cpu", position: MixturePosition | dict[str, Any] | None = None,
         storage: StorageConfig | None = None,
     ) -> None:
-        import torch
-
-        if not 0 <= rank < world_size or micro_batch < 1 or prefetch_batches < 1:
-            raise DataError(f"bad ingest setup: rank {rank} of {world_size}, micro_batch {micro_batch}, prefetch {prefetch_batches}")
+        self._setup(rank, world_size, micro_batch, seed, prefetch_batches, device)
         problems = mixture_problems(sources)
         if problems:
             raise DataError("; ".join(problems))
-        self.sources, self.rank, self.world_size, self.micro_batch, self.seed = sources, rank, world_size, micro_batch, seed
-        self.prefetch_batches, self.device = prefetch_batches, torch.device(device)
+        self.sources = sources
         self.schedule = MixtureSchedule([s.weight for s in sources])
         self.names = [s.name for s in sources]
         self.source_rows = [usable_rows(s.manifest) for s in sources]
         self.source_sizes = [sum(rows) for rows in self.source_rows]
         self.sequences_per_epoch = sum(self.source_sizes)
         """Sequences of all sources together (a mixture's positions carry no epoch: health arithmetic only)."""
-        identity = source_identity(sources)
+        identity = [{"name": s.name, "weight": s.weight} for s in sources]  # what a saved position must match
         if isinstance(position, dict):
             position = MixturePosition.from_dict(position, sources=identity)
         self._start = position or MixturePosition(sources=identity)
         self._position = self._start
-        self._filesystems, self._paths, self._first_seq_id = [], [], []
-        for source in sources:
-            filesystem, root = resolve_filesystem(source.manifest.root, storage or StorageConfig())
-            self._filesystems.append(filesystem)
-            self._paths.append([f"{root.rstrip('/')}/{shard.path}" for shard in source.manifest.shards])
-            self._first_seq_id.append(np.asarray([shard.first_seq_id for shard in source.manifest.shards], dtype=np.int64))
-        window_rows = max(
-            size * min(SHUFFLE_WINDOW_SHARDS, len(rows)) / max(1, len(rows)) for size, rows in zip(self.source_sizes, self.source_rows)
-        )
-        self._piece_batches = max(1, int(window_rows) // (micro_batch * world_size))
+        self._filesystems, self._paths, self._first_seq_id = shard_locations([s.manifest for s in sources], storage)
+        self._first_shard = np.cumsum([0] + [len(s.manifest.shards) for s in sources])[:-1]
+        """Index into `_paths` of each source's first shard."""
+        self._piece_batches = max(1, int(max(map(window_rows, self.source_rows))) // (micro_batch * world_size))
         self._batches_per_chunk = 2 * self._piece_batches
         self._orders: list[dict[int, EpochOrder]] = [{} for _ in sources]
         self._start_pipeline()
@@ -265,41 +212,20 @@ class MixtureIterator(BatchIterator):
         values.update({f"data/epochs/{name}": float(e) for name, e in zip(self.names, self.source_epochs.tolist())})
         return values
 
-    def plan(self, *, first_batch: int, batches: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(sources, shards, rows) of this rank's micro-batches first_batch .. + batches - 1."""
-        return mixture_rank_stream(
-            self.source_rows, self.schedule, seed=self.seed, consumed=self._start.consumed, rank=self.rank,
-            world_size=self.world_size, micro_batch=self.micro_batch, first_batch=first_batch, batches=batches, orders=self._orders,
-        )
-
-    def seq_ids_of(self, sources: np.ndarray, shards: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        first = np.empty_like(shards)
-        for s in np.unique(sources).tolist():
-            mask = sources == s
-            first[mask] = self._first_seq_id[s][shards[mask]]
-        return first + rows
-
     def _position_after(self, batches: int) -> MixturePosition:
         consumed = self._start.consumed + batches * self.world_size * self.micro_batch
         return MixturePosition(consumed=consumed, sources=self._start.sources)
 
-    def _chunk(self, first_batch: int):
-        from raytrain_fast.data.ingest import _Chunk
-
-        sources, shards, rows = self.plan(first_batch=first_batch, batches=self._batches_per_chunk)
+    def _plan(self, first_batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(shard index into `_paths`, row) of this rank's next micro-batches, cut into pieces of
+        `_piece_batches` micro-batches each."""
+        sources, shards, rows = mixture_rank_stream(
+            self.source_rows, self.schedule, seed=self.seed, consumed=self._start.consumed, rank=self.rank,
+            world_size=self.world_size, micro_batch=self.micro_batch, first_batch=first_batch,
+            batches=self._batches_per_chunk, orders=self._orders,
+        )
         per_piece = self._piece_batches * self.micro_batch
-        pieces = []
-        for lo in range(0, len(rows), per_piece):
-            hi = lo + per_piece
-            keys = sources[lo:hi] * (1 << 32) + shards[lo:hi]
-            unique, which = np.unique(keys, return_inverse=True)
-            paths = [(int(k >> 32), self._paths[int(k >> 32)][int(k & 0xFFFFFFFF)]) for k in unique.tolist()]
-            pieces.append(pickle.dumps((paths, which.astype(np.int64), rows[lo:hi].astype(np.int64))))
-        return _Chunk(first_batch=first_batch, batches=self._batches_per_chunk, pieces=pieces,
-                      seq_ids=self.seq_ids_of(sources, shards, rows))
-
-    def _read_function(self) -> Any:
-        return _ReadMixturePieces(self._filesystems)
+        return self._first_shard[sources] + shards, rows, np.arange(per_piece, len(rows), per_piece)
 
 
 def load_sources(data: Any, storage: StorageConfig, *, prepared: list[str] | None = None) -> tuple[list[Source], list[str]]:
@@ -379,11 +305,6 @@ def open_mixture(
     )
 
 
-def check_sources_before_start(config: Any) -> None:
-    """The pretrain command's check of data.sources, before Ray starts: every problem in one ConfigError."""
-    check_mixture(config)
-
-
 def _on_the_fly_problems(config: Any, prepared: list[Source]) -> list[str]:
     """The sources prepared on the fly are tokenized with data.tokenizer: its vocabulary against
     model.vocab_size, and against the tokenizer of the sources already prepared."""
@@ -408,38 +329,25 @@ def _on_the_fly_problems(config: Any, prepared: list[Source]) -> list[str]:
 
 
 def _text_problem(source: str, storage: StorageConfig) -> str | None:
-    """Why a source given as text (not prepared yet) cannot be prepared: missing, or holding no text."""
-    import glob
+    """Why a source given as text (not prepared yet) cannot be prepared: missing, or holding no text.
+    Its files are listed as prepare-data lists them."""
     import os
 
     from raytrain_fast.data.cache import STDLIB
+    from raytrain_fast.data.inputs import Listing, list_inputs
 
-    fix = ("give a prepared dataset (directory or s3:// URI holding manifest.json), text to prepare (file, directory, "
-           "glob) or 'stdlib', or remove it from data.sources")
     if source == STDLIB:
         return None
-    if "://" in source:
-        return None if _remote_exists(source, storage) else f"data.sources '{source}' does not exist: {fix}"
-    files = [source] if os.path.isfile(source) else glob.glob(source) if not os.path.isdir(source) else [
-        os.path.join(root, name) for root, _, names in os.walk(source) for name in names if not name.startswith(".")
-    ]
-    if not os.path.exists(source) and not files:
-        return f"data.sources '{source}' does not exist: {fix}"
-    if not any(os.path.isfile(f) and os.path.getsize(f) > 0 for f in files):
+    try:
+        listing = list_inputs([source], storage)[0]
+    except DataError:  # a bucket that cannot be listed
+        listing = Listing()
+    if not listing.sources and ("://" in source or not os.path.exists(source)):
+        return (f"data.sources '{source}' does not exist: give a prepared dataset (directory or s3:// URI holding "
+                "manifest.json), text to prepare (file, directory, glob) or 'stdlib', or remove it from data.sources")
+    if not any(s.size > 0 for s in listing.sources):
         return f"data.sources '{source}' is empty (no file with any text): add text to it, or remove it from data.sources"
     return None
-
-
-def _remote_exists(source: str, storage: StorageConfig) -> bool:
-    import pyarrow.fs as pafs
-
-    try:
-        filesystem, path = resolve_filesystem(source, storage)
-        if filesystem.get_file_info(path).type != pafs.FileType.NotFound:
-            return True
-        return bool(filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True)))
-    except OSError:
-        return False
 
 
 def mixture_problems(sources: list[Source], *, seq_len: int | None = None) -> list[str]:
@@ -472,6 +380,6 @@ def mixture_problems(sources: list[Source], *, seq_len: int | None = None) -> li
 
 
 __all__ = [
-    "MIXTURE_STREAM", "MixtureIterator", "MixturePosition", "MixtureSchedule", "Source", "check_mixture", "check_sources_before_start", "load_sources",
-    "mixture_problems", "mixture_rank_stream", "open_mixture", "prepare_sources", "source_identity", "tokens_per_source",
+    "MIXTURE_STREAM", "MixtureIterator", "MixturePosition", "MixtureSchedule", "Source", "check_mixture", "load_sources",
+    "mixture_problems", "mixture_rank_stream", "open_mixture", "prepare_sources", "tokens_per_source",
 ]

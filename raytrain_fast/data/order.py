@@ -6,21 +6,17 @@ other in one endless stream. Hashes, not a library RNG, so the order survives li
 from __future__ import annotations
 
 import hashlib
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from raytrain_fast.data.manifest import Manifest
 
+if TYPE_CHECKING:
+    from raytrain_fast.data.ingest import DataPosition
+
 SHUFFLE_WINDOW_SHARDS = 16
 """Shards whose sequences are shuffled together (about 16M tokens at the default shard size)."""
-
-
-class _Position(Protocol):
-    """A stream position (ingest.DataPosition): sequence `consumed` of `epoch`."""
-
-    epoch: int
-    consumed: int
 
 
 def _hash64(text: str) -> int:
@@ -28,10 +24,7 @@ def _hash64(text: str) -> int:
 
 
 def shard_order(num_shards: int, *, seed: int, epoch: int) -> list[int]:
-    """The shards' order in `epoch`: sorted by a hash of (seed, epoch, shard).
-
-    A hash, not numpy's RNG, so the order cannot change with a library upgrade between a run and its resume.
-    """
+    """The shards' order in `epoch`: sorted by a hash of (seed, epoch, shard)."""
     keys = [hashlib.blake2b(f"{seed}:{epoch}:{i}".encode(), digest_size=8).digest() for i in range(num_shards)]
     return sorted(range(num_shards), key=keys.__getitem__)
 
@@ -56,6 +49,11 @@ def usable_rows(manifest: Manifest, max_sequences: int | None = None) -> list[in
     if not max_sequences:
         return [s.num_rows for s in manifest.shards]
     return [max(0, min(s.num_rows, max_sequences - s.first_seq_id)) for s in manifest.shards]
+
+
+def window_rows(shard_rows: list[int]) -> float:
+    """Sequences in an average shuffle window of a source whose shards hold `shard_rows` usable rows."""
+    return sum(shard_rows) * min(SHUFFLE_WINDOW_SHARDS, len(shard_rows)) / max(1, len(shard_rows))
 
 
 class EpochOrder:
@@ -99,18 +97,27 @@ class EpochOrder:
 
 
 def rank_stream(
-    shard_rows: list[int], *, seed: int, start: _Position, rank: int, world_size: int, micro_batch: int, batches: int,
+    shard_rows: list[int], *, seed: int, start: DataPosition, rank: int, world_size: int, micro_batch: int, batches: int,
     first_batch: int = 0, orders: dict[int, EpochOrder] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(epochs, windows, shards, rows) of the sequences of rank `rank`'s micro-batches first_batch ..
     first_batch + batches - 1 after `start`, in order. Pure: the ingest's plan, and what tests check.
     `orders`: a cache of EpochOrder by epoch (the caller keeps it across calls)."""
-    total = sum(shard_rows)
-    orders = {} if orders is None else orders
-    base = start.epoch * total + start.consumed
+    absolute = rank_indexes(
+        start.epoch * sum(shard_rows) + start.consumed, rank=rank, world_size=world_size, micro_batch=micro_batch,
+        batches=batches, first_batch=first_batch,
+    )
+    return locate_absolute(shard_rows, absolute, seed=seed, orders={} if orders is None else orders)
+
+
+def rank_indexes(
+    start: int, *, rank: int, world_size: int, micro_batch: int, batches: int, first_batch: int
+) -> np.ndarray:
+    """Stream indexes of rank `rank`'s micro-batches first_batch .. first_batch + batches - 1 after index
+    `start`, in order: micro-batch k is start + (k * world_size + rank) * micro_batch .. + micro_batch - 1."""
     k = np.arange(first_batch, first_batch + batches, dtype=np.int64)
-    absolute = (base + (k * world_size + rank) * micro_batch)[:, None] + np.arange(micro_batch, dtype=np.int64)[None, :]
-    return locate_absolute(shard_rows, absolute.ravel(), seed=seed, orders=orders)
+    firsts = start + (k * world_size + rank) * micro_batch
+    return (firsts[:, None] + np.arange(micro_batch, dtype=np.int64)[None, :]).ravel()
 
 
 def locate_absolute(
@@ -133,5 +140,6 @@ def locate_absolute(
 
 
 __all__ = [
-    "SHUFFLE_WINDOW_SHARDS", "EpochOrder", "locate_absolute", "rank_stream", "shard_order", "usable_rows", "window_permutation",
+    "SHUFFLE_WINDOW_SHARDS", "EpochOrder", "locate_absolute", "rank_indexes", "rank_stream", "shard_order",
+    "usable_rows", "window_permutation", "window_rows",
 ]

@@ -1,17 +1,10 @@
 """`prepare_data`: text (local or S3) -> tokenized, packed, fixed-length sequences in Parquet shards
-plus `manifest.json`.
+plus `manifest.json` (docs/data.md, "raytrain-fast prepare-data", says what users see).
 
-Pipeline: list the inputs (`inputs.py`: files, directories, globs, s3:// URIs) -> read every file as a
-stream (`readers.py`: plain text, JSONL, Parquet, gzip/zstd) and tokenize it a batch of documents at a
-time, in Ray Data tasks or in this process (`tokenizing.py`) -> append the end-of-document id ->
-concatenate in source order -> cut into rows of seq_len + 1 ids -> write shards (`shards.py`) -> write
-the manifest last. Files and records that cannot be used are listed with the reason, never dropped
-silently; a file whose every record is bad is an error.
-
-The validation split (`split.py`) is chosen per document, before packing: a document goes to `val/`
-shards when a hash of its content falls under `val_fraction` (so a document is never in both splits,
-duplicates land together, and preparing again chooses the same documents), until the split holds
-VAL_MAX_TOKENS; or every document of the `val_inputs` files does.
+Pipeline: list the inputs (`inputs.py`) -> read every file as a stream (`readers.py`) and tokenize it a
+batch of documents at a time, in Ray Data tasks or in this process (`tokenizing.py`), choosing the
+validation split per document by a hash of its content (`split.py`) -> pack into rows of seq_len + 1
+ids and write the shards (`shards.py`) -> write the manifest last.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Reading one input's documents as a stream: plain text (one document a file), JSONL (one document a
 line, in a text field), Parquet (one document a row, in a text column), each optionally gzip or zstd
-compressed (`.gz`, `.zst`), never a whole JSONL or Parquet file in memory.
+compressed (`.gz`, `.zst`), never a whole JSONL or Parquet file in memory (docs/data.md, "Inputs").
 
 A file that cannot be used is skipped with a reason; records that cannot be used are counted by
 reason, and the file is used without them; a file where every record is bad is an error (`fatal`)
 that names the fields or columns it has, so a wrong --text-field is never a silently empty corpus.
-
-The text field may name several fields, comma-separated (`content,text`): each JSONL record and each
-Parquet file uses the first of them it has, so inputs that keep their text under different names can
-be read together.
 """
 
 from __future__ import annotations
@@ -127,29 +123,22 @@ class _Records:
     def summary(self) -> str:
         return ", ".join(f"{n} {problem} (first at {self.unit} {self.first[problem]})" for problem, n in self.bad.items())
 
-    def to_json(self) -> str:
-        return json.dumps({"field": self.field, "unit": self.unit, "bad": self.bad, "first": self.first, "fields": self.fields})
-
     @classmethod
-    def merged(cls, texts: list[str]) -> _Records:
-        """The records of a file read in pieces (`to_json` of each, in file order)."""
-        records = None
-        for data in map(json.loads, texts):
-            records = records or cls(data["field"], data["unit"])
-            for problem, n in data["bad"].items():
-                records.count(problem, data["first"][problem], n)
-            records.fields.update(data["fields"])
+    def merged(cls, pieces: list[_Records]) -> _Records:
+        """The records of a file read in pieces (each piece's, in file order)."""
+        records = cls(pieces[0].field, pieces[0].unit)
+        for piece in pieces:
+            for problem, n in piece.bad.items():
+                records.count(problem, piece.first[problem], n)
+            records.fields.update(piece.fields)
         return records
 
 
-def verdict_of_pieces(records: list[str], *, num_documents: int, text_field: str) -> tuple[str, str, str]:
-    """`verdict` of a Parquet file read in pieces (FileReader.row_groups), from each piece's `records_json`."""
-    return verdict(_Records.merged(records), num_documents=num_documents, text_field=text_field)
-
-
-def verdict(records: _Records, *, num_documents: int, text_field: str) -> tuple[str, str, str]:
+def verdict(records: _Records | list[_Records], *, num_documents: int, text_field: str) -> tuple[str, str, str]:
     """(skip_reason, partial_reason, fatal) of a file once read: used (maybe without some records),
-    skipped (nothing in it), or an error (every record bad)."""
+    skipped (nothing in it), or an error (every record bad). `records`: a file's, or the `records` of
+    each piece of a Parquet file read in pieces (FileReader.row_groups)."""
+    records = _Records.merged(records) if isinstance(records, list) else records
     what, none = ("JSONL records", "no JSONL records") if records.unit == "line" else ("Parquet rows", "no rows")
     summary = records.summary()
     if num_documents:
@@ -180,9 +169,10 @@ class FileReader:
         self.fields = text_fields(text_field)
         self.row_groups = row_groups
         """A Parquet file's row groups [first, end) only: a piece of a file read by several tasks. Its
-        records are left in `records_json` for the verdict over all pieces (`verdict`), and only the
+        records are left in `records` for the verdict over all pieces (`verdict`), and only the
         first piece hashes the file."""
-        self.sha256 = self.skip_reason = self.partial_reason = self.fatal = self.records_json = ""
+        self.sha256 = self.skip_reason = self.partial_reason = self.fatal = ""
+        self.records: _Records | None = None
         self.num_documents = 0
 
     def batches(self) -> Iterator[list[bytes]]:
@@ -211,11 +201,8 @@ class FileReader:
     def _text(self, stream) -> Iterator[list[bytes]]:
         """A plain-text file is one document, so it is read whole."""
         data = stream.read()
-        if not data:
-            self.skip_reason = "empty file"
-        elif b"\x00" in data:
-            self.skip_reason = "binary file (contains NUL bytes)"
-        else:
+        self.skip_reason = _not_text(data)
+        if not self.skip_reason:
             try:
                 data.decode("utf-8")
             except UnicodeDecodeError as error:
@@ -223,11 +210,10 @@ class FileReader:
                 return
             yield [data]
 
-    def _lines(self, stream) -> Iterator[tuple[int, int, bytes]]:
-        """(line number, byte offset, line) of a stream, read in chunks."""
+    def _lines(self, chunk: bytes, stream) -> Iterator[tuple[int, int, bytes]]:
+        """(line number, byte offset, line) of a stream whose first `chunk` is read already, read in chunks."""
         remainder, number, offset = b"", 0, 0
         while True:
-            chunk = stream.read(_READ_BYTES)
             lines = (remainder + chunk).split(b"\n") if chunk else [remainder]
             remainder = lines.pop() if chunk else b""
             for line in lines:
@@ -236,19 +222,17 @@ class FileReader:
                 offset += len(line) + 1
             if not chunk:
                 return
+            chunk = stream.read(_READ_BYTES)
 
     def _jsonl(self, stream) -> Iterator[list[bytes]]:
         records = _Records(self.text_field, "line")
         batch: list[bytes] = []
         size = 0
         first = stream.read(_READ_BYTES)
-        if not first:
-            self.skip_reason = "empty file"
+        self.skip_reason = _not_text(first)
+        if self.skip_reason:
             return
-        if b"\x00" in first:
-            self.skip_reason = "binary file (contains NUL bytes)"
-            return
-        for number, offset, line in self._lines(_Prepended(first, stream)):
+        for number, offset, line in self._lines(first, stream):
             if not line.strip():
                 continue
             try:
@@ -289,7 +273,7 @@ class FileReader:
 
     def _conclude(self, records: _Records) -> None:
         if self.row_groups is not None:
-            self.records_json = records.to_json()
+            self.records = records
             return
         skip, self.partial_reason, self.fatal = verdict(records, num_documents=self.num_documents, text_field=self.text_field)
         self.skip_reason = self.skip_reason or skip
@@ -337,17 +321,9 @@ class FileReader:
         self._conclude(records)
 
 
-class _Prepended:
-    """A stream with a chunk already read put back in front of it."""
-
-    def __init__(self, head: bytes, stream) -> None:
-        self.head, self.stream = head, stream
-
-    def read(self, size: int) -> bytes:
-        if self.head:
-            head, self.head = self.head, b""
-            return head
-        return self.stream.read(size)
+def _not_text(head: bytes) -> str:
+    """Why a file that starts with `head` holds no text ("": it may)."""
+    return "empty file" if not head else "binary file (contains NUL bytes)" if b"\x00" in head else ""
 
 
 def _is_empty(error: Exception) -> bool:
@@ -379,5 +355,5 @@ def parquet_column_problem(schema: pa.Schema, text_field: str) -> str:
 __all__ = [
     "BATCH_BYTES", "CODECS", "DEFAULT_TEXT_FIELD", "FileReader", "JSONL_SUFFIXES", "PARQUET_SUFFIXES", "TEXT_FIELD_SETTING",
     "file_sha256", "input_format", "name_settings", "parquet_column_problem", "parquet_text_column", "text_fields",
-    "verdict", "verdict_of_pieces",
+    "verdict",
 ]

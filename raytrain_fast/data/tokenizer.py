@@ -70,12 +70,6 @@ class TokenizerSpec:
         unknown = getattr(tokenizer.model, "unk_token", None)
         return tokenizer.token_to_id(unknown) if unknown else None
 
-    def decode(self, ids: np.ndarray) -> str:
-        """Text of `ids` (EOD ids must be removed first). For tests and inspection."""
-        if self.json_text is None:
-            return np.asarray(ids, dtype=np.uint8).tobytes().decode("utf-8")
-        return _hf_tokenizer(self.info.hash, self.json_text).decode([int(i) for i in ids], skip_special_tokens=False)
-
 
 def _encode_bytes(documents: list[bytes]) -> np.ndarray:
     total = sum(len(doc) for doc in documents) + len(documents)

@@ -12,9 +12,11 @@ import contextlib
 import hashlib
 import math
 import os
+import pickle
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +25,7 @@ import pyarrow.parquet as pq
 
 from raytrain_fast.data.ingest import NODE_ID_LABEL
 from raytrain_fast.data.inputs import Source
-from raytrain_fast.data.readers import FileReader, input_format, verdict_of_pieces
+from raytrain_fast.data.readers import FileReader, input_format, verdict
 from raytrain_fast.data.tokenizer import TokenizerSpec
 from raytrain_fast.console import say
 
@@ -39,8 +41,8 @@ class Part:
     """The file's position in the listing."""
     piece: int = 0
     """Which piece of a file read by several tasks (row groups of a Parquet file), in file order."""
-    records: str = ""
-    """A piece's last part: its unusable records (FileReader.records_json), for the file's verdict."""
+    records: Any = None
+    """A piece's last part: its unusable records (FileReader.records), for the file's verdict."""
     tokens: np.ndarray | None = None
     val_tokens: np.ndarray | None = None
     """The tokens of the documents chosen for validation (None: none were)."""
@@ -86,7 +88,7 @@ def tokenize_file(
         yield part
     yield Part(
         index=index, piece=piece, last=True, sha256=reader.sha256, skip_reason=reader.skip_reason,
-        partial_reason=reader.partial_reason, fatal=reader.fatal, records=reader.records_json,
+        partial_reason=reader.partial_reason, fatal=reader.fatal, records=reader.records,
     )
 
 
@@ -95,30 +97,9 @@ def results_local(sources: list[Source], spec: TokenizerSpec, filesystems: dict[
         yield from tokenize_file(index, source, spec, filesystems, text_field=text_field)
 
 
-_COLUMNS = {
-    "index": pa.int64(), "piece": pa.int64(), "records": pa.string(), "tokens": pa.large_binary(), "val_tokens": pa.large_binary(), "num_documents": pa.int64(),
-    "val_documents": pa.int64(), "num_bytes": pa.int64(), "last": pa.bool_(), "sha256": pa.string(),
-    "skip_reason": pa.string(), "partial_reason": pa.string(), "fatal": pa.string(),
-}
-
-
 def _to_table(parts: list[Part]) -> pa.Table:
-    def value(part: Part, name: str):
-        item = getattr(part, name)
-        if name in ("tokens", "val_tokens"):
-            return b"" if item is None else item.tobytes()
-        return item
-
-    return pa.table({name: pa.array([value(p, name) for p in parts], kind) for name, kind in _COLUMNS.items()})
-
-
-def _from_table(table: pa.Table, dtype: np.dtype) -> Iterator[Part]:
-    columns = table.to_pydict()
-    for i in range(table.num_rows):
-        row = {name: columns[name][i] for name in _COLUMNS}
-        row["tokens"] = np.frombuffer(row["tokens"], dtype=dtype) if row["tokens"] else np.zeros(0, dtype=dtype)
-        row["val_tokens"] = np.frombuffer(row["val_tokens"], dtype=dtype) if row["val_tokens"] else None
-        yield Part(**row)
+    """A Ray Data block of parts, each pickled whole (its numpy arrays pickle as their bytes)."""
+    return pa.table({"part": pa.array([pickle.dumps(part) for part in parts], pa.large_binary())})
 
 
 class _TokenizeBatch:
@@ -133,12 +114,9 @@ class _TokenizeBatch:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         parts: list[Part] = []
         size = 0
-        for row in range(len(batch["index"])):
-            path, location, end = str(batch["path"][row]), str(batch["location"][row]), int(batch["end_group"][row])
-            source = Source(uri=path, location=location, path=path, size=0, mtime_ns=None, val_fraction=float(batch["val_fraction"][row]))
-            row_groups = None if end < 0 else (int(batch["first_group"][row]), end)
-            for part in tokenize_file(int(batch["index"][row]), source, self.spec, self.filesystems, text_field=self.text_field,
-                                      piece=int(batch["piece"][row]), row_groups=row_groups):
+        for index, piece, source, row_groups in map(pickle.loads, batch["item"]):
+            for part in tokenize_file(index, source, self.spec, self.filesystems, text_field=self.text_field,
+                                      piece=piece, row_groups=row_groups):
                 parts.append(part)
                 size += sum(0 if t is None else t.nbytes for t in (part.tokens, part.val_tokens))
                 if size >= _BLOCK_BYTES:
@@ -161,19 +139,19 @@ def results_ray(sources: list[Source], spec: TokenizerSpec, filesystems: dict[st
         remote_args["label_selector"] = {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}
     items = _work_items(sources, filesystems, num_cpus=num_cpus)
     num_blocks = max(1, math.ceil(len(items) / files_per_task))
-    dataset = ray.data.from_items(items, override_num_blocks=num_blocks)
+    dataset = ray.data.from_items([{"item": pickle.dumps(item)} for item in items], override_num_blocks=num_blocks)
     dataset = dataset.map_batches(  # no more tasks at once than blocks: Ray Data warns of the idle rest otherwise
         _TokenizeBatch(spec, filesystems, text_field), batch_size=files_per_task, batch_format="numpy",
         compute=ray.data.TaskPoolStrategy(size=min(num_cpus, num_blocks)), **remote_args,
     )
     _quiet(dataset.context)
     dataset.context.execution_options.preserve_order = True
-    order = [(item["index"], item["piece"]) for item in items]
-    pieces = _Pieces({item["index"]: item["piece"] + 1 for item in items}, text_field=text_field)
+    order = [(index, piece) for index, piece, _, _ in items]
+    pieces = _Pieces({index: piece + 1 for index, piece in order}, text_field=text_field)
     pending: dict[tuple[int, int], list[Part]] = {}
     done = 0
     for table in dataset.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2):
-        for part in _from_table(table, spec.dtype):
+        for part in map(pickle.loads, table.column("part").to_pylist()):
             pending.setdefault((part.index, part.piece), []).append(part)
         while done < len(order) and pending.get(order[done]):  # preserve_order keeps blocks in order; this makes sure of it
             parts = pending.pop(order[done])
@@ -182,21 +160,20 @@ def results_ray(sources: list[Source], spec: TokenizerSpec, filesystems: dict[st
     assert not pending and done == len(order), "Ray Data lost tokenized files"
 
 
-def _work_items(sources: list[Source], filesystems: dict[str, pafs.FileSystem], *, num_cpus: int) -> list[dict]:
-    """A task's unit of work: a file; with fewer files than CPUs, a Parquet file of several row groups
-    is cut into pieces of consecutive row groups (a footer read each), so that every CPU has work."""
+def _work_items(sources: list[Source], filesystems: dict[str, pafs.FileSystem], *, num_cpus: int) -> list[tuple]:
+    """A task's units of work, (file index, piece, source, row groups or None): a file; with fewer files
+    than CPUs, a Parquet file of several row groups is cut into pieces of consecutive row groups (a
+    footer read each), so that every CPU has work."""
     per_file = math.ceil(num_cpus / len(sources)) if len(sources) < num_cpus else 1
     items = []
     for index, source in enumerate(sources):
-        item = {"index": index, "location": source.location, "path": source.path, "val_fraction": source.val_fraction,
-                "piece": 0, "first_group": 0, "end_group": -1}
         groups = _num_row_groups(source, filesystems) if per_file > 1 and input_format(source.path)[0] == "parquet" else 0
         num_pieces = min(per_file, groups)
         if num_pieces < 2:
-            items.append(item)
+            items.append((index, 0, source, None))
             continue
         bounds = [round(k * groups / num_pieces) for k in range(num_pieces + 1)]
-        items += [{**item, "piece": k, "first_group": bounds[k], "end_group": bounds[k + 1]} for k in range(num_pieces)]
+        items += [(index, k, source, (bounds[k], bounds[k + 1])) for k in range(num_pieces)]
     return items
 
 
@@ -213,7 +190,7 @@ class _Pieces:
 
     def __init__(self, num_pieces: dict[int, int], *, text_field: str) -> None:
         self.num_pieces, self.text_field = num_pieces, text_field
-        self.records: list[str] = []
+        self.records: list = []
         self.errors: list[str] = []
         self.documents, self.sha256, self.fatal = 0, "", ""
 
@@ -228,7 +205,7 @@ class _Pieces:
         self.sha256, self.fatal = self.sha256 or part.sha256, self.fatal or part.fatal
         if part.piece + 1 < self.num_pieces[part.index]:
             return None
-        skip, partial, fatal = (verdict_of_pieces(self.records, num_documents=self.documents, text_field=self.text_field)
+        skip, partial, fatal = (verdict(self.records, num_documents=self.documents, text_field=self.text_field)
                                 if self.records else ("", "", ""))
         if self.errors:  # a piece that could not be read (all of it, or from some row on)
             skip, partial = ("", "; ".join(filter(None, [partial, *self.errors]))) if self.documents else (self.errors[0], "")

@@ -1,21 +1,9 @@
 """`train_tokenizer`: a byte-level BPE trained with the `tokenizers` package's BpeTrainer on the inputs
-`prepare_data` takes, written as a Hugging Face tokenizer directory.
+`prepare_data` takes (listed and read by the same code), written as a Hugging Face tokenizer directory.
 
-The inputs are listed and read as prepare-data lists and reads them (`inputs.list_inputs`, a
-`readers.FileReader` each: files, directories, globs, s3:// URIs; JSONL and Parquet text fields, gzip
-and zstd; the same skipped-input reasons). The model is
-GPT-2's kind: a ByteLevel pre-tokenizer (its regex split, no prefix space, so every text round-trips)
-over the 256 byte characters, merges learned from the corpus, and one special token, the
-end-of-document token (`<|endoftext|>` by default, as the byte tokenizer's export names it).
-
-The ids are laid out like the byte tokenizer's: the token of byte b has id b, the end-of-document
-token is 256, and the learned merges follow from 257 on. So `prepare-data` finds the end-of-document
-token (EOD_CANDIDATES) and the model reads id 256 as the end of a document with either tokenizer.
-
-The output directory holds tokenizer.json, tokenizer_config.json (tokenizer_class
-PreTrainedTokenizerFast, eos_token) and special_tokens_map.json (data/hf_tokenizer.py writes them,
-as `export --format hf` does), which `transformers.AutoTokenizer.from_pretrained(dir)` loads, and
-which `prepare-data --tokenizer <dir>` takes.
+docs/models.md ("Train a tokenizer") describes the model, the output files and the id layout: the
+byte tokenizer's (byte b is id b, the end-of-document token 256, the merges from 257), so the model
+reads id 256 as the end of a document with either tokenizer.
 """
 
 from __future__ import annotations

@@ -94,9 +94,10 @@ def check_data_matches_model(config: Config) -> None:
 
     data, model = config.data, config.model
     if data.sources:  # a mixture: data/mixture.py checks every source (storage, tokenizer, seq_len, model)
-        from raytrain_fast.data.mixture import check_sources_before_start
+        from raytrain_fast.data.mixture import check_mixture
 
-        return check_sources_before_start(config)
+        check_mixture(config)
+        return
     if data.source != STDLIB and is_prepared(data.source, config.storage):
         problems = _manifest_problems(config, load_manifest(data.source, config.storage))
         problems += [
