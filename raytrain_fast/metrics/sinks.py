@@ -62,11 +62,10 @@ class JsonlSink:
         self._part = 0
         self._lines: list[bytes] = []
         self._size = 0
-        self._dirty = False
+        self._dirty = True  # the header below
         self._last_flush = time.monotonic()
         header = {"_segment": {"restart": self.restart, "start_step": start_step, "time": time.time(), "host": socket.gethostname()}}
         self._append(header)
-        self._dirty = True
         self.flush()  # the segment exists from the start, so the restart number is taken
 
     @property

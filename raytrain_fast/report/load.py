@@ -3,6 +3,7 @@ holds one, and which log windows are past warm-up."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -165,15 +166,11 @@ def load_run(storage_uri: str, name: str, *, storage: StorageConfig | None = Non
         )
     run = from_records(records, name=name, uri=uri, config=newest_config(uri, storage))
     filesystem, path = resolve_filesystem(uri, storage)  # read_metrics has just read through it
-    try:
+    with contextlib.suppress(OSError):  # unreadable: the report goes on without them
         run.saved_steps = sorted(step for step, _ in list_checkpoint_dirs(filesystem, path))
-    except OSError:
-        pass
     run.auto_micro_batch = _auto_micro_batch(storage_uri, storage, run.config)
-    try:  # the hang watchdog's records (none when it never acted)
+    with contextlib.suppress(OSError, ValueError):  # the hang watchdog's records (none when it never acted)
         run.hangs = _json_files(filesystem, f"{path}/hangs", prefix="hang-")
-    except (OSError, ValueError):
-        pass
     health = read_health(filesystem, path)
     run.rollbacks, run.divergence_stop = list(health.get("rollbacks", [])), health.get("stopped")
     return run
