@@ -82,7 +82,8 @@ def encode_tasks(tasks: list[Task], encoder: Encoder) -> list[EncodedTask]:
 
 
 def encode_task(task: Task, encoder: Encoder) -> EncodedTask:
-    sequences, cont_tokens, characters, request_item, gold, index, cut, shared, skipped = [], [], [], [], [], [], [], [], []
+    sequences, cont_tokens, characters, request_item, gold, index, cut, shared = [], [], [], [], [], [], [], []
+    skipped: list[int] = []
     for item in task.items:
         encoded = _encode_item(item, encoder, task=task.name)
         if encoded is None:
@@ -99,10 +100,10 @@ def encode_task(task: Task, encoder: Encoder) -> EncodedTask:
         shared.append(int(len(set(item.contexts)) == 1))
     ints = functools.partial(np.array, dtype=np.int64)
     return EncodedTask(
-        name=task.name, total=task.total, chance=task.chance, sequences=sequences, continuation_tokens=ints(cont_tokens),
-        characters=np.array(characters, np.float64), request_item=ints(request_item), gold=ints(gold), item_index=ints(index),
-        cut=ints(cut), context_tokens=ints([len(s) - c for s, c in zip(sequences, cont_tokens)]), shared=ints(shared),
-        skipped=skipped,
+        name=task.name, total=task.total, chance=task.chance, sequences=sequences, skipped=skipped,
+        continuation_tokens=ints(cont_tokens), characters=np.array(characters, np.float64),
+        request_item=ints(request_item), gold=ints(gold), item_index=ints(index), cut=ints(cut), shared=ints(shared),
+        context_tokens=ints([len(s) - c for s, c in zip(sequences, cont_tokens)]),
     )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -51,10 +51,8 @@ class Evaluation:
     choice_norm, loglikelihoods (one per choice), characters (acc_norm's divisors), cut, worker."""
 
     def to_json(self) -> dict[str, Any]:
-        tasks = {t.name: {
-            "acc": t.acc, "acc_norm": t.acc_norm, "chance": t.chance, "items": t.items, "cut": t.cut, "skipped": t.skipped,
-            "total": t.total, "seconds": t.seconds, "ms_per_item": t.ms_per_item,
-        } for t in self.tasks}
+        tasks = {t.name: {**{k: v for k, v in asdict(t).items() if k != "name"}, "ms_per_item": t.ms_per_item}
+                 for t in self.tasks}
         return {
             "model": self.model, "step": self.step, "workers": self.workers, "window": self.window,
             "acc_norm": "log-likelihood per character of the choice, leading whitespace not counted",

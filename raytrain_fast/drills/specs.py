@@ -81,5 +81,5 @@ def parse_drills(items: Sequence[str]) -> LoopHooks:
         try:
             drills += PARSERS[name](spec)
         except (ValueError, TypeError, IndexError):
-            raise ValueError(f"--drill {item!r}: malformed SPEC for {name} (see docs/development.md#drills for each form)") from None
+            raise ValueError(f"--drill {item!r}: malformed SPEC for {name} (forms: docs/development.md#drills)") from None
     return LoopHooks(*drills)

@@ -277,7 +277,7 @@ PATCHES: tuple[ZeroPatch, ...] = (
     ZeroPatch(
         name="current-all-gather-api", method="get_all_gather_function", make=_gather_with_the_current_api,
         owner="deepspeed.comm.torch:TorchBackend", signature="()",
-        applies=lambda: hasattr(torch.distributed, "all_gather_single"),  # an older torch: all_gather_into_tensor is current
+        applies=lambda: hasattr(torch.distributed, "all_gather_single"),  # older torch: nothing deprecated to avoid
         source_sha256=frozenset({"8db96204e5d658bdf9a8d4b2aca4aa6e9b38ec3f57114ab8472d46fdeefa4942"}),
     ),
 )

@@ -12,6 +12,7 @@ run's `LoopHooks` into its rank's `RankHooks`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -57,17 +58,14 @@ class StepHooks:
         """The loop ends: stop what the hook started."""
 
 
+@dataclass(init=False)
 class LoopHooks:
     """The hooks a run passes to its loop (picklable: it travels in the `LoopInputs`); none by default."""
 
+    hooks: tuple[StepHooks, ...]
+
     def __init__(self, *hooks: StepHooks) -> None:
         self.hooks = tuple(hooks)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, LoopHooks) and self.hooks == other.hooks
-
-    def __repr__(self) -> str:
-        return f"LoopHooks({', '.join(map(repr, self.hooks))})"
 
     def active(self) -> list[str]:
         """The hooks set, one short description each (for a one-line notice on the driver)."""

@@ -180,7 +180,8 @@ def build_health(worker: Worker, checkpointer: Checkpointer, state: TrainState) 
     checkpoint that a rollback went back to skips the same data again (its position moves past it)."""
     from raytrain_fast.loop.health import read_health, skip_position
 
-    records = read_health(checkpointer.filesystem, checkpointer.run_path).get("rollbacks") or state.health.get("rollbacks", [])
+    recorded = read_health(checkpointer.filesystem, checkpointer.run_path).get("rollbacks")
+    records = recorded or state.health.get("rollbacks", [])
     position = skip_position(records, step=state.step, position=state.data_position)
     if position != state.data_position:
         say(f"Step {state.step}: skipping the data a rollback skipped here (health.json): now at {position}.", rank=worker.rank)
