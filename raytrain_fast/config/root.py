@@ -230,9 +230,7 @@ def _in_another_section(problem: str) -> str:
 
 def reference_markdown() -> str:
     """The config reference table (docs/configuration.md), generated from the dataclasses' field docstrings."""
-    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
-    root_docs = field_docs(Config)
-    lines.append(f"| `name` | `null` | {root_docs['name']} |")
+    lines = ["| key | default | meaning |", "| --- | --- | --- |", f"| `name` | `null` | {field_docs(Config)['name']} |"]
     for section in dataclasses.fields(Config):
         if not dataclasses.is_dataclass(section.default_factory):  # type: ignore[arg-type]
             continue

@@ -56,13 +56,9 @@ def build_trainer(
     config: Config, *, data_uris: list[str], hooks: LoopHooks | None = None, on_window: WindowCallback | None = None,
     save_checkpoints: bool = True, callbacks: list | None = None, tasks=None,
 ):
-    """A TorchTrainer for an already resolved config (see `resolve_resources`).
-
-    `hooks`: fault injection, drills and the sequence recorder for the loop (tests and `--drill`);
-    the default injects nothing. `on_window`: called on every log step with the window's metrics
-    (a sweep trial's Tune report). `save_checkpoints=False`: a short measurement run.
-    `callbacks`: Ray Train run callbacks (a sweep trial's TuneReportCallback). `tasks`: eval.tasks
-    encoded for the loop (downstream/in_loop.py RunTasks), or None."""
+    """A TorchTrainer for an already resolved config (see `resolve_resources`). `callbacks`: Ray Train
+    run callbacks (a sweep trial's TuneReportCallback); the other arguments are the loop's `LoopInputs`
+    (loop/worker.py says what each is)."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 

@@ -61,9 +61,6 @@ class SweepRow:
     run_name: str = ""
 
 
-CSV_FIELDS = [f.name for f in dataclasses.fields(SweepRow)]
-
-
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -208,7 +205,7 @@ def _speed(row: SweepRow) -> str:
 
 def to_csv(rows: list[SweepRow]) -> str:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=CSV_FIELDS, lineterminator="\n")
+    writer = csv.DictWriter(buffer, fieldnames=[f.name for f in dataclasses.fields(SweepRow)], lineterminator="\n")
     writer.writeheader()
     for r in sorted(rows, key=_order):
         writer.writerow(dataclasses.asdict(r))

@@ -243,17 +243,13 @@ def replace_previous_results(filesystem: Any, path: str) -> bool:
     True when there was something to delete."""
     import pyarrow.fs as pafs
 
-    found = False
-    for name in SWEEP_OUTPUTS:
-        info = filesystem.get_file_info(f"{path}/{name}")
+    found = [filesystem.get_file_info(f"{path}/{name}") for name in SWEEP_OUTPUTS]
+    for info in found:
         if info.type == pafs.FileType.Directory:
             filesystem.delete_dir(info.path)
         elif info.type == pafs.FileType.File:
             filesystem.delete_file(info.path)
-        else:
-            continue
-        found = True
-    return found
+    return any(info.type != pafs.FileType.NotFound for info in found)
 
 
 def _announce(sweep: _Sweep, spec: SweepSpec, runnable: list[tuple[int, int]], skipped: list[SweepRow]) -> None:

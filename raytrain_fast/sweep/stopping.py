@@ -11,7 +11,7 @@ window.
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import Any, Literal
 
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
@@ -29,10 +29,8 @@ class NoiseAwareStopper(FIFOScheduler):
     """Tune scheduler: stop a trial whose median objective over its windows after the first is more
     than `margin` behind the best trial's at the same window, once it has run `grace` windows."""
 
-    def __init__(self, *, metric: str, mode: str, grace: int, margin: float = NOISE_MARGIN) -> None:
+    def __init__(self, *, metric: str, mode: Literal["max", "min"], grace: int, margin: float = NOISE_MARGIN) -> None:
         super().__init__()
-        if mode not in ("max", "min"):
-            raise ValueError(f"mode must be max or min, got {mode!r}")
         self._objective, self._direction, self.grace, self.margin = metric, mode, grace, margin
         self._windows: dict[str, list[float]] = {}
         self._best: dict[int, float] = {}
