@@ -13,7 +13,7 @@ import pytest
 from raytrain_fast.data import ensure_prepared_corpus, load_manifest, prepare_data
 from raytrain_fast.data.corpus import EOD_TOKEN
 from raytrain_fast.data.manifest import MANIFEST_NAME
-from raytrain_fast.data.prepare import is_validation_document
+from raytrain_fast.data.tokenizing import is_validation_document
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
 

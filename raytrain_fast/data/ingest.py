@@ -30,8 +30,8 @@ import pyarrow.fs as pafs
 from raytrain_fast._ray_compat import DATA_EXECUTOR_LOGGER
 from raytrain_fast.data.manifest import MANIFEST_NAME, Manifest, shard_locations
 from raytrain_fast.data.order import (  # the order is its own module; these names stay importable from here
-    SHUFFLE_WINDOW_SHARDS, EpochOrder, locate_absolute, rank_stream, shard_order, usable_rows, window_permutation,
-    window_rows,
+    SHUFFLE_WINDOW_SHARDS, DataPosition, EpochOrder, locate_absolute, rank_stream, shard_order, usable_rows,
+    window_permutation, window_rows,
 )
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
@@ -44,41 +44,6 @@ HANDOVER_BATCHES = 8
 wakes its prefetch, format and producer threads, and each wake takes a core from a torch thread (on
 2 cores, a step's parallel regions then wait for it): in groups, those wakes come once per 8 micro-batches,
 and the loop takes 7 of 8 micro-batches from its own buffer without any thread."""
-STREAM = "sequence-shuffle-v1"
-"""The stream a position belongs to; positions without it come from the older per-rank shard stream."""
-
-
-@dataclass(kw_only=True)
-class DataPosition:
-    """Where the global stream stands: the next micro-batch starts at sequence `consumed` of `epoch`."""
-
-    epoch: int = 0
-    consumed: int = 0
-    """Sequences of `epoch` consumed by all ranks together (the same value on every rank)."""
-    legacy_world_size: int | None = None
-    """Set only for a position read from a checkpoint of the older per-rank stream (see `from_dict`)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "consumed": self.consumed, "stream": STREAM}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DataPosition:
-        """A saved position. An older checkpoint's position ({epoch, consumed per rank, world_size},
-        no `stream`) belongs to a stream that no longer exists: it maps to the same share of its
-        epoch in the new stream (consumed x world_size sequences), and the iterator says that this
-        epoch's order is new (sequences may repeat or be skipped until the next epoch)."""
-        unknown = set(data) - {"epoch", "consumed", "world_size", "stream"}
-        if unknown:
-            raise DataError(f"data position has unknown keys {sorted(unknown)}: {data}")
-        epoch, consumed = data.get("epoch", 0), data.get("consumed", 0)
-        if not isinstance(epoch, int) or not isinstance(consumed, int) or epoch < 0 or consumed < 0:
-            raise DataError(f"data position must hold non-negative integers: {data}")
-        if data.get("stream") == STREAM:
-            return cls(epoch=epoch, consumed=consumed)
-        if data.get("stream") is not None:
-            raise DataError(f"data position of an unknown stream '{data['stream']}' (this version reads '{STREAM}')")
-        world_size = int(data.get("world_size") or 1)
-        return cls(epoch=epoch, consumed=consumed * world_size, legacy_world_size=world_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +176,6 @@ class _Failure:
 @dataclass
 class _Chunk:
     first_batch: int
-    batches: int
     pieces: list[bytes]
     seq_ids: np.ndarray
     """The seq_ids the chunk's batches must hold, in order (the resume contract, checked)."""
@@ -361,8 +325,7 @@ class BatchIterator(Iterator):
             unique, which = np.unique(piece_shards, return_inverse=True)
             paths = [self._paths[int(s)] for s in unique]
             pieces.append(pickle.dumps((paths, which.astype(np.int64), piece_rows.astype(np.int64))))
-        seq_ids = self._first_seq_id[shards] + rows
-        return _Chunk(first_batch=first_batch, batches=self._batches_per_chunk, pieces=pieces, seq_ids=seq_ids)
+        return _Chunk(first_batch=first_batch, pieces=pieces, seq_ids=self._first_seq_id[shards] + rows)
 
     # -- producer thread --------------------------------------------------------------------
 
@@ -385,7 +348,7 @@ class BatchIterator(Iterator):
                         return
                 except Exception as error:
                     raise self._damaged_shard(chunk) or error
-                first += chunk.batches
+                first += self._batches_per_chunk
         except BaseException as error:  # handed to the caller's next()
             self._put(_Failure(error))
 
@@ -403,7 +366,8 @@ class BatchIterator(Iterator):
 
     def _produce_chunk(self, chunk: _Chunk) -> bool:
         """The chunk's micro-batches, checked against the plan, handed over in groups of `HANDOVER_BATCHES`."""
-        group = min(HANDOVER_BATCHES, chunk.batches)
+        planned = self._batches_per_chunk
+        group = min(HANDOVER_BATCHES, planned)
         batches = self._dataset(chunk.pieces).iter_torch_batches(
             batch_size=self.micro_batch * group,
             prefetch_batches=1,  # one group ahead inside Ray Data, `prefetch_batches` groups in the queue
@@ -416,15 +380,15 @@ class BatchIterator(Iterator):
         for batch in batches:
             items = []
             for tokens, seq_ids in zip(batch["tokens"].split(self.micro_batch), batch["seq_ids"].split(self.micro_batch)):
-                if produced == chunk.batches:
+                if produced == planned:
                     raise DataError("internal: the data pipeline returned more batches than planned")
                 self._check_order(chunk, produced, seq_ids)
                 produced += 1
                 items.append(_Item(tokens=tokens, seq_ids=seq_ids, position=self._position_after(chunk.first_batch + produced)))
             if not self._put(items):
                 return False
-        if produced != chunk.batches:
-            raise DataError(f"internal: the data pipeline returned {produced} batches, {chunk.batches} were planned")
+        if produced != planned:
+            raise DataError(f"internal: the data pipeline returned {produced} batches, {planned} were planned")
         return True
 
     def _check_order(self, chunk: _Chunk, index: int, seq_ids: Any) -> None:

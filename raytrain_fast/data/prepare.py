@@ -18,11 +18,11 @@ import pyarrow.fs as pafs
 
 from raytrain_fast.data.inputs import Listing, canonical_input, input_filesystems, list_sources, summarize_skipped
 from raytrain_fast.data.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, join_uri
-from raytrain_fast.data.readers import DEFAULT_TEXT_FIELD, JSONL_SUFFIXES, file_sha256, parquet_column_problem, input_format
+from raytrain_fast.data.readers import DEFAULT_TEXT_FIELD, file_sha256, parquet_column_problem, input_format
 from raytrain_fast.data.shards import VAL_DIR, Packed, ShardWriter, ValPacker, clear_output, hash_sources, pack, read_manifest
-from raytrain_fast.data.split import DEFAULT_VAL_FRACTION, VAL_MAX_TOKENS, SplitRequest
+from raytrain_fast.data.split import SplitRequest
 from raytrain_fast.data.tokenizer import TokenizerSpec, load_tokenizer
-from raytrain_fast.data.tokenizing import Progress, is_validation_document, ray_running, results_local, results_ray
+from raytrain_fast.data.tokenizing import Progress, ray_running, results_local, results_ray
 from raytrain_fast.errors import DataError
 from raytrain_fast.console import say
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
@@ -259,7 +259,4 @@ def prepare_data(
     return manifest
 
 
-__all__ = [
-    "DEFAULT_TEXT_FIELD", "DEFAULT_VAL_FRACTION", "JSONL_SUFFIXES", "SHARD_TOKENS", "VAL_DIR", "VAL_MAX_TOKENS",
-    "is_validation_document", "prepare_data",
-]
+__all__ = ["SHARD_TOKENS", "prepare_data"]
