@@ -77,8 +77,31 @@ class LoopParts:
         self._closing.close()
 
     def restore(self) -> TrainState | None:
-        """The checkpointer and the state: the newest complete checkpoint's (returned; None for a new run)."""
-        self.checkpointer, self.state, restored = restore(self.worker)
+        """The checkpointer and the state: the newest complete checkpoint's (returned; None for a new run).
+        State only, not yet the engine's (loaded once the engine exists), so the data reader can start at
+        the saved position while the engine is built."""
+        worker, config = self.worker, self.worker.config
+        filesystem, storage_root = resolve_filesystem(config.storage.uri, config.storage)
+        self.checkpointer = checkpointer = Checkpointer(
+            config.checkpoint, rank=worker.rank, world_size=worker.world_size, run_config=redact(config.to_dict()),
+            local_mode_run=(filesystem, f"{storage_root.rstrip('/')}/{config.name}"),
+            before_upload=worker.hooks.before_upload,
+        )
+        restored = checkpointer.restore_state()
+        self.state = state = restored or TrainState(
+            world_size=worker.world_size, zero_stage=config.engine.zero_stage, precision=config.engine.precision
+        )
+        if restored:
+            say(f"Resumed from checkpoint at step {state.step} ({state.tokens:,} tokens seen).", rank=worker.rank)
+            if checkpointer.resized:
+                from raytrain_fast.checkpoint.resize import resize_line
+
+                r = checkpointer.resized
+                say(resize_line(step=state.step, old=r["old"], new=r["new"], seconds=r["seconds"], cache=r["cache"],
+                                micro_batch=int(config.train.micro_batch), grad_accum=worker.grad_accum),
+                    rank=worker.rank)
+        state.world_size = worker.world_size  # what the next checkpoint is written by (a resize changes it)
+        state.global_batch = worker.global_batch
         return restored
 
     def nothing_to_do(self) -> None:
@@ -146,33 +169,6 @@ class LoopParts:
             storage=config.storage, max_sequences=self.inputs.max_sequences,
             position=DataPosition.from_dict(state.data_position) if state.data_position else None,
         )
-
-
-def restore(worker: Worker) -> tuple[Checkpointer, TrainState, TrainState | None]:
-    """The newest complete checkpoint's state (not yet the engine's: that is loaded once the engine
-    exists), so the data reader can start at the saved position while the engine is built."""
-    config = worker.config
-    filesystem, storage_root = resolve_filesystem(config.storage.uri, config.storage)
-    checkpointer = Checkpointer(
-        config.checkpoint, rank=worker.rank, world_size=worker.world_size, run_config=redact(config.to_dict()),
-        local_mode_run=(filesystem, f"{storage_root.rstrip('/')}/{config.name}"),
-        before_upload=worker.hooks.before_upload,
-    )
-    restored = checkpointer.restore_state()
-    state = restored or TrainState(
-        world_size=worker.world_size, zero_stage=config.engine.zero_stage, precision=config.engine.precision
-    )
-    if restored:
-        say(f"Resumed from checkpoint at step {state.step} ({state.tokens:,} tokens seen).", rank=worker.rank)
-        if checkpointer.resized:
-            from raytrain_fast.checkpoint.resize import resize_line
-
-            r = checkpointer.resized
-            say(resize_line(step=state.step, old=r["old"], new=r["new"], seconds=r["seconds"], cache=r["cache"],
-                            micro_batch=int(config.train.micro_batch), grad_accum=worker.grad_accum), rank=worker.rank)
-    state.world_size = worker.world_size  # what the next checkpoint is written by (a resize changes it)
-    state.global_batch = worker.global_batch
-    return checkpointer, state, restored
 
 
 def build_health(worker: Worker, checkpointer: Checkpointer, state: TrainState) -> HealthMonitor:
