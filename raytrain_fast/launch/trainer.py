@@ -176,7 +176,7 @@ def kept_checkpoints(config: Config) -> list[tuple[str, dict]]:
     """(path, metrics at save time) of every complete checkpoint of the run in storage, oldest first."""
     from raytrain_fast.checkpoint.checkpointing import TrainState
     from raytrain_fast.checkpoint.layout import STATE_FILE
-    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs, verify_checkpoint
+    from raytrain_fast.checkpoint.verify import list_checkpoint_dirs, verify_checkpoint
 
     filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
     kept = []

@@ -160,7 +160,7 @@ def load_run(storage_uri: str, name: str, *, storage: StorageConfig | None = Non
 
 
 def _saved_steps(run_uri: str, storage: StorageConfig) -> list[int]:
-    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs
+    from raytrain_fast.checkpoint.verify import list_checkpoint_dirs
     from raytrain_fast.storage import resolve_filesystem
 
     try:
@@ -244,7 +244,7 @@ def newest_config(run_uri: str, storage: StorageConfig) -> dict[str, Any] | None
     import yaml
 
     from raytrain_fast.checkpoint.layout import CONFIG_FILE
-    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs
+    from raytrain_fast.checkpoint.verify import list_checkpoint_dirs
     from raytrain_fast.storage import resolve_filesystem
 
     try:
