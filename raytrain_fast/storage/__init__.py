@@ -3,11 +3,10 @@
 from raytrain_fast.storage.check import check_storage, check_storage_readable, store_corruption_hint
 from raytrain_fast.config.storage import StorageConfig
 from raytrain_fast.storage.credentials import S3Credentials, resolve_credentials
-from raytrain_fast.storage.errors import StorageError
+from raytrain_fast.errors import StorageError
 from raytrain_fast.storage.filesystem import (
     build_s3_filesystem,
     check_uri,
-    is_remote,
     resolve_filesystem,
     uri_of,
     split_s3_uri,
@@ -23,7 +22,6 @@ __all__ = [
     "check_storage",
     "check_storage_readable",
     "check_uri",
-    "is_remote",
     "redact",
     "redact_text",
     "resolve_credentials",
