@@ -1,21 +1,7 @@
 """Saving and restoring the whole training state through Ray Train checkpoints: `Checkpointer`, one per
 worker, decides when to save and writes the files; its collaborators upload them (upload.py), keep
 the run's checkpoints to the retention policy (retention.py) and restore the newest (restore.py).
-
-One checkpoint = one directory `checkpoint_<step>` in the run's storage, merged by Ray from every
-rank's local directory:
-- `deepspeed/`: DeepSpeed's own files: model states (rank 0) and one optimizer shard per rank
-  (`<bf16_>zero_pp_rank_<r>_mp_rank_00_optim_states.pt`: distinct names, so the merge never
-  collides), LR scheduler state included;
-- `rng_state_rank<r>.pt`: each rank's torch RNG states (CPU, and the GPU's on CUDA);
-- `train_state.json` (rank 0): step, tokens, data position, coordinator values, world size, ZeRO
-  stage, precision and the metrics at save time; `config.yaml` (rank 0): the run config, redacted;
-- `manifest.rank<r>.json`, written last by each rank: every file it wrote, with size and checksum.
-  Resume uses only checkpoints whose manifests all check out (see checkpoint/verify.py).
-
-Uploads go through our own `checkpoint_upload_fn` (upload.py) so that they are retried, timed
-(`checkpoint/upload_s`), and so the next save can wait for the previous async upload.
-"""
+The files of one checkpoint: docs/architecture.md, "Checkpoint layout"."""
 
 from __future__ import annotations
 
@@ -78,7 +64,6 @@ class Checkpointer:
             self.local_rank = ray.train.get_context().get_local_rank()
         except Exception:  # local mode
             self.local_rank = 0
-        self._scheme = "s3://" if self.filesystem.type_name == "s3" else ""
         self._staging = f"{self.run_path}/{STAGING_DIR}/rank{rank}" if self.filesystem.type_name == "local" else None
         if self._staging is not None:  # what an earlier attempt of this rank left mid-save is stale
             shutil.rmtree(self._staging, ignore_errors=True)
@@ -99,7 +84,7 @@ class Checkpointer:
         )
         self.restorer = Restorer(
             filesystem=self.filesystem, run_path=self.run_path, rank=rank, world_size=world_size,
-            local_rank=self.local_rank, scheme=self._scheme,
+            local_rank=self.local_rank, scheme="s3://" if self.filesystem.type_name == "s3" else "",
         )
 
     @property
@@ -256,10 +241,6 @@ class Checkpointer:
         barrier(self.world_size)
         if self.rank == 0 and self._saved:
             self.retention.prune()
-
-    def uri(self, path: str) -> str:
-        """A storage path as the user writes it (s3://bucket/... for S3)."""
-        return f"{self._scheme}{path}"
 
     # ------------------------------------------------------------------ restore
     def restore_state(self) -> TrainState | None:
