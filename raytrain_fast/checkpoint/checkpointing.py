@@ -5,6 +5,7 @@ The files of one checkpoint: docs/architecture.md, "Checkpoint layout"."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -174,12 +175,9 @@ class Checkpointer:
             return
         from raytrain_fast.engine.deepspeed_compat import write_checkpoints_in_background
 
-        if not write_checkpoints_in_background(engine, self.writer, warn=self._warn):
+        if not write_checkpoints_in_background(engine, self.writer, warn=functools.partial(say, rank=self.rank)):
             self.writer = None
         self._routed_engine = engine
-
-    def _warn(self, message: str) -> None:
-        say(message, rank=self.rank)
 
     def _finish_files(self, local_dir: str) -> None:
         """In the upload thread: wait for this rank's background writes, then write its manifest
@@ -213,17 +211,14 @@ class Checkpointer:
                 shutil.rmtree(local_dir, ignore_errors=True)
 
     def _after_upload(self, local_dir: str, dir_name: str, upload_s: float) -> None:
-        """Rank 0, in the upload thread (off the step loop): say so, then apply retention."""
-        self._say_saved(local_dir, dir_name, upload_s)
-        self.retention.prune()
-
-    def _say_saved(self, local_dir: str, dir_name: str, upload_s: float) -> None:
-        """Rank 0's line for each checkpoint: its own files' size (the others' optimizer shards are
-        about as large) and the upload's seconds."""
+        """Rank 0, in the upload thread (off the step loop): a line for each checkpoint, with its own
+        files' size (the others' optimizer shards are about as large) and the upload's seconds; then
+        retention."""
         size = sum(p.stat().st_size for p in Path(local_dir).rglob("*") if p.is_file())
         ranks = "" if self.world_size == 1 else " from rank 0"
         step = int(dir_name.rsplit("_", 1)[-1]) if dir_name.rsplit("_", 1)[-1].isdigit() else dir_name
         say(f"Saved checkpoint at step {step} ({size / 1e6:.1f} MB{ranks}, uploaded in {upload_s:.1f} s)", rank=self.rank)
+        self.retention.prune()
 
     def take_upload_s(self) -> float | None:
         """Duration of the last finished upload, once (None if none finished since the last call)."""
