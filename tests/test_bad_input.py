@@ -248,7 +248,7 @@ def incomplete_checkpoint(tmp: Path) -> None:
 
 def complete_checkpoint(tmp: Path) -> None:
     """Run 'tiny' with a complete (manifested) checkpoint at step 300, saved by 1 worker."""
-    from raytrain_fast.checkpoint.manifest import write_rank_manifest
+    from raytrain_fast.checkpoint.rank_manifest import write_rank_manifest
 
     checkpoint = tmp / "runs" / "tiny" / "checkpoint_00000300"
     checkpoint.mkdir(parents=True)

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from raytrain_fast.checkpoint.export import export_checkpoint, export_local_checkpoint, load_exported
-from raytrain_fast.checkpoint.manifest import write_rank_manifest
+from raytrain_fast.checkpoint.rank_manifest import write_rank_manifest
 from raytrain_fast.config import Config
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.model import GPT, ModelConfig

@@ -17,7 +17,8 @@ import dataclasses
 
 import pytest
 
-from raytrain_fast.checkpoint.manifest import RankManifest, file_rank
+from raytrain_fast.checkpoint.download import file_rank
+from raytrain_fast.checkpoint.rank_manifest import RankManifest
 from raytrain_fast.config import load_config
 from raytrain_fast.launch.trainer import run
 
@@ -130,7 +131,7 @@ def test_init_from_on_two_workers_starts_from_the_checkpoints_weights(resumed, s
     import torch
 
     from raytrain_fast.checkpoint.export import consolidated_state_dict
-    from raytrain_fast.checkpoint.manifest import download_checkpoint
+    from raytrain_fast.checkpoint.download import download_checkpoint
     from raytrain_fast.storage import resolve_filesystem
 
     config, _, second, bucket = resumed

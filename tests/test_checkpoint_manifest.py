@@ -11,14 +11,9 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from raytrain_fast.checkpoint.manifest import (
-    IncompleteCheckpointError,
-    download_checkpoint,
-    find_resumable_checkpoint,
-    manifest_name,
-    verify_checkpoint,
-    write_rank_manifest,
-)
+from raytrain_fast.checkpoint.download import IncompleteCheckpointError, download_checkpoint, find_resumable_checkpoint
+from raytrain_fast.checkpoint.rank_manifest import manifest_name, write_rank_manifest
+from raytrain_fast.checkpoint.verify import verify_checkpoint
 from raytrain_fast.checkpoint.runs import format_runs_table, list_runs
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
 
@@ -169,7 +164,7 @@ def test_download_for_rank_reads_only_that_ranks_share_once_per_node(bucket_stor
     other does not (the caller's all-gather makes both move on)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from raytrain_fast.checkpoint.manifest import download_for_rank, file_rank
+    from raytrain_fast.checkpoint.download import download_for_rank, file_rank
 
     _, filesystem, root, server, bucket = bucket_storage
     path = _save_checkpoint(tmp_path, filesystem, f"{root}/node-share", 100)

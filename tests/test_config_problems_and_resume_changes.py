@@ -48,7 +48,7 @@ def test_elastic_and_batch_problems_come_in_one_message():
 
 
 def _complete_checkpoints(run: Path, steps: list[int], *, saved_config: dict) -> None:
-    from raytrain_fast.checkpoint.manifest import write_rank_manifest
+    from raytrain_fast.checkpoint.rank_manifest import write_rank_manifest
 
     for step in steps:
         checkpoint = run / f"checkpoint_{step:08d}"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_fast.checkpoint.manifest import state_health
+from raytrain_fast.checkpoint.verify import state_health
 from raytrain_fast.errors import DivergenceError
 from raytrain_fast.launch.trainer import run
 from raytrain_fast.loop.health import SpikeCheck

@@ -169,7 +169,7 @@ def test_resize_round_trip_two_one_two_workers(uninterrupted, ray_session, tmp_p
     ranks, and ZeRO-2 partitions the fp32 master weights and Adam moments differently, so the bf16
     gradients and the order of fp32 additions differ in their last bits, and the difference grows over
     the steps. Stated tolerance: the window loss at steps 20 and 30 within 2% of the uninterrupted run's."""
-    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs, verify_checkpoint
+    from raytrain_fast.checkpoint.verify import list_checkpoint_dirs, verify_checkpoint
     from raytrain_fast.checkpoint.resize import ensure_universal
     from raytrain_fast.storage import StorageConfig, resolve_filesystem
 

@@ -1,24 +1,11 @@
 """Saving and restoring the whole training state through Ray Train checkpoints: `Checkpointer`, one per
 worker, decides when to save and writes the files; its collaborators upload them (upload.py), keep
 the run's checkpoints to the retention policy (retention.py) and restore the newest (restore.py).
-
-One checkpoint = one directory `checkpoint_<step>` in the run's storage, merged by Ray from every
-rank's local directory:
-- `deepspeed/`: DeepSpeed's own files: model states (rank 0) and one optimizer shard per rank
-  (`<bf16_>zero_pp_rank_<r>_mp_rank_00_optim_states.pt`: distinct names, so the merge never
-  collides), LR scheduler state included;
-- `rng_state_rank<r>.pt`: each rank's torch RNG states (CPU, and the GPU's on CUDA);
-- `train_state.json` (rank 0): step, tokens, data position, coordinator values, world size, ZeRO
-  stage, precision and the metrics at save time; `config.yaml` (rank 0): the run config, redacted;
-- `manifest.rank<r>.json`, written last by each rank: every file it wrote, with size and checksum.
-  Resume uses only checkpoints whose manifests all check out (see checkpoint/verify.py).
-
-Uploads go through our own `checkpoint_upload_fn` (upload.py) so that they are retried, timed
-(`checkpoint/upload_s`), and so the next save can wait for the previous async upload.
-"""
+The files of one checkpoint: docs/architecture.md, "Checkpoint layout"."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -78,7 +65,6 @@ class Checkpointer:
             self.local_rank = ray.train.get_context().get_local_rank()
         except Exception:  # local mode
             self.local_rank = 0
-        self._scheme = "s3://" if self.filesystem.type_name == "s3" else ""
         self._staging = f"{self.run_path}/{STAGING_DIR}/rank{rank}" if self.filesystem.type_name == "local" else None
         if self._staging is not None:  # what an earlier attempt of this rank left mid-save is stale
             shutil.rmtree(self._staging, ignore_errors=True)
@@ -99,7 +85,7 @@ class Checkpointer:
         )
         self.restorer = Restorer(
             filesystem=self.filesystem, run_path=self.run_path, rank=rank, world_size=world_size,
-            local_rank=self.local_rank, scheme=self._scheme,
+            local_rank=self.local_rank, scheme="s3://" if self.filesystem.type_name == "s3" else "",
         )
 
     @property
@@ -189,12 +175,9 @@ class Checkpointer:
             return
         from raytrain_fast.engine.deepspeed_compat import write_checkpoints_in_background
 
-        if not write_checkpoints_in_background(engine, self.writer, warn=self._warn):
+        if not write_checkpoints_in_background(engine, self.writer, warn=functools.partial(say, rank=self.rank)):
             self.writer = None
         self._routed_engine = engine
-
-    def _warn(self, message: str) -> None:
-        say(message, rank=self.rank)
 
     def _finish_files(self, local_dir: str) -> None:
         """In the upload thread: wait for this rank's background writes, then write its manifest
@@ -228,17 +211,14 @@ class Checkpointer:
                 shutil.rmtree(local_dir, ignore_errors=True)
 
     def _after_upload(self, local_dir: str, dir_name: str, upload_s: float) -> None:
-        """Rank 0, in the upload thread (off the step loop): say so, then apply retention."""
-        self._say_saved(local_dir, dir_name, upload_s)
-        self.retention.prune()
-
-    def _say_saved(self, local_dir: str, dir_name: str, upload_s: float) -> None:
-        """Rank 0's line for each checkpoint: its own files' size (the others' optimizer shards are
-        about as large) and the upload's seconds."""
+        """Rank 0, in the upload thread (off the step loop): a line for each checkpoint, with its own
+        files' size (the others' optimizer shards are about as large) and the upload's seconds; then
+        retention."""
         size = sum(p.stat().st_size for p in Path(local_dir).rglob("*") if p.is_file())
         ranks = "" if self.world_size == 1 else " from rank 0"
         step = int(dir_name.rsplit("_", 1)[-1]) if dir_name.rsplit("_", 1)[-1].isdigit() else dir_name
         say(f"Saved checkpoint at step {step} ({size / 1e6:.1f} MB{ranks}, uploaded in {upload_s:.1f} s)", rank=self.rank)
+        self.retention.prune()
 
     def take_upload_s(self) -> float | None:
         """Duration of the last finished upload, once (None if none finished since the last call)."""
@@ -256,10 +236,6 @@ class Checkpointer:
         barrier(self.world_size)
         if self.rank == 0 and self._saved:
             self.retention.prune()
-
-    def uri(self, path: str) -> str:
-        """A storage path as the user writes it (s3://bucket/... for S3)."""
-        return f"{self._scheme}{path}"
 
     # ------------------------------------------------------------------ restore
     def restore_state(self) -> TrainState | None:

@@ -8,25 +8,16 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pyarrow.fs as pafs
 
-from raytrain_fast.checkpoint.rank_manifest import (
-    FileEntry,
-    NUM_IO_THREADS,
-    REMOTE_CHUNK_BYTES,
-    RankManifest,
-    hash_stream,
-    manifest_name,
-)
+from raytrain_fast.checkpoint.rank_manifest import FileEntry, REMOTE_CHUNK_BYTES, RankManifest, hash_stream, manifest_name
 from raytrain_fast.checkpoint.verify import (
     CheckpointStatus,
     checkpoint_health,
+    first_problem,
     inspect_checkpoint,
     list_checkpoint_dirs,
     verify_checkpoint,
@@ -43,17 +34,6 @@ class IncompleteCheckpointError(CheckpointError):
 
     def __reduce__(self):
         return (IncompleteCheckpointError, (self.path, self.reason))
-
-
-def _first_problem(fetch: Callable[[Any], str], jobs: Mapping[str, Any]) -> str:
-    """`fetch` over every (relative path, job) on the I/O threads: the first problem any reported
-    ("" when none), or the OSError that stopped them."""
-    try:
-        with ThreadPoolExecutor(NUM_IO_THREADS) as pool:
-            problems = [p for p in pool.map(fetch, jobs.items()) if p]
-    except OSError as error:
-        problems = [f"a file could not be read: {error}"]
-    return problems[0] if problems else ""
 
 
 def _download_verified(
@@ -88,7 +68,7 @@ def download_checkpoint(filesystem: pafs.FileSystem, path: str, local_dir: str) 
         target.parent.mkdir(parents=True, exist_ok=True)
         return _download_verified(filesystem, path, relative, target, algorithm=algorithm, entry=entry)[1]
 
-    problem = _first_problem(fetch, jobs)
+    problem = first_problem(fetch, jobs)
     if problem:
         shutil.rmtree(local_dir, ignore_errors=True)
         os.makedirs(local_dir)
@@ -97,13 +77,13 @@ def download_checkpoint(filesystem: pafs.FileSystem, path: str, local_dir: str) 
 
 
 def find_resumable_checkpoint(
-    filesystem: pafs.FileSystem, run_path: str, *, checksums: bool = True, download_to: str | None = None
+    filesystem: pafs.FileSystem, run_path: str, *, download_to: str | None = None
 ) -> tuple[str | None, list[tuple[str, str]]]:
     """(newest complete and healthy checkpoint of the run or None, [(skipped newer checkpoint, reason), ...]).
 
     download_to: also download the chosen checkpoint there, verifying checksums while downloading
-    (each byte is read once: the cheap way to resume from S3). Without it, checksums=True reads
-    every file of the candidate once just to verify it.
+    (each byte is read once: the cheap way to resume from S3). Without it, every file of the
+    candidate is read once just to verify it.
     """
     skipped: list[tuple[str, str]] = []
     for _, path in list_checkpoint_dirs(filesystem, run_path):
@@ -118,7 +98,7 @@ def find_resumable_checkpoint(
             except IncompleteCheckpointError as error:
                 skipped.append((path, error.reason))
                 continue
-        ok, reason = verify_checkpoint(filesystem, path, checksums=checksums)
+        ok, reason = verify_checkpoint(filesystem, path)
         if ok:
             return path, skipped
         skipped.append((path, reason))
@@ -139,11 +119,6 @@ def file_rank(relative: str) -> int | None:
     if match := _RNG_STATE_FILE.search(relative):
         return int(match.group(1))
     return zero_shard_rank(relative)
-
-
-def rank_needs(relative: str, rank: int) -> bool:
-    owner = file_rank(relative)
-    return owner is None or owner == rank
 
 
 @dataclass(kw_only=True)
@@ -179,7 +154,7 @@ def _manifest_jobs(status: CheckpointStatus, *, rank: int | None = None) -> dict
     for manifest in status.manifests:
         jobs[manifest_name(manifest.rank)] = (manifest.algorithm, None)
         for entry in manifest.files:
-            if rank is None or rank_needs(entry.path, rank):
+            if rank is None or file_rank(entry.path) in (None, rank):
                 jobs[entry.path] = (manifest.algorithm, entry)
     return jobs
 
@@ -215,7 +190,7 @@ def _fetch_once_per_node(
 
 
 def download_for_rank(
-    filesystem: pafs.FileSystem, path: str, *, rank: int, status: CheckpointStatus | None = None, base_dir: str | None = None
+    filesystem: pafs.FileSystem, path: str, *, rank: int, base_dir: str | None = None
 ) -> RankDownload:
     """Download what rank `rank` loads from the checkpoint `path` (the model states, its own
     optimizer shard and RNG states, the small state files, every manifest) into a directory shared
@@ -226,8 +201,7 @@ def download_for_rank(
     kept for the node's other ranks and removed by `Checkpointer`).
     """
     path = path.rstrip("/")
-    if status is None:
-        status = inspect_checkpoint(filesystem, path, checksums=False)
+    status = inspect_checkpoint(filesystem, path, checksums=False)
     if not status.complete:
         raise IncompleteCheckpointError(path, status.reason)
     local_dir = node_restore_dir(path, status.manifests, base=base_dir)
@@ -244,7 +218,7 @@ def download_for_rank(
             downloaded += size
         return problem
 
-    problem = _first_problem(fetch, jobs)
+    problem = first_problem(fetch, jobs)
     if problem:
         raise IncompleteCheckpointError(path, problem)
     needed = sum(entry.size for _, entry in jobs.values() if entry is not None)

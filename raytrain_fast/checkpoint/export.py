@@ -38,7 +38,6 @@ from raytrain_fast.storage.filesystem import resolve_filesystem, uri_of
 WEIGHTS_FILE = "model.safetensors"
 # An export writes its config.yaml under the same name as the run config in a checkpoint
 # (CONFIG_FILE): both hold a `model` section, read by _model_config_from_dict.
-_STRIP_PREFIXES = ("module.", "_orig_mod.")  # DDP / torch.compile wrappers
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 """Both spellings, the config's (bf16, fp32) and torch's (bfloat16, float32), are accepted."""
 
@@ -63,13 +62,13 @@ def read_checkpoint_model_config(local_dir: str) -> ModelConfig | None:
     return _model_config_from_dict(yaml.safe_load(path.read_text()), source=f"the checkpoint's {CONFIG_FILE}")
 
 
-def _deepspeed_dir(local_dir: str) -> tuple[str, str]:
-    """(directory holding `latest`, tag) of the DeepSpeed save inside a checkpoint."""
+def _deepspeed_tag(local_dir: str) -> str:
+    """The tag (subdirectory) of the DeepSpeed save inside a checkpoint."""
     latest = Path(local_dir, "latest")
     tag = latest.read_text().strip() if latest.exists() else DEEPSPEED_TAG
     if not Path(local_dir, tag).is_dir():
         raise CheckpointError(f"checkpoint has no DeepSpeed directory '{tag}/'")
-    return local_dir, tag
+    return tag
 
 
 def _pass_on_without_progress_bars(text: str) -> None:
@@ -85,8 +84,8 @@ def consolidated_state_dict(local_dir: str) -> tuple[dict[str, Any], str]:
 
     from raytrain_fast.engine import select_accelerator
 
-    root, tag = _deepspeed_dir(local_dir)
-    ds_dir = Path(root, tag)
+    tag = _deepspeed_tag(local_dir)
+    ds_dir = Path(local_dir, tag)
     if any(ds_dir.glob("*zero_pp_rank_*_optim_states.pt")):
         select_accelerator()  # DeepSpeed reads DS_ACCELERATOR once, at its first import
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -94,7 +93,7 @@ def consolidated_state_dict(local_dir: str) -> tuple[dict[str, Any], str]:
         # It prints a line per parameter group and draws tqdm bars ("Loading checkpoint shards") on
         # stderr; anything else it writes there (a warning) is passed on.
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
-            state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
+            state = get_fp32_state_dict_from_zero_checkpoint(local_dir, tag=tag)
         _pass_on_without_progress_bars(err.getvalue())
         source = "fp32 master weights from the ZeRO optimizer shards"
     else:
@@ -106,12 +105,8 @@ def consolidated_state_dict(local_dir: str) -> tuple[dict[str, Any], str]:
         state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
         state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
         source = "module weights from mp_rank_00_model_states.pt"
-    cleaned = {}
-    for key, value in state.items():
-        for prefix in _STRIP_PREFIXES:
-            key = key.removeprefix(prefix)
-        cleaned[key] = value
-    return cleaned, source
+    # Without the DDP / torch.compile wrappers' prefixes.
+    return {key.removeprefix("module.").removeprefix("_orig_mod."): value for key, value in state.items()}, source
 
 
 def export_format(config: ModelConfig, format: str) -> Literal["native", "hf"]:
@@ -166,9 +161,16 @@ def export_local_checkpoint(
             max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
         )
         info["tokenizer"] = spec.info.name
-        Path(out_dir, CONFIG_FILE).write_text(yaml.safe_dump({"model": dataclasses.asdict(config), "export": info}, sort_keys=False))
     else:
-        _write_native(model, config, out_dir, info=info)
+        from safetensors.torch import save_model
+
+        # safetensors' header metadata holds strings only; config.yaml keeps the types (step: 300).
+        metadata = {k: str(v) for k, v in info.items() if not isinstance(v, (list, dict))}
+        save_model(model, str(Path(out_dir, WEIGHTS_FILE)), metadata=metadata)
+    config_path = Path(out_dir, CONFIG_FILE)
+    config_path.write_text(yaml.safe_dump({"model": dataclasses.asdict(config), "export": info}, sort_keys=False))
+    if chosen == "native":  # safetensors creates its file 0600: give it config.yaml's mode (the umask's)
+        os.chmod(Path(out_dir, WEIGHTS_FILE), stat.S_IMODE(config_path.stat().st_mode))
     return out_dir
 
 
@@ -192,18 +194,6 @@ def _checkpoint_model(local_dir: str, config: ModelConfig, *, dtype: str) -> tup
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     return model, source
-
-
-def _write_native(model: Any, config: ModelConfig, out_dir: str, *, info: dict[str, Any]) -> None:
-    """model.safetensors and config.yaml (the model config and the export's record)."""
-    from safetensors.torch import save_model
-
-    config_path, weights_path = Path(out_dir, CONFIG_FILE), Path(out_dir, WEIGHTS_FILE)
-    # safetensors' header metadata holds strings only; config.yaml keeps the types (step: 300).
-    save_model(model, str(weights_path), metadata={k: str(v) for k, v in info.items() if not isinstance(v, (list, dict))})
-    config_path.write_text(yaml.safe_dump({"model": dataclasses.asdict(config), "export": info}, sort_keys=False))
-    # safetensors creates its file 0600; give it config.yaml's mode (the umask's), so both read alike.
-    os.chmod(weights_path, stat.S_IMODE(config_path.stat().st_mode))
 
 
 def read_run_config(local_dir: str) -> dict[str, Any]:

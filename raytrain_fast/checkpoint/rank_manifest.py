@@ -1,9 +1,7 @@
 """What a rank writes last into its checkpoint directory: `manifest.rank<r>.json`, listing each file
-it wrote (relative path, size, checksum) with its rank, world size and step.
-
-Checksums: xxh3-64 (xxhash, a Ray dependency; ~10 GB/s, so hashing a multi-GB checkpoint from the
-page cache costs well under a second) or zlib's crc32 where xxhash is missing. The manifest names its
-algorithm, so a reader verifies with the one the writer used."""
+it wrote (relative path, size, checksum) with its rank, world size and step. Checksums: xxh3-64
+(xxhash), or zlib's crc32 where xxhash is missing; the manifest names its algorithm, so a reader
+verifies with the one the writer used (docs/architecture.md, "Checkpoint layout")."""
 
 from __future__ import annotations
 
@@ -106,11 +104,7 @@ class RankManifest:
         if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"not a format-{MANIFEST_FORMAT} manifest")
         try:
-            files = [FileEntry(path=str(f["path"]), size=int(f["size"]), checksum=str(f["checksum"])) for f in data["files"]]
-            return cls(
-                rank=int(data["rank"]), world_size=int(data["world_size"]), step=int(data["step"]),
-                algorithm=str(data["algorithm"]), files=files, created_unix=float(data.get("created_unix", 0.0)),
-            )
+            return cls(**{**data, "files": [FileEntry(**entry) for entry in data["files"]]})
         except (KeyError, TypeError) as error:
             raise ValueError(f"missing or malformed field {error}") from None
 

@@ -1,22 +1,11 @@
-"""Resuming a checkpoint on another number of workers.
+"""Resuming a checkpoint on another number of workers (docs/checkpoints.md, "Resuming on another
+worker count"): the global batch is kept (`fit_batch`, on the driver before any worker starts); the
+ZeRO-2 optimizer shards are converted once to DeepSpeed's universal layout and cached beside the
+checkpoint as `checkpoint_<step>.universal/` (never a `checkpoint_<digits>` name, so listing and
+retention never take it for a checkpoint); the data position is global: nothing to remap.
 
-Three things change with the worker count, and each is handled here or next to it:
-- the batch: the global batch of the checkpoint is kept; `fit_batch` recomputes micro_batch x
-  grad_accum for the new count on the driver, before any worker starts, or names the counts that work;
-- the ZeRO-2 optimizer state, which is one shard per worker: the checkpoint is converted once to
-  DeepSpeed's universal layout (`deepspeed.checkpoint.ds_to_universal`: one file per parameter for
-  the fp32 master weights and each Adam moment) and cached beside it as
-  `checkpoint_<step>.universal/` (never a `checkpoint_<digits>` name, so listing and retention never take
-  it for a checkpoint; retention deletes it with its checkpoint). Any worker count loads it with the
-  engine's `checkpoint.load_universal`;
-- the data position, which is global (data/ingest.py): nothing to remap, the new ranks slice the rest
-  of the same stream.
-
-The conversion runs on rank 0 of the new worker group, inside `Checkpointer.restore_state`: rank 0
-downloads the whole checkpoint for it (only when no cached conversion exists), it is the one place that sees every resize (a
-resumed job and an elastic restart of the worker group alike), and the other ranks have to wait for
-the state anyway. Its memory need is the full fp32 state (16 bytes per parameter), which a training
-node has.
+The conversion runs on rank 0 of the new worker group, inside `Checkpointer.restore_state`: the one
+place that sees every resize (a resumed job and an elastic restart of the worker group alike).
 """
 
 from __future__ import annotations
@@ -149,12 +138,6 @@ def resize_line(*, step: int, old: int, new: int, seconds: float | None, cache: 
         f"Resized at step {step}: {old} -> {new} workers (micro_batch {micro_batch} x grad_accum {grad_accum} per worker), "
         f"{how} ({cache})"
     )
-
-
-__all__ = [
-    "UNIVERSAL_SUFFIX", "convert_to_universal", "ensure_universal", "fit_batch", "resize_line", "rng_seed_for_new_rank",
-    "saved_global_batch", "universal_cache_path", "worker_counts_that_fit",
-]
 
 
 def main(argv: list[str] | None = None) -> None:

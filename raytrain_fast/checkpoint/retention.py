@@ -8,9 +8,7 @@ import contextlib
 import math
 from typing import Any
 
-from raytrain_fast.checkpoint.layout import STATE_FILE
-from raytrain_fast.checkpoint.state import TrainState
-from raytrain_fast.checkpoint.verify import checkpoint_health, list_checkpoint_dirs, verify_checkpoint
+from raytrain_fast.checkpoint.verify import checkpoint_health, list_checkpoint_dirs, saved_state, verify_checkpoint
 from raytrain_fast.config.checkpoint import CheckpointConfig
 
 
@@ -67,10 +65,6 @@ class Retention:
 
     def _metric_of(self, path: str, metric: str) -> float | None:
         if path not in self._best_cache:
-            try:
-                with self.filesystem.open_input_stream(f"{path}/{STATE_FILE}") as stream:
-                    self._best_cache[path] = dict(TrainState.from_json(stream.read().decode()).metrics)
-            except (OSError, ValueError):
-                self._best_cache[path] = {}
+            self._best_cache[path] = saved_state(self.filesystem, path).get("metrics") or {}
         value = self._best_cache[path].get(metric)
         return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None

@@ -2,32 +2,27 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
 from raytrain_fast._ray_compat import TRAIN_SNAPSHOT_FILE
-from raytrain_fast.checkpoint.layout import STATE_FILE
-from raytrain_fast.checkpoint.verify import inspect_checkpoint, list_checkpoint_dirs
+from raytrain_fast.checkpoint.verify import CheckpointStatus, inspect_checkpoint, list_checkpoint_dirs, saved_state
 from raytrain_fast.config.storage import StorageConfig
 from raytrain_fast.storage.filesystem import resolve_filesystem
 
 
 @dataclass(kw_only=True)
-class CheckpointInfo:
+class CheckpointInfo(CheckpointStatus):
+    """A listed checkpoint: its status (path inside the run's filesystem), name and val/loss."""
+
     name: str
-    path: str
-    """Inside the run's filesystem (no scheme)."""
-    step: int | None
-    world_size: int | None
-    num_ranks_found: int
-    num_bytes: int
-    complete: bool
-    reason: str
-    """Why it is incomplete ('' when complete)."""
     val_loss: float | None = None
     """val/loss saved with the checkpoint (None: no evaluation at that step, or incomplete)."""
+
+    @property
+    def num_ranks_found(self) -> int:
+        return len(self.ranks_found)
 
 
 @dataclass(kw_only=True)
@@ -47,21 +42,15 @@ def _inspect_run(filesystem: pafs.FileSystem, name: str, path: str, *, checksums
     for _, checkpoint_path in list_checkpoint_dirs(filesystem, path):
         status = inspect_checkpoint(filesystem, checkpoint_path, checksums=checksums)
         run.checkpoints.append(CheckpointInfo(
-            name=checkpoint_path.rsplit("/", 1)[-1], path=checkpoint_path, step=status.step,
-            world_size=status.world_size, num_ranks_found=len(status.ranks_found), num_bytes=status.num_bytes,
-            complete=status.complete, reason=status.reason,
+            **vars(status), name=checkpoint_path.rsplit("/", 1)[-1],
             val_loss=_val_loss(filesystem, checkpoint_path) if status.complete else None,
         ))
     return run
 
 
 def _val_loss(filesystem: pafs.FileSystem, path: str) -> float | None:
-    """The val/loss in a checkpoint's train_state.json (one small read)."""
-    try:
-        with filesystem.open_input_stream(f"{path}/{STATE_FILE}") as stream:
-            value = (json.loads(stream.read()).get("metrics") or {}).get("val/loss")
-    except (OSError, ValueError):
-        return None
+    """The val/loss in a checkpoint's train_state.json."""
+    value = (saved_state(filesystem, path).get("metrics") or {}).get("val/loss")
     return float(value) if isinstance(value, (int, float)) else None
 
 

@@ -1,22 +1,13 @@
-"""DeepSpeed's checkpoint files written off the training thread.
+"""DeepSpeed's checkpoint files written off the training thread (checkpoint.write=background, see
+docs/checkpoints.md). `SnapshotWriter.save` takes a snapshot of each state dict DeepSpeed hands its
+checkpoint engine and returns; a writer thread serializes the snapshots; `wait` returns once every
+file is on disk (the upload calls it before it copies, so storage only ever gets complete files).
 
-A ZeRO-2 checkpoint of a 1B model is about 17 GB (bf16 weights, fp32 master weights and both AdamW
-moments); `torch.save` of it blocks training for as long as the disk takes. `SnapshotWriter.save`
-instead takes a snapshot of each state dict DeepSpeed hands its checkpoint engine and returns; a
-writer thread serializes the snapshots; `wait` returns once every file is on disk (the upload calls
-it before it copies, so storage only ever gets complete files).
-
-The snapshot, per tensor:
-- on a GPU with room for it: a copy in device memory (milliseconds for 17 GB), which the writer
-  thread copies into pinned host memory on its own CUDA stream while training goes on, then frees;
-- on a GPU without that room: a copy into pinned host memory, finished before `save` returns;
-- on a CPU: a copy in memory.
-Training may change every tensor the moment `save` returns: the snapshot is already taken.
-
-The pinned host memory comes from torch's caching host allocator and is reused by every later save.
-Pinning it the first time (`cudaHostAlloc`, about 17 GB at 1B) holds up the training thread's
-kernel launches: on an H200 the first save's log window ran at a quarter of its speed, the later
-ones within 1% (docs/benchmarks.md). Copies to pageable memory instead stalled every save alike.
+The snapshot, per tensor: on a GPU with room for it, a copy in device memory, which the writer
+thread copies into pinned host memory on its own CUDA stream while training goes on, then frees; on
+a GPU without that room, a copy into pinned host memory, finished before `save` returns; on a CPU, a
+copy in memory. The pinned memory comes from torch's caching host allocator and is reused by every
+later save (copies to pageable memory stalled every save alike: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -88,7 +79,7 @@ class SnapshotWriter:
         self._thread: threading.Thread | None = None
         self._streams: dict[Any, Any] = {}  # one side stream per CUDA device
         self.last_snapshot: str | None = None
-        """Where the last snapshot was taken: device, pinned_host or host (the startup and tests read it)."""
+        """Where the last snapshot was taken: device, pinned_host or host (tests read it)."""
 
     # ------------------------------------------------------------------ training thread
     def save(self, state_dict: Any, path: str) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +40,6 @@ class CheckpointStatus:
     complete: bool
     reason: str
     """Why it is not complete ('' when complete)."""
-    checksums_verified: bool
     manifests: list[RankManifest] = field(default_factory=list, repr=False)
 
 
@@ -70,7 +69,7 @@ def inspect_checkpoint(filesystem: pafs.FileSystem, path: str, *, checksums: boo
     path = path.rstrip("/")
     status = CheckpointStatus(
         path=path, step=step_from_name(path), world_size=None, ranks_found=[], num_bytes=0,
-        complete=False, reason="", checksums_verified=False,
+        complete=False, reason="",
     )
     status.reason = _inspect(filesystem, path, status, checksums=checksums)
     status.complete = not status.reason
@@ -97,10 +96,7 @@ def _inspect(filesystem: pafs.FileSystem, path: str, status: CheckpointStatus, *
     if reason:
         return reason
     if checksums:
-        reason = _check_checksums(filesystem, path, manifests, listed)
-        if reason:
-            return reason
-        status.checksums_verified = True
+        return _check_checksums(filesystem, path, manifests, listed)
     return ""
 
 
@@ -180,9 +176,15 @@ def _check_checksums(
             _, checksum = hash_stream(stream.read, algorithm=algorithms[rank], chunk_bytes=REMOTE_CHUNK_BYTES)
         return "" if checksum == entry.checksum else f"{relative} does not match its checksum (altered or corrupted after save)"
 
+    return first_problem(check, listed)
+
+
+def first_problem(check: Callable[[Any], str], jobs: Mapping[str, Any]) -> str:
+    """`check` over every (relative path, job) on the I/O threads: the first problem any reported
+    ("" when none), or the OSError that stopped them."""
     try:
         with ThreadPoolExecutor(NUM_IO_THREADS) as pool:
-            problems = [p for p in pool.map(check, listed.items()) if p]
+            problems = [p for p in pool.map(check, jobs.items()) if p]
     except OSError as error:
         return f"a file could not be read: {error}"
     return problems[0] if problems else ""
@@ -220,11 +222,16 @@ def state_health(state: Mapping[str, Any]) -> str:
     return ""
 
 
-def checkpoint_health(filesystem: pafs.FileSystem, path: str) -> str:
-    """`state_health` of the checkpoint at `path` ("" = healthy). One small read; a checkpoint
-    without a readable state file is left to the completeness checks."""
+def saved_state(filesystem: pafs.FileSystem, path: str) -> dict[str, Any]:
+    """The train_state.json of the checkpoint at `path` as a dict ({} when it cannot be read). One small read."""
     try:
         state = json.loads(_read_small(filesystem, f"{path.rstrip('/')}/{STATE_FILE}"))
     except (OSError, ValueError):
-        return ""
-    return state_health(state) if isinstance(state, dict) else ""
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def checkpoint_health(filesystem: pafs.FileSystem, path: str) -> str:
+    """`state_health` of the checkpoint at `path` ("" = healthy); a checkpoint without a readable
+    state file is left to the completeness checks."""
+    return state_health(saved_state(filesystem, path))

@@ -160,7 +160,7 @@ def run_result(config: Config, *, metrics: dict, measurements: dict, stopped_by:
     checkpoint, oldest first, with its metrics at save time; `metrics` where the run kept none."""
     from raytrain_fast.checkpoint.checkpointing import TrainState
     from raytrain_fast.checkpoint.layout import STATE_FILE
-    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs, verify_checkpoint
+    from raytrain_fast.checkpoint.verify import list_checkpoint_dirs, verify_checkpoint
 
     filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
     kept = []

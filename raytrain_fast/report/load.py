@@ -144,7 +144,7 @@ class RunMetrics:
 
 def load_run(storage_uri: str, name: str, *, storage: StorageConfig | None = None) -> RunMetrics:
     """Read run `name` under `storage_uri` (local or s3://). Raises ReportError when it has no metrics."""
-    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs
+    from raytrain_fast.checkpoint.verify import list_checkpoint_dirs
     from raytrain_fast.loop.health import read_health
     from raytrain_fast.metrics.sinks import read_metrics
     from raytrain_fast.storage import StorageConfig, resolve_filesystem
@@ -256,7 +256,7 @@ def newest_config(run_uri: str, storage: StorageConfig) -> dict[str, Any] | None
     import yaml
 
     from raytrain_fast.checkpoint.layout import CONFIG_FILE
-    from raytrain_fast.checkpoint.manifest import list_checkpoint_dirs
+    from raytrain_fast.checkpoint.verify import list_checkpoint_dirs
     from raytrain_fast.storage import resolve_filesystem
 
     try:

@@ -10,6 +10,7 @@ Local paths are created and test-written the same way. Every probe has a deadlin
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import uuid
@@ -18,7 +19,7 @@ import pyarrow.fs as pafs
 
 from raytrain_fast.config.storage import StorageConfig
 from raytrain_fast.storage.credentials import S3Credentials, missing_credentials_message, resolve_credentials
-from raytrain_fast.storage.errors import StorageError
+from raytrain_fast.errors import StorageError
 from raytrain_fast.storage.filesystem import (
     build_s3_filesystem,
     check_uri,
@@ -122,54 +123,42 @@ def _check_s3(storage: StorageConfig, *, create_bucket: bool) -> None:
         max_attempts=MAX_ATTEMPTS, allow_bucket_creation=create_bucket,
     )
     where = f"s3://{bucket}/{prefix}".rstrip("/")
-
-    def explain(error: OSError, *, creating: bool = False) -> StorageError:
-        return _explain_s3_error(
-            error, storage=storage, bucket=bucket, where=where, endpoint=endpoint, credentials=credentials, creating=creating
-        )
-
-    def altered(written: bytes, read: bytes) -> StorageError:
-        return StorageError(altered_upload_message(storage, where=where, endpoint=endpoint, written=written, read=read))
-
-    try:
-        _write_and_delete_marker(filesystem, f"{bucket}/{prefix}".rstrip("/"), on_error=explain, on_altered=altered)
-    except _MissingBucket:
-        if not create_bucket:
-            raise StorageError(
-                f"Bucket '{bucket}' does not exist at {endpoint}. Create it (e.g. `aws s3 mb s3://{bucket}`"
-                f"{' --endpoint-url ' + storage.endpoint_url if storage.endpoint_url else ''}), or run again "
-                "with --create-bucket to have raytrain-fast create it."
-            ) from None
+    explain = functools.partial(
+        _explain_s3_error, storage=storage, bucket=bucket, where=where, endpoint=endpoint, credentials=credentials
+    )
+    for created in (False, True):  # a second round once --create-bucket made the bucket
+        try:
+            written, read = _write_and_delete_marker(filesystem, f"{bucket}/{prefix}".rstrip("/"))
+            break
+        except OSError as error:
+            if "NO_SUCH_BUCKET" not in str(error):
+                raise explain(error, creating=False) from None
+            if created:
+                raise StorageError(f"Bucket '{bucket}' was created at {endpoint} but is still not visible; try again.") from None
+            if not create_bucket:
+                raise StorageError(
+                    f"Bucket '{bucket}' does not exist at {endpoint}. Create it (e.g. `aws s3 mb s3://{bucket}`"
+                    f"{' --endpoint-url ' + storage.endpoint_url if storage.endpoint_url else ''}), or run again "
+                    "with --create-bucket to have raytrain-fast create it."
+                ) from None
         try:
             filesystem.create_dir(bucket)
         except OSError as error:
             raise explain(error, creating=True) from None
-        try:
-            _write_and_delete_marker(filesystem, f"{bucket}/{prefix}".rstrip("/"), on_error=explain, on_altered=altered)
-        except _MissingBucket:
-            raise StorageError(f"Bucket '{bucket}' was created at {endpoint} but is still not visible; try again.") from None
+    if read != written:
+        raise StorageError(altered_upload_message(storage, where=where, endpoint=endpoint, written=written, read=read))
 
 
-class _MissingBucket(Exception):
-    pass
-
-
-def _write_and_delete_marker(filesystem: pafs.FileSystem, directory: str, *, on_error, on_altered) -> None:
-    """Write a marker, read it back, delete it; on_altered(written, read) when the bytes differ."""
+def _write_and_delete_marker(filesystem: pafs.FileSystem, directory: str) -> tuple[bytes, bytes]:
+    """Write a marker, read it back, delete it: (bytes written, bytes read)."""
     marker = f"{directory}/{MARKER_PREFIX}{uuid.uuid4().hex}"
     written = _marker_bytes()
-    try:
-        with filesystem.open_output_stream(marker) as stream:
-            stream.write(written)
-        with filesystem.open_input_stream(marker) as stream:
-            read = stream.read()
-        filesystem.delete_file(marker)
-    except OSError as error:
-        if "NO_SUCH_BUCKET" in str(error):
-            raise _MissingBucket() from None
-        raise on_error(error) from None
-    if read != written:
-        raise on_altered(written, read)
+    with filesystem.open_output_stream(marker) as stream:
+        stream.write(written)
+    with filesystem.open_input_stream(marker) as stream:
+        read = stream.read()
+    filesystem.delete_file(marker)
+    return written, read
 
 
 def looks_like_aws_chunked(data: bytes) -> bool:
@@ -196,12 +185,6 @@ def altered_upload_message(storage: StorageConfig, *, where: str, endpoint: str,
     )
 
 
-def _scrub(text: str, secrets: list[str]) -> str:
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
-
-
 def _explain_s3_error(
     error: OSError,
     *,
@@ -212,7 +195,9 @@ def _explain_s3_error(
     credentials: S3Credentials,
     creating: bool,
 ) -> StorageError:
-    detail = _scrub(str(error), credentials.secrets())
+    detail = str(error)
+    for secret in credentials.secrets():
+        detail = detail.replace(secret, "***")
     action = f"create bucket '{bucket}'" if creating else f"write to {where}"
     if any(token in detail for token in ("NETWORK_CONNECTION", "curlCode", "Could not connect", "Couldn't resolve", "timed out", "Timeout")):
         return StorageError(

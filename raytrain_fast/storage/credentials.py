@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from raytrain_fast.config.storage import StorageConfig
-from raytrain_fast.storage.errors import StorageError
+from raytrain_fast.errors import StorageError
 
 ENV_ACCESS_KEY = "AWS_ACCESS_KEY_ID"
 ENV_SECRET_KEY = "AWS_SECRET_ACCESS_KEY"

@@ -10,11 +10,7 @@ import pyarrow.fs as pafs
 
 from raytrain_fast.config.storage import StorageConfig, uri_problem
 from raytrain_fast.storage.credentials import S3Credentials, resolve_credentials
-from raytrain_fast.storage.errors import StorageError
-
-
-def is_remote(uri: str) -> bool:
-    return "://" in uri and not uri.startswith("file://")
+from raytrain_fast.errors import StorageError
 
 
 def check_uri(uri: str, *, setting: str) -> None:

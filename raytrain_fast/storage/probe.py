@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from raytrain_fast.storage.errors import StorageError
+from raytrain_fast.errors import StorageError
 
 T = TypeVar("T")
 _abandoned: list[threading.Event] = []
