@@ -331,7 +331,9 @@ def drift_warning(drift: dict[str, Any] | None) -> str | None:
     )
 
 
-def overhead_report(*, setup: OverheadSetup, storage_dir: str, variants: Sequence[str] = VARIANTS, repeats: int = 3) -> dict[str, Any]:
+def overhead_report(
+    *, setup: OverheadSetup, storage_dir: str, variants: Sequence[str] = VARIANTS, repeats: int = 3,
+) -> dict[str, Any]:
     """The JSON of `raytrain-fast bench overhead --json`; our loop's runs go under `storage_dir`."""
     setup = setup.resolved()
     load_before = os.getloadavg()

@@ -110,7 +110,7 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
     import contextlib
     import sys
 
-    from raytrain_fast.bench.overhead import drift_warning, overhead_report
+    from raytrain_fast.bench.overhead import drift_warning, ensure_ray, overhead_report
     from raytrain_fast.bench.overhead_setup import SIZE_DEFAULTS, VARIANTS, OverheadSetup
 
     shape = {"d_model": args.d_model, "num_layers": args.layers, "num_heads": args.heads}
@@ -129,6 +129,7 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
     try:
         # The runs print their progress: to stderr, so that with --json stdout holds only the JSON.
         with contextlib.redirect_stdout(sys.stderr):
+            ensure_ray()  # before round 1, so every round's variants run beside the same Ray processes
             repeats = args.repeats or SIZE_DEFAULTS[args.model]["repeats"]
             report = overhead_report(setup=setup, variants=variants, repeats=repeats, storage_dir=scratch)
         warning = drift_warning(report["machine_drift"])

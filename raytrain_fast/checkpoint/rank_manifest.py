@@ -11,7 +11,7 @@ import re
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from raytrain_fast.errors import CheckpointError
@@ -104,7 +104,9 @@ class RankManifest:
         if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"not a format-{MANIFEST_FORMAT} manifest")
         try:
-            return cls(**{**data, "files": [FileEntry(**entry) for entry in data["files"]]})
+            known = {entry.name for entry in fields(cls)}  # a newer writer's extra keys are ignored
+            given = {key: value for key, value in data.items() if key in known}
+            return cls(**{**given, "files": [FileEntry(**entry) for entry in data["files"]]})
         except (KeyError, TypeError) as error:
             raise ValueError(f"missing or malformed field {error}") from None
 

@@ -259,7 +259,9 @@ def _baseline_band(run: RunMetrics, axis, stall_thresholds: dict[int, float]) ->
                  label=f"baseline {baseline:,.0f} ms to +{threshold:.0%} (slowdown alert above)")
     if stall_thresholds:
         axis.plot(list(stall_thresholds), [1e3 * t for t in stall_thresholds.values()], drawstyle="steps-pre",
-                  color="tab:purple", linestyle=":", linewidth=1, label=f"stall threshold ({stall_factor(run):.1f}x the median of the {StallDetector().num_windows} windows before)")
+                  color="tab:purple", linestyle=":", linewidth=1,
+                  label=f"stall threshold ({stall_factor(run):.1f}x the median of the "
+                        f"{StallDetector().num_windows} windows before)")
     return baseline
 
 
