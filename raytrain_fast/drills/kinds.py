@@ -176,4 +176,3 @@ class Nonfinite(StepHooks):
 def Spike(step: int, rank: int = 0) -> Nonfinite:  # noqa: N802 - a drill's name, as the others
     """Rank `rank` multiplies its loss by plants.SPIKE_FACTOR in `step` (a loss and gradient-norm spike)."""
     return Nonfinite(step, rank, "spike")
-

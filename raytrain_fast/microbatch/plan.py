@@ -144,4 +144,3 @@ def fastest(results: Iterable[T]) -> T | None:
     """The ok result with the most tokens/s (anything with `status` and `tokens_per_sec`), or None."""
     done = [r for r in results if r.status == OK and r.tokens_per_sec is not None]  # type: ignore[attr-defined]
     return max(done, key=lambda r: r.tokens_per_sec) if done else None  # type: ignore[attr-defined]
-

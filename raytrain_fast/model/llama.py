@@ -12,7 +12,6 @@ each instead of three and two); the export splits them.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
