@@ -41,7 +41,7 @@ def check_before_ray(config: Config, *, create_bucket: bool = False):
     if config.checkpoint.init_from:
         from raytrain_fast.checkpoint.hf_import import init_from_problems
 
-        problems = init_from_problems(config.checkpoint.init_from, config.model, config.storage)  # a Hugging Face dir
+        problems = init_from_problems(config)  # a Hugging Face dir: its config.json and tokenizer
         if problems:
             raise ConfigError(problems)
     check_storage(config.storage, create_bucket=create_bucket)  # reachable and writable, in seconds
