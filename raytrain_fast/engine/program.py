@@ -63,7 +63,7 @@ def prepare_process(*, threads: int, seed: int) -> torch.device:
 
 def build_program(
     config: Config, *, device: torch.device, documents: DocumentMasking | None = None, with_engine: bool = True,
-    on_eager_model: Callable[[GPT], None] | None = None, load_universal: bool = False,
+    on_eager_model: Callable[[GPT], list | None] | None = None, load_universal: bool = False,
     say: Callable[[str], None] | None = None,
 ) -> WorkerProgram:
     """The model of `config.model` (activation checkpointing included) on `device`, its blocks
@@ -71,14 +71,14 @@ def build_program(
     accumulation on `config.resources.num_workers` workers at `config.engine.precision` (resolved).
 
     `on_eager_model(model)`: what must see the eager model before compilation (the loop's initial
-    weights and FLOP count). `with_engine=False`: the model alone. `say`: where the compile and
+    weights and FLOP count); it returns the fp32 values the master weights start from (checkpoint/
+    init_from.py `fp32_values`: a bf16 engine makes them from its bf16 copy otherwise) or None. `with_engine=False`: the model alone. `say`: where the compile and
     DeepSpeed patch startup lines (and a patch's warning) go, as they happen; None: not said (a
     patch's warning is still printed)."""
     from raytrain_fast.model import build_model
 
     model = build_model(config.model, device, documents=documents)  # weights made on the device: no host copy first
-    if on_eager_model is not None:
-        on_eager_model(model)
+    masters = on_eager_model(model) if on_eager_model is not None else None
     compiled, compile_line = compile_blocks(model, setting=config.engine.compile, device=device)
     if compile_line and say is not None:
         say(compile_line)
@@ -92,7 +92,19 @@ def build_program(
         model, engine=config.engine, optim=config.optim, micro_batch=int(config.train.micro_batch),
         grad_accum=config.grad_accum(), world_size=world_size, total_steps=config.train.steps, load_universal=load_universal,
     )
+    if masters:
+        keep_as_master_weights(masters)
     return program
+
+
+def keep_as_master_weights(values: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+    """Each parameter's fp32 master weight (this rank's part of it: ZeRO partitions them) set to the
+    kept value, on the engine built since (DeepSpeed's fragment mapping, `safe_set_full_fp32_param`)."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    with torch.no_grad():
+        for param, value in values:
+            safe_set_full_fp32_param(param, value)
 
 
 def one_process(config: Config, *, micro_batch: int, grad_accum: int, steps: int) -> Config:

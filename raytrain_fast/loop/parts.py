@@ -141,16 +141,19 @@ class LoopParts:
             apply_optim_settings(program.engine, optim=config.optim, total_steps=config.train.steps)  # a changed optim.* applies
         return program
 
-    def _on_eager_model(self, model: GPT, *, restored: TrainState | None) -> None:
+    def _on_eager_model(self, model: GPT, *, restored: TrainState | None) -> list | None:
         """Before compilation: the initial weights and the values measured once per run, then rank
         0's sinks open (W&B / TensorBoard start while the engine is built, not in the first steps)
-        and its stop watcher starts."""
-        self.mfu = measure_eager_model(self.worker, model, self.state, self.coordinator, restored=restored)
+        and its stop watcher starts. Returns the initial weights' fp32 values for a bf16 engine's
+        master weights (None without init_from, or in fp32)."""
+        masters = load_init_from(self.worker, model, restored=restored)
+        self.mfu = measure_eager_model(self.worker, model, self.state, self.coordinator)
         self.sinks = start_sinks(self.worker, self.state)
         if self.sinks is not None:
             self._closing.callback(self.sinks.close)  # closed by metrics.close() too, unless setup fails before it
         if self.worker.rank == 0:
             self.coordinator.watch_for_stop()  # the driver's SIGTERM / Ctrl-C reaches the loop through it
+        return masters
 
     def open_data(self, state: TrainState) -> BatchIterator:
         """The reader at `state`'s data position (a mixture's for data.sources)."""
@@ -187,20 +190,23 @@ def build_health(worker: Worker, checkpointer: Checkpointer, state: TrainState) 
                          vocab_size=config.model.vocab_size, start_step=state.step)
 
 
-def measure_eager_model(
-    worker: Worker, model: GPT, state: TrainState, coordinator: Coordinator, *, restored: TrainState | None,
-) -> MfuInputs:
-    """On the eager model: the initial weights from checkpoint.init_from on a new run, then the
-    values measured once per run (FLOPs per token, the achievable peak: counted before anything
-    else runs beside it, shared through the coordinator actor, kept in checkpoints)."""
-    from raytrain_fast.checkpoint.init_from import load_initial_weights
+def load_init_from(worker: Worker, model: GPT, *, restored: TrainState | None) -> list | None:
+    """On the eager model of a new run: the initial weights from checkpoint.init_from, and in bf16
+    their fp32 values for the master weights (checkpoint/init_from.py)."""
+    from raytrain_fast.checkpoint.init_from import fp32_values, load_initial_weights
 
     config, rank = worker.config, worker.rank
-    if restored is None and config.checkpoint.init_from:
-        source = load_initial_weights(
-            model, config.checkpoint.init_from, storage=config.storage, rank=rank, world_size=worker.world_size
-        )
-        say(f"New run initialised from {config.checkpoint.init_from} ({source}).", rank=rank)
+    if restored is not None or not config.checkpoint.init_from:
+        return None
+    source = load_initial_weights(model, config.checkpoint.init_from, storage=config.storage, rank=rank, world_size=worker.world_size)
+    say(f"New run initialised from {config.checkpoint.init_from} ({source}).", rank=rank)
+    return fp32_values(model) if config.engine.precision == "bf16" else None
+
+
+def measure_eager_model(worker: Worker, model: GPT, state: TrainState, coordinator: Coordinator) -> MfuInputs:
+    """On the eager model: the values measured once per run (FLOPs per token, the achievable peak:
+    counted before anything else runs beside it, shared through the coordinator actor, kept in checkpoints)."""
+    config, rank = worker.config, worker.rank
     if rank == 0 and state.coordinator:
         coordinator.import_state(state.coordinator)
     mfu = mfu_inputs(
