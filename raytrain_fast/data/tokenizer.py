@@ -2,8 +2,9 @@
 
 Both turn a list of documents (UTF-8 bytes) into one id array with the end-of-document id after each
 document, and, for a tokenizer file whose post-processor puts a beginning-of-text token before a text
-(Llama 3, Mistral), that token before each document, as the family trained. A tokenizer travels to Ray tasks as its JSON text (never as a path: the file may only
-exist on the driver) and is rebuilt once per process.
+(Llama 3, Mistral), that token before each document, as the family trained. A tokenizer travels to
+Ray tasks as its JSON text (never as a path: the file may only exist on the driver) and is rebuilt
+once per process.
 """
 
 from __future__ import annotations

@@ -72,9 +72,9 @@ def build_program(
 
     `on_eager_model(model)`: what must see the eager model before compilation (the loop's initial
     weights and FLOP count); it returns the fp32 values the master weights start from (checkpoint/
-    init_from.py `fp32_values`: a bf16 engine makes them from its bf16 copy otherwise) or None. `with_engine=False`: the model alone. `say`: where the compile and
-    DeepSpeed patch startup lines (and a patch's warning) go, as they happen; None: not said (a
-    patch's warning is still printed)."""
+    init_from.py `fp32_values`: a bf16 engine makes them from its bf16 copy otherwise) or None.
+    `with_engine=False`: the model alone. `say`: where the compile and DeepSpeed patch startup lines
+    (and a patch's warning) go, as they happen; None: not said (a patch's warning is still printed)."""
     from raytrain_fast.model import build_model
 
     model = build_model(config.model, device, documents=documents)  # weights made on the device: no host copy first

@@ -198,7 +198,9 @@ def load_init_from(worker: Worker, model: GPT, *, restored: TrainState | None) -
     config, rank = worker.config, worker.rank
     if restored is not None or not config.checkpoint.init_from:
         return None
-    source = load_initial_weights(model, config.checkpoint.init_from, storage=config.storage, rank=rank, world_size=worker.world_size)
+    source = load_initial_weights(
+        model, config.checkpoint.init_from, storage=config.storage, rank=rank, world_size=worker.world_size
+    )
     say(f"New run initialised from {config.checkpoint.init_from} ({source}).", rank=rank)
     return fp32_values(model) if config.engine.precision == "bf16" else None
 

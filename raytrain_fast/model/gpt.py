@@ -67,9 +67,9 @@ class CausalSelfAttention(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape  # (B, T, d)
         q, k, v = self.qkv(x).split((self.q_width, self.kv_width, self.kv_width), dim=-1)
-        q, k = self._normalize(q.view(batch, seq, self.num_heads, self.head_dim), k.view(batch, seq, self.num_kv_heads, self.head_dim))
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd), (B, Hkv, T, hd)
-        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))  # (B, T, H or Hkv, hd)
+        q, k = self._normalize(q, k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd), (B, Hkv, T, hd)
         if cos is not None and sin is not None:  # rotary positions: the tables come from GPT.forward
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         if self.num_kv_heads != self.num_heads:
@@ -233,10 +233,11 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
       is a gather, 0 FLOPs).
     - 6 = 2 FLOPs per multiply-add in the forward pass x 3 (backward costs twice the forward).
     - 12*L*d_q*T: attention scores QK^T and the weighted sum AV, 2*T*d_q FLOPs each per token and
-      layer forward, x3 for backward (d_q = d but for a llama with head_dim set apart). Counted for the full T x T square, as FlopCounterMode and
-      the usual MFU convention do, although causal kernels skip half of it.
-    Norms, biases, softmax, GELU, SiLU and rotary are elementwise and left out. FlopCounterMode counts a bit
-    more (+2% on the tiny preset): its attention backward includes recomputing the scores.
+      layer forward, x3 for backward (d_q = d but for a llama with head_dim set apart). Counted for
+      the full T x T square, as FlopCounterMode and the usual MFU convention do, although causal
+      kernels skip half of it.
+    Norms, biases, softmax, GELU, SiLU and rotary are elementwise and left out. FlopCounterMode counts
+    a bit more (+2% on the tiny preset): its attention backward includes recomputing the scores.
     """
     d, num_layers = config.d_model, config.num_layers
     q_width = config.num_heads * head_size(config)
