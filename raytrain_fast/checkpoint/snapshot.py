@@ -6,15 +6,20 @@ file is on disk (the upload calls it before it copies, so storage only ever gets
 The snapshot, per tensor: on a GPU with room for it, a copy in device memory, which the writer
 thread copies into pinned host memory on its own CUDA stream while training goes on, then frees; on
 a GPU without that room, a copy into pinned host memory, finished before `save` returns; on a CPU, a
-copy in memory. The pinned memory comes from torch's caching host allocator and is reused by every
-later save (copies to pageable memory stalled every save alike: docs/benchmarks.md).
+copy in memory. The host memory is the writer's own buffers (`HostBuffers`), reserved before the
+first step (`reserve`) from the engine's state and reused by every save: pinning about 17 GB for
+llama-1b's first save held up the training thread's kernel launches for 12 s on an H100, and copies
+to pageable memory stalled every save alike (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import queue
 import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,6 +67,92 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in unique.values())
 
 
+def _key(t: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
+    return t.dtype, tuple(t.shape)
+
+
+class HostBuffers:
+    """Host tensors that snapshots are copied into, lent to one snapshot at a time and given back once
+    its file is written: pinned when the state is on a GPU (a device-to-host copy into pinned memory
+    runs on the copy engine while training goes on), plain memory on a CPU. A save that finds no free
+    buffer of a tensor's dtype and shape allocates one (a miss), which joins the pool when given back."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.reserved_bytes = 0
+        """Bytes allocated by `reserve`."""
+        self.allocated_bytes = 0
+        """Bytes of every buffer ever allocated: reserved, and allocated by saves that missed."""
+        self.missed_bytes = 0
+        """Bytes that saves had to allocate, the way to see that `reserve` did not cover a save."""
+
+    def reserve(self, tensors: list[torch.Tensor]) -> int:
+        """Free buffers for every tensor of `tensors` that the pool cannot already serve, allocated
+        now (pinned if any tensor is on a GPU); returns the bytes allocated."""
+        pinned = any(t.is_cuda for t in tensors)
+        wanted: dict[tuple[torch.dtype, tuple[int, ...]], int] = {}
+        for t in {id(t): t for t in tensors}.values():
+            wanted[_key(t)] = wanted.get(_key(t), 0) + 1
+        added = 0
+        for (dtype, shape), count in wanted.items():
+            with self._lock:
+                have = len(self._free.get((dtype, shape), []))
+            for _ in range(count - have):
+                buffer = self._allocate(dtype, shape, pinned=pinned)
+                added += buffer.numel() * buffer.element_size()
+                self.give_back([buffer])
+        self.reserved_bytes += added
+        return added
+
+    def take(self, like: torch.Tensor, *, pinned: bool) -> torch.Tensor:
+        """A free buffer of `like`'s dtype and shape, or a new one (a miss)."""
+        with self._lock:
+            free = self._free.get(_key(like))
+            if free:
+                return free.pop()
+        buffer = self._allocate(like.dtype, tuple(like.shape), pinned=pinned)
+        self.missed_bytes += buffer.numel() * buffer.element_size()
+        return buffer
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            for buffer in {id(b): b for b in buffers}.values():  # a tensor a state lists twice is one buffer
+                self._free.setdefault(_key(buffer), []).append(buffer)
+
+    def _allocate(self, dtype: torch.dtype, shape: tuple[int, ...], *, pinned: bool) -> torch.Tensor:
+        # zero_ faults every page in now: plain memory is only mapped by torch.empty, and a save
+        # that touches it first would pay for the page faults (pinned memory is resident already).
+        buffer = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+        if not pinned:
+            buffer.zero_()
+        self.allocated_bytes += buffer.numel() * buffer.element_size()
+        return buffer
+
+
+@contextlib.contextmanager
+def optimizer_state_as_after_a_step(engine: Any) -> Iterator[None]:
+    """The engine's AdamW state as it is after the first optimizer step, for a save made before it
+    (`SnapshotWriter.reserve` at start-up): torch's AdamW makes exp_avg, exp_avg_sq and step on its
+    first step, and DeepSpeed's ZeRO optimizer does not step at construction. Zeros of those shapes
+    stand in, and are taken out again afterwards, so the first real step makes its own, as it would
+    have (parameters that already have state, e.g. after a resume, are left alone)."""
+    base = getattr(getattr(engine, "optimizer", None), "optimizer", None)  # DeepSpeed's wrapper holds torch's
+    made = []
+    if isinstance(base, torch.optim.AdamW):
+        for group in base.param_groups:
+            for p in group["params"]:
+                if not base.state.get(p):
+                    base.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                     "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                    made.append(p)
+    try:
+        yield
+    finally:
+        for p in made:
+            base.state.pop(p, None)
+
+
 def _device_room(device: torch.device) -> int:
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -72,6 +163,8 @@ class SnapshotWriter:
     every queued file is written and raises what the writer thread hit."""
 
     def __init__(self) -> None:
+        self.buffers = HostBuffers()
+        self._reserving: list[torch.Tensor] | None = None
         self._jobs: queue.Queue[tuple[Any, str, Any] | None] = queue.Queue()
         self._pending = 0
         self._done = threading.Condition()
@@ -82,13 +175,29 @@ class SnapshotWriter:
         """Where the last snapshot was taken: device, pinned_host or host (tests read it)."""
 
     # ------------------------------------------------------------------ training thread
+    def reserve(self, save_all: Callable[[], None]) -> tuple[int, float]:
+        """Allocate the host buffers that the saves `save_all` makes (every file of one checkpoint,
+        through `save`) will take, without writing anything; returns (bytes allocated, seconds).
+        Called before the first step, so that no save allocates while training runs."""
+        started = time.perf_counter()
+        self._reserving = tensors = []
+        try:
+            save_all()
+        finally:
+            self._reserving = None
+        return self.buffers.reserve(tensors), time.perf_counter() - started
+
     def save(self, state_dict: Any, path: str) -> None:
         tensors = _tensors(state_dict)
+        if self._reserving is not None:  # a save made by `reserve`: its tensors' sizes are what it wants
+            self._reserving += tensors
+            return
         cuda = [t for t in tensors if t.is_cuda]
         if not cuda:
-            snapshot, where, ready = _map(state_dict, lambda t: t.detach().clone()), "host", None
+            snapshot, where, ready = self._to_host(state_dict), "host", None
         elif _device_room(cuda[0].device) >= DEVICE_HEADROOM * _nbytes(cuda):
-            snapshot, where = _map(state_dict, lambda t: t.detach().clone()), "device"
+            snapshot = _map(state_dict, lambda t: t.detach().clone() if t.is_cuda else self.buffers.take(t, pinned=True).copy_(t))
+            where = "device"
             ready = (cuda[0].device, torch.cuda.Event())
             ready[1].record(torch.cuda.current_stream(cuda[0].device))  # the clones are queued there: the writer waits for them
         else:
@@ -99,19 +208,22 @@ class SnapshotWriter:
         self._start()
         self._jobs.put((snapshot, path, ready))
 
+    def _to_host(self, state_dict: Any) -> Any:
+        """Copies of a state on the CPU into host buffers."""
+        return _map(state_dict, lambda t: self.buffers.take(t, pinned=False).copy_(t.detach()))
+
     def _to_pinned_host(self, state_dict: Any) -> Any:
-        """Copies into pinned host memory on a side stream, finished before returning (one host wait)."""
+        """Copies into pinned host buffers on a side stream, finished before returning (one host wait)."""
         device = next(t.device for t in _tensors(state_dict) if t.is_cuda)
         stream = self._side_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
 
         def copy(t: torch.Tensor) -> torch.Tensor:
-            if not t.is_cuda:
-                return t.detach().clone()
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host = self.buffers.take(t, pinned=True)
             with torch.cuda.stream(stream):
                 host.copy_(t.detach(), non_blocking=True)
-            t.record_stream(stream)
+            if t.is_cuda:
+                t.record_stream(stream)
             return host
 
         snapshot = _map(state_dict, copy)
@@ -157,6 +269,9 @@ class SnapshotWriter:
                 with self._done:
                     self._error = self._error or error
             finally:
+                # Written (or failed): the next save may copy into its host buffers (a device snapshot
+                # that failed on its way holds only those of the state's host tensors).
+                self.buffers.give_back([t for t in _tensors(snapshot) if not t.is_cuda])
                 snapshot = None
                 with self._done:
                     self._pending -= 1
@@ -172,10 +287,8 @@ class SnapshotWriter:
 
         def to_host(t: torch.Tensor) -> torch.Tensor:
             if not t.is_cuda:
-                return t
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # torch's pinned cache: reused by the next save
-            host.copy_(t, non_blocking=True)
-            return host
+                return t  # already one of the host buffers (`save` took it)
+            return self.buffers.take(t, pinned=True).copy_(t, non_blocking=True)
 
         with torch.cuda.device(device), torch.cuda.stream(stream):
             host = _map(snapshot, to_host)
