@@ -68,17 +68,30 @@ def test_a_failed_write_is_raised_by_wait_and_the_next_save_still_works(tmp_path
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_the_snapshot_is_a_device_copy_when_it_fits_and_pinned_host_memory_when_not(tmp_path, monkeypatch):
+def test_on_a_gpu_a_save_without_a_guarded_optimizer_has_copied_when_it_returns(tmp_path):
     writer = _save_then_train_on("cuda", tmp_path)
-    assert writer.last_snapshot == "device"
-    import raytrain_fast.checkpoint.snapshot as snapshot
-
-    monkeypatch.setattr(snapshot, "DEVICE_HEADROOM", 1e9)  # no GPU has that much room: pinned host memory
-    (tmp_path / "second").mkdir()
-    writer2 = _save_then_train_on("cuda", tmp_path / "second")
-    assert writer2.last_snapshot == "pinned_host"
+    assert writer.last_snapshot == "pinned_host"
     writer.close()
-    writer2.close()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_guarded_save_returns_at_once_and_the_optimizers_next_step_waits_for_its_copies(tmp_path):
+    """The step is queued the moment save returns; without the wait it would change the weights while
+    their copy to the host (1 GiB: tens of milliseconds) still reads them."""
+    weights = torch.nn.Parameter(torch.full((1 << 28,), 1.0, device="cuda"))
+    optimizer = torch.optim.AdamW([weights], lr=0.5, fused=True)
+    weights.grad = torch.ones_like(weights)
+    writer = SnapshotWriter()
+    assert writer.guard(optimizer)
+    state, path = {"module": {"w": weights}}, str(tmp_path / "w.pt")
+    writer.reserve(lambda: writer.save(state, path))
+    writer.save(state, path)
+    optimizer.step()
+    writer.wait()
+    assert writer.last_snapshot == "pinned_host_async" and writer.buffers.missed_bytes == 0
+    assert torch.equal(torch.load(path)["module"]["w"], torch.full((1 << 28,), 1.0))  # the values at save time
+    assert float(weights.detach()[0]) < 1.0  # and the step did change them
+    writer.close()
 
 
 def _free_buffers(writer: SnapshotWriter) -> set[int]:
@@ -126,7 +139,7 @@ def test_a_save_while_the_last_one_is_still_being_written_copies_into_new_buffer
 _RESERVE_FROM_AN_ENGINE = r"""
 import glob, tempfile
 import torch
-from raytrain_fast.checkpoint.snapshot import SnapshotWriter, _nbytes, _tensors, optimizer_state_as_after_a_step
+from raytrain_fast.checkpoint.snapshot import SnapshotWriter, _nbytes, _tensors, optimizer_state_as_after_a_step, training_optimizer
 from raytrain_fast.config import load_config
 from raytrain_fast.engine.deepspeed_compat import write_checkpoints_in_background
 from raytrain_fast.engine.process_group import single_process_group
@@ -138,6 +151,7 @@ config = one_process(load_config("tiny", ["engine.precision=fp32", "data.seq_len
 engine = build_program(config, device=device).engine
 writer = SnapshotWriter()
 assert write_checkpoints_in_background(engine, writer)
+print("guarded", writer.guard(training_optimizer(engine)))  # ZeRO's own torch AdamW: the one whose step changes the state
 folder = tempfile.mkdtemp()
 with optimizer_state_as_after_a_step(engine):
     reserved, _ = writer.reserve(lambda: engine.save_checkpoint(folder + "/reserve", tag="checkpoint"))
@@ -160,11 +174,13 @@ torch.distributed.destroy_process_group()
 @pytest.mark.ray
 def test_the_reservation_is_sized_from_the_engines_state_after_a_step_and_every_save_fits_in_it():
     """A DeepSpeed ZeRO-2 engine on the CPU, before its first step (no AdamW state yet): the
-    reservation covers every tensor the saves after real steps write, no save allocates, and the
-    first step makes its own optimizer state (step count 1), as without the reservation."""
+    reservation covers every tensor the saves after real steps write, no save allocates, the first
+    step makes its own optimizer state (step count 1), as without the reservation, and the optimizer
+    a GPU's saves would wait on is found."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     done = subprocess.run([sys.executable, "-c", _RESERVE_FROM_AN_ENGINE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "guarded True" in done.stdout
     lines = [line.split() for line in done.stdout.splitlines() if line.startswith("save ")]
     assert len(lines) == 2, done.stdout
     for save, line in enumerate(lines):
@@ -174,20 +190,14 @@ def test_the_reservation_is_sized_from_the_engines_state_after_a_step_and_every_
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_the_reserved_buffers_are_pinned_and_both_snapshot_kinds_land_in_them(tmp_path, monkeypatch):
-    import raytrain_fast.checkpoint.snapshot as snapshot
-
+def test_on_a_gpu_the_reserved_buffers_are_pinned_and_every_save_lands_in_them(tmp_path):
     writer = SnapshotWriter()
     state = _state("cuda")
     writer.reserve(lambda: writer.save(state, str(tmp_path / "x.pt")))
     assert all(b.is_pinned() for free in writer.buffers._free.values() for b in free)
-    writer.save(state, str(tmp_path / "device.pt"))
-    writer.wait()
-    monkeypatch.setattr(snapshot, "DEVICE_HEADROOM", 1e9)  # no GPU has that much room: pinned host memory
-    writer.save(state, str(tmp_path / "pinned.pt"))
-    assert writer.last_snapshot == "pinned_host"
-    writer.wait()
-    assert writer.buffers.missed_bytes == 0
-    for name in ("device.pt", "pinned.pt"):
+    for name in ("first.pt", "second.pt"):
+        writer.save(state, str(tmp_path / name))
+        writer.wait()
         _check_written(tmp_path / name, "cuda")
+    assert writer.buffers.missed_bytes == 0
     writer.close()

@@ -23,7 +23,7 @@ from raytrain_fast.checkpoint.layout import CONFIG_FILE, DEEPSPEED_TAG, STATE_FI
 from raytrain_fast.checkpoint.rank_manifest import write_rank_manifest
 from raytrain_fast.checkpoint.restore import Restorer
 from raytrain_fast.checkpoint.retention import Retention
-from raytrain_fast.checkpoint.snapshot import SnapshotWriter, optimizer_state_as_after_a_step
+from raytrain_fast.checkpoint.snapshot import SnapshotWriter, optimizer_state_as_after_a_step, training_optimizer
 from raytrain_fast.checkpoint.state import TrainState, barrier, checkpoint_dir_name, rng_states, set_rng_states
 from raytrain_fast.checkpoint.upload import Uploader
 from raytrain_fast.config.checkpoint import CheckpointConfig
@@ -195,6 +195,8 @@ class Checkpointer:
 
         if not write_checkpoints_in_background(engine, self.writer, warn=functools.partial(say, rank=self.rank)):
             self.writer = None
+        else:  # its next step waits for a save's copies, so the save itself need not
+            self.writer.guard(training_optimizer(engine))
         self._routed_engine = engine
 
     def _finish_files(self, local_dir: str) -> None:

@@ -3,13 +3,14 @@ docs/checkpoints.md). `SnapshotWriter.save` takes a snapshot of each state dict 
 checkpoint engine and returns; a writer thread serializes the snapshots; `wait` returns once every
 file is on disk (the upload calls it before it copies, so storage only ever gets complete files).
 
-The snapshot, per tensor: on a GPU with room for it, a copy in device memory, which the writer
-thread copies into pinned host memory on its own CUDA stream while training goes on, then frees; on
-a GPU without that room, a copy into pinned host memory, finished before `save` returns; on a CPU, a
-copy in memory. The host memory is the writer's own buffers (`HostBuffers`), reserved before the
-first step (`reserve`) from the engine's state and reused by every save: pinning about 17 GB for
-llama-1b's first save held up the training thread's kernel launches for 12 s on an H100, and copies
-to pageable memory stalled every save alike (docs/benchmarks.md).
+The snapshot goes into the writer's own host buffers (`HostBuffers`), reserved before the first step
+from the engine's state (`reserve`) and reused by every save: pinning about 17 GB for llama-1b's
+first save held up the training thread's kernel launches for 12 s on an H100, and copies to pageable
+memory stalled every save alike (docs/benchmarks.md). On a GPU the copies run on a side stream and
+`save` returns at once; the optimizer's next step waits for them (`guard`: a step pre-hook that calls
+`fence`), since nothing else changes the saved tensors, so they overlap the next step's forward and
+backward and no GPU memory is spent on the snapshot. Without a guarded optimizer, `save` waits for
+the copies itself. On a CPU the copies are done when `save` returns.
 """
 
 from __future__ import annotations
@@ -25,10 +26,6 @@ from typing import Any
 import torch
 
 from raytrain_fast.errors import CheckpointError
-
-DEVICE_HEADROOM = 1.25
-"""A device snapshot needs this many times its size free on the GPU (free + the allocator's cached
-free blocks), so training's next step still finds its memory."""
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -130,6 +127,16 @@ class HostBuffers:
         return buffer
 
 
+def training_optimizer(engine: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer whose step updates a DeepSpeed engine's weights and optimizer state: the
+    one its ZeRO or bf16 wrapper holds, or the engine's own; None if neither is one."""
+    wrapper = getattr(engine, "optimizer", None)
+    for candidate in (getattr(wrapper, "optimizer", None), wrapper):
+        if isinstance(candidate, torch.optim.Optimizer):
+            return candidate
+    return None
+
+
 @contextlib.contextmanager
 def optimizer_state_as_after_a_step(engine: Any) -> Iterator[None]:
     """The engine's AdamW state as it is after the first optimizer step, for a save made before it
@@ -137,7 +144,7 @@ def optimizer_state_as_after_a_step(engine: Any) -> Iterator[None]:
     first step, and DeepSpeed's ZeRO optimizer does not step at construction. Zeros of those shapes
     stand in, and are taken out again afterwards, so the first real step makes its own, as it would
     have (parameters that already have state, e.g. after a resume, are left alone)."""
-    base = getattr(getattr(engine, "optimizer", None), "optimizer", None)  # DeepSpeed's wrapper holds torch's
+    base = training_optimizer(engine)
     made = []
     if isinstance(base, torch.optim.AdamW):
         for group in base.param_groups:
@@ -153,11 +160,6 @@ def optimizer_state_as_after_a_step(engine: Any) -> Iterator[None]:
             base.state.pop(p, None)
 
 
-def _device_room(device: torch.device) -> int:
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
 class SnapshotWriter:
     """One per training process: `save(state_dict, path)` snapshots and queues; `wait()` blocks until
     every queued file is written and raises what the writer thread hit."""
@@ -171,8 +173,11 @@ class SnapshotWriter:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._streams: dict[Any, Any] = {}  # one side stream per CUDA device
+        self._unfenced: list[tuple[torch.device, Any]] = []  # copies the training stream has not waited for yet
+        self._guarded: Any = None  # the optimizer whose steps call `fence`
         self.last_snapshot: str | None = None
-        """Where the last snapshot was taken: device, pinned_host or host (tests read it)."""
+        """How the last snapshot was taken: pinned_host_async (on a side stream, fenced at the next
+        optimizer step), pinned_host (copied before save returned) or host (tests read it)."""
 
     # ------------------------------------------------------------------ training thread
     def reserve(self, save_all: Callable[[], None]) -> tuple[int, float]:
@@ -187,33 +192,53 @@ class SnapshotWriter:
             self._reserving = None
         return self.buffers.reserve(tensors), time.perf_counter() - started
 
+    def guard(self, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Have every step of `optimizer` (the one that updates the saved weights and state) first
+        make the training stream wait for the snapshot copies in flight, so that `save` need not
+        wait for them. Returns whether saves are asynchronous from now on."""
+        if optimizer is self._guarded:
+            return optimizer is not None
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            self._guarded = None
+            return False
+        optimizer.register_step_pre_hook(lambda *_: self.fence())
+        self._guarded = optimizer
+        return True
+
+    def fence(self) -> None:
+        """Make each device's current stream wait for every snapshot copy queued so far: call it before
+        anything changes the saved tensors (a guarded optimizer's step does). No host wait."""
+        while self._unfenced:
+            device, copied = self._unfenced.pop()
+            torch.cuda.current_stream(device).wait_event(copied)
+
     def save(self, state_dict: Any, path: str) -> None:
         tensors = _tensors(state_dict)
         if self._reserving is not None:  # a save made by `reserve`: its tensors' sizes are what it wants
             self._reserving += tensors
             return
-        cuda = [t for t in tensors if t.is_cuda]
-        if not cuda:
-            snapshot, where, ready = self._to_host(state_dict), "host", None
-        elif _device_room(cuda[0].device) >= DEVICE_HEADROOM * _nbytes(cuda):
-            snapshot = _map(state_dict, lambda t: t.detach().clone() if t.is_cuda else self.buffers.take(t, pinned=True).copy_(t))
-            where = "device"
-            ready = (cuda[0].device, torch.cuda.Event())
-            ready[1].record(torch.cuda.current_stream(cuda[0].device))  # the clones are queued there: the writer waits for them
+        copied = None
+        if any(t.is_cuda for t in tensors):
+            snapshot, copied = self._to_pinned_host(state_dict)
+            if self._guarded is None:
+                copied.synchronize()  # a deliberate host wait: nothing else keeps training off the tensors
+                copied = None
+            where = "pinned_host" if copied is None else "pinned_host_async"
         else:
-            snapshot, where, ready = self._to_pinned_host(state_dict), "pinned_host", None
+            snapshot, where = self._to_host(state_dict), "host"
         self.last_snapshot = where
         with self._done:
             self._pending += 1
         self._start()
-        self._jobs.put((snapshot, path, ready))
+        self._jobs.put((snapshot, path, copied))
 
     def _to_host(self, state_dict: Any) -> Any:
         """Copies of a state on the CPU into host buffers."""
         return _map(state_dict, lambda t: self.buffers.take(t, pinned=False).copy_(t.detach()))
 
-    def _to_pinned_host(self, state_dict: Any) -> Any:
-        """Copies into pinned host buffers on a side stream, finished before returning (one host wait)."""
+    def _to_pinned_host(self, state_dict: Any) -> tuple[Any, Any]:
+        """Copies into pinned host buffers queued on a side stream after what training queued so far;
+        returns the snapshot and the event that marks them done."""
         device = next(t.device for t in _tensors(state_dict) if t.is_cuda)
         stream = self._side_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -223,12 +248,16 @@ class SnapshotWriter:
             with torch.cuda.stream(stream):
                 host.copy_(t.detach(), non_blocking=True)
             if t.is_cuda:
+                # A tensor the state dict made for the occasion (a view's copy) is freed once save
+                # returns: its memory must not be handed out again before the copy has read it.
                 t.record_stream(stream)
             return host
 
         snapshot = _map(state_dict, copy)
-        stream.synchronize()  # a deliberate host wait: training may change the tensors once save returns
-        return snapshot
+        copied = torch.cuda.Event()
+        copied.record(stream)
+        self._unfenced.append((device, copied))
+        return snapshot, copied
 
     def wait(self) -> None:
         """Block until every file queued so far is written; raise the first error the writer hit."""
@@ -259,38 +288,18 @@ class SnapshotWriter:
 
     def _write_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
-            snapshot, path, ready = job
-            del job  # the snapshot's only references are this thread's: the device copies go once copied
+            snapshot, path, copied = job
+            del job
             try:
-                if ready is not None:
-                    snapshot = self._device_to_host(snapshot, ready)
+                if copied is not None:
+                    copied.synchronize()  # this thread's wait, not training's
                 torch.save(snapshot, path)
             except BaseException as error:  # noqa: BLE001 - handed to the thread that waits
                 with self._done:
                     self._error = self._error or error
             finally:
-                # Written (or failed): the next save may copy into its host buffers (a device snapshot
-                # that failed on its way holds only those of the state's host tensors).
-                self.buffers.give_back([t for t in _tensors(snapshot) if not t.is_cuda])
+                self.buffers.give_back(_tensors(snapshot))  # written (or failed): the next save may copy into them
                 snapshot = None
                 with self._done:
                     self._pending -= 1
                     self._done.notify_all()
-
-    def _device_to_host(self, snapshot: Any, ready: tuple[torch.device, Any]) -> Any:
-        """The device snapshot copied into pinned host memory on a side stream of its device (this
-        thread's current device may be another), so training's stream never waits for it; the
-        device copies are freed once it is done."""
-        device, event = ready
-        stream = self._side_stream(device)
-        stream.wait_event(event)
-
-        def to_host(t: torch.Tensor) -> torch.Tensor:
-            if not t.is_cuda:
-                return t  # already one of the host buffers (`save` took it)
-            return self.buffers.take(t, pinned=True).copy_(t, non_blocking=True)
-
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            host = _map(snapshot, to_host)
-        stream.synchronize()
-        return host
