@@ -1,7 +1,7 @@
 """engine.precision=fp8 on a GPU (skipped without CUDA, marker `gpu`; the GPU check runs it): training
-steps run float8 matmuls in the blocks' linear layers, evaluation runs none, and the loss follows
-bf16's on the same data; a GPU without FP8 tensor cores refuses it in one line. Each run is its own
-process with DeepSpeed's CUDA accelerator, as in test_gpu_smoke.py."""
+steps run float8 matmuls in the blocks' linear layers, evaluation runs none, and the loss falls; a
+GPU without FP8 tensor cores refuses it in one line. Each run is its own process with DeepSpeed's
+CUDA accelerator, as in test_gpu_smoke.py."""
 
 from __future__ import annotations
 
@@ -74,19 +74,16 @@ def _fp8_tensor_cores() -> bool:
     return torch.cuda.get_device_capability() >= (8, 9)
 
 
-def test_fp8_trains_in_float8_evaluates_in_bf16_and_follows_bf16s_loss():
+def test_fp8_trains_in_float8_and_evaluates_in_bf16():
+    """The loss against bf16's on the same data is the GPU check's fp8_8b stage, at the 8B width."""
     if not _fp8_tensor_cores():
         pytest.skip("needs FP8 tensor cores (compute capability 8.9+)")
-    runs = {}
-    for precision in ("bf16", "fp8"):
-        done = _run(precision)
-        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-        runs[precision] = json.loads(done.stdout.strip().splitlines()[-1])
-    fp8, bf16 = runs["fp8"], runs["bf16"]
+    done = _run("fp8")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    fp8 = json.loads(done.stdout.strip().splitlines()[-1])
     assert any(line.startswith("FP8: 4 linear layers of 2 blocks") for line in fp8["lines"]), fp8["lines"]  # qkv and gate_up of each
-    assert fp8["in_training"] > 0 and fp8["in_eval"] == 0 and bf16["in_training"] == 0
-    assert fp8["losses"][-1] < fp8["losses"][0]
-    assert fp8["losses"][-1] == pytest.approx(bf16["losses"][-1], rel=0.02)
+    assert fp8["in_training"] > 0 and fp8["in_eval"] == 0
+    assert all(0 < loss < 12 for loss in fp8["losses"]) and fp8["losses"][-1] < fp8["losses"][0]
 
 
 def test_a_gpu_without_fp8_tensor_cores_refuses_it_in_one_line():
