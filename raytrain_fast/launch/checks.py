@@ -147,7 +147,8 @@ def resolve_resources(
     if precision in ("auto", "fp8"):  # measured (fp8: checked) where the workers run: the driver may have no GPU, or another CPU
         precision, reason = resolve_precision_on_a_worker(precision, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker)
         logger.info("precision: %s (%s)", precision, reason)
-        say(f"Precision: {precision} ({reason})")
+        if announce_precision or config.engine.precision == "auto":
+            say(f"Precision: {precision} ({reason})")
     elif announce_precision:
         say(f"Precision: {precision} (engine.precision={precision}, set explicitly)")
     return dataclasses.replace(
