@@ -17,6 +17,7 @@ import torch
 
 from raytrain_fast.config import Config
 from raytrain_fast.engine.compile import compile_blocks
+from raytrain_fast.engine.fp8 import apply_fp8
 from raytrain_fast.engine.deepspeed_engine import (
     apply_deepspeed_patches,
     build_engine,
@@ -79,6 +80,8 @@ def build_program(
     model = build_model(config.model, device, documents=documents)  # weights made on the device: no host copy first
     if on_eager_model is not None:
         on_eager_model(model)
+    if (fp8_line := apply_fp8(model, precision=config.engine.precision, device=device)) and say is not None:
+        say(fp8_line)  # engine/fp8.py: the blocks' linear layers in float8, converted before they are compiled
     compiled, compile_line = compile_blocks(model, setting=config.engine.compile, device=device)
     if compile_line and say is not None:
         say(compile_line)
