@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.shell import SETS, fresh_env
-from tests.test_fresh_shell import _texts
+from tests.shell import SETS, fresh_env, package_texts
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -83,7 +82,8 @@ SWEEP_MODEL = [  # activations dominate memory (long sequences, a large vocabula
 def test_a_sweeps_best_config_trains_where_the_quickstart_ran_and_expected_outcomes_are_one_line(tmp_path):
     shell = Shell(tmp_path)
     sets = " ".join(f"--set {item}" for item in SWEEP_MODEL)
-    shell(f"raytrain-fast pretrain {sets} --set engine.precision=bf16")  # run 'tiny', as the quickstart names it, in bf16
+    # Run 'tiny', as the quickstart names it: a micro model in bf16, which the best config could not resume.
+    shell(f"raytrain-fast pretrain {SETS} --set engine.precision=bf16")
     sweep = shell(f"set -o pipefail; raytrain-fast sweep {sets} --set engine.precision=fp32 --set resources.memory_budget_gb=0.9 "
                   "--micro-batch 1,2,8 --steps 6 2>&1 | tee sweep.log")
     assert not any(noise in sweep for noise in NOISE), sweep[-4000:]
@@ -104,7 +104,7 @@ def _mixed_inputs(directory: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    _texts(directory / "texts")
+    package_texts(directory / "texts", "email", "json")
     documents = [p.read_text() for p in sorted((directory / "texts").iterdir())]
     pq.write_table(pa.table({"id": list(range(10)), "content": documents[:10]}), directory / "posts.parquet")
     (directory / "notes.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents[10:20]))
@@ -137,7 +137,7 @@ def test_train_tokenizer_then_prepare_data_then_pretrain_run_as_printed(tmp_path
 
 def test_a_rollback_with_no_checkpoint_and_its_report_name_the_settings_that_acted(tmp_path):
     shell = Shell(tmp_path)
-    _texts(tmp_path / "texts")
+    package_texts(tmp_path / "texts", "email", "json")
     stopped = shell(f"raytrain-fast pretrain --name early {SETS} --set data.source=texts --set checkpoint.every_steps=100 "
                     "--drill nonfinite=2:0:grad", ok=False)
     assert "Tried: no rollback: no checkpoint was saved before it" in stopped and "max_rollbacks=0" not in stopped
@@ -145,32 +145,30 @@ def test_a_rollback_with_no_checkpoint_and_its_report_name_the_settings_that_act
     assert "health.on_nonfinite: rollback, no checkpoint to roll back to" in report and "?" not in report.split("Diagnosis")[1]
 
 
-def test_a_mixture_says_which_sources_its_val_loss_covers(tmp_path):
-    shell = Shell(tmp_path)
-    _texts(tmp_path / "texts")
-    (tmp_path / "one.txt").write_text("A single long document, with no held-out part. " * 800)
-    shell("raytrain-fast prepare-data --input texts --output code --seq-len 32 --val-fraction 0.2")
-    shell("raytrain-fast prepare-data --input one.txt --output notes --seq-len 32")  # one document: no split
-    sources = f"[{{source: {tmp_path / 'code'}, weight: 0.5}}, {{source: {tmp_path / 'notes'}, weight: 0.5}}]"
-    run = shell(f"raytrain-fast pretrain --name mix {SETS} --set 'data.sources={sources}'")
-    assert "Eval: val/loss covers code only" in run and "notes has no validation split" in run, run[-3000:]
-    report = shell("raytrain-fast report --storage runs --name mix")
-    assert "val/loss covers code only: notes had no validation split" in report, report[-3000:]
-
-
-def test_an_s3_run_and_its_export_name_the_checkpoint_with_its_scheme(tmp_path, s3_server):
+def test_an_s3_mixture_says_which_sources_its_val_loss_covers_and_names_its_checkpoints_with_the_scheme(tmp_path, s3_server):
+    """One run on S3 storage from two local prepared sources, one without a validation split: the run
+    and its report say which sources val/loss covers; the run's last lines and its export name the
+    checkpoint with its s3:// scheme."""
     import yaml
 
     shell = Shell(tmp_path)
     shell.env.update(s3_server.env)
     bucket = s3_server.make_bucket("printed-commands")
-    storage = f"--set storage.uri=s3://{bucket}/runs --set storage.endpoint_url={s3_server.endpoint_url}"
-    _texts(tmp_path / "texts")
-    done = shell(f"raytrain-fast pretrain --name s3run {SETS} {storage} --set data.source=texts")
-    assert f"Latest checkpoint: s3://{bucket}/runs/s3run/checkpoint_" in done, done[-2000:]
-    shell(f"raytrain-fast export --storage s3://{bucket}/runs --endpoint-url {s3_server.endpoint_url} --name s3run --out exported")
+    storage = f"--storage s3://{bucket}/runs --endpoint-url {s3_server.endpoint_url}"
+    package_texts(tmp_path / "texts", "email", "json")
+    (tmp_path / "one.txt").write_text("A single long document, with no held-out part. " * 800)
+    shell("raytrain-fast prepare-data --input texts --output code --seq-len 32 --val-fraction 0.2")
+    shell("raytrain-fast prepare-data --input one.txt --output notes --seq-len 32")  # one document: no split
+    sources = f"[{{source: {tmp_path / 'code'}, weight: 0.5}}, {{source: {tmp_path / 'notes'}, weight: 0.5}}]"
+    run = shell(f"raytrain-fast pretrain --name mix {SETS} --set storage.uri=s3://{bucket}/runs "
+                f"--set storage.endpoint_url={s3_server.endpoint_url} --set 'data.sources={sources}'")
+    assert "Eval: val/loss covers code only" in run and "notes has no validation split" in run, run[-3000:]
+    assert f"Latest checkpoint: s3://{bucket}/runs/mix/checkpoint_" in run, run[-2000:]
+    report = shell(f"raytrain-fast report {storage} --name mix")
+    assert "val/loss covers code only: notes had no validation split" in report, report[-3000:]
+    shell(f"raytrain-fast export {storage} --name mix --out exported")
     exported = yaml.safe_load((tmp_path / "exported" / "config.yaml").read_text())["export"]
-    assert exported["checkpoint"].startswith(f"s3://{bucket}/runs/s3run/checkpoint_"), exported
+    assert exported["checkpoint"].startswith(f"s3://{bucket}/runs/mix/checkpoint_"), exported
 
 
 def test_help_typos_and_drills_point_somewhere(tmp_path):
