@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import os
 import time
 import traceback
@@ -65,11 +66,10 @@ class _Variant:
         config = Config.from_dict(job["config"])
         self.precision, self.seq_len = config.engine.precision, config.data.seq_len
         self.micro_batch, self.grad_accum = int(config.train.micro_batch), config.grad_accum()
-        self._build(config)
         generator = torch.Generator().manual_seed(job["seed"])  # the same tokens in every variant
         tokens = torch.randint(0, config.model.vocab_size, (self.micro_batch, self.seq_len + 1), generator=generator)
         self.tokens = tokens.to(device)
-        self.inputs, self.targets = self.tokens[:, :-1], self.tokens[:, 1:]
+        self._build(config)
         _release_cached_memory(device)
         self.setup_s = time.perf_counter() - started
         self.built_gb = _current_memory_gb(device)
@@ -77,48 +77,25 @@ class _Variant:
 
     def _build(self, config: Any) -> None:
         """The training worker's program (engine/program.py) with the variant's compile and
-        activation checkpointing; the `bare` variant's has no engine: torch's optimizer instead."""
-        import torch
-
-        from raytrain_fast.engine import build_optimizer
+        activation checkpointing; the `bare` variant's engine is plain PyTorch (engine/step.py)."""
         from raytrain_fast.engine.program import build_program
 
-        with_engine = self.name != "bare"  # every other variant trains through the engine
-        if with_engine:
+        with_deepspeed = self.name != "bare"  # every other variant trains through DeepSpeed's engine
+        if with_deepspeed:
             from raytrain_fast.engine.process_group import single_process_group
 
             single_process_group("nccl" if self.device.type == "cuda" else "gloo")
-        program = build_program(config, device=self.device, with_engine=with_engine)
-        self.model, self.engine, self.optimizer = program.model, program.engine, None
+        program = build_program(config, device=self.device, engine="deepspeed" if with_deepspeed else "torch")
+        self.model, self.engine = program.model, program.engine
         self.compiled, self.compile_note = program.compiled, program.compile_line
-        if not with_engine:
-            self.optimizer = build_optimizer(list(self.model.parameters()), optim=config.optim, device=self.device)
-            self.grad_clip = config.optim.grad_clip
-            if self.precision == "bf16":
-                self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
-            else:
-                self.autocast = contextlib.nullcontext
+        self.batches = itertools.repeat((self.tokens, None))  # the same tokens every micro-batch
 
     def step(self) -> Any:
-        """One optimizer step over grad_accum micro-batches (the same tokens each time); returns the
-        last loss tensor (never read here)."""
-        import torch
+        """One training step (engine/step.py) over grad_accum micro-batches; returns the last loss
+        tensor (never read here)."""
+        from raytrain_fast.engine.step import train_step
 
-        if self.engine is not None:
-            for _ in range(self.grad_accum):  # DeepSpeed steps the optimizer on the last micro-batch
-                loss = self.engine(self.inputs, self.targets)
-                self.engine.backward(loss)
-                self.engine.step()
-            return loss
-        for _ in range(self.grad_accum):
-            with self.autocast():
-                loss = self.model(self.inputs, self.targets) / self.grad_accum
-            loss.backward()
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss
+        return train_step(self.engine, self.batches, grad_accum=self.grad_accum)
 
     def _sync(self) -> None:
         import torch
@@ -131,8 +108,8 @@ class _Variant:
 
         return {
             "setup_s": self.setup_s, "built_gb": self.built_gb, "compiled": self.compiled,
-            "compile_note": self.compile_note, "precision": self.precision, "seq_len": int(self.inputs.shape[1]),
-            "micro_batch": int(self.inputs.shape[0]), "grad_accum": self.grad_accum, "threads": torch.get_num_threads(),
+            "compile_note": self.compile_note, "precision": self.precision, "seq_len": self.seq_len,
+            "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "threads": torch.get_num_threads(),
             "activation_checkpointing": self.model.config.activation_checkpointing,
         }
 

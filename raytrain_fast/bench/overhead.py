@@ -47,8 +47,8 @@ def _typical(setup: OverheadSetup, *, report: bool, wandb_dir: str) -> dict[str,
 
     device = training_device()
     set_threads(setup, device)  # as in `bare`: the comparison is about the loop, not Ray's OMP_NUM_THREADS=1
-    model, optimizer, batches, autocast = build_bare(setup, device)
-    model = prepare_model(model)
+    plain, batches = build_bare(setup, device)  # a hand-written loop around the bare model and optimizer
+    model, optimizer, autocast = prepare_model(plain.model), plain.optimizer, plain.autocast
     run = wandb.init(project="raytrain-fast-bench", mode="offline", dir=wandb_dir, reinit="create_new")
     flops_per_step = 0.0
     last = time.perf_counter()

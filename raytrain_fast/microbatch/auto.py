@@ -146,20 +146,21 @@ def probe_micro_batch(
 
 
 def _timed_steps(engine: Any, tokens: Any, *, grad_accum: int, warmup_steps: int, timed_steps: int) -> float:
-    """Seconds of `timed_steps` optimizer steps after `warmup_steps` untimed ones, on one batch."""
-    def optimizer_step() -> Any:
-        for _ in range(grad_accum):
-            loss = engine(tokens[:, :-1], tokens[:, 1:])
-            engine.backward(loss)
-            engine.step()
-        return loss
+    """Seconds of `timed_steps` training steps (engine/step.py, with the loop's on-device sums) after
+    `warmup_steps` untimed ones, on one batch."""
+    import itertools
 
+    from raytrain_fast.engine.step import train_step
+    from raytrain_fast.metrics.accumulators import StepAccumulators
+
+    batches = itertools.repeat((tokens, None))
+    sums = StepAccumulators(device=tokens.device, profile_every=0, start_step=0)
     for _ in range(warmup_steps):
-        optimizer_step()
+        train_step(engine, batches, grad_accum=grad_accum, metrics=sums)
     loss = None
     start = time.perf_counter()
     for _ in range(timed_steps):
-        loss = optimizer_step()
+        loss = train_step(engine, batches, grad_accum=grad_accum, metrics=sums)
     float(loss.detach())  # host sync: the clock stops when the device is done
     return time.perf_counter() - start
 
