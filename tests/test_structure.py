@@ -212,6 +212,57 @@ def test_the_step_loop_is_a_short_table_of_contents_and_reads_no_environment():
         assert name not in hooks_source, name
 
 
+CLI_HELPERS = {
+    "raytrain_fast.console": "printing and the argparse helper",
+    "raytrain_fast.errors": "the error types it prints",
+    "raytrain_fast.storage": "the storage checks before a command starts, redaction of what it prints",
+    "raytrain_fast.storage.probe": "a storage probe still running at exit",
+    "raytrain_fast.storage.redact": "credentials kept out of what it prints",
+    "raytrain_fast.config": "the config reference it prints",
+    "raytrain_fast.next_steps": "the commands it prints next",
+    "raytrain_fast.downstream.command": "`evaluate`, a command-line tool only (docs/api.md)",
+    "raytrain_fast.bench.run": "`bench`, a command-line tool only (docs/api.md)",
+    "raytrain_fast.launch.ray_address": "joining the cluster in RAY_ADDRESS for `evaluate`",
+}
+"""What the command line imports beside the public surface (`raytrain_fast`), each with the reason."""
+
+
+def test_the_command_line_calls_the_public_api():
+    """cli.py parses, calls what `raytrain_fast` exports, and prints: every action goes through the
+    public surface (docs/api.md), never around it."""
+    imported = {name for name in _imports(PACKAGE / "cli.py") if name.startswith("raytrain_fast")}
+    assert "raytrain_fast" in imported, "cli.py does not import the public surface"
+    around = sorted(imported - {"raytrain_fast"} - set(CLI_HELPERS))
+    assert not around, f"cli.py imports {around} around the public surface: export what it needs from raytrain_fast"
+
+
+def coordinator_reaches(tree: ast.AST) -> list[str]:
+    """Calls on the run's coordinator actor around its one interface (coordinator.py's `Coordinator`):
+    its `.actor`, or `<coordinator>.<method>.remote(...)`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "actor" and "coordinator" in ast.unparse(node.value).lower():
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "remote"
+              and isinstance(node.func.value, ast.Attribute) and "coordinator" in ast.unparse(node.func.value.value).lower()):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_side_concerns_are_reached_through_their_one_interface():
+    """The coordinator actor is called by coordinator.py's `Coordinator` alone (the driver and the
+    workers both hold one), and the metrics' parts are private to `TrainMetrics` (a reach into them,
+    `metrics._agreement`, is a private attribute: the compat check below reports it anywhere)."""
+    outside = {
+        str(path.relative_to(PACKAGE)): found for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "coordinator.py" and (found := coordinator_reaches(ast.parse(path.read_text())))
+    }
+    assert not outside, f"calls on the coordinator actor outside its interface: {outside}"
+    planted = "ray.get(parts.coordinator.actor.post.remote(KEY, message, {}))\nmeasured = ray.get(coordinator.measurements.remote())\n"
+    assert {line.split(":")[0] for line in coordinator_reaches(ast.parse(planted))} == {"line 1", "line 2"}
+    assert private_attribute_reaches(ast.parse("flags = parts.metrics._agreement.flags")) == ["line 1: parts.metrics._agreement"]
+
+
 COMPAT_MODULES = {"raytrain_fast._ray_compat", "raytrain_fast.engine.deepspeed_compat"}
 DEPENDENCIES = ("ray", "deepspeed", "torch")
 
@@ -619,7 +670,7 @@ import logging
 import os
 
 import ray
-from raytrain_fast.coordinator import start_coordinator
+from raytrain_fast.coordinator import Coordinator
 
 
 class Owned:
@@ -634,7 +685,7 @@ def clean(config, name, layer):
     logging.getLogger("ray.train").setLevel(logging.WARNING)
     fields = {field: getattr(config, field) for field in ("lr", "steps")}
     keys = [f"layers.{layer}.self_attn.q_proj.weight", f"{name}_proj.weight", "model." + name]
-    return os._exit, start_coordinator, getattr(config, name), fields, keys, "_autobatch"
+    return os._exit, Coordinator, getattr(config, name), fields, keys, "_autobatch"
 """
 
 
