@@ -20,25 +20,15 @@ if TYPE_CHECKING:
     from raytrain_fast.engine.step import TorchEngine
 
 
-def set_threads(setup: OverheadSetup, device: Any) -> None:
-    import torch
-
-    if device.type == "cpu":
-        torch.set_num_threads(setup.threads)
-        os.environ["OMP_NUM_THREADS"] = str(setup.threads)
-
-
 def build_bare(setup: OverheadSetup, device: Any) -> tuple[TorchEngine, Any]:
     """The plain PyTorch engine (engine/step.py: the run's model and optim config as training builds
-    them, autocast, clipping) and the in-memory batches."""
-    import torch
-
+    them, autocast, clipping) and the in-memory batches. Call it right after `prepare_process`
+    (engine/program.py), which seeds the weights alike in every variant."""
     from raytrain_fast.engine import build_optimizer
     from raytrain_fast.engine.step import TorchEngine
     from raytrain_fast.model import build_model
 
     config = run_config(setup)
-    torch.manual_seed(setup.seed)
     model = build_model(config.model, device)
     optimizer = build_optimizer(list(model.parameters()), optim=config.optim, device=device)
     engine = TorchEngine(model, optimizer, precision=setup.precision, grad_clip=setup.grad_clip)
@@ -78,11 +68,10 @@ def _timed_train_steps(setup: OverheadSetup, engine: Any, batches: Any, device: 
 
 def bare(setup: OverheadSetup) -> dict[str, Any]:
     """The plain loop, in this process (the bench runs it in a fresh one: `in_fresh_process`)."""
-    from raytrain_fast.engine import training_device
+    from raytrain_fast.engine.program import prepare_process
 
     setup = setup.resolved()
-    device = training_device()
-    set_threads(setup, device)
+    device = prepare_process(threads=setup.threads, seed=setup.seed)  # as a training worker
     engine, batches = build_bare(setup, device)
     seconds, threads, proc = _timed_train_steps(setup, engine, batches, device)
     return measurement(setup, seconds=seconds, precision=setup.precision, threads=threads, niceness=os.nice(0), proc=proc)

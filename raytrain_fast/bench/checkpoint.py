@@ -1,27 +1,10 @@
-"""How long a checkpoint blocks training: `checkpoint.upload: async` against `sync`.
+"""How long a checkpoint blocks training: `checkpoint.upload: async` against `sync`
+(docs/benchmarks.md#checkpoint-stalls).
 
-A small self-contained TorchTrainer run per mode: every worker builds the training program
-(engine/program.py) for a GPT sized so that its checkpoint reaches a target size, trains a few
-steps (engine/step.py) between checkpoints, and times `Checkpointer.save` on the training thread (the package's own save: DeepSpeed files, RNG,
-state, manifest, `ray.train.report` with our retried upload function), including the wait for the
-previous async upload. The design target: blocked time with async <= 25% of sync.
-
-What Ray 2.60 does with ASYNC (read in ray/train/v2/_internal/execution/context.py):
-- `report` still runs the cross-rank barrier that agrees on the checkpoint directory name
-  (a call to Ray's synchronization actor), then hands the upload to a ThreadPoolExecutor with ONE
-  thread per worker process and returns: the training thread does not wait for the upload.
-- Uploads run one at a time in that thread, in report order; a SYNC report issued after an ASYNC
-  one waits for it, and the end of the training function waits for all of them. An ASYNC report
-  does NOT wait for the previous upload, so with a checkpoint cadence faster than the upload,
-  local checkpoint directories pile up on disk until their uploads finish.
-- The local directory is deleted after its upload (default for ASYNC), so it must come from
-  tempfile.mkdtemp, not a TemporaryDirectory that deletes it on exit. Upload errors are re-raised
-  in the training thread.
-
-Blocked time is not the whole cost: the upload thread shares the worker's CPUs (and the GIL) with
-training, so steps taken while an upload runs can be slower. `step_s_async` vs `step_s_sync` (the
-median step time just before each checkpoint after the first) shows it; on CPU-only workers on
-a busy machine it can eat the gain, on GPU workers the step runs on the device and it should not.
+A small TorchTrainer run per mode: every worker builds the training program (engine/program.py) for a
+GPT sized so that its checkpoint reaches a target size, trains (engine/step.py) between checkpoints,
+and times `Checkpointer.save` on the training thread, the wait for the previous async upload
+included. `step_s_async` against `step_s_sync` shows what an upload running beside the steps costs them.
 """
 
 from __future__ import annotations

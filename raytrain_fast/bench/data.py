@@ -220,6 +220,3 @@ def _realised_shares(mixture) -> dict[str, float]:
     """Each source's share of the sequences the mixture variant read (from its position)."""
     counts = mixture.schedule.counts(mixture.position.consumed)
     return {name: float(c) / max(1, int(counts.sum())) for name, c in zip(mixture.names, counts.tolist())}
-
-
-__all__ = ["bench_data"]

@@ -16,17 +16,15 @@ from raytrain_fast.console import say
 
 def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmup_steps: int = 5,
                  precision: str = "auto", threads: int = 0, ops_calls: int = 5000) -> dict[str, Any]:
-    from raytrain_fast.bench.bare_loops import set_threads
     from raytrain_fast.bench.overhead_setup import OverheadSetup
-    from raytrain_fast.engine import training_device
+    from raytrain_fast.engine.program import prepare_process
 
     if steps < 1 or rounds < 2 or warmup_steps < 0 or ops_calls < 1:
         raise ConfigError(f"bench health needs --steps >= 1, --rounds >= 2 (a ratio per round, the median of them), --warmup-steps "
                           f">= 0 and --ops-calls >= 1; got --steps {steps} --rounds {rounds} --warmup-steps {warmup_steps} "
                           f"--ops-calls {ops_calls}")
     setup = OverheadSetup.for_size(size, precision=precision, threads=threads).resolved()
-    device = training_device()
-    set_threads(setup, device)
+    device = prepare_process(threads=setup.threads, seed=setup.seed)
     bare = _BareStep(setup, device)
     for i in range(warmup_steps):
         bare.step(checked=i % 2 == 0)
