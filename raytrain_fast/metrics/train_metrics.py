@@ -29,7 +29,6 @@ from raytrain_fast.metrics.setup import MfuInputs
 from raytrain_fast.metrics.sinks import SinkWriter
 from raytrain_fast.metrics.slowdown import Window
 
-__all__ = ["StepPlan", "TrainMetrics"]
 _HOST_FLOATS = 5  # per rank, gathered on log steps: seconds to reach the drain, data wait, GC, CPU share, CPU wait
 
 

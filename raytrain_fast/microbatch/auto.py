@@ -386,6 +386,3 @@ def resolve_micro_batch(config: Config, *, probe=probe_in_fresh_process) -> Conf
     return dataclasses.replace(
         config, train=dataclasses.replace(config.train, micro_batch=choice.micro_batch, grad_accum=choice.grad_accum)
     )
-
-
-__all__ = ["AutoBatchChoice", "Probe", "candidate_micro_batches", "probe_micro_batch", "resolve_micro_batch", "search"]
