@@ -60,7 +60,8 @@ class _Trainer:
         torch.manual_seed(seed)
         model = GPT(model_config)
         self.engine = TorchEngine(model, torch.optim.AdamW(model.parameters(), lr=3e-4), precision="fp32")
-        self.batches = (batch if isinstance(batch, tuple) else (batch, None) for batch in batches)
+        self.batches = batches  # the source: closed, and a mixture's position read, by the bench
+        self._pairs = (batch if isinstance(batch, tuple) else (batch, None) for batch in batches)
         self.clock = _StepClock()
         self.waits: list[float] = []
         self.steps: list[float] = []
@@ -69,7 +70,7 @@ class _Trainer:
         from raytrain_fast.engine.step import train_step
 
         for _ in range(num_steps):
-            train_step(self.engine, self.batches, grad_accum=1, metrics=self.clock)
+            train_step(self.engine, self._pairs, grad_accum=1, metrics=self.clock)
             if record:  # CPU: the step is done when the host returns (no async device)
                 self.waits.append(self.clock.data_wait_s)
                 self.steps.append(self.clock.step_s)
