@@ -15,9 +15,7 @@ from typing import Any
 
 from raytrain_fast.errors import RaytrainFastError
 
-
 COMPILED_VARIANTS = {"engine_compiled", "engine_compiled_ac"}
-GB = 1e9
 
 
 def _release_cached_memory(device: Any) -> None:
@@ -39,17 +37,6 @@ def _release_cached_memory(device: Any) -> None:
         pass
 
 
-def _current_memory_gb(device: Any) -> float:
-    """Memory in use now, in the statistic's terms: CUDA memory_reserved, else the process's RSS."""
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.memory_reserved(device) / GB
-    from raytrain_fast.metrics.memory import host_memory_gb
-
-    return host_memory_gb()[1]
-
-
 class _Variant:
     """One variant's model, optimizer or engine and tokens, in this process."""
 
@@ -58,7 +45,7 @@ class _Variant:
 
         from raytrain_fast.config import Config
         from raytrain_fast.engine.program import prepare_process
-        from raytrain_fast.metrics.memory import reset_peak_memory
+        from raytrain_fast.metrics.memory import memory_in_use_gb, reset_peak_memory
 
         started = time.perf_counter()
         self.name = job["name"]
@@ -72,7 +59,7 @@ class _Variant:
         self._build(config)
         _release_cached_memory(device)
         self.setup_s = time.perf_counter() - started
-        self.built_gb = _current_memory_gb(device)
+        self.built_gb = memory_in_use_gb(device)
         reset_peak_memory(device)
 
     def _build(self, config: Any) -> None:
@@ -116,7 +103,7 @@ class _Variant:
     def warmup(self, count: int) -> dict[str, Any]:
         """`count` untimed steps, each on the host clock (the first: compilation included), then the
         peak starts over: the timed steps' peak is training's steady one."""
-        from raytrain_fast.metrics.memory import peak_memory_gb, reset_peak_memory
+        from raytrain_fast.metrics.memory import memory_in_use_gb, peak_memory_gb, reset_peak_memory
 
         step_s = []
         for _ in range(count):
@@ -126,7 +113,7 @@ class _Variant:
             step_s.append(time.perf_counter() - start)
         warmup_peak_gb = peak_memory_gb(self.device)
         _release_cached_memory(self.device)
-        result = {"step_s": step_s, "warmup_peak_gb": warmup_peak_gb, "setup_gb": _current_memory_gb(self.device)}
+        result = {"step_s": step_s, "warmup_peak_gb": warmup_peak_gb, "setup_gb": memory_in_use_gb(self.device)}
         reset_peak_memory(self.device)
         return result
 
