@@ -212,12 +212,11 @@ def cache_key(config: Config) -> tuple[str, dict[str, Any]]:
 
 
 def _cache_path(config: Config, key: str) -> tuple[Any, str, str]:
-    from raytrain_fast.storage import resolve_filesystem
+    from raytrain_fast.storage.filesystem import resolve_filesystem, uri_of
 
     filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
     path = f"{root.rstrip('/')}/{CACHE_DIR}/{key}.json"
-    scheme = "s3://" if config.storage.uri.startswith("s3://") else ""
-    return filesystem, path, f"{scheme}{path}"
+    return filesystem, path, uri_of(path, like=config.storage.uri)
 
 
 def _read_cache(config: Config, key: str) -> AutoBatchChoice | None:
