@@ -52,19 +52,9 @@ class TrainMetrics:
     """Metrics of one worker's step loop. Construct it on every rank after setup (model, engine and
     data built: it freezes the heap for GC control), right before the first step.
 
-    Per step (hot path, no host sync)::
-
-        metrics.begin_step()
-        for each micro-batch:
-            tokens = next(data);          metrics.lap("data")
-            loss = engine(...);           metrics.lap("forward")
-            engine.backward(loss);        metrics.lap("backward")
-            engine.step();                metrics.lap("optimizer")
-            metrics.add_loss(loss)
-        metrics.add_grad_norm(engine.get_global_grad_norm())
-        metrics.end_step(step)
-        if metrics.is_log_step(step):
-            last = metrics.log(step, lr=engine.get_lr()[0])   # every rank: a collective + ONE host sync
+    Per step (hot path, no host sync): engine/step.py's `train_step` records into it (`begin_step`,
+    `lap`, `add_loss`, `add_grad_norm`), then `end_step(step)`; on log steps every rank calls
+    `log(step, ...)`: a collective and ONE host sync.
 
     Checkpoints: `record_checkpoint(blocked_s=...)` after a save, and `record_checkpoint(upload_s=...)`
     when an async upload reports its duration.
