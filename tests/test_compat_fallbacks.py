@@ -100,6 +100,26 @@ def test_the_shard_pattern_reads_the_names_deepspeed_gives_each_ranks_shard():
             relative = path.split("/checkpoint_000010/", 1)[1]
             assert deepspeed_compat.zero_shard_rank(relative) == rank, relative
     assert deepspeed_compat.zero_shard_rank("deepspeed/mp_rank_00_model_states.pt") is None
+    rank_0 = SimpleNamespace(checkpoint_mp_rank=0, zero_optimization_partition_weights=lambda: False)  # ZeRO-1/2
+    path = DeepSpeedEngine._get_ckpt_name(rank_0, "/run/checkpoint_000010", "deepspeed")
+    assert path.rsplit("/", 1)[1] == deepspeed_compat.MODEL_STATES_FILE
+
+
+def test_a_conversion_deepspeed_refuses_raises_with_what_it_said(tmp_path, monkeypatch):
+    monkeypatch.setattr(deepspeed_compat, "UNIVERSAL_FLAGS", ("--no_such_flag",))  # flags a release no longer takes
+    with pytest.raises(RuntimeError, match="unrecognized arguments: --no_such_flag"):
+        deepspeed_compat.convert_to_universal(str(tmp_path / "in"), str(tmp_path / "out"))
+
+
+def test_a_deepspeed_without_the_scripts_functions_runs_its_script_with_one_warning(fresh_warnings, caplog, tmp_path, monkeypatch):
+    from deepspeed.checkpoint import ds_to_universal
+
+    monkeypatch.delattr(ds_to_universal, "parse_arguments")
+    with pytest.raises(RuntimeError, match="exited with") as failed:  # the script ran, on a folder that holds no save
+        deepspeed_compat.convert_to_universal(str(tmp_path / "no-save"), str(tmp_path / "out"))
+    assert str(tmp_path / "no-save") in str(failed.value)  # what it printed comes with the error
+    [line] = _warnings(caplog)
+    assert "runs as a script" in line
 
 
 def test_an_untested_deepspeed_reads_shard_names_as_the_tested_one_with_one_warning(fresh_warnings, caplog, monkeypatch):

@@ -115,7 +115,7 @@ def test_bench_model_grad_accum_runs_that_many_micro_batches_per_optimizer_step(
     variant.model.register_forward_hook(lambda *_: forwards.append(1))
     variant.step()
     assert len(forwards) == 3
-    (state,) = [s for s in variant.optimizer.state.values()][:1]
+    (state,) = [s for s in variant.engine.optimizer.state.values()][:1]
     assert int(state["step"]) == 1  # one optimizer step for the three micro-batches
     assert variant.info()["grad_accum"] == 3
 

@@ -32,9 +32,6 @@ from raytrain_fast.console import say
 STAGING_DIR = ".staging"
 """With local storage, each rank writes its checkpoint files under `<run>/.staging/rank<r>/` first."""
 
-__all__ = ["Checkpointer", "TrainState", "checkpoint_dir_name", "rng_states", "set_rng_states"]
-
-
 class Checkpointer:
     """One per worker: saves (every rank, same steps), restores, uploads and prunes old checkpoints."""
 

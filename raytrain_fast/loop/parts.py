@@ -313,6 +313,6 @@ def start_heartbeat(worker: Worker, coordinator: Coordinator, state: TrainState)
     if not watchdog.enabled:
         return NoHeartbeat()
     return Heartbeat(
-        coordinator.actor, rank=worker.rank, world_size=worker.world_size, read_step=lambda: state.step,
+        coordinator, rank=worker.rank, world_size=worker.world_size, read_step=lambda: state.step,
         last_step=worker.config.train.steps, interval_s=watchdog.beat_interval_s(),
     ).start()

@@ -266,16 +266,3 @@ def mfu(*, tokens_per_sec: float, flops_per_token: float | None, peak_flops: flo
     if not flops_per_token or not peak_flops or num_devices <= 0:
         return None
     return tokens_per_sec * flops_per_token / (peak_flops * num_devices)
-
-
-__all__ = [
-    "PeakFigure",
-    "cached_matmul_peak",
-    "datasheet_peak_flops",
-    "device_key",
-    "device_name",
-    "matmul_dtype",
-    "measure_matmul_peak",
-    "mfu",
-    "peak_cache_path",
-]
