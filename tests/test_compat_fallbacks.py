@@ -140,3 +140,32 @@ def test_the_lr_record_and_the_clip_value_are_set_where_they_exist_else_one_warn
     assert not deepspeed_compat.set_clip_grad(optimizer, 0.5)  # an optimizer without DeepSpeed's clip_grad
     lines = _warnings(caplog)
     assert len(lines) == 2 and "no _last_lr" in lines[0] and "AdamW has no clip_grad" in lines[1], lines
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_one_a_live_build_holds_is_kept(tmp_path, monkeypatch):
+    """torch's FileBaton waits forever on a lock file a killed build left: every later run hung before
+    its first step. A lock whose builder died goes (one line); one a live builder holds stays."""
+    import subprocess
+    import sys
+
+    from torch.utils.file_baton import FileBaton
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    dead, live = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock", tmp_path / "py311_cpu" / "cpu_adam" / "lock"
+    for lock in (dead, live):
+        lock.parent.mkdir(parents=True)
+    take = "import os, sys, time; from torch.utils.file_baton import FileBaton; assert FileBaton(sys.argv[1]).try_acquire(); "
+    subprocess.run([sys.executable, "-c", take + "os._exit(0)", str(dead)], check=True)  # the builder killed mid-build
+    holder = subprocess.Popen([sys.executable, "-c", take + "print('held', flush=True); time.sleep(60)", str(live)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        lines: list[str] = []
+        removed = deepspeed_compat.clear_stale_build_locks(warn=lines.append)
+        assert removed == [str(dead.resolve())] and not dead.exists() and live.exists()
+        assert len(lines) == 1 and str(dead.resolve()) in lines[0] and "deepspeed_shm_comm" in lines[0]
+        assert FileBaton(str(dead)).try_acquire()  # the next build takes the baton instead of waiting
+    finally:
+        holder.kill()
+        holder.wait()
+    assert deepspeed_compat.clear_stale_build_locks(warn=lines.append) == [str(live.resolve())]  # its holder is gone now

@@ -18,7 +18,10 @@ import hashlib
 import inspect
 import logging
 import math
+import glob
+import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -371,6 +374,72 @@ def skip_shm_comm_build() -> bool:
         return False
     table["deepspeed_shm_comm"] = False
     return True
+
+
+def _held_open(paths: set[str]) -> set[str] | None:
+    """Which of `paths` some process on this machine holds open (from /proc/<pid>/fd); None where
+    that can't be told (no /proc, or a process whose descriptors this user can't read)."""
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    held: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            continue
+        except PermissionError:
+            return None
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target in paths:
+                held.add(target)
+    return held
+
+
+def clear_stale_build_locks(*, warn: Callable[[str], None] = say, unknown_after_s: float = 900.0) -> list[str]:
+    """Remove the lock files of torch JIT extension builds (DeepSpeed's ops) whose builder is gone.
+
+    torch's `FileBaton` creates `<TORCH_EXTENSIONS_DIR>/<python>_<device>/<op>/lock` and holds it open
+    while the op compiles; every other process that loads the op waits, with no time limit and no
+    output, until the file is removed. A build killed part-way (Ctrl-C, a worker lost, a machine
+    stopped) leaves the file behind, and every later run on the machine then hangs before its first
+    step. A lock no process on this machine holds open is stale and removed, with one line naming it;
+    where open files can't be read (no /proc, another user's processes), only a lock older than
+    `unknown_after_s` is. The removed paths."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    seen = {}  # each lock as found, so one made anew meanwhile (its builder just started) is kept
+    for pattern in ("*/lock", "*/*/lock"):
+        for path in glob.glob(os.path.join(root, pattern)):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            seen[os.path.realpath(path)] = (st.st_ino, st.st_mtime_ns)
+    if not seen:
+        return []
+    held = _held_open(set(seen))
+    removed = []
+    for lock, identity in sorted(seen.items()):
+        try:
+            st = os.stat(lock)
+        except FileNotFoundError:
+            continue
+        age = time.time() - st.st_mtime
+        if (st.st_ino, st.st_mtime_ns) != identity or (held is not None and lock in held) or (held is None and age < unknown_after_s):
+            continue
+        try:
+            os.remove(lock)
+        except FileNotFoundError:
+            continue
+        removed.append(lock)
+        warn(f"Removed a stale build lock no process holds ({lock}, {age / 60:.0f} min old): a killed JIT build of "
+             f"{os.path.basename(os.path.dirname(lock))} left it, and every run would wait on it forever.")
+    return removed
 
 
 def apply_patches(mode: PatchMode = "auto", *, warn: Callable[[str], None] = say) -> list[str]:

@@ -222,6 +222,7 @@ def apply_deepspeed_patches(mode: str, *, world_size: int, warn=say) -> str:
     """Make (auto) or undo (off) the DeepSpeed patches before an engine is built; the startup line."""
     from raytrain_fast.engine import deepspeed_compat
 
+    deepspeed_compat.clear_stale_build_locks(warn=warn)
     shm_skipped = mode != "off" and select_accelerator() == "cpu" and world_size == 1 and deepspeed_compat.skip_shm_comm_build()
     active = deepspeed_compat.apply_patches(mode, warn=warn)
     return deepspeed_compat.patches_line(active, mode=mode, shm_skipped=shm_skipped)
