@@ -144,6 +144,3 @@ def _on_ray_workers(
                     device="cuda" if gpu else "cpu", threads=None if gpu else cpus)
         for rank in range(workers)
     ])
-
-
-__all__ = ["Evaluation", "TaskResult", "evaluate", "score_shard"]

@@ -129,6 +129,3 @@ def from_checkpoint(
     config = dataclasses.replace(config, activation_checkpointing="none", dropout=0.0)
     source = ModelSource(description=f"run '{name}' at step {checkpoint_step}", state=state, config=config)
     return source, encoder_for(spec, config), checkpoint_step
-
-
-__all__ = ["EVAL_EXTRA", "Forward", "MissingExtraError", "ModelSource", "from_checkpoint", "from_hf_dir"]
