@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from raytrain_fast.config import Config
+from raytrain_fast.config.train import Batch
 from raytrain_fast.engine.compile import compile_blocks
 from raytrain_fast.engine.deepspeed_engine import (
     apply_deepspeed_patches,
@@ -62,35 +63,34 @@ def prepare_process(*, threads: int, seed: int) -> torch.device:
 
 
 def build_program(
-    config: Config, *, device: torch.device, documents: DocumentMasking | None = None, with_engine: bool = True,
-    on_eager_model: Callable[[GPT], None] | None = None, load_universal: bool = False,
+    config: Config, *, device: torch.device, model: GPT | None = None, batch: Batch | None = None,
+    documents: DocumentMasking | None = None, with_engine: bool = True, load_universal: bool = False,
     say: Callable[[str], None] | None = None,
 ) -> WorkerProgram:
     """The model of `config.model` (activation checkpointing included) on `device`, its blocks
-    compiled as `engine.compile` says, then the DeepSpeed engine for `config.train`'s micro-batch and
-    accumulation on `config.resources.num_workers` workers at `config.engine.precision` (resolved).
+    compiled as `engine.compile` says, then the DeepSpeed engine for `batch` (None: the config's own,
+    `Config.batch()`) at `config.engine.precision` (resolved).
 
-    `on_eager_model(model)`: what must see the eager model before compilation (the loop's initial
-    weights and FLOP count). `with_engine=False`: the model alone. `say`: where the compile and
-    DeepSpeed patch startup lines (and a patch's warning) go, as they happen; None: not said (a
-    patch's warning is still printed)."""
+    `model`: the eager model when the caller built it already (the loop measures it before its blocks
+    compile). `with_engine=False`: the model alone. `say`: where the compile and DeepSpeed patch
+    startup lines (and a patch's warning) go, as they happen; None: not said (a patch's warning is
+    still printed)."""
     from raytrain_fast.model import build_model
 
-    model = build_model(config.model, device, documents=documents)  # weights made on the device: no host copy first
-    if on_eager_model is not None:
-        on_eager_model(model)
+    if model is None:
+        model = build_model(config.model, device, documents=documents)  # weights made on the device: no host copy first
     compiled, compile_line = compile_blocks(model, setting=config.engine.compile, device=device)
     if compile_line and say is not None:
         say(compile_line)
     program = WorkerProgram(device=device, model=model, compiled=compiled, compile_line=compile_line)
     if not with_engine:
         return program
-    world_size = int(config.resources.num_workers)
+    batch = batch or config.batch()
     if say is not None:  # its startup line; build_engine makes the patches either way
-        say(apply_deepspeed_patches(config.engine.deepspeed_patches, world_size=world_size, warn=say))
+        say(apply_deepspeed_patches(config.engine.deepspeed_patches, world_size=batch.world_size, warn=say))
     program.engine = build_engine(
-        model, engine=config.engine, optim=config.optim, micro_batch=int(config.train.micro_batch),
-        grad_accum=config.grad_accum(), world_size=world_size, total_steps=config.train.steps, load_universal=load_universal,
+        model, engine=config.engine, optim=config.optim, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
+        world_size=batch.world_size, total_steps=config.train.steps, load_universal=load_universal,
     )
     return program
 
