@@ -36,8 +36,10 @@ class RunPlan:
     """eval.tasks encoded for the data's tokenizer (downstream/in_loop.py `RunTasks`), or None."""
     resume_step: int | None = None
     """The checkpoint's step a resumed run starts from; None for a new run."""
+    summary: str = ""
+    """The run's line: its workers, batch and storage."""
     lines: tuple[str, ...] = ()
-    """The start-up lines: the plan as the driver printed it."""
+    """The other start-up lines: what a resume changes, the precision, the data, the evaluation."""
 
     def batch(self, world_size: int) -> Batch:
         """The batch split of a worker group of `world_size`."""

@@ -1,7 +1,7 @@
 """The run's plan (raytrain_fast/plan.py), resolved once on the driver after the checks
 (launch/checks.py): on the cluster, the resources and the precision measured where the workers run,
 the micro-batch, the batch of every worker count, the data prepared once with its manifests read
-once, the evaluation and the tasks for it; printed as the run's start-up lines."""
+once, the evaluation and the tasks for it; its lines are the run's start-up lines."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import logging
 
 from raytrain_fast.config import Config, validate
 from raytrain_fast.config.train import Batch
-from raytrain_fast.console import say
 from raytrain_fast.engine import resolve_precision
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.launch.checks import Checked
@@ -25,7 +24,7 @@ DEFAULT_EVERY_STEPS = 100
 
 
 def plan_run(checked: Checked) -> RunPlan:
-    """The plan of a checked run (Ray joined, or a local instance started), its lines printed."""
+    """The plan of a checked run (Ray joined, or a local instance started); its lines are the caller's to print."""
     from raytrain_fast.data.mixture import check_sources, prepare_sources
     from raytrain_fast.downstream.run import encode_run_tasks
 
@@ -41,15 +40,12 @@ def plan_run(checked: Checked) -> RunPlan:
     config, eval_lines = resolve_eval(config, sources)
     tasks, task_lines = encode_run_tasks(checked.tasks, config, sources[0].manifest, every_steps=config.eval.every_steps)
     snapshot = checked.snapshot
-    lines += [run_line(config, full, snapshot.run_uri), *data_lines(config, sources, full), *eval_lines, *task_lines]
-    plan = RunPlan(
+    return RunPlan(
         config=config, run_uri=snapshot.run_uri, filesystem=snapshot.filesystem, run_path=snapshot.run_path, batches=batches,
         sources=sources, tasks=tasks, resume_step=checked.state.step if checked.state else None,
-        lines=(*checked.lines, *lines),
+        summary=run_line(config, full, snapshot.run_uri),
+        lines=(*checked.lines, *lines, *data_lines(config, sources, full), *eval_lines, *task_lines),
     )
-    for line in plan.lines:
-        say(line)
-    return plan
 
 
 def trial_plan(base: RunPlan, checked: Checked) -> RunPlan:

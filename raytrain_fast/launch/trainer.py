@@ -168,7 +168,10 @@ def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None 
         for line in (*checked.lines, nothing_to_do(name, steps=checked.config.train.steps, saved_step=state.step)):
             say(line)
         return run_result(checked.snapshot, name=name, metrics=state.metrics, measurements={})  # no Ray, no workers
-    fitted = fit_run(plan_run(checked), hooks=hooks)
+    plan = plan_run(checked)
+    for line in (plan.summary, *plan.lines):
+        say(line)
+    fitted = fit_run(plan, hooks=hooks)
     return run_result(checked.snapshot, name=name, metrics=fitted.result.metrics or {}, measurements=fitted.measurements,
                       stopped_by=fitted.stopped_by)
 

@@ -201,6 +201,8 @@ def _prepare(config: Config, spec: SweepSpec, *, first_micro_batch: int, create_
         config, name=name, train=dataclasses.replace(config.train, micro_batch=first_micro_batch, grad_accum=None)
     )
     plan = plan_run(check_run(_trial_config(base, spec), create_bucket=create_bucket))
+    for line in plan.lines:  # its summary's batch is the first trial's: the sweep's own line says what it tries
+        say(line)
     create_ray_data_cluster_actors()  # on this node, before the trials, whose actors may be on any node
     # The trials read the prepared data: naming it keeps their checks off the user's relative paths, which
     # a trial (in Tune's working directory, maybe on another node) would not find; what prepared it on the
