@@ -62,8 +62,10 @@ def batch_table(config: Config, *, saved_workers: int | None = None, checkpoint:
     assert isinstance(train.micro_batch, int), "train.micro_batch=auto is resolved before the batch is split"
     table = {}
     for workers in range(max(1, min(resources.fewest_workers, resources.num_workers)), resources.num_workers + 1):
-        micro_batch, grad_accum = fit_batch(global_batch=train.global_batch, micro_batch=train.micro_batch, num_workers=workers,
-                                            saved_workers=saved_workers or resources.num_workers, uri=checkpoint or config.name or "run")
+        micro_batch, grad_accum = fit_batch(
+            global_batch=train.global_batch, micro_batch=train.micro_batch, num_workers=workers,
+            saved_workers=saved_workers or resources.num_workers, uri=checkpoint or config.name or "run",
+        )
         table[workers] = Batch(micro_batch=micro_batch, grad_accum=grad_accum, world_size=workers)
     return table
 

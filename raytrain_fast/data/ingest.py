@@ -31,7 +31,9 @@ import pyarrow.fs as pafs
 from raytrain_fast._ray_compat import DATA_EXECUTOR_LOGGER
 from raytrain_fast.data.inputs import NODE_ID_LABEL
 from raytrain_fast.data.manifest import shard_locations
-from raytrain_fast.data.mixture import MixturePosition, MixtureSchedule, Source, identity, mixture_problems, mixture_rank_stream, window_cuts
+from raytrain_fast.data.mixture import (
+    MixturePosition, MixtureSchedule, Source, identity, mixture_problems, mixture_rank_stream, window_cuts,
+)
 from raytrain_fast.data.order import EpochOrder, usable_rows, window_rows
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig

@@ -114,9 +114,9 @@ class MixturePosition:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, first: dict[str, Any], first_rows: int) -> MixturePosition:
-        """A saved position. One of the single-source stream of earlier versions ({epoch, consumed}) is a
-        place in the stream of `first` ({name, weight}: this run's first source, of `first_rows`
-        sequences per epoch), which that stream was."""
+        """A saved position. A single-source one ({epoch, consumed}: `_single_source_index`) is a place
+        in the stream of `first` ({name, weight}: this run's first source, of `first_rows` sequences per
+        epoch), which that stream was."""
         if data.get("stream") != MIXTURE_STREAM:
             return cls(consumed=_single_source_index(data, first_rows), sources=[{"name": first["name"], "weight": 1.0}])
         consumed, start, before = data.get("consumed"), data.get("start", 0), data.get("before", {})
@@ -137,16 +137,17 @@ class MixturePosition:
 
 
 def _single_source_index(data: dict[str, Any], rows: int) -> int:
-    """The global index of a position of the single-source stream of earlier versions: {epoch, consumed,
-    stream: sequence-shuffle-v1}, or before it {epoch, consumed per rank, world_size}, whose epoch goes
-    on at the same share in a new order (sequences may repeat or be skipped until the next epoch)."""
+    """The global index of a single-source position, as checkpoints without a mixture position hold
+    it: {epoch, consumed, stream: sequence-shuffle-v1}, or, of the per-rank shard stream, {epoch,
+    consumed per rank, world_size}, whose epoch goes on at the same share in a new order (sequences may
+    repeat or be skipped until the next epoch)."""
     epoch, consumed, stream = data.get("epoch", 0), data.get("consumed", 0), data.get("stream")
     valid = isinstance(epoch, int) and isinstance(consumed, int) and min(epoch, consumed) >= 0
     if not valid or set(data) - {"epoch", "consumed", "world_size", "stream"} or stream not in (None, "sequence-shuffle-v1"):
         raise DataError(f"not a data position this version reads (a mixture's, or a single source's): {data}")
     if stream is None:
         consumed *= int(data.get("world_size") or 1)
-        logger.warning("this checkpoint's data position comes from the older per-rank stream: epoch %d goes on at "
+        logger.warning("this checkpoint's data position is of the per-rank shard stream: epoch %d goes on at "
                        "the same share, in a new order (later epochs are exact)", epoch)
     return epoch * rows + min(consumed, rows)
 

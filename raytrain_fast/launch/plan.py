@@ -54,14 +54,15 @@ def trial_plan(base: RunPlan, checked: Checked) -> RunPlan:
     config, batches = with_batches(checked.config)
     snapshot = checked.snapshot
     return dataclasses.replace(base, config=config, run_uri=snapshot.run_uri, filesystem=snapshot.filesystem,
-                               run_path=snapshot.run_path, batches=batches, lines=())
+                               run_path=snapshot.run_path, batches=batches, summary="", lines=())
 
 
 def with_batches(config: Config) -> tuple[Config, dict[int, Batch]]:
     """(config with train.micro_batch and grad_accum those of resources.num_workers, the batch table)."""
     table = batch_table(config)
     full = table[config.resources.num_workers]
-    return dataclasses.replace(config, train=dataclasses.replace(config.train, micro_batch=full.micro_batch, grad_accum=full.grad_accum)), table
+    train = dataclasses.replace(config.train, micro_batch=full.micro_batch, grad_accum=full.grad_accum)
+    return dataclasses.replace(config, train=train), table
 
 
 def run_line(config: Config, batch: Batch, run_uri: str) -> str:

@@ -105,7 +105,8 @@ def keep_checkpoint_batch(config: Config, snapshot: RunSnapshot | None) -> Confi
         return config
     checkpoint = uri_of(complete[0][1], like=config.storage.uri)
     batch = batch_table(config, saved_workers=state.world_size, checkpoint=checkpoint)[workers]
-    return dataclasses.replace(config, train=dataclasses.replace(config.train, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum))
+    train = dataclasses.replace(config.train, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
+    return dataclasses.replace(config, train=train)
 
 
 def check_resume_policy(config: Config, snapshot: RunSnapshot) -> tuple[Any, list[str]]:

@@ -69,7 +69,8 @@ def mixture_stretches(run: RunMetrics) -> list[MixtureStretch]:
     before = dict.fromkeys(names, 0.0)
     for step, record in sorted(timeline.items()):
         tokens = {n: float(record.get(f"{PREFIX}{n}", before[n])) for n in names}
-        weights = {n: float(record.get(f"{WEIGHT}{n}", 0.0)) for n in names} if any(f"{WEIGHT}{n}" in record for n in names) else configured
+        recorded = any(f"{WEIGHT}{n}" in record for n in names)  # the weights in force (records without them: the config's)
+        weights = {n: float(record.get(f"{WEIGHT}{n}", 0.0)) for n in names} if recorded else configured
         if sum(tokens.values()) > sum(before.values()):  # a rollback to an earlier checkpoint: the counts went back
             windows.append((step, {n: tokens[n] - before[n] for n in names}, weights))
         before = tokens
@@ -124,7 +125,8 @@ def evaluated_sources_note(run: RunMetrics, names: list[str]) -> str | None:
 def mixture_facts(run: RunMetrics) -> dict[str, Any]:
     """{source: 'weight W, realised R'} of the run's last stretch, for the report's facts table (empty: not a mixture)."""
     stretches = mixture_stretches(run)
-    return {f"mixture: {s.name}": f"weight {pct(s.weight)}, realised {pct(s.share)}" for s in (stretches[-1].shares if stretches else [])}
+    shares = stretches[-1].shares if stretches else []
+    return {f"mixture: {s.name}": f"weight {pct(s.weight)}, realised {pct(s.share)}" for s in shares}
 
 
 __all__ = ["MixtureStretch", "SourceShare", "mixture_facts", "mixture_lines", "mixture_stretches"]
