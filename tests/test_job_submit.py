@@ -48,8 +48,10 @@ RAY_DETACHED_HELPERS = {"PlacementGroupCleaner", "_AutoscalingCoordinatorActor",
 
 
 def documented() -> list[str]:
-    """The single-node commands of docs/cluster.md, continuation lines joined, comments dropped."""
-    return commands(doc_section("docs/cluster.md", "Single GPU node"))
+    """The single-node job commands of docs/cluster.md, from the token's line on: continuation lines
+    joined, comments dropped, runs of spaces made one."""
+    lines = [" ".join(line.split()) for line in commands(doc_section("docs/cluster.md", "Single GPU node"))]
+    return lines[next(i for i, line in enumerate(lines) if line.startswith("ray get-auth-token")):]
 
 
 def documented_line(start: str) -> str:
@@ -72,7 +74,7 @@ class Head:
     def shell(self, *lines: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
         """`lines` typed into a fresh bash after the page's `export` line, with the page's address
         replaced by this head's."""
-        script = "\n".join([documented_line("export "), *lines]).replace(DOC_ADDRESS, self.address)
+        script = "\n".join([documented_line("export RAY_AUTH_MODE"), *lines]).replace(DOC_ADDRESS, self.address)
         return subprocess.run(["bash", "--noprofile", "--norc", "-c", script], cwd=cwd or self.workdir, env=self.env,
                               capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 

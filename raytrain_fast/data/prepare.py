@@ -143,7 +143,8 @@ def _check_inputs(listing: Listing, filesystems: dict[str, pafs.FileSystem], *, 
     if not listing.sources:
         raise DataError(f"no input files to prepare: check the --input paths.\n{summarize_skipped(listing.skipped, limit=20)}")
     if not any(s.size for s in listing.sources):
-        raise DataError(f"the inputs hold no text ({len(listing.sources)} empty file(s): {listing.sources[0].uri}): add text to them")
+        raise DataError(f"the inputs hold no text ({len(listing.sources)} empty file(s): {listing.sources[0].uri}): add text to them."
+                        f"\n{summarize_skipped(listing.skipped, limit=20)}".rstrip())
     import pyarrow.parquet as pq
 
     source = next((s for s in listing.sources if input_format(s.path)[0] == "parquet" and s.size), None)
