@@ -20,7 +20,7 @@ from raytrain_fast.downstream.evaluate import evaluate
 from raytrain_fast.downstream.in_loop import RunTasks
 from raytrain_fast.downstream.models import ModelSource
 from raytrain_fast.downstream.run import encoder_for
-from raytrain_fast.downstream.score import COUNTS, ScoringPlan, choose
+from raytrain_fast.downstream.score import ScoringPlan, choose
 from raytrain_fast.downstream.tasks import STANDARD_TASKS, TaskError, load_task, load_tasks
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.model import model_class
@@ -187,14 +187,15 @@ def test_the_batched_scorer_equals_one_sequence_at_a_time_and_two_ranks_count_ea
         choice, _ = choose(tasks[0], lls.numpy()[: len(tasks[0].sequences)].astype(np.float64))
         starts = np.searchsorted(tasks[0].request_item, np.arange(13))
         assert choice.tolist() == [int(np.argmax(expected[a:b])) for a, b in zip(starts[:-1], starts[1:])]
-        one = plan.counts(lls.tolist())
+        one = plan.figures(lls.tolist())
         ranks = [ScoringPlan(tasks, micro_batch=3, device="cpu", rank=r, world_size=2) for r in (0, 1)]
         assert all(p.batches for p in ranks)
-        two = plan.counts(sum(p.loglikelihoods(model) for p in ranks).tolist())
-    assert np.allclose(one, two)
-    counts = np.array(one).reshape(len(tasks), len(COUNTS))
-    assert counts[:, COUNTS.index("items")].tolist() == [12.0, 12.0]  # each item counted once over the two ranks
-    assert counts[0, 0] == sum(int(c == g) for c, g in zip(choice.tolist(), tasks[0].gold))
+        two = plan.figures(sum(p.loglikelihoods(model) for p in ranks).tolist())
+    assert [f["items"] for f in one] == [f["items"] for f in two] == [12.0, 12.0]  # each item counted once over the two ranks
+    assert [f["acc"] for f in one] == [f["acc"] for f in two]
+    assert one[0]["acc"] == sum(int(c == g) for c, g in zip(choice.tolist(), tasks[0].gold)) / 12
+    gold = [expected[int(a) + int(g)] for a, g in zip(starts[:-1], tasks[0].gold)]  # the right choice's, one item at a time
+    assert one[0]["loglikelihood"] == pytest.approx(sum(gold) / 12, abs=1e-4)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -227,4 +228,5 @@ def test_the_loop_and_evaluate_give_every_request_the_same_loglikelihood_whateve
     assert split == by_loop
     assert all((a is None) != (b is None) for t in tasks for a, b in zip(halves[0][t.name], halves[1][t.name]))  # one worker each
     for task in result.tasks:
-        assert (task.acc, task.acc_norm, task.items) == tuple(values[f"eval/{task.name}/{k}"] for k in ("acc", "acc_norm", "items"))
+        keys = ("acc", "acc_norm", "loglikelihood", "items")
+        assert (task.acc, task.acc_norm, task.loglikelihood, task.items) == tuple(values[f"eval/{task.name}/{k}"] for k in keys)

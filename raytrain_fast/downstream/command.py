@@ -83,7 +83,8 @@ def run_evaluate(args: argparse.Namespace, *, storage: Any, connect_ray: Callabl
     )
     if args.json:
         return json.dumps(result.to_json(), indent=1)
-    return (f"{result.table()}\nacc: the choice with the highest log-likelihood; acc_norm: per character; cut: contexts "
+    return (f"{result.table()}\nacc: the choice with the highest log-likelihood; acc_norm: per character; loglik: the right "
+            f"choice's log-likelihood, mean per item; cut: contexts "
             f"cut from the left to the {encoder.window}-token window. --json adds every item's log-likelihoods.")
 
 

@@ -16,7 +16,7 @@ import torch
 
 from raytrain_fast.downstream.encode import EncodedTask
 from raytrain_fast.downstream.models import ModelSource
-from raytrain_fast.downstream.score import ScoringPlan, choose
+from raytrain_fast.downstream.score import ScoringPlan, choose, task_figures
 
 
 @dataclass(kw_only=True)
@@ -24,6 +24,8 @@ class TaskResult:
     name: str
     acc: float
     acc_norm: float
+    loglikelihood: float
+    """The right choice's log-likelihood, mean per item (nats)."""
     chance: float
     items: int
     """Items scored."""
@@ -65,8 +67,8 @@ class Evaluation:
         }
 
     def table(self) -> str:
-        rows = [("task", "acc", "acc_norm", "chance", "items", "cut", "skipped", "ms/item")]
-        rows += [(t.name, f"{t.acc:.4f}", f"{t.acc_norm:.4f}", f"{t.chance:.4f}", f"{t.items:,}", f"{t.cut:,}", f"{t.skipped:,}",
+        rows = [("task", "acc", "acc_norm", "loglik", "chance", "items", "cut", "skipped", "ms/item")]
+        rows += [(t.name, f"{t.acc:.4f}", f"{t.acc_norm:.4f}", f"{t.loglikelihood:.3f}", f"{t.chance:.4f}", f"{t.items:,}", f"{t.cut:,}", f"{t.skipped:,}",
                   f"{t.ms_per_item:.1f}") for t in self.tasks]
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
@@ -112,27 +114,31 @@ def evaluate(
     records: list[dict[str, Any]] = []
     results = []
     for task in tasks:
-        task_records = _records(task, parts)
-        records += task_records
-        scored = max(1, len(task_records))
+        loglikelihoods, worker = _merged(task, parts)
+        records += _records(task, loglikelihoods, worker)
+        figures = task_figures(task, loglikelihoods)
         results.append(TaskResult(
-            name=task.name, acc=sum(r["choice"] == r["gold"] for r in task_records) / scored,
-            acc_norm=sum(r["choice_norm"] == r["gold"] for r in task_records) / scored, chance=task.chance,
-            items=len(task_records), cut=sum(r["cut"] for r in task_records), skipped=len(task.skipped), total=task.total,
+            name=task.name, acc=figures["acc"], acc_norm=figures["acc_norm"], loglikelihood=figures["loglikelihood"],
+            chance=task.chance, items=task.num_items, cut=int(figures["cut"]), skipped=len(task.skipped), total=task.total,
             seconds=max(part["seconds"].get(task.name, 0.0) for part in parts),
         ))
     return Evaluation(model=source.description, step=step, workers=max(1, workers), window=window, precision=source.precision,
                       micro_batch=micro_batch, tasks=results, items=records)
 
 
-def _records(task: EncodedTask, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One record per item of `task`, in file order, from the workers' log-likelihoods."""
+def _merged(task: EncodedTask, parts: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """Every request's log-likelihood of `task` from the workers that scored it, and which worker did."""
     loglikelihoods = np.full(len(task.sequences), np.nan)
     worker = np.full(len(task.sequences), -1)
     for part in parts:
         for request, value in enumerate(part["values"][task.name]):
             if value is not None:
                 loglikelihoods[request], worker[request] = value, part["rank"]
+    return loglikelihoods, worker
+
+
+def _records(task: EncodedTask, loglikelihoods: np.ndarray, worker: np.ndarray) -> list[dict[str, Any]]:
+    """One record per item of `task`, in file order."""
     choice, choice_norm = choose(task, loglikelihoods)
     starts = np.searchsorted(task.request_item, np.arange(task.num_items + 1))
     return [{

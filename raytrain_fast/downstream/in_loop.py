@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from raytrain_fast.downstream.encode import EncodedTask
-from raytrain_fast.downstream.score import COUNTS, ScoringPlan
+from raytrain_fast.downstream.score import ScoringPlan
 
 
 @dataclass(kw_only=True)
@@ -55,16 +55,11 @@ class RankTasks:
     def values(self, loglikelihoods: list[float], *, tokens: int | None) -> dict[str, float]:
         """Metrics from every request's log-likelihood, summed over the ranks (read after the
         evaluation's host read)."""
-        counts = self.plan.counts(loglikelihoods)
         values: dict[str, float] = {}
-        scored = 0.0
-        for position, task in enumerate(self.tasks):
-            correct, correct_norm, items, cut = counts[position * len(COUNTS):(position + 1) * len(COUNTS)]
-            scored += items
-            values.update({
-                f"eval/{task.name}/acc": correct / max(items, 1.0), f"eval/{task.name}/acc_norm": correct_norm / max(items, 1.0),
-                f"eval/{task.name}/chance": task.chance, f"eval/{task.name}/items": items, f"eval/{task.name}/cut": cut,
-            })
+        for task, figures in zip(self.tasks, self.plan.figures(loglikelihoods)):
+            values.update({f"eval/{task.name}/{key}": value for key, value in figures.items()})
+            values[f"eval/{task.name}/chance"] = task.chance
+        scored = sum(task.num_items for task in self.tasks)
         seconds = self._timer.seconds()
         values["time/eval_tasks_s"] = seconds
         values["time/eval_tasks_ms_per_item"] = 1e3 * seconds / max(scored, 1.0)

@@ -17,9 +17,10 @@ log-likelihood, bit for bit, in the loop (any worker count) and in `raytrain-fas
 --workers). A different micro-batch changes the padding and the kernels' shapes, and with them the
 last bits.
 
-The counts of a task are [correct, correct_norm, items, cut]: `acc` picks the choice with the highest
-log-likelihood, `acc_norm` the highest log-likelihood per character of the continuation (leading
-whitespace not counted); ties go to the lower choice index.
+A task's figures (`task_figures`): `acc` picks the choice with the highest log-likelihood,
+`acc_norm` the highest log-likelihood per character of the continuation (leading whitespace not
+counted), ties to the lower choice index; `loglikelihood` is the right choice's, averaged over the
+items (it moves before acc leaves chance, and any item scored differently changes it).
 """
 
 from __future__ import annotations
@@ -32,10 +33,6 @@ import torch
 
 from raytrain_fast.downstream.encode import EncodedTask
 from raytrain_fast.model.documents import DocumentLayout
-
-COUNTS = ("correct", "correct_norm", "items", "cut")
-"""What a task's counts hold, in order."""
-
 
 @dataclass
 class Row:
@@ -106,14 +103,20 @@ class ScoringPlan:
             total[batch.requests] = table.sum(dim=1)
         return total
 
-    def counts(self, loglikelihoods: list[float]) -> list[float]:
-        """Every task's counts in the order of COUNTS, from every request's log-likelihood (host values)."""
-        out: list[float] = []
-        for task, first in zip(self.tasks, self.offsets):
-            choice, choice_norm = choose(task, np.asarray(loglikelihoods[first:first + len(task.sequences)], dtype=np.float64))
-            out += [float((choice == task.gold).sum()), float((choice_norm == task.gold).sum()), float(task.num_items),
-                    float(task.cut.sum())]
-        return out
+    def figures(self, loglikelihoods: list[float]) -> list[dict[str, float]]:
+        """Every task's figures (`task_figures`), from every request's log-likelihood (host values)."""
+        return [task_figures(task, np.asarray(loglikelihoods[first:first + len(task.sequences)], dtype=np.float64))
+                for task, first in zip(self.tasks, self.offsets)]
+
+
+def task_figures(task: EncodedTask, loglikelihoods: np.ndarray) -> dict[str, float]:
+    """acc, acc_norm, loglikelihood (the right choice's, mean per item), items and cut of a task, from
+    its requests' log-likelihoods (the task's numbering): the loop and `evaluate` both make them here."""
+    choice, choice_norm = choose(task, loglikelihoods)
+    items = max(task.num_items, 1)
+    gold = loglikelihoods[np.searchsorted(task.request_item, np.arange(task.num_items)) + task.gold]
+    return {"acc": float((choice == task.gold).sum()) / items, "acc_norm": float((choice_norm == task.gold).sum()) / items,
+            "loglikelihood": float(gold.sum()) / items, "items": float(task.num_items), "cut": float(task.cut.sum())}
 
 
 def choose(task: EncodedTask, loglikelihoods: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -177,4 +180,4 @@ def _layout(positions: np.ndarray, segment: np.ndarray, device: torch.device) ->
     return DocumentLayout(positions=torch.from_numpy(positions).to(device), mask=mask)
 
 
-__all__ = ["COUNTS", "ScoringPlan", "choose"]
+__all__ = ["ScoringPlan", "choose", "task_figures"]
