@@ -60,6 +60,3 @@ def prepare_command(*, inputs: list[str], output: str, tokenizer: str, text_fiel
     if text_field != DEFAULT_TEXT_FIELD:
         words += ["--text-field", text_field]
     return shlex.join(words)
-
-
-__all__ = ["VOCAB_MULTIPLE", "model_vocab_size", "prepare_command", "run_name_for", "train_command"]

@@ -29,27 +29,6 @@ def _saved_run_config(runs: Path, name: str) -> dict:
     return yaml.safe_load((checkpoint / "config.yaml").read_text())
 
 
-def test_a_mixture_of_relative_prepared_directories_trains_from_the_project_directory(tmp_path):
-    project, home = tmp_path / "project", tmp_path / "home"
-    package_texts(project / "texts" / "code", "email")
-    package_texts(project / "texts" / "docs", "json")
-    for name in ("code", "docs"):
-        prepared = shell(f"raytrain-fast prepare-data --input texts/{name} --output data/{name} --seq-len 32",
-                         cwd=project, home=home)
-        assert prepared.returncode == 0, prepared.stdout + prepared.stderr
-    done = shell(
-        f"raytrain-fast pretrain --name mix {SETS} --set storage.uri=runs "
-        "--set 'data.sources=[{source: ./data/code, weight: 0.7}, {source: ./data/docs, weight: 0.3}]'",
-        cwd=project, home=home,
-    )
-    shown = done.stdout + done.stderr
-    assert done.returncode == 0, shown
-    assert "Done. Run directory:" in shown and "Traceback" not in shown
-    saved = _saved_run_config(project / "runs", "mix")
-    assert [s["source"] for s in saved["data"]["sources"]] == [str(project / "data" / "code"), str(project / "data" / "docs")]
-    assert saved["storage"]["uri"] == str(project / "runs")
-
-
 def _jsonl_zst(path: Path, package: str) -> None:
     import importlib
 
@@ -62,22 +41,29 @@ def _jsonl_zst(path: Path, package: str) -> None:
             out.write((json.dumps({"text": source.read_text()}) + "\n").encode())
 
 
-def test_a_mixture_of_two_jsonl_zst_files_is_prepared_on_the_fly_and_trains(tmp_path):
+def test_a_mixture_of_a_relative_prepared_directory_and_a_jsonl_zst_file_trains_from_the_project_directory(tmp_path):
+    """Both kinds of source in one mixture, named relative to the project directory: a dataset made by
+    prepare-data and a `.jsonl.zst` file prepared on the fly into a relative data.cache_dir."""
     project, home = tmp_path / "project", tmp_path / "home"
-    _jsonl_zst(project / "corpora" / "code.jsonl.zst", "email")
+    package_texts(project / "texts" / "code", "email")
     _jsonl_zst(project / "corpora" / "docs.jsonl.zst", "json")
+    prepared = shell("raytrain-fast prepare-data --input texts/code --output data/code --seq-len 32", cwd=project, home=home)
+    assert prepared.returncode == 0, prepared.stdout + prepared.stderr
     done = shell(
-        f"raytrain-fast pretrain --name zst {SETS} --set storage.uri=runs --set data.cache_dir=cache "
-        "--set 'data.sources=[{source: corpora/code.jsonl.zst, weight: 0.7}, {source: corpora/docs.jsonl.zst, weight: 0.3}]'",
+        f"raytrain-fast pretrain --name mix {SETS} --set storage.uri=runs --set data.cache_dir=cache "
+        "--set 'data.sources=[{source: ./data/code, weight: 0.7}, {source: corpora/docs.jsonl.zst, weight: 0.3}]'",
         cwd=project, home=home,
     )
     shown = done.stdout + done.stderr
     assert done.returncode == 0, shown
-    assert "a mixture of 2 sources (code.jsonl.zst 0.7, docs.jsonl.zst 0.3)" in shown
+    assert "a mixture of 2 sources (code 0.7, docs.jsonl.zst 0.3)" in shown
     assert "Done. Run directory:" in shown and "Traceback" not in shown
-    prepared = sorted(p.name for p in (project / "cache").iterdir())
-    assert [p.split("-seq32-")[0] for p in prepared] == ["code.jsonl.zst", "docs.jsonl.zst"], prepared
-    assert _saved_run_config(project / "runs", "zst")["data"]["cache_dir"] == str(project / "cache")
+    prepared_on_the_fly = sorted(p.name for p in (project / "cache").iterdir())
+    assert [p.split("-seq32-")[0] for p in prepared_on_the_fly] == ["docs.jsonl.zst"], prepared_on_the_fly
+    saved = _saved_run_config(project / "runs", "mix")
+    sources = [str(project / "data" / "code"), str(project / "corpora" / "docs.jsonl.zst")]
+    assert [s["source"] for s in saved["data"]["sources"]] == sources
+    assert saved["storage"]["uri"] == str(project / "runs") and saved["data"]["cache_dir"] == str(project / "cache")
 
 
 def _damage_the_only_shard(data: Path) -> Path:

@@ -62,15 +62,6 @@ def read_checkpoint_model_config(local_dir: str) -> ModelConfig | None:
     return _model_config_from_dict(yaml.safe_load(path.read_text()), source=f"the checkpoint's {CONFIG_FILE}")
 
 
-def _deepspeed_tag(local_dir: str) -> str:
-    """The tag (subdirectory) of the DeepSpeed save inside a checkpoint."""
-    latest = Path(local_dir, "latest")
-    tag = latest.read_text().strip() if latest.exists() else DEEPSPEED_TAG
-    if not Path(local_dir, tag).is_dir():
-        raise CheckpointError(f"checkpoint has no DeepSpeed directory '{tag}/'")
-    return tag
-
-
 def _pass_on_without_progress_bars(text: str) -> None:
     """Write `text` to stderr without tqdm's bar redraws (lines of \\r-separated frames with '|')."""
     for line in text.replace("\r", "\n").splitlines():
@@ -80,33 +71,21 @@ def _pass_on_without_progress_bars(text: str) -> None:
 
 def consolidated_state_dict(local_dir: str) -> tuple[dict[str, Any], str]:
     """(full fp32 state dict, where the weights came from) from a downloaded checkpoint."""
-    import torch
-
     from raytrain_fast.engine import select_accelerator
 
-    tag = _deepspeed_tag(local_dir)
-    ds_dir = Path(local_dir, tag)
-    if any(ds_dir.glob("*zero_pp_rank_*_optim_states.pt")):
-        select_accelerator()  # DeepSpeed reads DS_ACCELERATOR once, at its first import
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    if not Path(local_dir, DEEPSPEED_TAG).is_dir():
+        raise CheckpointError(f"checkpoint has no DeepSpeed directory '{DEEPSPEED_TAG}/'")
+    select_accelerator()  # DeepSpeed reads DS_ACCELERATOR once, at its first import
+    from raytrain_fast.engine.deepspeed_compat import saved_weights
 
-        # It prints a line per parameter group and draws tqdm bars ("Loading checkpoint shards") on
-        # stderr; anything else it writes there (a warning) is passed on.
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
-            state = get_fp32_state_dict_from_zero_checkpoint(local_dir, tag=tag)
-        _pass_on_without_progress_bars(err.getvalue())
-        source = "fp32 master weights from the ZeRO optimizer shards"
-    else:
-        model_file = ds_dir / "mp_rank_00_model_states.pt"
-        if not model_file.exists():
-            raise CheckpointError(f"checkpoint has neither ZeRO optimizer shards nor {model_file.name}")
-        # weights_only=False: DeepSpeed pickles its own objects in here; the file comes from our
-        # own verified checkpoint, never from an untrusted source.
-        state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
-        state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-        source = "module weights from mp_rank_00_model_states.pt"
-    # Without the DDP / torch.compile wrappers' prefixes.
-    return {key.removeprefix("module.").removeprefix("_orig_mod."): value for key, value in state.items()}, source
+    # DeepSpeed prints a line per parameter group and draws tqdm bars ("Loading checkpoint shards") on
+    # stderr; anything else it writes there (a warning) is passed on.
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+        found = saved_weights(local_dir, tag=DEEPSPEED_TAG)
+    _pass_on_without_progress_bars(err.getvalue())
+    if found is None:
+        raise CheckpointError("checkpoint has neither ZeRO optimizer shards nor rank 0's module weights")
+    return found
 
 
 def export_format(config: ModelConfig, format: str) -> Literal["native", "hf"]:

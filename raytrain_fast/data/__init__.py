@@ -21,6 +21,4 @@ _EXPORTS = {
     "load_manifest": "raytrain_fast.data.ingest",
 }
 
-__all__ = sorted(_EXPORTS)
-
 __getattr__ = lazy_exports(__name__, _EXPORTS)

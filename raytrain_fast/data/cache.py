@@ -182,6 +182,3 @@ def _prepare_in_place(target: str, prepare, info: bytes, *, fingerprint: str, st
             raise  # not a lost race with a concurrent run that finished first
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-__all__ = ["STDLIB", "ensure_prepared_corpus", "is_prepared", "text_problem"]

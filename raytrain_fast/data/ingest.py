@@ -439,9 +439,3 @@ def hide_execution_summaries() -> None:
     executor_logger = logging.getLogger(DATA_EXECUTOR_LOGGER)
     if not any(isinstance(f, _HideExecutionSummary) for f in executor_logger.filters):
         executor_logger.addFilter(_HideExecutionSummary())
-
-
-__all__ = [
-    "BatchIterator", "DataPosition", "EpochOrder", "check_manifest_matches", "load_manifest", "locate_absolute", "rank_stream",
-    "shard_order", "usable_rows", "window_permutation",
-]

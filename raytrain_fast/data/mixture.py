@@ -355,9 +355,3 @@ def mixture_problems(sources: list[Source], *, seq_len: int | None = None) -> li
                 "prepare every source with the same --seq-len"
             )
     return problems
-
-
-__all__ = [
-    "MIXTURE_STREAM", "MixtureIterator", "MixturePosition", "MixtureSchedule", "Source", "check_mixture", "load_sources",
-    "mixture_problems", "mixture_rank_stream", "open_mixture", "prepare_sources", "tokens_per_source",
-]

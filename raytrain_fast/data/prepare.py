@@ -268,6 +268,3 @@ def prepare_data(
     if verbose:
         _say_summary(manifest, seconds=time.perf_counter() - started, parallel=parallel)
     return manifest
-
-
-__all__ = ["SHARD_TOKENS", "prepare_data"]

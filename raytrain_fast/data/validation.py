@@ -96,6 +96,3 @@ def mixture_eval_note(sources: list) -> str | None:
         f"{'has' if len(left_out) == 1 else 'have'} no validation split, so none of its text is evaluated; prepare it "
         "with a split (prepare-data --val-fraction, or data.val_fraction for a source prepared on the fly) to include it."
     )
-
-
-__all__ = ["SourceSplit", "evaluation_ids", "load_mixture_validation", "load_validation_tokens", "mixture_eval_note", "rank_share"]

@@ -121,6 +121,3 @@ def _encoded(tasks: list[Task], encoder: Encoder):
     if empty:
         raise TaskError(f"no item of {', '.join(empty)} fits the model's window of {encoder.window} tokens: leave the task out")
     return encoded
-
-
-__all__ = ["add_arguments", "run_evaluate"]

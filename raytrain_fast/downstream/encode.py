@@ -152,6 +152,3 @@ def skipped_note(tasks: list[EncodedTask], window: int) -> list[str]:
         f"model's window of {window} tokens by itself (items {', '.join(map(str, t.skipped[:5]))}{', ...' if len(t.skipped) > 5 else ''})."
         for t in tasks if t.skipped
     ]
-
-
-__all__ = ["EncodedTask", "Encoder", "encode_task", "encode_tasks", "skipped_note"]

@@ -81,7 +81,7 @@ def score_shard(
 ) -> dict[str, Any]:
     """Worker `rank` of `world_size`: its batches of every task scored. {"rank": rank, "values": {task:
     [log-likelihood per request, None where another worker scores it]}, "seconds": {task: s}}."""
-    from raytrain_fast.engine import enable_tf32
+    from raytrain_fast.engine.deepspeed_engine import enable_tf32
 
     if threads:
         torch.set_num_threads(threads)
@@ -168,6 +168,3 @@ def _on_ray_workers(
                     device="cuda" if gpu else "cpu", threads=None if gpu else cpus)
         for rank in range(workers)
     ])
-
-
-__all__ = ["Evaluation", "TaskResult", "evaluate", "score_shard"]

@@ -99,6 +99,3 @@ class DeviceTimer:
             self._stop.synchronize()  # already complete: the counts were read after it
             return self._start.elapsed_time(self._stop) / 1e3
         return self._stop - self._start
-
-
-__all__ = ["DeviceTimer", "RankTasks", "RunTasks"]

@@ -135,9 +135,11 @@ def from_checkpoint(
         shutil.rmtree(local_dir, ignore_errors=True)
     checkpoint_step = int(path.rstrip("/").rsplit("_", 1)[-1])
     config = dataclasses.replace(config, activation_checkpointing="none", dropout=0.0)
+    # An fp8 run keeps bf16 weights; its float8 matmuls need an FP8 GPU, so it scores in bf16 here.
+    trained = _run_setting(run_config, "engine", "precision", ("bf16", "fp32", "fp8"))
     source = ModelSource(
         description=f"run '{name}' at step {checkpoint_step}", state=state, config=config,
-        precision=precision or _run_setting(run_config, "engine", "precision", ("bf16", "fp32")) or "fp32",
+        precision=precision or ("bf16" if trained == "fp8" else trained) or "fp32",
         micro_batch=_run_setting(run_config, "eval", "micro_batch", int) or _run_setting(run_config, "train", "micro_batch", int),
     )
     return source, encoder_for(spec, config), checkpoint_step
@@ -148,6 +150,3 @@ def _run_setting(run_config: dict[str, Any], section: str, key: str, allowed: An
     value = (run_config.get(section) or {}).get(key)
     ok = value in allowed if isinstance(allowed, tuple) else isinstance(value, allowed) and not isinstance(value, bool)
     return value if ok else None
-
-
-__all__ = ["EVAL_EXTRA", "Forward", "MissingExtraError", "ModelSource", "from_checkpoint", "from_hf_dir"]

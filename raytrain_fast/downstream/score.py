@@ -178,6 +178,3 @@ def _layout(positions: np.ndarray, segment: np.ndarray, device: torch.device) ->
     allowed |= np.eye(width, dtype=bool)  # a padding query must see something: no row of -inf
     mask = torch.from_numpy(allowed).unsqueeze(1).to(device)  # (B, 1, T, T) bool
     return DocumentLayout(positions=torch.from_numpy(positions).to(device), mask=mask)
-
-
-__all__ = ["ScoringPlan", "choose", "task_figures"]

@@ -16,6 +16,7 @@ import torch
 from raytrain_fast.config.engine import EngineConfig, OptimConfig, wsd_decay_steps
 from raytrain_fast.console import say
 from raytrain_fast.engine.deepspeed_compat import set_clip_grad, set_last_lr
+from raytrain_fast.errors import ConfigError
 
 
 def select_accelerator() -> str:
@@ -86,6 +87,13 @@ def cpu_bf16_native(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
 def resolve_precision(precision: str, *, use_gpu: bool) -> tuple[str, str]:
     """Turn `auto` into bf16 or fp32 on the hardware of this process (call it where the workers run:
     launch/trainer.py's `resolve_precision_on_a_worker`). Returns (precision, reason) for the log."""
+    if precision == "fp8":  # set explicitly, and only for GPUs with FP8 tensor cores: checked here
+        from raytrain_fast.engine.fp8 import RECIPE, fp8_problem
+
+        problem = fp8_problem(use_gpu=use_gpu)
+        if problem is not None:
+            raise ConfigError(problem)
+        return "fp8", f"engine.precision=fp8 (set explicitly): float8 matmuls in the blocks' linear layers ({RECIPE} scaling), bf16 elsewhere"
     if precision != "auto":
         return precision, f"engine.precision={precision} (set explicitly)"
     if use_gpu:
@@ -126,9 +134,9 @@ def build_deepspeed_config(
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": optim.grad_clip,
         # bf16 is the one mixed-precision path: DeepSpeed casts the model and keeps fp32 master
-        # weights. check_grad_overflow would read a flag back to the host every optimizer step
+        # weights (fp8 too: only the blocks' matmuls run in float8, engine/fp8.py). check_grad_overflow would read a flag back to the host every optimizer step
         # (a host sync); bf16's range makes overflow rare, so it is off unless asked for.
-        "bf16": {"enabled": precision == "bf16", "check_grad_overflow": engine.check_grad_overflow},
+        "bf16": {"enabled": precision in ("bf16", "fp8"), "check_grad_overflow": engine.check_grad_overflow},
         "zero_optimization": {
             "stage": engine.zero_stage,
             # With one worker there is nothing to reduce: overlapping the reduction and copying
@@ -237,6 +245,7 @@ def apply_deepspeed_patches(mode: str, *, world_size: int, warn=say) -> str:
     """Make (auto) or undo (off) the DeepSpeed patches before an engine is built; the startup line."""
     from raytrain_fast.engine import deepspeed_compat
 
+    deepspeed_compat.clear_stale_build_locks(warn=warn)
     shm_skipped = mode != "off" and select_accelerator() == "cpu" and world_size == 1 and deepspeed_compat.skip_shm_comm_build()
     active = deepspeed_compat.apply_patches(mode, warn=warn)
     return deepspeed_compat.patches_line(active, mode=mode, shm_skipped=shm_skipped)

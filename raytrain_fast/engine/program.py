@@ -1,8 +1,8 @@
 """What a training worker runs, built in one place: the process's device, threads, TF32 and seed
 (`prepare_process`), then the model with its activation checkpointing, the compiled blocks and the
 DeepSpeed engine at the config's precision (`build_program`). The step loop, `train.micro_batch:
-auto`'s probe and `raytrain-fast bench model` all build through it, so each times and sizes the
-program that trains.
+auto`'s probe and the benches all build through it and step it with engine/step.py's `train_step`,
+so each times and sizes the program that trains.
 """
 
 from __future__ import annotations
@@ -11,19 +11,22 @@ import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from raytrain_fast.config import Config
 from raytrain_fast.engine.compile import compile_blocks
+from raytrain_fast.engine.fp8 import apply_fp8
 from raytrain_fast.engine.deepspeed_engine import (
     apply_deepspeed_patches,
     build_engine,
+    build_optimizer,
     enable_tf32,
     select_accelerator,
     training_device,
 )
+from raytrain_fast.engine.step import TorchEngine
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -41,8 +44,8 @@ class WorkerProgram:
     """Whether the blocks are compiled (they compile in the first step: time it apart)."""
     compile_line: str | None
     """engine.compile's startup line (None when auto left it off)."""
-    engine: DeepSpeedEngine | None = None
-    """The DeepSpeed engine; None for a program built without one (`bench model`'s `bare` variant)."""
+    engine: DeepSpeedEngine | TorchEngine
+    """DeepSpeed's engine, or plain PyTorch's for a bench's `bare` baseline (engine/step.py)."""
 
 
 def prepare_process(*, threads: int, seed: int) -> torch.device:
@@ -62,7 +65,8 @@ def prepare_process(*, threads: int, seed: int) -> torch.device:
 
 
 def build_program(
-    config: Config, *, device: torch.device, documents: DocumentMasking | None = None, with_engine: bool = True,
+    config: Config, *, device: torch.device, documents: DocumentMasking | None = None,
+    engine: Literal["deepspeed", "torch"] = "deepspeed",
     on_eager_model: Callable[[GPT], None] | None = None, load_universal: bool = False,
     say: Callable[[str], None] | None = None,
 ) -> WorkerProgram:
@@ -71,7 +75,8 @@ def build_program(
     accumulation on `config.resources.num_workers` workers at `config.engine.precision` (resolved).
 
     `on_eager_model(model)`: what must see the eager model before compilation (the loop's initial
-    weights and FLOP count). `with_engine=False`: the model alone. `say`: where the compile and
+    weights and FLOP count). `engine="torch"`: torch's optimizer behind a `TorchEngine` instead of
+    DeepSpeed (a bench's `bare` baseline). `say`: where the compile and
     DeepSpeed patch startup lines (and a patch's warning) go, as they happen; None: not said (a
     patch's warning is still printed)."""
     from raytrain_fast.model import build_model
@@ -79,20 +84,24 @@ def build_program(
     model = build_model(config.model, device, documents=documents)  # weights made on the device: no host copy first
     if on_eager_model is not None:
         on_eager_model(model)
+    if (fp8_line := apply_fp8(model, precision=config.engine.precision, device=device)) and say is not None:
+        say(fp8_line)  # engine/fp8.py: the blocks' linear layers in float8, converted before they are compiled
     compiled, compile_line = compile_blocks(model, setting=config.engine.compile, device=device)
     if compile_line and say is not None:
         say(compile_line)
-    program = WorkerProgram(device=device, model=model, compiled=compiled, compile_line=compile_line)
-    if not with_engine:
-        return program
+    if engine == "torch":
+        optimizer = build_optimizer(list(model.parameters()), optim=config.optim, device=device)
+        built = TorchEngine(model, optimizer, precision=config.engine.precision, grad_accum=config.grad_accum(),
+                            grad_clip=config.optim.grad_clip)
+        return WorkerProgram(device=device, model=model, compiled=compiled, compile_line=compile_line, engine=built)
     world_size = int(config.resources.num_workers)
     if say is not None:  # its startup line; build_engine makes the patches either way
         say(apply_deepspeed_patches(config.engine.deepspeed_patches, world_size=world_size, warn=say))
-    program.engine = build_engine(
+    deepspeed_engine = build_engine(
         model, engine=config.engine, optim=config.optim, micro_batch=int(config.train.micro_batch),
         grad_accum=config.grad_accum(), world_size=world_size, total_steps=config.train.steps, load_universal=load_universal,
     )
-    return program
+    return WorkerProgram(device=device, model=model, compiled=compiled, compile_line=compile_line, engine=deepspeed_engine)
 
 
 def one_process(config: Config, *, micro_batch: int, grad_accum: int, steps: int) -> Config:

@@ -168,6 +168,10 @@ def keep_checkpoint_precision(config: Config, state) -> Config:
     if asked in ("auto", saved):
         say(f"Precision: {saved} (kept from the checkpoint at step {state.step})")
         return dataclasses.replace(config, engine=dataclasses.replace(config.engine, precision=saved))
+    if {saved, asked} == {"bf16", "fp8"}:  # fp8 keeps bf16's weights and optimizer state: the same files
+        say(f"Precision: {asked} (engine.precision={asked}; the checkpoint at step {state.step} was written in {saved}, "
+            "with the same weights and optimizer state)")
+        return config
     raise CheckpointError(
         f"engine.precision={asked}, but run '{config.name}' was checkpointed in {saved} (step {state.step}): "
         f"its optimizer state is in {saved}'s layout. Resume with engine.precision={saved} (or auto), or start "

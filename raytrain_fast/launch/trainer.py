@@ -6,7 +6,6 @@ TorchTrainer and fits it under the stop notice, then reads the measurements and 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import signal
@@ -26,7 +25,6 @@ from raytrain_fast.launch.checks import (
     prepare_training_data,
     resolve_resources,
 )
-from raytrain_fast.loop.health import DIVERGENCE_KEY
 from raytrain_fast.loop.hooks import LoopHooks, WindowCallback
 from raytrain_fast.loop.worker import LoopInputs
 from raytrain_fast.storage import resolve_filesystem, uri_of
@@ -234,15 +232,13 @@ def fit_run(
     last worker group, a ConfigError or DataError a worker raised as itself. `controller_poll_s`:
     Ray Train's controller polls the workers this often during the fit (a sweep trial's windows are
     short); the arguments in between are `build_trainer`'s."""
-    import ray
-
     from raytrain_fast._ray_compat import controller_poll_interval, create_ray_data_cluster_actors
-    from raytrain_fast.coordinator import start_coordinator
+    from raytrain_fast.coordinator import Coordinator
 
     create_ray_data_cluster_actors()
     drop_ray_run_snapshot(config)
     # One named actor per run, owned by this driver (coordinator.py); kept referenced until fit() returns.
-    coordinator = start_coordinator(config.name or "run")
+    coordinator = Coordinator.start(config.name or "run")
     try:
         start_watchdog(config, coordinator)
         trainer = build_trainer(
@@ -251,13 +247,11 @@ def fit_run(
         )
         with _StopOnSignal(coordinator) as stop, controller_poll_interval(controller_poll_s):
             result = fit(trainer, coordinator, config)
-        measurements = ray.get(coordinator.measurements.remote())
-        diverged, message = ray.get(coordinator.wait.remote(DIVERGENCE_KEY, 0))
-    finally:  # the next run of this name starts a fresh one (values come from checkpoints)
-        with contextlib.suppress(Exception):  # a Ray that is gone must not hide the run's own error
-            ray.kill(coordinator)
+        measurements, diverged = coordinator.measurements(), coordinator.divergence()
+    finally:  # quiet when Ray is gone: that must not hide the run's own error
+        coordinator.end()
     if diverged:  # the workers ended normally (so Ray did not restart them): the run failed
-        raise DivergenceError(message)
+        raise DivergenceError(diverged)
     return Fitted(result=result, measurements=measurements, stopped_by=stop.signal_name)
 
 
@@ -266,14 +260,12 @@ def fit(trainer, coordinator, config: Config):
     not yet announced by a restarted rank 0) is raised as HungRun, naming the hang; a ConfigError or
     DataError that ended it in a worker as itself (its one-line message, exit status 2 from the
     command line), not as Ray's worker group error."""
-    import ray
-
     try:
         return trainer.fit()
     except Exception as error:
         repeated = repeating_error(error)
         try:
-            hangs = ray.get(coordinator.take_hangs.remote())
+            hangs = coordinator.take_hangs()
         except Exception:  # noqa: BLE001 - the coordinator is gone: the failure as it is
             hangs = []
         if hangs:
@@ -298,16 +290,14 @@ def hang_summary(record: dict, *, config: Config) -> str:
 def start_watchdog(config: Config, coordinator) -> None:
     """The hang watchdog runs in the run's coordinator actor (it outlives worker-group restarts);
     the stacks of a hang go to `<run>/hangs/` in the run's storage (watchdog/stacks.py)."""
-    import ray
-
     watchdog = config.watchdog
     if not watchdog.enabled:
         return
     filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
-    ray.get(coordinator.start_watchdog.remote(
+    coordinator.start_watchdog(
         timeout_s=watchdog.hang_timeout_s, min_timeout_s=watchdog.min_timeout_s,
         beat_interval_s=watchdog.beat_interval_s(), filesystem=filesystem, run_path=f"{root.rstrip('/')}/{config.name}",
-    ))
+    )
 
 
 class _StopOnSignal:
@@ -347,7 +337,7 @@ class _StopOnSignal:
     def _send(self) -> None:
         self._event.wait()
         if self.signal_name is not None:
-            self.coordinator.request_stop.remote(self.signal_name)
+            self.coordinator.request_stop(self.signal_name)
 
     def _restore(self) -> None:
         for number, handler in self._previous.items():

@@ -120,6 +120,8 @@ class LoopParts:
         close(self.coordinator.close)
         program = self._build_program(restored)
         self.engine, self.compiled = program.engine, program.compiled
+        if self.save_checkpoints:  # before the first step: no save allocates its host memory while training runs
+            self.checkpointer.reserve_snapshot_memory(self.engine)
         self.evaluator = build_evaluator(worker, self.engine, self.data, tasks=self.inputs.tasks)
         self.metrics = build_metrics(worker, state, self.engine, self.mfu, self.sinks)  # last: it freezes the heap for GC control
         close(self.metrics.close)
@@ -311,6 +313,6 @@ def start_heartbeat(worker: Worker, coordinator: Coordinator, state: TrainState)
     if not watchdog.enabled:
         return NoHeartbeat()
     return Heartbeat(
-        coordinator.actor, rank=worker.rank, world_size=worker.world_size, read_step=lambda: state.step,
+        coordinator, rank=worker.rank, world_size=worker.world_size, read_step=lambda: state.step,
         last_step=worker.config.train.steps, interval_s=watchdog.beat_interval_s(),
     ).start()

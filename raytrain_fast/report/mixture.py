@@ -100,6 +100,3 @@ def evaluated_sources_note(run: RunMetrics, names: list[str]) -> str | None:
 def mixture_facts(run: RunMetrics) -> dict[str, Any]:
     """{source: 'weight W, realised R'} for the report's facts table (empty: not a mixture)."""
     return {f"mixture: {s.name}": f"weight {pct(s.weight)}, realised {pct(s.share)}" for s in realised_mixture(run)}
-
-
-__all__ = ["SourceShare", "mixture_facts", "mixture_lines", "realised_mixture"]
