@@ -266,14 +266,14 @@ def check_mixture(config: Any, *, prepared: list[str] | None = None) -> list[Sou
     """Every problem of a config's data.sources against storage and the model, raised as one
     ConfigError before any worker starts; returns the loaded sources.
     `prepared`: manifest URIs from prepare_sources (without it, text sources not yet prepared are skipped)."""
-    from raytrain_fast.data.cache import STDLIB, is_prepared
+    from raytrain_fast.data.cache import STDLIB, is_prepared, text_problem
     from raytrain_fast.data.ingest import check_manifest_matches
     from raytrain_fast.errors import ConfigError
 
     data, storage = config.data, config.storage
     if prepared is None:  # before preparation: what is prepared already, and what is missing altogether
         items = [i for i in data.sources if i.source == STDLIB or not is_prepared(i.source, storage)]
-        problems = [problem for i in items if (problem := _text_problem(i.source, storage))]
+        problems = [p for i in items if (p := text_problem(i.source, storage, setting="data.sources", remedy=", or remove it from data.sources"))]
         view = dataclasses.replace(data, sources=[i for i in data.sources if i not in items])
         sources, load_problems = load_sources(view, storage)
         if items and not problems:  # what they will be tokenized with, against the model and the prepared ones
@@ -326,28 +326,6 @@ def _on_the_fly_problems(config: Any, prepared: list[Source]) -> list[str]:
             f"data.tokenizer={different[0].manifest.tokenizer.name}, or prepare every source with the same --tokenizer"
         )
     return problems
-
-
-def _text_problem(source: str, storage: StorageConfig) -> str | None:
-    """Why a source given as text (not prepared yet) cannot be prepared: missing, or holding no text.
-    Its files are listed as prepare-data lists them."""
-    import os
-
-    from raytrain_fast.data.cache import STDLIB
-    from raytrain_fast.data.inputs import Listing, list_inputs
-
-    if source == STDLIB:
-        return None
-    try:
-        listing = list_inputs([source], storage)[0]
-    except DataError:  # a bucket that cannot be listed
-        listing = Listing()
-    if not listing.sources and ("://" in source or not os.path.exists(source)):
-        return (f"data.sources '{source}' does not exist: give a prepared dataset (directory or s3:// URI holding "
-                "manifest.json), text to prepare (file, directory, glob) or 'stdlib', or remove it from data.sources")
-    if not any(s.size > 0 for s in listing.sources):
-        return f"data.sources '{source}' is empty (no file with any text): add text to it, or remove it from data.sources"
-    return None
 
 
 def mixture_problems(sources: list[Source], *, seq_len: int | None = None) -> list[str]:

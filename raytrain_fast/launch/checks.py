@@ -89,7 +89,7 @@ def check_data_matches_model(config: Config) -> None:
     fly, the tokenizer's vocabulary against model.vocab_size. `prepare_training_data` checks the
     prepared corpus again once it exists (a source prepared on the fly has no manifest before)."""
     from raytrain_fast.data import load_manifest
-    from raytrain_fast.data.cache import STDLIB, is_prepared
+    from raytrain_fast.data.cache import STDLIB, is_prepared, text_problem
     from raytrain_fast.data.tokenizer import load_tokenizer
 
     data, model = config.data, config.model
@@ -111,6 +111,7 @@ def check_data_matches_model(config: Config) -> None:
             f"model.vocab_size ({model.vocab_size}) is smaller than data.tokenizer's vocabulary ({vocab} tokens); "
             f"set model.vocab_size >= {vocab} (a multiple of 64 is fastest: {-(-vocab // 64) * 64})"
         ]
+    problems += [p for p in [text_problem(data.source, config.storage, setting="data.source")] if p]
     if problems:
         raise ConfigError(problems)
 
