@@ -126,6 +126,3 @@ def _type_name(tp: Any) -> str:
     if get_origin(tp) is Literal:
         return " or ".join(map(repr, get_args(tp)))
     return getattr(tp, "__name__", str(tp))
-
-
-__all__ = ["coerce", "field_docs", "from_dict", "to_dict"]

@@ -9,14 +9,16 @@ from typing import Any
 
 
 def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], Any]:
-    """A module-level `__getattr__` for `package`: name -> the module that defines it. The value is
-    cached in the package's namespace, so the lookup runs once per name."""
+    """A module-level `__getattr__` for `package`: name -> the module that defines it, or
+    "module:attribute" where the module names it otherwise. The value is cached in the package's
+    namespace, so the lookup runs once per name."""
 
     def __getattr__(name: str) -> Any:
-        module = exports.get(name)
-        if module is None:
+        target = exports.get(name)
+        if target is None:
             raise AttributeError(f"module '{package}' has no attribute '{name}'")
-        value = getattr(importlib.import_module(module), name)
+        module, _, attribute = target.partition(":")
+        value = getattr(importlib.import_module(module), attribute or name)
         setattr(sys.modules[package], name, value)
         return value
 

@@ -70,7 +70,7 @@ TEXT_FIELD_HELP = ("the JSONL field or Parquet column that holds each document's
 
 def _storage_config(args: argparse.Namespace, uri: str):
     """The S3 options of a command, for storage at `uri`."""
-    from raytrain_fast.storage import StorageConfig
+    from raytrain_fast import StorageConfig
 
     return StorageConfig(
         uri=uri, endpoint_url=args.endpoint_url, region=args.region, profile=args.profile,
@@ -245,9 +245,8 @@ def _settle_worker_output() -> None:
 
 
 def pretrain(args: argparse.Namespace) -> int:
-    from raytrain_fast.config import load_config
-    from raytrain_fast.drills import parse_drills
-    from raytrain_fast.launch.trainer import run
+    from raytrain_fast import load_config, parse_drills
+    from raytrain_fast import pretrain as run
 
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     config = load_config(args.config, overrides, name=args.name)
@@ -270,8 +269,7 @@ def pretrain(args: argparse.Namespace) -> int:
 
 
 def sweep(args: argparse.Namespace) -> int:
-    from raytrain_fast.config import load_config
-    from raytrain_fast.sweep import SweepSpec, run_sweep
+    from raytrain_fast import SweepSpec, load_config, run_sweep
 
     try:
         micro_batches = [int(v) for v in args.micro_batch.replace(" ", "").split(",") if v]
@@ -300,7 +298,8 @@ def sweep(args: argparse.Namespace) -> int:
 
 
 def show_config(args: argparse.Namespace) -> int:
-    from raytrain_fast.config import load_config, reference_markdown, validate
+    from raytrain_fast import load_config, validate
+    from raytrain_fast.config import reference_markdown
 
     if args.reference:
         print(reference_markdown(), end="")
@@ -316,7 +315,7 @@ def show_config(args: argparse.Namespace) -> int:
 
 
 def runs(args: argparse.Namespace) -> int:
-    from raytrain_fast.checkpoint import format_runs_table, list_runs
+    from raytrain_fast import format_runs_table, list_runs
 
     found = list_runs(args.storage, _readable_storage(args), checksums=args.checksums)
     print(format_runs_table(found, storage_uri=args.storage))
@@ -333,7 +332,7 @@ def export(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from raytrain_fast.checkpoint import export_checkpoint
+    from raytrain_fast import export_checkpoint
 
     out = export_checkpoint(
         storage_uri=args.storage, storage=_readable_storage(args), name=args.name, step=args.step,
@@ -349,12 +348,12 @@ def export(args: argparse.Namespace) -> int:
         print(f"Load it with: from transformers import AutoModelForCausalLM, AutoTokenizer; "
               f"model = AutoModelForCausalLM.from_pretrained({out!r}); tokenizer = AutoTokenizer.from_pretrained({out!r})")
     else:
-        print("Load it with: from raytrain_fast.checkpoint import load_exported; model = load_exported(" + repr(out) + ")")
+        print("Load it with: from raytrain_fast import load_exported; model = load_exported(" + repr(out) + ")")
     return 0
 
 
 def report(args: argparse.Namespace) -> int:
-    from raytrain_fast.report import make_report
+    from raytrain_fast import make_report
 
     result = make_report(args.storage, args.name, out_dir=args.out or f"{args.name}-report", storage=_readable_storage(args))
     print(result.text)
@@ -371,7 +370,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
 
 def prepare_data(args: argparse.Namespace) -> int:
-    from raytrain_fast.data import prepare_data as prepare
+    from raytrain_fast import prepare_data as prepare
     from raytrain_fast.storage import check_uri
 
     if args.seq_len < 1:
@@ -389,12 +388,12 @@ def prepare_data(args: argparse.Namespace) -> int:
     held_out = f" (+ {manifest.validation.num_sequences:,} held out for validation)" if manifest.validation else " (no validation split)"
     print(f"Prepared {manifest.num_sequences:,} sequences of {args.seq_len + 1} tokens in {args.output}{held_out}")
     s3 = {"endpoint_url": args.endpoint_url, "region": args.region, "profile": args.profile}
-    print(f"Train on it: {train_command(data=args.output, seq_len=args.seq_len, vocab_size=manifest.tokenizer.vocab_size, storage=s3)}")
+    print(f"Train on it: {train_command(data=args.output, seq_len=args.seq_len, vocab_size=manifest.tokenizer.vocab_size, num_sequences=manifest.num_sequences, storage=s3)}")
     return 0
 
 
 def train_tokenizer(args: argparse.Namespace) -> int:
-    from raytrain_fast.data.train_tokenizer import train_tokenizer as train
+    from raytrain_fast import train_tokenizer as train
     from raytrain_fast.storage import check_uri
 
     for uri in args.input:

@@ -1,25 +1,25 @@
-"""One named Ray actor per run that holds what must be measured only once: FLOPs per token and the
-achievable matmul peak per device type and dtype. The launcher creates it before `fit()`
-(`start_coordinator`); workers find it by name (`Coordinator.connect`). docs/architecture.md
-("The per-run coordinator") describes its lifetime, the claim protocol by which exactly one rank
-measures each value (a claim not renewed for `lease_s` expires), and how `export_state()` /
-`import_state()` carry the values through checkpoints. It imports neither torch nor deepspeed.
+"""One named Ray actor per run, and `Coordinator`, the one interface to it for the driver and the
+workers alike (nothing else calls the actor). The launcher starts it before `fit()`
+(`Coordinator.start`); workers find it by name (`Coordinator.connect`). docs/architecture.md ("The
+per-run coordinator") describes its lifetime. It imports neither torch nor deepspeed.
 
-The same actor carries four more of the run's concerns, each a few small methods:
-- the driver's stop notice to rank 0 (`request_stop` / `watch_for_stop`);
-- the hang watchdog (`start_watchdog`, `beat`, `take_hangs`; its logic is watchdog/, the actor only
-  holds it and passes the beats on);
+It carries five of the run's concerns, each a few methods of the actor and of the interface:
+- values measured once per run (FLOPs per token, the matmul peak): a claim protocol by which exactly
+  one rank measures each value (a claim not renewed for `lease_s` expires), carried through
+  checkpoints by `export_state` / `import_state`;
+- the driver's stop notice to rank 0 (`request_stop`, `watch_for_stop`);
+- the hang watchdog (`start_watchdog`, `beat`, `take_hangs`; its logic is watchdog/, the actor holds
+  it, passes the beats on and ends it with the run: `end`);
 - the previous worker group's size (`swap_group_size`), so a resized group is noticed;
-- the divergence verdict the workers leave for the driver (a value under `loop.health.DIVERGENCE_KEY`).
+- the divergence verdict the workers leave for the driver (`report_divergence`, `divergence`).
 They share one actor because each needs exactly its lifetime, and nothing else has it: one per run,
 owned by the driver, outliving every worker-group restart, reachable by name from each new group.
-A second actor would be a second process to start, find by name, keep alive and kill, and the
-watchdog must outlive the very worker groups it restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -62,6 +62,7 @@ class _CoordinatorActor:
         self._stop_reason: str | None = None
         self._watchdog: Any = None
         self._group_size: int | None = None
+        self._divergence: str | None = None
 
     async def claim(self, key: str, may_measure: bool, lease_s: float) -> tuple[str, Any]:
         """("have", value) | ("measure", token): measure, renew with the token, post | ("wait", None)."""
@@ -173,29 +174,19 @@ class _CoordinatorActor:
         taken, self._watchdog.announced = self._watchdog.hangs[self._watchdog.announced:], len(self._watchdog.hangs)
         return list(taken)
 
+    async def report_divergence(self, message: str) -> None:
+        """Rank 0: the run stopped on divergence (the first report stays)."""
+        self._divergence = self._divergence or message
 
-def _remote_class():
-    import ray
+    async def divergence(self) -> str | None:
+        return self._divergence
 
-    # num_cpus=0: it only answers small calls, and must never hold back a training worker.
-    return ray.remote(num_cpus=0, max_restarts=0)(_CoordinatorActor)
-
-
-def start_coordinator(run_name: str):
-    """Launcher, before `fit()`: the run's coordinator actor (created, or the existing one).
-
-    Not detached: it lives as long as the driver, across worker-group restarts. Pinned to the
-    driver's node: a worker node can go away (preemption, an elastic shrink), and the actor with it.
-    The pin is hard (soft=False, as Ray Data pins its own coordinator): a soft pin spilled it onto a
-    worker node in about one creation of four when the driver's node has no CPUs (a head started
-    with --num-cpus=0), and a run then died with its first lost node. The driver's node going away
-    ends the run anyway.
-    """
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    return _remote_class().options(name=coordinator_name(run_name), get_if_exists=True, scheduling_strategy=here).remote(run_name)
+    async def end(self) -> None:
+        """The run is over: the watchdog's task is cancelled and waited for before the driver kills
+        the actor (a task still pending when the actor's event loop goes prints asyncio's "Task was
+        destroyed but it is pending!")."""
+        if self._watchdog is not None:
+            await self._watchdog.stop()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,7 +210,7 @@ def model_fingerprint(*parts: Any) -> str:
 
 
 class Coordinator:
-    """Worker-side handle of the run's coordinator actor."""
+    """The one interface to the run's coordinator actor, for the driver (`start` ... `end`) and the workers (`connect`)."""
 
     def __init__(self, actor: Any, *, run_name: str, timeout_s: float = 600.0, lease_s: float = 20.0) -> None:
         self.actor = actor
@@ -230,6 +221,36 @@ class Coordinator:
         self._stop_reason: str | None = None
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, run_name: str) -> Coordinator:
+        """Launcher, before `fit()`: the run's coordinator actor (created, or the existing one).
+
+        Not detached: it lives as long as the driver, across worker-group restarts. Pinned to the
+        driver's node: a worker node can go away (preemption, an elastic shrink), and the actor with
+        it. The pin is hard (soft=False, as Ray Data pins its own coordinator): a soft pin spilled it
+        onto a worker node in about one creation of four when the driver's node has no CPUs (a head
+        started with --num-cpus=0), and a run then died with its first lost node. The driver's node
+        going away ends the run anyway."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        # num_cpus=0: it only answers small calls, and must never hold back a training worker.
+        actor = ray.remote(num_cpus=0, max_restarts=0)(_CoordinatorActor).options(
+            name=coordinator_name(run_name), get_if_exists=True, scheduling_strategy=here,
+        ).remote(run_name)
+        return cls(actor, run_name=run_name)
+
+    def end(self) -> None:
+        """The driver, when the run is over: the watchdog ended cleanly, then the actor (the next run
+        of this name starts a fresh one: its values come from checkpoints). Quiet when Ray is gone."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.get(self.actor.end.remote(), timeout=10)
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor)
 
     @classmethod
     def connect(cls, run_name: str, *, timeout_s: float = 600.0, create_if_missing: bool = True) -> Coordinator:
@@ -244,13 +265,13 @@ class Coordinator:
             if not create_if_missing:
                 raise CoordinatorError(
                     f"no coordinator actor '{name}' in this Ray job; the launcher creates it with "
-                    "start_coordinator(run_name) before fit()"
+                    "Coordinator.start(run_name) before fit()"
                 ) from None
             logger.warning(
                 "coordinator actor '%s' not found (launcher did not start it): creating it from this worker; "
                 "measured values will not survive a worker-group restart", name,
             )
-            actor = start_coordinator(run_name)
+            actor = cls.start(run_name).actor
         return cls(actor, run_name=run_name, timeout_s=timeout_s)
 
     def get_or_measure(self, key: str, *, measure: Callable[[], Any], may_measure: bool, who: str, meta: Mapping[str, Any] | None = None) -> Any:
@@ -367,11 +388,13 @@ class Coordinator:
         if self._watcher is not None:
             self._watcher.join(timeout=10)
 
-    def _call(self, method: str, *args: Any) -> Any:
-        """The actor's `method`, called and waited for."""
+    def _call(self, method: str, *args: Any, wait_s: float | None = None, **kwargs: Any) -> Any:
+        """The actor's `method`, called and waited for (at most `wait_s`)."""
         import ray
 
-        return ray.get(getattr(self.actor, method).remote(*args))
+        return ray.get(getattr(self.actor, method).remote(*args, **kwargs), timeout=wait_s)
+
+    # --- measured once ------------------------------------------------------------------------
 
     def export_state(self) -> dict[str, Any]:
         """JSON-able values to store in a checkpoint."""
@@ -381,24 +404,45 @@ class Coordinator:
         """Adopt values saved in a checkpoint (call on resume, before asking for any value)."""
         return self._call("import_state", dict(state)) if state else []
 
-    def swap_group_size(self, world_size: int) -> int | None:
-        """Rank 0 of each worker group: the previous group's size in this job (None for the first)."""
-        return self._call("swap_group_size", world_size)
+    def measurements(self) -> dict[str, int]:
+        """How many times each value was measured and posted during the actor's life."""
+        return self._call("measurements")
+
+    # --- the stop notice (the driver's side; the workers': watch_for_stop above) -----------------
+
+    def request_stop(self, reason: str) -> None:
+        """The driver got a stop notice: the workers save and stop. Not waited for (a signal's thread sends it)."""
+        self.actor.request_stop.remote(reason)
+
+    # --- the hang watchdog ----------------------------------------------------------------------
+
+    def start_watchdog(self, **settings: Any) -> None:
+        """The driver, before fit(): the hang watchdog watches the heartbeats from now on
+        (`settings`: watchdog/stacks.py's `Watchdog`)."""
+        self._call("start_watchdog", **settings)
+
+    def beat(self, *, timeout_s: float, **beat: Any) -> None:
+        """A rank's heartbeat (watchdog/heartbeat.py)."""
+        self._call("beat", wait_s=timeout_s, **beat)
+
+    def beat_end(self, *, rank: int, pid: int) -> None:
+        """The rank left the loop: a finished run is no hang."""
+        self._call("beat_end", rank=rank, pid=pid, wait_s=10)
 
     def take_hangs(self) -> list[dict[str, Any]]:
         """The watchdog's hang records not yet announced (see watchdog/stacks.py)."""
         return self._call("take_hangs")
 
-    def measurements(self) -> dict[str, int]:
-        """How many times each value was measured and posted during the actor's life."""
-        return self._call("measurements")
+    # --- the worker group's size, the divergence verdict ----------------------------------------
 
+    def swap_group_size(self, world_size: int) -> int | None:
+        """Rank 0 of each worker group: the previous group's size in this job (None for the first)."""
+        return self._call("swap_group_size", world_size)
 
-__all__ = [
-    "Coordinator",
-    "CoordinatorError",
-    "FlopsPerToken",
-    "coordinator_name",
-    "model_fingerprint",
-    "start_coordinator",
-]
+    def report_divergence(self, message: str) -> None:
+        """Rank 0: the run stops on divergence; the driver raises `message`."""
+        self._call("report_divergence", message)
+
+    def divergence(self) -> str | None:
+        """The driver, after fit(): the divergence the workers stopped on, or None."""
+        return self._call("divergence")

@@ -69,5 +69,3 @@ def batch_table(config: Config, *, saved_workers: int | None = None, checkpoint:
         table[workers] = Batch(micro_batch=micro_batch, grad_accum=grad_accum, world_size=workers)
     return table
 
-
-__all__ = ["Batch", "RunPlan", "batch_table"]

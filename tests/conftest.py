@@ -48,12 +48,28 @@ def one_cost_mark_each(items) -> None:
         item.own_markers[:] = [m for m in item.own_markers if m.name not in COST_MARKS or m.name == closest[item]]
 
 
+def quiet_last(items: list[pytest.Item]) -> set[pytest.Item]:
+    """The tests to run after the rest: those marked `quiet`, which judge a clean run on the machine's
+    own quiet (so no process the suite started a moment ago may still take a CPU), and the tests of
+    their file that use the same module-scoped fixture (the run they judge). Moved apart, that run
+    would be made twice: once for its file's other tests, once more for the quiet ones at the end."""
+    quiet = [item for item in items if "quiet" in item.keywords]
+
+    def module_fixtures(item: pytest.Item) -> set[tuple[str, str]]:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            return set()
+        file = item.nodeid.split("::")[0]
+        return {(file, name) for name, defs in info.name2fixturedefs.items() if defs and defs[-1].scope in ("module", "class")}
+
+    shared = set().union(*(module_fixtures(item) for item in quiet))
+    return set(quiet) | {item for item in items if module_fixtures(item) & shared}
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection reads the marks
 def pytest_collection_modifyitems(config, items):
     one_cost_mark_each(items)
-    # Tests marked `quiet` judge a clean run on the machine's own quiet: they run on their own, after
-    # the rest, so that no process the suite started a moment ago is still taking a CPU.
-    items.sort(key=lambda item: "quiet" in item.keywords)  # stable: the rest keep their order
+    items.sort(key=quiet_last(items).__contains__)  # stable: the rest keep their order
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -1,10 +1,11 @@
 """The CLI as a user types it: a fresh bash with a clean environment (PATH with this venv's `bin`
-first, HOME, a UTF-8 locale; nothing of pytest's: no DS_ACCELERATOR, no Ray settings, no shared Ray
-instance), in a directory of the test's choosing. tests/test_fresh_shell.py runs every documented
-command shape this way."""
+first, HOME, a UTF-8 locale, the machine's torch extensions cache; nothing of pytest's: no
+DS_ACCELERATOR, no Ray settings, no shared Ray instance), in a directory of the test's choosing.
+tests/test_fresh_shell.py runs every documented command shape this way."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +21,17 @@ SETS = " ".join(f"--set {item}" for item in MICRO)
 
 
 def fresh_env(home: Path) -> dict[str, str]:
-    """The environment of a new login shell: this venv's `bin` on PATH, its own HOME."""
+    """The environment of a new login shell: this venv's `bin` on PATH, its own HOME, and the machine's
+    torch extensions cache. DeepSpeed's CPU backend JIT-compiles its shared-memory op for a process
+    group of two ranks once per machine and user (~60 s of CPU on 2 cores); under a new HOME per test
+    every such command would compile it again. The cache is the one the suite's own processes use."""
+    from torch.utils.cpp_extension import get_default_build_root
+
     home.mkdir(parents=True, exist_ok=True)
-    return {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8"}
+    return {
+        "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8",
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(),
+    }
 
 
 def shell(line: str, *, cwd: Path, home: Path, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -47,7 +47,9 @@ CASES = [
     # ---- config
     Case("unknown-key", ["pretrain", *_s("train.stepz=1")], 2, ["unknown key 'train.stepz'", "known keys here: .*steps"]),
     Case("wrong-type", ["pretrain", *_s("train.steps=abc")], 2, ["train.steps: expected an integer, got 'abc'"]),
-    Case("wrong-choice", ["pretrain", *_s("engine.precision=fp16")], 2, ["engine.precision: must be one of 'auto', 'bf16', 'fp32'"]),
+    Case("wrong-choice", ["pretrain", *_s("engine.precision=fp16")], 2, ["engine.precision: must be one of 'auto', 'bf16', 'fp32', 'fp8'"]),
+    Case("fp8-on-cpus", ["pretrain", *_s("engine.precision=fp8", "resources.use_gpu=false")], 2,
+         ["engine.precision=fp8 needs a GPU with FP8 tensor cores", "use engine.precision=bf16"]),
     Case("malformed-set", ["pretrain", "--set", "train.steps"], 2, ["--set 'train.steps': expected section.field=value, e.g."]),
     Case("set-into-a-value", ["pretrain", *_s("train.steps.x=1")], 2, ["'steps' is not a section"]),
     Case("not-positive", ["pretrain", *_s("train.micro_batch=0")], 2, ["train.micro_batch must be > 0, got 0"]),

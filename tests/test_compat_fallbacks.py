@@ -100,6 +100,26 @@ def test_the_shard_pattern_reads_the_names_deepspeed_gives_each_ranks_shard():
             relative = path.split("/checkpoint_000010/", 1)[1]
             assert deepspeed_compat.zero_shard_rank(relative) == rank, relative
     assert deepspeed_compat.zero_shard_rank("deepspeed/mp_rank_00_model_states.pt") is None
+    rank_0 = SimpleNamespace(checkpoint_mp_rank=0, zero_optimization_partition_weights=lambda: False)  # ZeRO-1/2
+    path = DeepSpeedEngine._get_ckpt_name(rank_0, "/run/checkpoint_000010", "deepspeed")
+    assert path.rsplit("/", 1)[1] == deepspeed_compat.MODEL_STATES_FILE
+
+
+def test_a_conversion_deepspeed_refuses_raises_with_what_it_said(tmp_path, monkeypatch):
+    monkeypatch.setattr(deepspeed_compat, "UNIVERSAL_FLAGS", ("--no_such_flag",))  # flags a release no longer takes
+    with pytest.raises(RuntimeError, match="unrecognized arguments: --no_such_flag"):
+        deepspeed_compat.convert_to_universal(str(tmp_path / "in"), str(tmp_path / "out"))
+
+
+def test_a_deepspeed_without_the_scripts_functions_runs_its_script_with_one_warning(fresh_warnings, caplog, tmp_path, monkeypatch):
+    from deepspeed.checkpoint import ds_to_universal
+
+    monkeypatch.delattr(ds_to_universal, "parse_arguments")
+    with pytest.raises(RuntimeError, match="exited with") as failed:  # the script ran, on a folder that holds no save
+        deepspeed_compat.convert_to_universal(str(tmp_path / "no-save"), str(tmp_path / "out"))
+    assert str(tmp_path / "no-save") in str(failed.value)  # what it printed comes with the error
+    [line] = _warnings(caplog)
+    assert "runs as a script" in line
 
 
 def test_an_untested_deepspeed_reads_shard_names_as_the_tested_one_with_one_warning(fresh_warnings, caplog, monkeypatch):
@@ -120,3 +140,32 @@ def test_the_lr_record_and_the_clip_value_are_set_where_they_exist_else_one_warn
     assert not deepspeed_compat.set_clip_grad(optimizer, 0.5)  # an optimizer without DeepSpeed's clip_grad
     lines = _warnings(caplog)
     assert len(lines) == 2 and "no _last_lr" in lines[0] and "AdamW has no clip_grad" in lines[1], lines
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_one_a_live_build_holds_is_kept(tmp_path, monkeypatch):
+    """torch's FileBaton waits forever on a lock file a killed build left: every later run hung before
+    its first step. A lock whose builder died goes (one line); one a live builder holds stays."""
+    import subprocess
+    import sys
+
+    from torch.utils.file_baton import FileBaton
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    dead, live = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock", tmp_path / "py311_cpu" / "cpu_adam" / "lock"
+    for lock in (dead, live):
+        lock.parent.mkdir(parents=True)
+    take = "import os, sys, time; from torch.utils.file_baton import FileBaton; assert FileBaton(sys.argv[1]).try_acquire(); "
+    subprocess.run([sys.executable, "-c", take + "os._exit(0)", str(dead)], check=True)  # the builder killed mid-build
+    holder = subprocess.Popen([sys.executable, "-c", take + "print('held', flush=True); time.sleep(60)", str(live)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        lines: list[str] = []
+        removed = deepspeed_compat.clear_stale_build_locks(warn=lines.append)
+        assert removed == [str(dead.resolve())] and not dead.exists() and live.exists()
+        assert len(lines) == 1 and str(dead.resolve()) in lines[0] and "deepspeed_shm_comm" in lines[0]
+        assert FileBaton(str(dead)).try_acquire()  # the next build takes the baton instead of waiting
+    finally:
+        holder.kill()
+        holder.wait()
+    assert deepspeed_compat.clear_stale_build_locks(warn=lines.append) == [str(live.resolve())]  # its holder is gone now

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from raytrain_fast.coordinator import Coordinator, CoordinatorError, model_fingerprint, start_coordinator
+from raytrain_fast.coordinator import Coordinator, CoordinatorError, model_fingerprint
 from raytrain_fast.metrics.peak import device_key, measure_matmul_peak
 
 pytestmark = pytest.mark.ray
@@ -50,7 +50,7 @@ def _measurement_lines(path: str) -> list[str]:
 def test_values_are_measured_once_across_a_worker_group_restart(ray_session, tmp_path):
     ray = ray_session
     log_path = str(tmp_path / "measurements.log")
-    actor = start_coordinator("restart-run")
+    driver = Coordinator.start("restart-run")
     try:
         # Rank 1 asks first and must wait for rank 0; then the group is restarted in new processes.
         first = _worker_round(ray, run_name="restart-run", ranks=[1, 0], log_path=log_path, fresh=True)
@@ -60,23 +60,21 @@ def test_values_are_measured_once_across_a_worker_group_restart(ray_session, tmp
         assert {flops for flops, _ in first + second} == {1010.0}
         # One peak measurement shared by all four workers: independent measurements would differ.
         assert len({peak for _, peak in first + second}) == 1
-        counts = Coordinator(actor, run_name="restart-run").measurements()
-        assert sorted(counts.values()) == [1, 1]
+        assert sorted(driver.measurements().values()) == [1, 1]
     finally:
-        ray.kill(actor)
+        driver.end()
 
 
 def test_a_new_job_imports_the_values_from_the_checkpoint(ray_session, tmp_path):
     ray = ray_session
     log_path = str(tmp_path / "measurements.log")
-    old = start_coordinator("resumed-run")
+    old = Coordinator.start("resumed-run")
     _worker_round(ray, run_name="resumed-run", ranks=[0, 1], log_path=log_path)
-    state = Coordinator(old, run_name="resumed-run").export_state()  # what goes into the checkpoint
-    ray.kill(old)  # the driver of the first job is gone, and its actor with it
+    state = old.export_state()  # what goes into the checkpoint
+    old.end()  # the driver of the first job is gone, and its actor with it
 
-    new = start_coordinator("resumed-run")
+    coordinator = Coordinator.start("resumed-run")
     try:
-        coordinator = Coordinator(new, run_name="resumed-run")
         assert len(coordinator.import_state(state)) == 2
         results = _worker_round(ray, run_name="resumed-run", ranks=[1, 0], log_path=log_path)
         assert len(_measurement_lines(log_path)) == 1  # nothing measured again
@@ -86,28 +84,26 @@ def test_a_new_job_imports_the_values_from_the_checkpoint(ray_session, tmp_path)
         _worker_round(ray, run_name="resumed-run", ranks=[0], log_path=log_path, fingerprint="bigger-model")
         assert len(_measurement_lines(log_path)) == 2
     finally:
-        ray.kill(new)
+        coordinator.end()
 
 
 def test_waiting_rank_fails_with_a_clear_error_when_rank_0_never_posts(ray_session):
-    ray = ray_session
-    actor = start_coordinator("stuck-run")
+    coordinator = Coordinator.start("stuck-run")
+    coordinator.timeout_s = 1.0  # a waiting rank's limit (metrics.coordinator_timeout_s)
     try:
-        coordinator = Coordinator(actor, run_name="stuck-run", timeout_s=1.0)
         started = time.monotonic()
         with pytest.raises(CoordinatorError, match="from rank 0") as error:
             coordinator.flops_per_token(rank=3, count=lambda: 1.0, formula=None, fingerprint="x")
         assert time.monotonic() - started < 10
         assert "coordinator_timeout_s" in str(error.value)
     finally:
-        ray.kill(actor)
+        coordinator.end()
 
 
 def test_a_failed_measurement_lets_another_rank_measure(ray_session):
-    ray = ray_session
-    actor = start_coordinator("flaky-run")
+    coordinator = Coordinator.start("flaky-run")
+    coordinator.timeout_s = 5.0  # a waiting rank's limit (metrics.coordinator_timeout_s)
     try:
-        coordinator = Coordinator(actor, run_name="flaky-run", timeout_s=5.0)
 
         def broken() -> float:
             raise RuntimeError("device lost")
@@ -116,12 +112,12 @@ def test_a_failed_measurement_lets_another_rank_measure(ray_session):
             coordinator.get_or_measure("peak/x", measure=broken, may_measure=True, who="any rank")
         assert coordinator.get_or_measure("peak/x", measure=lambda: 7.0, may_measure=True, who="any rank") == 7.0
     finally:
-        ray.kill(actor)
+        coordinator.end()
 
 
 def test_a_rank_that_dies_while_measuring_is_replaced_quickly(ray_session):
     ray = ray_session
-    actor = start_coordinator("dying-run")
+    driver = Coordinator.start("dying-run")
 
     @ray.remote(num_cpus=0, max_retries=0)
     def dying_rank_0() -> None:
@@ -132,20 +128,18 @@ def test_a_rank_that_dies_while_measuring_is_replaced_quickly(ray_session):
     try:
         with pytest.raises(ray.exceptions.RayError):
             ray.get(dying_rank_0.remote())  # died holding the claim
-        restarted = Coordinator(actor, run_name="dying-run", timeout_s=30, lease_s=1.0)
+        restarted = Coordinator(driver.actor, run_name="dying-run", timeout_s=30, lease_s=1.0)
         started = time.monotonic()
         flops = restarted.flops_per_token(rank=0, count=lambda: 123.0, formula=None, fingerprint="f")
         assert flops.counted == 123.0
         assert time.monotonic() - started < 15  # the lease ran out; no waiting for the 30 s timeout
     finally:
-        ray.kill(actor)
+        driver.end()
 
 
 def test_counted_and_formula_flops_disagreeing_is_a_warning_naming_both(ray_session, caplog):
-    ray = ray_session
-    actor = start_coordinator("mismatch-run")
+    coordinator = Coordinator.start("mismatch-run")
     try:
-        coordinator = Coordinator(actor, run_name="mismatch-run")
         with caplog.at_level(logging.WARNING, logger="raytrain_fast.coordinator"):
             flops = coordinator.flops_per_token(rank=0, count=lambda: 1.3e6, formula=1.0e6, fingerprint="m")
         assert "1.3e+06" in caplog.text and "1e+06" in caplog.text and "+30%" in caplog.text
@@ -155,7 +149,7 @@ def test_counted_and_formula_flops_disagreeing_is_a_warning_naming_both(ray_sess
             coordinator.flops_per_token(rank=0, count=lambda: 1.05e6, formula=1.0e6, fingerprint="close")
         assert caplog.text == ""
     finally:
-        ray.kill(actor)
+        coordinator.end()
 
 
 def test_the_actor_module_imports_neither_torch_nor_deepspeed():
@@ -176,15 +170,14 @@ def test_mfu_inputs_for_the_tiny_gpt_on_cpu(ray_session):
     from raytrain_fast.metrics.setup import mfu_inputs
     from raytrain_fast.model import GPT, ModelConfig
 
-    ray = ray_session
-    actor = start_coordinator("mfu-run")
+    coordinator = Coordinator.start("mfu-run")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = GPT(ModelConfig(num_layers=2, d_model=64, num_heads=2))
         tokens = torch.randint(0, 257, (16, 64))
         inputs = mfu_inputs(
-            Coordinator(actor, run_name="mfu-run"), MetricsConfig(peak_measure_s=0.2),
+            coordinator, MetricsConfig(peak_measure_s=0.2),
             rank=0, model=model, sample_tokens=tokens, device="cpu", precision="fp32",
         )
         assert inputs.flops_per_token == model.flops_per_token(64)  # MFU uses the model's formula ...
@@ -194,4 +187,4 @@ def test_mfu_inputs_for_the_tiny_gpt_on_cpu(ray_session):
         assert all(p.grad is None for p in model.parameters())  # counting left no gradients behind
     finally:
         torch.set_num_threads(threads)
-        ray.kill(actor)
+        coordinator.end()

@@ -162,8 +162,8 @@ def test_bad_inputs_are_reported_with_reasons(tmp_path, capsys):
 
     with pytest.raises(DataError) as error:
         prepare_data(inputs=[missing, str(corpus / "empty.txt")], output=str(tmp_path / "out2"), seq_len=8)
-    assert "no input files to prepare" in str(error.value) or "fewer than one sequence" in str(error.value)
-    assert "does not exist" in str(error.value) and "empty file" in str(error.value)
+    assert "the inputs hold no text (1 empty file(s)" in str(error.value)  # before anything is written
+    assert "does not exist" in str(error.value) and not (tmp_path / "out2").exists()
     with pytest.raises(DataError, match="no inputs given"):
         prepare_data(inputs=[], output=str(tmp_path / "out3"), seq_len=8)
     (tmp_path / "short.txt").write_text("tiny")

@@ -275,11 +275,11 @@ def test_a_drained_node_yields_a_checkpoint_at_the_next_log_step_and_the_run_rec
 _WHERE_COORDINATORS_LIVE = r"""
 import ray
 from ray._private.state import actors
-from raytrain_fast.coordinator import start_coordinator
+from raytrain_fast.coordinator import Coordinator
 
 ray.init()
-handles = [start_coordinator(f"placement-{i}") for i in range(8)]
-ray.get([h.measurements.remote() for h in handles])
+handles = [Coordinator.start(f"placement-{i}") for i in range(8)]
+[h.measurements() for h in handles]
 print("driver", ray.get_runtime_context().get_node_id())
 for actor in actors().values():
     if actor["ActorClassName"] == "_CoordinatorActor" and actor["State"] == "ALIVE":

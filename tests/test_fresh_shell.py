@@ -11,24 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
+import re
 
 import pytest
 
+from tests.shell import SETS, package_texts, shell
 from tests.test_docs import COMMANDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
-
-MICRO = [
-    "model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.max_seq_len=32", "data.seq_len=32",
-    "train.micro_batch=4", "train.global_batch=4", "train.steps=4", "train.log_every=2", "optim.warmup_steps=1",
-    "checkpoint.every_steps=2", "resources.num_workers=1", "engine.precision=fp32", "metrics.peak_measure_s=0.2",
-    "eval.sequences=4",
-]
-SETS = " ".join(f"--set {item}" for item in MICRO)
 
 # (shape, command line as typed, what its output must show). Run in this order, in one directory.
 SESSION = [
@@ -43,9 +33,11 @@ SESSION = [
     ("evaluate", "raytrain-fast evaluate --storage runs --name shell --tasks csqa --limit 4", "csqa"),
     ("report", "raytrain-fast report --storage runs --name shell --out report", "Run 'shell'"),
     ("export", "raytrain-fast export --storage runs --name shell --out exported", "exported"),
+    ("export", "raytrain-fast export --storage runs --name shell --format hf --out hf-exported", "hf-exported"),
+    ("evaluate", "raytrain-fast evaluate --hf hf-exported --tasks csqa --limit 4 --workers 2", "csqa"),
     ("sweep", f"raytrain-fast sweep --config tiny --name sw {SETS} --set data.source=prepared --set storage.uri=runs "
               "--micro-batch 2,4 --steps 4", "micro_batch"),
-    ("bench data", "raytrain-fast bench data --steps 20 --rounds 1 --json", "{"),
+    ("bench data", "raytrain-fast bench data --steps 2 --warmup-steps 1 --rounds 1 --json", "{"),
     ("bench overhead", "raytrain-fast bench overhead --d-model 32 --layers 1 --heads 2 --steps 4 --warmup-steps 2 --log-every 2 "
                        "--repeats 1 --variants bare,raytrain_fast --json", "{"),
     ("bench checkpoint", "raytrain-fast bench checkpoint --checkpoint-mb 1 --checkpoints 1 --seconds-between 0 --json", "{"),
@@ -66,30 +58,17 @@ def test_the_session_covers_every_documented_command_shape():
     assert not missing, f"documented but never run from a fresh shell here: {sorted(missing)}"
 
 
-def _texts(directory: Path) -> None:
-    """Real text to train on: the email and json packages' sources (about 40 documents, 500 KB)."""
-    import email
-    import json as json_package
-
-    directory.mkdir()
-    for package in (email, json_package):
-        for path in sorted(Path(package.__file__).parent.glob("*.py")):
-            shutil.copy(path, directory / f"{package.__name__}-{path.name}.txt")
-
-
 def test_every_documented_command_shape_runs_from_a_fresh_shell(tmp_path):
-    _texts(tmp_path / "texts")
-    bin_dir = Path(sys.executable).parent
-    env = {"PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path / "home"), "LANG": "C.UTF-8"}
-    (tmp_path / "home").mkdir()
+    package_texts(tmp_path / "texts", "email", "json")  # real text to train on: about 40 documents, 500 KB
     failures = []
     for shape, line, expected in SESSION:
-        done = subprocess.run(["bash", "--noprofile", "--norc", "-c", line], cwd=tmp_path, env=env, text=True,
-                              capture_output=True, timeout=600, stdin=subprocess.DEVNULL)
+        done = shell(line, cwd=tmp_path, home=tmp_path / "home")
         shown = done.stdout + done.stderr
         if done.returncode != 0 or expected not in shown:
             failures.append(f"$ {line}\nexit {done.returncode}\n{shown[-3000:]}")
             continue
+        if re.search(r"\d+%\|", shown):  # a dependency's progress bar (tqdm's "40%|####"), e.g. every --hf worker's
+            failures.append(f"$ {line}\nprinted a progress bar:\n{shown[-3000:]}")
         if line.endswith("--json"):
             json.loads(done.stdout)  # the JSON object alone on stdout, as --json promises
     assert not failures, "\n\n".join(failures)

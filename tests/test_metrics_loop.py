@@ -220,7 +220,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_path: str) -> None:
         if metrics.is_log_step(step):
             flags = (1 << rank) if step == 10 else 0  # e.g. rank 0: "my timer is due", rank 1: "stop requested"
             results[step] = metrics.log(step, flags=flags)
-            results[step]["flags_any_rank"] = float(metrics.agreement.flags)
+            results[step]["flags_any_rank"] = float(metrics.agreed_flags)
     metrics.close()
     if rank == 0:
         with open(out_path, "w") as out:

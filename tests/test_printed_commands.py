@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.shell import SETS, fresh_env
-from tests.test_fresh_shell import _texts
+from tests.shell import SETS, fresh_env, package_texts
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -80,21 +79,62 @@ SWEEP_MODEL = [  # activations dominate memory (long sequences, a large vocabula
 ]
 
 
-def test_a_sweeps_best_config_trains_where_the_quickstart_ran_and_expected_outcomes_are_one_line(tmp_path):
+def test_a_sweep_writes_its_table_and_files_and_its_best_config_trains_where_the_quickstart_ran(tmp_path):
+    """A CPU sweep over micro-batches 1, 2, 3 and 8 at a global batch of 8 under a 0.9 GB budget per
+    worker (a worker peaks at about 0.7 GB with 1 or 2 sequences of 1024 tokens, 1.1 GB with 8): 3 is
+    skipped, 8 fails over the budget in one line, 1 and 2 train; the table, results.csv and
+    results.json agree; the printed command trains best.yaml (the winning split of the same global
+    batch) under a run name of its own, beside the quickstart's run 'tiny'."""
+    import csv
+    import json
+
+    from raytrain_fast.config import load_config
+
     shell = Shell(tmp_path)
     sets = " ".join(f"--set {item}" for item in SWEEP_MODEL)
-    shell(f"raytrain-fast pretrain {sets} --set engine.precision=bf16")  # run 'tiny', as the quickstart names it, in bf16
-    sweep = shell(f"set -o pipefail; raytrain-fast sweep {sets} --set engine.precision=fp32 --set resources.memory_budget_gb=0.9 "
-                  "--micro-batch 1,2,8 --steps 6 2>&1 | tee sweep.log")
-    assert not any(noise in sweep for noise in NOISE), sweep[-4000:]
+    # Run 'tiny', as the quickstart names it: a micro model in bf16, which the best config could not resume.
+    shell(f"raytrain-fast pretrain {SETS} --set engine.precision=bf16")
+    budget = 0.9
+    sweep = shell(f"set -o pipefail; raytrain-fast sweep {sets} --set engine.precision=fp32 "
+                  f"--set resources.memory_budget_gb={budget} --micro-batch 1,2,3,8 --steps 6 2>&1 | tee sweep.log")
+    # Nor Tune's banner, results path, TensorBoard hint or the failed trial's traceback.
+    quiet = (*NOISE, "Configuration for experiment", "tensorboard --logdir", "Trial task failed")
+    assert not any(noise in sweep for noise in quiet), sweep[-4000:]
     failed = [line for line in sweep.splitlines() if "failed: over memory budget" in line]
     assert len(failed) == 1 and failed[0].split()[0] == "8", sweep[-4000:]
     assert "tokens/s: the median of a trial's log windows" in sweep and "load/CPU: the machine's 1-minute load" in sweep
+    lines = sweep.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["micro-batch"])
+    assert [line.split()[0] for line in lines[header + 1:header + 5]] == ["1", "2", "3", "8"], sweep[-4000:]
+
+    sweep_dir = tmp_path / "runs" / "tiny-sweep"
+    summary = json.loads((sweep_dir / "results.json").read_text())
+    rows = {row["micro_batch"]: row for row in summary["trials"]}
+    assert sorted(rows) == [1, 2, 3, 8], summary
+    assert rows[3]["status"] == "skipped" and "not a multiple of 3" in rows[3]["reason"], rows[3]
+    assert rows[8]["status"] == "failed" and rows[8]["reason"].startswith("over memory budget"), rows[8]
+    ran = [rows[1], rows[2]]
+    assert all(r["status"] in ("ok", "stopped") for r in ran), ran
+    assert all(r["peak_gb"] is not None and r["peak_gb"] <= budget for r in ran), ran
+    assert all(r["peak_frac"] == pytest.approx(r["peak_gb"] / budget) for r in ran), ran  # memory/peak_frac, against the budget
+    best_row = rows[summary["best_micro_batch"]]
+    assert best_row["status"] == "ok"
+    assert best_row["tokens_per_sec"] == max(r["tokens_per_sec"] for r in ran if r["status"] == "ok")
+    assert summary["max_concurrent_trials"] == 1  # one trial's worker takes both CPUs
+    with open(sweep_dir / "results.csv") as f:
+        assert {int(r["micro_batch"]): r["status"] for r in csv.DictReader(f)} == {m: r["status"] for m, r in rows.items()}
+    best_config = load_config(str(sweep_dir / "best.yaml"))
+    micro = best_row["micro_batch"]
+    assert (best_config.train.micro_batch, best_config.train.grad_accum, best_config.train.global_batch) == (micro, 8 // micro, 8)
+
     train = printed(sweep, "Train with:")
     trained = shell(train)
     assert "Done." in trained and (tmp_path / "runs" / "tiny").is_dir()
-    best = re.search(r"run '(tiny-mb\d+)'", (tmp_path / "runs" / "tiny-sweep" / "best.yaml").read_text()).group(1)
-    assert any((tmp_path / "runs" / best).glob("checkpoint_0*"))
+    best = re.search(r"run '(tiny-mb\d+)'", (sweep_dir / "best.yaml").read_text()).group(1)
+    checkpoints = sorted((tmp_path / "runs" / best).glob("checkpoint_0*"))
+    assert checkpoints
+    state = json.loads((checkpoints[-1] / "train_state.json").read_text())
+    assert state["global_batch"] == 8 and state["tokens"] == state["step"] * 8 * 1024, state  # the same global batch
 
 
 def _mixed_inputs(directory: Path) -> None:
@@ -104,7 +144,7 @@ def _mixed_inputs(directory: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    _texts(directory / "texts")
+    package_texts(directory / "texts", "email", "json")
     documents = [p.read_text() for p in sorted((directory / "texts").iterdir())]
     pq.write_table(pa.table({"id": list(range(10)), "content": documents[:10]}), directory / "posts.parquet")
     (directory / "notes.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents[10:20]))
@@ -135,9 +175,31 @@ def test_train_tokenizer_then_prepare_data_then_pretrain_run_as_printed(tmp_path
     shell("raytrain-fast show-config --set data.source=posts.parquet --set data.text_field=content,text")
 
 
+def test_an_empty_corpus_fails_before_ray_and_a_six_sequence_corpus_trains_as_printed(tmp_path):
+    shell = Shell(tmp_path)
+    (tmp_path / "empty.txt").write_text("")
+    for line in ("raytrain-fast pretrain --name empty --set data.source=empty.txt",
+                 "raytrain-fast pretrain --name empty --set 'data.sources=[{source: empty.txt, weight: 1}]'"):
+        failed = shell(line, ok=False)
+        assert f"'{tmp_path / 'empty.txt'}' is empty (no file with any text): add text to it" in failed, failed
+        assert "Precision:" not in failed  # refused before Ray started (it prints the precision first)
+    (tmp_path / "short.txt").write_text("too short")
+    for name in ("empty", "short"):
+        refused = shell(f"raytrain-fast prepare-data --input {name}.txt --output {name}-data --seq-len 128", ok=False)
+        assert "the inputs hold no text" in refused or "fewer than one sequence" in refused, refused
+        assert not (tmp_path / f"{name}-data").exists()  # no empty val/ (or anything) left behind
+    (tmp_path / "six.txt").write_text("x = 1  # a line of code\n" * 35)  # 840 bytes: 6 sequences of 129 tokens
+    prepared = shell("raytrain-fast prepare-data --input six.txt --output six-data --seq-len 128")
+    assert "Prepared 6 sequences" in prepared, prepared
+    train = printed(prepared, "Train on it:")  # fewer sequences than the preset's micro-batch of 16
+    run = shell(f"{train} --set train.steps=4 --set train.log_every=2 --set checkpoint.every_steps=2 --set optim.warmup_steps=1 "
+                "--set metrics.peak_measure_s=0.2")
+    assert "Done." in run, run[-3000:]
+
+
 def test_a_rollback_with_no_checkpoint_and_its_report_name_the_settings_that_acted(tmp_path):
     shell = Shell(tmp_path)
-    _texts(tmp_path / "texts")
+    package_texts(tmp_path / "texts", "email", "json")
     stopped = shell(f"raytrain-fast pretrain --name early {SETS} --set data.source=texts --set checkpoint.every_steps=100 "
                     "--drill nonfinite=2:0:grad", ok=False)
     assert "Tried: no rollback: no checkpoint was saved before it" in stopped and "max_rollbacks=0" not in stopped
@@ -145,32 +207,30 @@ def test_a_rollback_with_no_checkpoint_and_its_report_name_the_settings_that_act
     assert "health.on_nonfinite: rollback, no checkpoint to roll back to" in report and "?" not in report.split("Diagnosis")[1]
 
 
-def test_a_mixture_says_which_sources_its_val_loss_covers(tmp_path):
-    shell = Shell(tmp_path)
-    _texts(tmp_path / "texts")
-    (tmp_path / "one.txt").write_text("A single long document, with no held-out part. " * 800)
-    shell("raytrain-fast prepare-data --input texts --output code --seq-len 32 --val-fraction 0.2")
-    shell("raytrain-fast prepare-data --input one.txt --output notes --seq-len 32")  # one document: no split
-    sources = f"[{{source: {tmp_path / 'code'}, weight: 0.5}}, {{source: {tmp_path / 'notes'}, weight: 0.5}}]"
-    run = shell(f"raytrain-fast pretrain --name mix {SETS} --set 'data.sources={sources}'")
-    assert "Eval: val/loss covers code only" in run and "notes has no validation split" in run, run[-3000:]
-    report = shell("raytrain-fast report --storage runs --name mix")
-    assert "val/loss covers code only: notes had no validation split" in report, report[-3000:]
-
-
-def test_an_s3_run_and_its_export_name_the_checkpoint_with_its_scheme(tmp_path, s3_server):
+def test_an_s3_mixture_says_which_sources_its_val_loss_covers_and_names_its_checkpoints_with_the_scheme(tmp_path, s3_server):
+    """One run on S3 storage from two local prepared sources, one without a validation split: the run
+    and its report say which sources val/loss covers; the run's last lines and its export name the
+    checkpoint with its s3:// scheme."""
     import yaml
 
     shell = Shell(tmp_path)
     shell.env.update(s3_server.env)
     bucket = s3_server.make_bucket("printed-commands")
-    storage = f"--set storage.uri=s3://{bucket}/runs --set storage.endpoint_url={s3_server.endpoint_url}"
-    _texts(tmp_path / "texts")
-    done = shell(f"raytrain-fast pretrain --name s3run {SETS} {storage} --set data.source=texts")
-    assert f"Latest checkpoint: s3://{bucket}/runs/s3run/checkpoint_" in done, done[-2000:]
-    shell(f"raytrain-fast export --storage s3://{bucket}/runs --endpoint-url {s3_server.endpoint_url} --name s3run --out exported")
+    storage = f"--storage s3://{bucket}/runs --endpoint-url {s3_server.endpoint_url}"
+    package_texts(tmp_path / "texts", "email", "json")
+    (tmp_path / "one.txt").write_text("A single long document, with no held-out part. " * 800)
+    shell("raytrain-fast prepare-data --input texts --output code --seq-len 32 --val-fraction 0.2")
+    shell("raytrain-fast prepare-data --input one.txt --output notes --seq-len 32")  # one document: no split
+    sources = f"[{{source: {tmp_path / 'code'}, weight: 0.5}}, {{source: {tmp_path / 'notes'}, weight: 0.5}}]"
+    run = shell(f"raytrain-fast pretrain --name mix {SETS} --set storage.uri=s3://{bucket}/runs "
+                f"--set storage.endpoint_url={s3_server.endpoint_url} --set 'data.sources={sources}'")
+    assert "Eval: val/loss covers code only" in run and "notes has no validation split" in run, run[-3000:]
+    assert f"Latest checkpoint: s3://{bucket}/runs/mix/checkpoint_" in run, run[-2000:]
+    report = shell(f"raytrain-fast report {storage} --name mix")
+    assert "val/loss covers code only: notes had no validation split" in report, report[-3000:]
+    shell(f"raytrain-fast export {storage} --name mix --out exported")
     exported = yaml.safe_load((tmp_path / "exported" / "config.yaml").read_text())["export"]
-    assert exported["checkpoint"].startswith(f"s3://{bucket}/runs/s3run/checkpoint_"), exported
+    assert exported["checkpoint"].startswith(f"s3://{bucket}/runs/mix/checkpoint_"), exported
 
 
 def test_help_typos_and_drills_point_somewhere(tmp_path):

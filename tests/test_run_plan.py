@@ -91,7 +91,7 @@ def test_pretrain_the_sweep_and_each_trial_take_the_one_set_of_checks():
         if re.search(r"\bcheck_sources\(", code):
             assert name in ("launch/checks.py", "launch/plan.py", "data/mixture.py"), name
     # The sinks and the stop watcher start where the loop's parts start, not inside the program's build.
-    assert {"start_sinks", "watch_for_stop", "build_program"} <= _calls("loop/parts.py", "build") | _calls("loop/parts.py", "build_engine")
+    assert {"start_sinks", "watch_for_stop", "build_program"} <= _calls("loop/parts.py", "build") | _calls("loop/parts.py", "_build_program")
     assert not {"start_sinks", "watch_for_stop"} & _calls("engine/program.py", "build_program")
 
 

@@ -145,6 +145,7 @@ def test_a_compiled_run_reports_compile_time_once_and_resumes_eager(ray_session,
     out = capfd.readouterr().out
     assert "Compile: on, 2 blocks compiled on their first step (engine.compile=on)" in out
     assert "patch(es) in force: clip-without-host-sync, grad-norm-without-fp64-copies" in out  # the startup line
+    assert 0 <= out.index("Checkpoint saves reuse") < out.index("step 2/4")  # its memory reserved before the first step
     records = read_metrics(str(tmp_path / "runs" / "compiled"))
     compile_times = [r["time/compile_s"] for r in records if "time/compile_s" in r]
     assert len(compile_times) == 1 and compile_times[0] > 0

@@ -134,6 +134,41 @@ def test_the_rank_outside_the_collective_is_named():
     assert stuck_ranks(both, beat_interval_s=1.0) == [1]
 
 
+def _actor_loop_ends(tmp_path: Path, *, ended: bool) -> None:
+    """The coordinator actor's event loop with the hang watchdog running, gone as an actor's goes at
+    the end of a run: with `ended`, after `end()` (what `Coordinator.end` asks of it before the kill)."""
+    import asyncio
+    import gc
+
+    import pyarrow.fs as pafs
+
+    from raytrain_fast.coordinator import _CoordinatorActor
+
+    loop = asyncio.new_event_loop()
+    actor = _CoordinatorActor("ending")
+    loop.run_until_complete(actor.start_watchdog(
+        timeout_s=60, min_timeout_s=10, beat_interval_s=1.0, filesystem=pafs.LocalFileSystem(), run_path=str(tmp_path),
+    ))
+    loop.run_until_complete(asyncio.sleep(0.01))  # the watchdog's task is waiting for its next check
+    if ended:
+        loop.run_until_complete(actor.end())
+    loop.close()
+    del actor, loop
+    gc.collect()
+
+
+def test_the_end_of_a_run_leaves_no_watchdog_task_pending(tmp_path, caplog):
+    """asyncio printed "Task was destroyed but it is pending!" when a run ended: the watchdog's task was
+    still pending when the actor's loop went."""
+    with caplog.at_level("ERROR", logger="asyncio"):
+        _actor_loop_ends(tmp_path, ended=False)  # the check sees the message where nothing ends the task
+    assert "Task was destroyed but it is pending" in caplog.text
+    caplog.clear()
+    with caplog.at_level("ERROR", logger="asyncio"):
+        _actor_loop_ends(tmp_path, ended=True)
+    assert "Task was destroyed" not in caplog.text, caplog.text
+
+
 def test_process_group_timeout_exceeds_the_watchdog():
     assert WatchdogConfig(hang_timeout_s=10).process_group_timeout_s() == 300
     assert WatchdogConfig().process_group_timeout_s() == 720  # auto: at most 600 s, then 2 minutes for the stacks

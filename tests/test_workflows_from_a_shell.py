@@ -32,45 +32,6 @@ def _saved_run_config(runs: Path, name: str) -> dict:
     return yaml.safe_load((checkpoint / "config.yaml").read_text())
 
 
-def test_a_mixture_of_relative_prepared_directories_trains_from_the_project_directory(tmp_path):
-    project, home = tmp_path / "project", tmp_path / "home"
-    package_texts(project / "texts" / "code", "email")
-    package_texts(project / "texts" / "docs", "json")
-    for name in ("code", "docs"):
-        prepared = shell(f"raytrain-fast prepare-data --input texts/{name} --output data/{name} --seq-len 32",
-                         cwd=project, home=home)
-        assert prepared.returncode == 0, prepared.stdout + prepared.stderr
-    done = shell(
-        f"raytrain-fast pretrain --name mix {SETS} --set storage.uri=runs "
-        "--set 'data.sources=[{source: ./data/code, weight: 0.7}, {source: ./data/docs, weight: 0.3}]'",
-        cwd=project, home=home,
-    )
-    shown = done.stdout + done.stderr
-    assert done.returncode == 0, shown
-    assert "Done. Run directory:" in shown and "Traceback" not in shown
-    saved = _saved_run_config(project / "runs", "mix")
-    assert [s["source"] for s in saved["data"]["sources"]] == [str(project / "data" / "code"), str(project / "data" / "docs")]
-    assert saved["storage"]["uri"] == str(project / "runs")
-
-    # An annealing phase on another mix: the same run, on to step 8 with other weights.
-    anneal = (f"raytrain-fast pretrain --name mix {SETS} --set storage.uri=runs --set train.steps=8 "
-              "--set 'data.sources=[{source: ./data/code, weight: 0.3}, {source: ./data/docs, weight: 0.7}]'")
-    started = time.monotonic()
-    refused = shell(anneal, cwd=project, home=home)
-    seconds, shown = time.monotonic() - started, refused.stdout + refused.stderr
-    assert refused.returncode == 2 and seconds < 30, (seconds, shown)  # before Ray starts or a checkpoint downloads
-    assert "data.sources: code 0.7, docs 0.3 -> code 0.3, docs 0.7" in refused.stderr, shown
-    assert "--set checkpoint.allow_changes=data" in refused.stderr and "Resumed from checkpoint" not in shown, shown
-    done = shell(f"{anneal} --set checkpoint.allow_changes=data", cwd=project, home=home)
-    shown = done.stdout + done.stderr
-    assert done.returncode == 0 and "The mixture changes at step 4" in shown and "Done. Run directory:" in shown, shown
-    report = shell("raytrain-fast report --storage runs --name mix", cwd=project, home=home)
-    stretches = report.stdout.split("Mixture (realised to step ")[1:]
-    assert report.returncode == 0 and len(stretches) == 2, report.stdout + report.stderr
-    assert stretches[0].startswith("4 ") and "code: weight 70%" in stretches[0], report.stdout
-    assert stretches[1].startswith("8 ") and "steps 4-8" in stretches[1] and "code: weight 30%" in stretches[1], report.stdout
-
-
 def _jsonl_zst(path: Path, package: str) -> None:
     import importlib
 
@@ -83,22 +44,47 @@ def _jsonl_zst(path: Path, package: str) -> None:
             out.write((json.dumps({"text": source.read_text()}) + "\n").encode())
 
 
-def test_a_mixture_of_two_jsonl_zst_files_is_prepared_on_the_fly_and_trains(tmp_path):
+def test_a_mixture_of_a_relative_prepared_directory_and_a_jsonl_zst_file_trains_from_the_project_directory(tmp_path):
+    """Both kinds of source in one mixture, named relative to the project directory: a dataset made by
+    prepare-data and a `.jsonl.zst` file prepared on the fly into a relative data.cache_dir."""
     project, home = tmp_path / "project", tmp_path / "home"
-    _jsonl_zst(project / "corpora" / "code.jsonl.zst", "email")
+    package_texts(project / "texts" / "code", "email")
     _jsonl_zst(project / "corpora" / "docs.jsonl.zst", "json")
+    prepared = shell("raytrain-fast prepare-data --input texts/code --output data/code --seq-len 32", cwd=project, home=home)
+    assert prepared.returncode == 0, prepared.stdout + prepared.stderr
     done = shell(
-        f"raytrain-fast pretrain --name zst {SETS} --set storage.uri=runs --set data.cache_dir=cache "
-        "--set 'data.sources=[{source: corpora/code.jsonl.zst, weight: 0.7}, {source: corpora/docs.jsonl.zst, weight: 0.3}]'",
+        f"raytrain-fast pretrain --name mix {SETS} --set storage.uri=runs --set data.cache_dir=cache "
+        "--set 'data.sources=[{source: ./data/code, weight: 0.7}, {source: corpora/docs.jsonl.zst, weight: 0.3}]'",
         cwd=project, home=home,
     )
     shown = done.stdout + done.stderr
     assert done.returncode == 0, shown
-    assert "code.jsonl.zst 70% (" in shown and "docs.jsonl.zst 30% (" in shown
+    assert "code 70% (" in shown and "docs.jsonl.zst 30% (" in shown
     assert "Done. Run directory:" in shown and "Traceback" not in shown
-    prepared = sorted(p.name for p in (project / "cache").iterdir())
-    assert [p.split("-seq32-")[0] for p in prepared] == ["code.jsonl.zst", "docs.jsonl.zst"], prepared
-    assert _saved_run_config(project / "runs", "zst")["data"]["cache_dir"] == str(project / "cache")
+    prepared_on_the_fly = sorted(p.name for p in (project / "cache").iterdir())
+    assert [p.split("-seq32-")[0] for p in prepared_on_the_fly] == ["docs.jsonl.zst"], prepared_on_the_fly
+    saved = _saved_run_config(project / "runs", "mix")
+    sources = [str(project / "data" / "code"), str(project / "corpora" / "docs.jsonl.zst")]
+    assert [s["source"] for s in saved["data"]["sources"]] == sources
+    assert saved["storage"]["uri"] == str(project / "runs") and saved["data"]["cache_dir"] == str(project / "cache")
+
+    # An annealing phase on another mix: the same run, on to step 8 with other weights.
+    anneal = (f"raytrain-fast pretrain --name mix {SETS} --set storage.uri=runs --set data.cache_dir=cache --set train.steps=8 "
+              "--set 'data.sources=[{source: ./data/code, weight: 0.3}, {source: corpora/docs.jsonl.zst, weight: 0.7}]'")
+    started = time.monotonic()
+    refused = shell(anneal, cwd=project, home=home)
+    seconds, shown = time.monotonic() - started, refused.stdout + refused.stderr
+    assert refused.returncode == 2 and seconds < 30, (seconds, shown)  # before Ray starts or a checkpoint downloads
+    assert "data.sources: code 0.7, docs.jsonl.zst 0.3 -> code 0.3, docs.jsonl.zst 0.7" in refused.stderr, shown
+    assert "--set checkpoint.allow_changes=data" in refused.stderr and "Resumed from checkpoint" not in shown, shown
+    done = shell(f"{anneal} --set checkpoint.allow_changes=data", cwd=project, home=home)
+    shown = done.stdout + done.stderr
+    assert done.returncode == 0 and "The mixture changes at step 4" in shown and "Done. Run directory:" in shown, shown
+    report = shell("raytrain-fast report --storage runs --name mix", cwd=project, home=home)
+    stretches = report.stdout.split("Mixture (realised to step ")[1:]
+    assert report.returncode == 0 and len(stretches) == 2, report.stdout + report.stderr
+    assert stretches[0].startswith("4 ") and "code: weight 70%" in stretches[0], report.stdout
+    assert stretches[1].startswith("8 ") and "steps 4-8" in stretches[1] and "code: weight 30%" in stretches[1], report.stdout
 
 
 def _damage_the_only_shard(data: Path) -> Path:

@@ -7,8 +7,9 @@ machine that reaches no package index), for CPython 3.12 on manylinux x86_64.
 It holds what such a node's CUDA image usually lacks (torch, pyarrow, pandas, aiohttp, grpcio,
 protobuf, msgpack, tokenizers and transformers are expected there): this package, DeepSpeed built
 as a wheel, Ray pruned and stripped into a valid wheel, pydantic, jsonschema, py-spy (the hang
-watchdog's stacks), and with --s3 boto3 for S3 storage. The versions are the ones installed in the
-project's virtual environment (--python), so the node runs what the test suite ran.
+watchdog's stacks), torchao (engine.precision: fp8), and with --s3 boto3 for S3 storage. The
+versions are the ones installed in the project's virtual environment (--python), so the node runs
+what the test suite ran.
 
 On the node: `python3 -m pip install --no-index --no-deps --target /tmp/site .wheelhouse/*.whl`
 and `export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH` (tools/gpu_check.sh does this).
@@ -37,6 +38,7 @@ PACKAGES = [
     "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
     "jsonschema", "jsonschema-specifications", "referencing", "rpds-py",  # ray's
     "py-spy",  # the hang watchdog's stacks of a stuck rank
+    "torchao",  # engine.precision: fp8 (float8 training); one abi3 wheel for every CPython
     "aiohttp-cors", "colorful", "opencensus", "opencensus-context", "smart-open",  # ray[default]'s dashboard
 ]
 S3_PACKAGES = ["boto3", "botocore", "s3transfer", "jmespath"]

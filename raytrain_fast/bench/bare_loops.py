@@ -3,8 +3,8 @@ plain PyTorch loop, the ceiling) and `bare_deepspeed` (the same through our Deep
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -12,36 +12,27 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raytrain_fast.bench.overhead_setup import OverheadSetup, measurement, run_config, token_batches
 
-
-def set_threads(setup: OverheadSetup, device: Any) -> None:
-    import torch
-
-    if device.type == "cpu":
-        torch.set_num_threads(setup.threads)
-        os.environ["OMP_NUM_THREADS"] = str(setup.threads)
+if TYPE_CHECKING:
+    from raytrain_fast.engine.step import TorchEngine
 
 
-def build_bare(setup: OverheadSetup, device: Any):
-    """Model and AdamW (the run's model and optim config, as training builds them), in-memory
-    batches and the autocast context."""
-    import torch
-
+def build_bare(setup: OverheadSetup, device: Any) -> tuple[TorchEngine, Any]:
+    """The plain PyTorch engine (engine/step.py: the run's model and optim config as training builds
+    them, autocast, clipping) and the in-memory batches. Call it right after `prepare_process`
+    (engine/program.py), which seeds the weights alike in every variant."""
     from raytrain_fast.engine import build_optimizer
+    from raytrain_fast.engine.step import TorchEngine
     from raytrain_fast.model import build_model
 
     config = run_config(setup)
-    torch.manual_seed(setup.seed)
     model = build_model(config.model, device)
     optimizer = build_optimizer(list(model.parameters()), optim=config.optim, device=device)
-    if setup.precision == "bf16":
-        autocast: Callable[[], Any] = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
-    else:
-        autocast = contextlib.nullcontext
-    return model, optimizer, token_batches(setup.micro_batch, setup.seq_len, setup.seed, device), autocast
+    engine = TorchEngine(model, optimizer, precision=setup.precision, grad_clip=setup.grad_clip)
+    return engine, token_batches(setup.micro_batch, setup.seq_len, setup.seed, device)
 
 
 def timed_steps(setup: OverheadSetup, step: Callable[[int], Any], device: Any) -> tuple[float, int, dict[str, Any]]:
@@ -66,28 +57,23 @@ def timed_steps(setup: OverheadSetup, step: Callable[[int], Any], device: Any) -
     return seconds, threads, proc_counters.window(counters, proc_counters.snapshot(), steps=setup.steps)
 
 
+def _timed_train_steps(setup: OverheadSetup, engine: Any, batches: Any, device: Any) -> tuple[float, int, dict[str, Any]]:
+    """`timed_steps` of the one training step (engine/step.py) over the in-memory batches, without
+    the loop's metrics: the baseline's step."""
+    from raytrain_fast.engine.step import train_step
+
+    cycled = itertools.cycle([(tokens, None) for tokens in batches])
+    return timed_steps(setup, lambda i: train_step(engine, cycled, grad_accum=1), device)
+
+
 def bare(setup: OverheadSetup) -> dict[str, Any]:
     """The plain loop, in this process (the bench runs it in a fresh one: `in_fresh_process`)."""
-    import torch
-
-    from raytrain_fast.engine import training_device
+    from raytrain_fast.engine.program import prepare_process
 
     setup = setup.resolved()
-    device = training_device()
-    set_threads(setup, device)
-    model, optimizer, batches, autocast = build_bare(setup, device)
-
-    def step(i: int) -> torch.Tensor:
-        tokens = batches[i % batches.shape[0]]
-        with autocast():
-            loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), setup.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    seconds, threads, proc = timed_steps(setup, step, device)
+    device = prepare_process(threads=setup.threads, seed=setup.seed)  # as a training worker
+    engine, batches = build_bare(setup, device)
+    seconds, threads, proc = _timed_train_steps(setup, engine, batches, device)
     return measurement(setup, seconds=seconds, precision=setup.precision, threads=threads, niceness=os.nice(0), proc=proc)
 
 
@@ -95,31 +81,18 @@ def bare_deepspeed(setup: OverheadSetup) -> dict[str, Any]:
     """The bare loop through the training worker's program (`engine.program.build_program` on the
     run's config: its model and DeepSpeed engine), no Ray. Makes a process group: call it in a fresh
     process (`in_fresh_process`)."""
-    import torch
     import torch.distributed as dist
 
-    from raytrain_fast.engine import select_accelerator, training_device
     from raytrain_fast.engine.process_group import single_process_group
-    from raytrain_fast.engine.program import build_program
+    from raytrain_fast.engine.program import build_program, prepare_process
 
     setup = setup.resolved()
-    select_accelerator()
-    device = training_device()
-    set_threads(setup, device)
+    device = prepare_process(threads=setup.threads, seed=setup.seed)  # as a training worker
     single_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        torch.manual_seed(setup.seed)
         engine = build_program(run_config(setup), device=device).engine
         batches = token_batches(setup.micro_batch, setup.seq_len, setup.seed, device)
-
-        def step(i: int) -> torch.Tensor:
-            tokens = batches[i % batches.shape[0]]
-            loss = engine(tokens[:, :-1], tokens[:, 1:])
-            engine.backward(loss)
-            engine.step()
-            return loss
-
-        seconds, threads, proc = timed_steps(setup, step, device)
+        seconds, threads, proc = _timed_train_steps(setup, engine, batches, device)
         precision = "bf16" if engine.bfloat16_enabled() else "fp32"
     finally:
         dist.destroy_process_group()

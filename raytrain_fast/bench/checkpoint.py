@@ -1,27 +1,10 @@
-"""How long a checkpoint blocks training: `checkpoint.upload: async` against `sync`.
+"""How long a checkpoint blocks training: `checkpoint.upload: async` against `sync`
+(docs/benchmarks.md#checkpoint-stalls).
 
-A small self-contained TorchTrainer run per mode: every worker builds a DeepSpeed engine for a GPT
-sized so that its checkpoint reaches a target size, trains a few steps between checkpoints, and
-times `Checkpointer.save` on the training thread (the package's own save: DeepSpeed files, RNG,
-state, manifest, `ray.train.report` with our retried upload function), including the wait for the
-previous async upload. The design target: blocked time with async <= 25% of sync.
-
-What Ray 2.60 does with ASYNC (read in ray/train/v2/_internal/execution/context.py):
-- `report` still runs the cross-rank barrier that agrees on the checkpoint directory name
-  (a call to Ray's synchronization actor), then hands the upload to a ThreadPoolExecutor with ONE
-  thread per worker process and returns: the training thread does not wait for the upload.
-- Uploads run one at a time in that thread, in report order; a SYNC report issued after an ASYNC
-  one waits for it, and the end of the training function waits for all of them. An ASYNC report
-  does NOT wait for the previous upload, so with a checkpoint cadence faster than the upload,
-  local checkpoint directories pile up on disk until their uploads finish.
-- The local directory is deleted after its upload (default for ASYNC), so it must come from
-  tempfile.mkdtemp, not a TemporaryDirectory that deletes it on exit. Upload errors are re-raised
-  in the training thread.
-
-Blocked time is not the whole cost: the upload thread shares the worker's CPUs (and the GIL) with
-training, so steps taken while an upload runs can be slower. `step_s_async` vs `step_s_sync` (the
-median step time just before each checkpoint after the first) shows it; on CPU-only workers on
-a busy machine it can eat the gain, on GPU workers the step runs on the device and it should not.
+A small TorchTrainer run per mode: every worker builds the training program (engine/program.py) for a
+GPT sized so that its checkpoint reaches a target size, trains (engine/step.py) between checkpoints,
+and times `Checkpointer.save` on the training thread, the wait for the previous async upload
+included. `step_s_async` against `step_s_sync` shows what an upload running beside the steps costs them.
 """
 
 from __future__ import annotations
@@ -56,41 +39,53 @@ def model_for_checkpoint_mb(target_mb: float, *, num_layers: int = 4, vocab_size
         d_model += 64
 
 
+def _bench_program(model: ModelConfig, *, world_size: int, cpus_per_worker: int) -> Any:
+    """This worker's program, built as training builds it (engine/program.py): fp32, ZeRO-2, one
+    micro-batch per step on `world_size` workers."""
+    from raytrain_fast.config import Config
+    from raytrain_fast.config.engine import EngineConfig, OptimConfig
+    from raytrain_fast.config.resources import ResourcesConfig
+    from raytrain_fast.config.train import TrainConfig
+    from raytrain_fast.engine.program import build_program, prepare_process
+
+    device = prepare_process(threads=cpus_per_worker, seed=0)  # Ray starts actors with one thread
+    config = Config(
+        model=model, engine=EngineConfig(precision="fp32", zero_stage=2, compile="off"), optim=OptimConfig(warmup_steps=1),
+        train=TrainConfig(steps=10_000, micro_batch=1, grad_accum=1, global_batch=world_size),
+        resources=ResourcesConfig(num_workers=world_size, cpus_per_worker=cpus_per_worker, use_gpu=False),
+    )
+    return build_program(config, device=device)
+
+
 def _bench_loop(config: dict[str, Any]) -> None:
     """Per worker: train, and time every checkpoint's `Checkpointer.save` on the training thread
     (the package's own save path: DeepSpeed files, RNG, state, manifest, report, our upload)."""
+    import itertools
+
     import ray.train
     import torch
 
     from raytrain_fast.checkpoint import Checkpointer, TrainState
     from raytrain_fast.config.checkpoint import CheckpointConfig
-    from raytrain_fast.engine import EngineConfig, OptimConfig, build_engine, select_accelerator
-    from raytrain_fast.model import GPT
+    from raytrain_fast.engine.step import train_step
 
-    torch.set_num_threads(config["cpus_per_worker"])  # Ray starts actors with one thread
-    select_accelerator()
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     model_config = ModelConfig(**config["model"])
-    torch.manual_seed(0)
-    engine = build_engine(
-        GPT(model_config), engine=EngineConfig(precision="fp32", zero_stage=2), optim=OptimConfig(warmup_steps=1),
-        micro_batch=1, grad_accum=1, world_size=world_size, total_steps=10_000,
-    )
+    engine = _bench_program(model_config, world_size=world_size, cpus_per_worker=config["cpus_per_worker"]).engine
     checkpointer = Checkpointer(
         CheckpointConfig(upload=config["mode"].lower(), keep_last=1), rank=rank, world_size=world_size, run_config={},
     )
     state = TrainState(world_size=world_size, zero_stage=2, precision="fp32")
     tokens = torch.randint(0, model_config.vocab_size, (1, model_config.max_seq_len + 1))
+    batches = itertools.repeat((tokens, None))
     records: list[dict[str, Any]] = []
     steps_between = 2
     for _ in range(config["num_checkpoints"]):
         step_times = []
         for _ in range(steps_between):
             start = time.perf_counter()
-            loss = engine(tokens[:, :-1], tokens[:, 1:])
-            engine.backward(loss)
-            engine.step()
+            train_step(engine, batches, grad_accum=1)
             step_times.append(time.perf_counter() - start)
             state.step += 1
         blocked_s = checkpointer.save(engine, state, metrics={"step": state.step})

@@ -48,34 +48,32 @@ def _parquet_loader(manifest, *, micro_batch: int, seed: int):
 
 
 class _Trainer:
-    """One model + optimizer fed by one batch source; times every step."""
+    """One model + optimizer fed by one batch source, stepped by engine/step.py's `train_step` on a
+    plain PyTorch engine; times every step."""
 
     def __init__(self, batches: Iterator, *, model_config, seed: int) -> None:
         import torch
 
+        from raytrain_fast.engine.step import TorchEngine
         from raytrain_fast.model import GPT
 
         torch.manual_seed(seed)
-        self.batches = batches
-        self.model = GPT(model_config)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4)
+        model = GPT(model_config)
+        self.engine = TorchEngine(model, torch.optim.AdamW(model.parameters(), lr=3e-4), precision="fp32")
+        self.batches = batches  # the source: closed, and a mixture's position read, by the bench
+        self._pairs = (batch if isinstance(batch, tuple) else (batch, None) for batch in batches)
+        self.clock = _StepClock()
         self.waits: list[float] = []
         self.steps: list[float] = []
 
     def run(self, num_steps: int, *, record: bool) -> None:
+        from raytrain_fast.engine.step import train_step
+
         for _ in range(num_steps):
-            started = time.perf_counter()
-            batch = next(self.batches)
-            fetched = time.perf_counter()
-            tokens = batch[0] if isinstance(batch, tuple) else batch
-            loss = self.model(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            done = time.perf_counter()  # CPU: the step is done when the host returns (no async device)
-            if record:
-                self.waits.append(fetched - started)
-                self.steps.append(done - started)
+            train_step(self.engine, self._pairs, grad_accum=1, metrics=self.clock)
+            if record:  # CPU: the step is done when the host returns (no async device)
+                self.waits.append(self.clock.data_wait_s)
+                self.steps.append(self.clock.step_s)
 
     def summary(self, tokens_per_step: int) -> dict[str, float]:
         total = sum(self.steps)
@@ -88,6 +86,25 @@ class _Trainer:
             "data_wait_ms_p95": waits_ms[int(0.95 * (len(waits_ms) - 1))],
             "data_wait_ms_max": waits_ms[-1],
         }
+
+
+class _StepClock:
+    """The host clock around one step's phases (a `train_step` recorder): the wait in `next()` and the whole step."""
+
+    def begin_step(self) -> None:
+        self.started = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        if phase == "data":
+            self.data_wait_s = now - self.started
+        self.step_s = now - self.started
+
+    def add_loss(self, loss: Any) -> None:
+        pass
+
+    def add_grad_norm(self, grad_norm: Any) -> None:
+        pass
 
 
 def _run_rounds(trainers: dict[str, _Trainer], *, steps: int, warmup_steps: int, rounds: int, verbose: bool) -> int:
@@ -205,6 +222,3 @@ def _realised_shares(mixture) -> dict[str, float]:
     """Each source's share of the sequences the mixture variant read (from its position)."""
     counts = mixture.schedule.counts(mixture.position.consumed)
     return {name: float(c) / max(1, int(counts.sum())) for name, c in zip(mixture.names, counts.tolist())}
-
-
-__all__ = ["bench_data"]

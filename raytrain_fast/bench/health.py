@@ -16,25 +16,23 @@ from raytrain_fast.console import say
 
 def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmup_steps: int = 5,
                  precision: str = "auto", threads: int = 0, ops_calls: int = 5000) -> dict[str, Any]:
-    from raytrain_fast.bench.bare_loops import set_threads
     from raytrain_fast.bench.overhead_setup import OverheadSetup
-    from raytrain_fast.engine import training_device
+    from raytrain_fast.engine.program import prepare_process
 
     if steps < 1 or rounds < 2 or warmup_steps < 0 or ops_calls < 1:
         raise ConfigError(f"bench health needs --steps >= 1, --rounds >= 2 (a ratio per round, the median of them), --warmup-steps "
                           f">= 0 and --ops-calls >= 1; got --steps {steps} --rounds {rounds} --warmup-steps {warmup_steps} "
                           f"--ops-calls {ops_calls}")
     setup = OverheadSetup.for_size(size, precision=precision, threads=threads).resolved()
-    device = training_device()
-    set_threads(setup, device)
+    device = prepare_process(threads=setup.threads, seed=setup.seed)
     bare = _BareStep(setup, device)
     for i in range(warmup_steps):
-        bare.step(i, checked=i % 2 == 0)
+        bare.step(checked=i % 2 == 0)
     per_step: dict[str, list[float]] = {"without": [], "with": []}
     ratios, orders = [], []
     for r in range(rounds):
         order = ("without", "with") if r % 2 == 0 else ("with", "without")
-        seconds = {name: bare.timed_round(checked=name == "with", first=warmup_steps + r * steps, steps=steps) for name in order}
+        seconds = {name: bare.timed_round(checked=name == "with", steps=steps) for name in order}
         for name, value in seconds.items():
             per_step[name].append(value)
         ratios.append(seconds["with"] / seconds["without"])
@@ -48,56 +46,67 @@ def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmu
 
 
 class _BareStep:
-    """One bare training step (bench overhead's `bare` loop), with or without the divergence checks."""
+    """The bare training step (engine/step.py's `train_step` on bench overhead's plain engine), with
+    the divergence checks (the device-side update guard, the loop's on-device sums) or without them
+    (plain sums)."""
 
     def __init__(self, setup: Any, device: Any) -> None:
-        import torch
+        import itertools
 
         from raytrain_fast.bench.bare_loops import build_bare
         from raytrain_fast.metrics.accumulators import StepAccumulators
 
-        self.setup, self.device = setup, device
-        self.model, self.optimizer, self.batches, self.autocast = build_bare(setup, device)
+        self.device = device
+        self.engine, batches = build_bare(setup, device)
+        self.optimizer = self.engine.optimizer
+        self.batches = itertools.cycle([(tokens, None) for tokens in batches])
         self.sums = StepAccumulators(device=device, profile_every=0, start_step=0)  # the loop's own sums
-        self.plain_norm_sum = torch.zeros((), device=device)
-        self.loss_sum = torch.zeros((), device=device)
+        self.plain = _PlainSums(device)
 
-    def step(self, i: int, checked: bool) -> None:
-        import torch
+    def step(self, checked: bool) -> None:
+        from raytrain_fast.engine.step import train_step
 
-        from raytrain_fast.engine.deepspeed_compat import skip_nonfinite_update
-
-        tokens = self.batches[i % self.batches.shape[0]]
-        with self.autocast():
-            loss = self.model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.setup.grad_clip)
-        self.loss_sum.add_(loss.detach())
-        if checked:
-            skip_nonfinite_update(self.optimizer, norm)
-            self.sums.add_grad_norm(norm)
-        else:
-            self.plain_norm_sum.add_(norm.detach())
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.guard_nonfinite = checked
+        train_step(self.engine, self.batches, grad_accum=1, metrics=self.sums if checked else self.plain)
 
     def sync(self) -> None:
         import torch
 
-        float(self.loss_sum)  # the clock stops when the device is done
+        float(self.sums.sums.sum() + self.plain.sums.sum())  # the clock stops when the device is done
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def timed_round(self, *, checked: bool, first: int, steps: int) -> float:
+    def timed_round(self, *, checked: bool, steps: int) -> float:
         """Seconds per step over `steps` steps."""
         if not checked:
             self.optimizer.__dict__.pop("found_inf", None)  # the kernel reads no flag at all
         self.sync()
         start = time.perf_counter()
-        for i in range(steps):
-            self.step(first + i, checked)
+        for _ in range(steps):
+            self.step(checked)
         self.sync()
         return (time.perf_counter() - start) / steps
+
+
+class _PlainSums:
+    """The loss and grad-norm sums as plain device adds: the step without the checks' `where`."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.sums = torch.zeros(2, device=device)
+
+    def begin_step(self) -> None:
+        pass
+
+    def lap(self, phase: str) -> None:
+        pass
+
+    def add_loss(self, loss: Any) -> None:
+        self.sums[0].add_(loss.detach())
+
+    def add_grad_norm(self, grad_norm: Any) -> None:
+        self.sums[1].add_(grad_norm.detach())
 
 
 def _report(*, size: str, setup: Any, device: Any, optimizer: Any, per_step: dict[str, list[float]], ratios: list[float],

@@ -111,6 +111,3 @@ def _clocked(source: Iterator[Any], current_step: Callable[[], int], clock: Cloc
         except StopIteration:
             return
         yield item
-
-
-__all__ = ["ClockHooks", "in_memory_batches"]

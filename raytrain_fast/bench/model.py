@@ -369,6 +369,3 @@ def add_arguments(parser: Any) -> None:
 def from_args(args: Any) -> ModelBenchSetup:
     """The setup `add_arguments`' options give (each option is named after its field)."""
     return ModelBenchSetup(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelBenchSetup)})
-
-
-__all__ = ["AC_PAIRS", "VARIANTS", "ModelBenchSetup", "add_arguments", "bench_model", "from_args", "parse_variants"]

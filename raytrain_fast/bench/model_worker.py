@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import os
 import time
 import traceback
@@ -14,9 +15,7 @@ from typing import Any
 
 from raytrain_fast.errors import RaytrainFastError
 
-
 COMPILED_VARIANTS = {"engine_compiled", "engine_compiled_ac"}
-GB = 1e9
 
 
 def _release_cached_memory(device: Any) -> None:
@@ -38,17 +37,6 @@ def _release_cached_memory(device: Any) -> None:
         pass
 
 
-def _current_memory_gb(device: Any) -> float:
-    """Memory in use now, in the statistic's terms: CUDA memory_reserved, else the process's RSS."""
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.memory_reserved(device) / GB
-    from raytrain_fast.metrics.memory import host_memory_gb
-
-    return host_memory_gb()[1]
-
-
 class _Variant:
     """One variant's model, optimizer or engine and tokens, in this process."""
 
@@ -57,7 +45,7 @@ class _Variant:
 
         from raytrain_fast.config import Config
         from raytrain_fast.engine.program import prepare_process
-        from raytrain_fast.metrics.memory import reset_peak_memory
+        from raytrain_fast.metrics.memory import memory_in_use_gb, reset_peak_memory
 
         started = time.perf_counter()
         self.name = job["name"]
@@ -66,60 +54,36 @@ class _Variant:
         self.precision, self.seq_len = config.engine.precision, config.data.seq_len
         batch = config.batch()
         self.micro_batch, self.grad_accum = batch.micro_batch, batch.grad_accum
-        self._build(config)
         generator = torch.Generator().manual_seed(job["seed"])  # the same tokens in every variant
         tokens = torch.randint(0, config.model.vocab_size, (self.micro_batch, self.seq_len + 1), generator=generator)
         self.tokens = tokens.to(device)
-        self.inputs, self.targets = self.tokens[:, :-1], self.tokens[:, 1:]
+        self._build(config)
         _release_cached_memory(device)
         self.setup_s = time.perf_counter() - started
-        self.built_gb = _current_memory_gb(device)
+        self.built_gb = memory_in_use_gb(device)
         reset_peak_memory(device)
 
     def _build(self, config: Any) -> None:
         """The training worker's program (engine/program.py) with the variant's compile and
-        activation checkpointing; the `bare` variant's has no engine: torch's optimizer instead."""
-        import torch
-
-        from raytrain_fast.engine import build_optimizer
+        activation checkpointing; the `bare` variant's engine is plain PyTorch (engine/step.py)."""
         from raytrain_fast.engine.program import build_program
 
-        with_engine = self.name != "bare"  # every other variant trains through the engine
-        if with_engine:
+        with_deepspeed = self.name != "bare"  # every other variant trains through DeepSpeed's engine
+        if with_deepspeed:
             from raytrain_fast.engine.process_group import single_process_group
 
             single_process_group("nccl" if self.device.type == "cuda" else "gloo")
-        program = build_program(config, device=self.device, with_engine=with_engine)
-        self.model, self.engine, self.optimizer = program.model, program.engine, None
+        program = build_program(config, device=self.device, engine="deepspeed" if with_deepspeed else "torch")
+        self.model, self.engine = program.model, program.engine
         self.compiled, self.compile_note = program.compiled, program.compile_line
-        if not with_engine:
-            self.optimizer = build_optimizer(list(self.model.parameters()), optim=config.optim, device=self.device)
-            self.grad_clip = config.optim.grad_clip
-            if self.precision == "bf16":
-                self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
-            else:
-                self.autocast = contextlib.nullcontext
+        self.batches = itertools.repeat((self.tokens, None))  # the same tokens every micro-batch
 
     def step(self) -> Any:
-        """One optimizer step over grad_accum micro-batches (the same tokens each time); returns the
-        last loss tensor (never read here)."""
-        import torch
+        """One training step (engine/step.py) over grad_accum micro-batches; returns the last loss
+        tensor (never read here)."""
+        from raytrain_fast.engine.step import train_step
 
-        if self.engine is not None:
-            for _ in range(self.grad_accum):  # DeepSpeed steps the optimizer on the last micro-batch
-                loss = self.engine(self.inputs, self.targets)
-                self.engine.backward(loss)
-                self.engine.step()
-            return loss
-        for _ in range(self.grad_accum):
-            with self.autocast():
-                loss = self.model(self.inputs, self.targets) / self.grad_accum
-            loss.backward()
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss
+        return train_step(self.engine, self.batches, grad_accum=self.grad_accum)
 
     def _sync(self) -> None:
         import torch
@@ -132,15 +96,15 @@ class _Variant:
 
         return {
             "setup_s": self.setup_s, "built_gb": self.built_gb, "compiled": self.compiled,
-            "compile_note": self.compile_note, "precision": self.precision, "seq_len": int(self.inputs.shape[1]),
-            "micro_batch": int(self.inputs.shape[0]), "grad_accum": self.grad_accum, "threads": torch.get_num_threads(),
+            "compile_note": self.compile_note, "precision": self.precision, "seq_len": self.seq_len,
+            "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "threads": torch.get_num_threads(),
             "activation_checkpointing": self.model.config.activation_checkpointing,
         }
 
     def warmup(self, count: int) -> dict[str, Any]:
         """`count` untimed steps, each on the host clock (the first: compilation included), then the
         peak starts over: the timed steps' peak is training's steady one."""
-        from raytrain_fast.metrics.memory import peak_memory_gb, reset_peak_memory
+        from raytrain_fast.metrics.memory import memory_in_use_gb, peak_memory_gb, reset_peak_memory
 
         step_s = []
         for _ in range(count):
@@ -150,7 +114,7 @@ class _Variant:
             step_s.append(time.perf_counter() - start)
         warmup_peak_gb = peak_memory_gb(self.device)
         _release_cached_memory(self.device)
-        result = {"step_s": step_s, "warmup_peak_gb": warmup_peak_gb, "setup_gb": _current_memory_gb(self.device)}
+        result = {"step_s": step_s, "warmup_peak_gb": warmup_peak_gb, "setup_gb": memory_in_use_gb(self.device)}
         reset_peak_memory(self.device)
         return result
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from raytrain_fast._ray_compat import health_check_interval_s, worker_env_flags, workers_at_normal_priority
 from raytrain_fast.bench.bare_loops import (
-    IN_PROCESS_VARIANTS, bare, build_bare, in_fresh_process, set_threads, timed_steps,
+    IN_PROCESS_VARIANTS, bare, build_bare, in_fresh_process, timed_steps,
 )
 from raytrain_fast.bench.overhead_setup import (
     TYPICAL_RAY_TRAIN_MAX_STEPS,
@@ -43,12 +43,12 @@ def _typical(setup: OverheadSetup, *, report: bool, wandb_dir: str) -> dict[str,
     from ray.train.torch import prepare_model
     from torch.utils.flop_counter import FlopCounterMode
 
-    from raytrain_fast.engine import training_device
+    from raytrain_fast.engine.program import prepare_process
 
-    device = training_device()
-    set_threads(setup, device)  # as in `bare`: the comparison is about the loop, not Ray's OMP_NUM_THREADS=1
-    model, optimizer, batches, autocast = build_bare(setup, device)
-    model = prepare_model(model)
+    # As in `bare`: the comparison is about the loop, not Ray's OMP_NUM_THREADS=1.
+    device = prepare_process(threads=setup.threads, seed=setup.seed)
+    plain, batches = build_bare(setup, device)  # a hand-written loop around the bare model and optimizer
+    model, optimizer, autocast = prepare_model(plain.model), plain.optimizer, plain.autocast
     run = wandb.init(project="raytrain-fast-bench", mode="offline", dir=wandb_dir, reinit="create_new")
     flops_per_step = 0.0
     last = time.perf_counter()
@@ -371,8 +371,3 @@ def overhead_report(
     head["machine_drift"] = machine_drift(report)
     report["setup"] = dataclasses.asdict(setup)
     return {**head, "detail": report}
-
-
-__all__ = [  # the setup is handed on from its module
-    "OverheadSetup", "VARIANTS", "compare", "drift_warning", "in_ray_worker", "machine_drift", "overhead_report", "raytrain_fast_loop",
-]

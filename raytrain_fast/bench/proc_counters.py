@@ -121,6 +121,3 @@ def window(start: Snapshot | None, end: Snapshot | None, *, steps: int, top: int
             for name, (count, cpu, voluntary, involuntary) in sorted(threads.items(), key=lambda kv: -kv[1][1])
         },
     }
-
-
-__all__ = ["Snapshot", "snapshot", "window"]

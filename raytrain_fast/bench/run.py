@@ -19,6 +19,7 @@ def add_parser(commands: Any) -> None:
     data = add_command(kinds, "data", "data wait of the Ray Data ingest path vs a DataLoader(num_workers=0)")
     data.add_argument("--steps", type=int, default=300, help="steps per path and round (default: 300)")
     data.add_argument("--rounds", type=int, default=3, help="interleaved rounds of both paths (default: 3)")
+    data.add_argument("--warmup-steps", type=int, default=20, help="untimed steps per path first (default: 20)")
     overhead = add_command(
         kinds, "overhead", "tokens/s of the full loop vs a bare PyTorch loop, the loops between them and a typical Ray Train loop",
     )
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.bench == "data":
         from raytrain_fast.bench.data import bench_data
 
-        return bench_data(steps=args.steps, rounds=args.rounds, verbose=not args.json)
+        return bench_data(steps=args.steps, warmup_steps=args.warmup_steps, rounds=args.rounds, verbose=not args.json)
     if args.bench == "overhead":
         return bench_overhead(args)
     if args.bench == "health":

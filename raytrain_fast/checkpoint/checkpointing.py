@@ -23,7 +23,7 @@ from raytrain_fast.checkpoint.layout import CONFIG_FILE, DEEPSPEED_TAG, STATE_FI
 from raytrain_fast.checkpoint.rank_manifest import write_rank_manifest
 from raytrain_fast.checkpoint.restore import Restorer
 from raytrain_fast.checkpoint.retention import Retention
-from raytrain_fast.checkpoint.snapshot import SnapshotWriter
+from raytrain_fast.checkpoint.snapshot import SnapshotWriter, optimizer_state_as_after_a_step, training_optimizer
 from raytrain_fast.checkpoint.state import TrainState, barrier, checkpoint_dir_name, rng_states, set_rng_states
 from raytrain_fast.checkpoint.upload import Uploader
 from raytrain_fast.config.checkpoint import CheckpointConfig
@@ -31,9 +31,6 @@ from raytrain_fast.console import say
 
 STAGING_DIR = ".staging"
 """With local storage, each rank writes its checkpoint files under `<run>/.staging/rank<r>/` first."""
-
-__all__ = ["Checkpointer", "TrainState", "checkpoint_dir_name", "rng_states", "set_rng_states"]
-
 
 class Checkpointer:
     """One per worker: saves (every rank, same steps), restores, uploads and prunes old checkpoints."""
@@ -139,6 +136,24 @@ class Checkpointer:
         }
         return end - start
 
+    def reserve_snapshot_memory(self, engine: Any) -> None:
+        """Before the first step, with checkpoint.write=background: the host memory every save copies
+        DeepSpeed's state into, allocated now, sized by a save of the engine's state as it is after a
+        step that writes nothing, so that no save allocates (and pins) while training runs."""
+        self._route_writes(engine)
+        if self.writer is None:
+            return
+        local_dir = self._local_dir()
+        try:
+            with optimizer_state_as_after_a_step(engine):
+                added, seconds = self.writer.reserve(lambda: engine.save_checkpoint(local_dir, tag=DEEPSPEED_TAG))
+        finally:
+            shutil.rmtree(local_dir, ignore_errors=True)
+        if added:
+            kind = "pinned host memory" if engine.device.type == "cuda" else "memory"
+            say(f"Checkpoint saves reuse {added / 1e9:.2f} GB of {kind}, reserved in {seconds:.1f} s before the first step.",
+                rank=self.rank)
+
     def _local_dir(self) -> str:
         """Where this rank writes a checkpoint before its upload: with local storage, beside the run
         (`<run>/.staging/rank<r>/`), so the upload is a hard link on the same filesystem and a
@@ -177,6 +192,8 @@ class Checkpointer:
 
         if not write_checkpoints_in_background(engine, self.writer, warn=functools.partial(say, rank=self.rank)):
             self.writer = None
+        else:  # its next step waits for a save's copies, so the save itself need not
+            self.writer.guard(training_optimizer(engine))
         self._routed_engine = engine
 
     def _finish_files(self, local_dir: str) -> None:

@@ -62,15 +62,6 @@ def read_checkpoint_model_config(local_dir: str) -> ModelConfig | None:
     return _model_config_from_dict(yaml.safe_load(path.read_text()), source=f"the checkpoint's {CONFIG_FILE}")
 
 
-def _deepspeed_tag(local_dir: str) -> str:
-    """The tag (subdirectory) of the DeepSpeed save inside a checkpoint."""
-    latest = Path(local_dir, "latest")
-    tag = latest.read_text().strip() if latest.exists() else DEEPSPEED_TAG
-    if not Path(local_dir, tag).is_dir():
-        raise CheckpointError(f"checkpoint has no DeepSpeed directory '{tag}/'")
-    return tag
-
-
 def _pass_on_without_progress_bars(text: str) -> None:
     """Write `text` to stderr without tqdm's bar redraws (lines of \\r-separated frames with '|')."""
     for line in text.replace("\r", "\n").splitlines():
@@ -80,33 +71,21 @@ def _pass_on_without_progress_bars(text: str) -> None:
 
 def consolidated_state_dict(local_dir: str) -> tuple[dict[str, Any], str]:
     """(full fp32 state dict, where the weights came from) from a downloaded checkpoint."""
-    import torch
-
     from raytrain_fast.engine import select_accelerator
 
-    tag = _deepspeed_tag(local_dir)
-    ds_dir = Path(local_dir, tag)
-    if any(ds_dir.glob("*zero_pp_rank_*_optim_states.pt")):
-        select_accelerator()  # DeepSpeed reads DS_ACCELERATOR once, at its first import
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    if not Path(local_dir, DEEPSPEED_TAG).is_dir():
+        raise CheckpointError(f"checkpoint has no DeepSpeed directory '{DEEPSPEED_TAG}/'")
+    select_accelerator()  # DeepSpeed reads DS_ACCELERATOR once, at its first import
+    from raytrain_fast.engine.deepspeed_compat import saved_weights
 
-        # It prints a line per parameter group and draws tqdm bars ("Loading checkpoint shards") on
-        # stderr; anything else it writes there (a warning) is passed on.
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
-            state = get_fp32_state_dict_from_zero_checkpoint(local_dir, tag=tag)
-        _pass_on_without_progress_bars(err.getvalue())
-        source = "fp32 master weights from the ZeRO optimizer shards"
-    else:
-        model_file = ds_dir / "mp_rank_00_model_states.pt"
-        if not model_file.exists():
-            raise CheckpointError(f"checkpoint has neither ZeRO optimizer shards nor {model_file.name}")
-        # weights_only=False: DeepSpeed pickles its own objects in here; the file comes from our
-        # own verified checkpoint, never from an untrusted source.
-        state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
-        state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-        source = "module weights from mp_rank_00_model_states.pt"
-    # Without the DDP / torch.compile wrappers' prefixes.
-    return {key.removeprefix("module.").removeprefix("_orig_mod."): value for key, value in state.items()}, source
+    # DeepSpeed prints a line per parameter group and draws tqdm bars ("Loading checkpoint shards") on
+    # stderr; anything else it writes there (a warning) is passed on.
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+        found = saved_weights(local_dir, tag=DEEPSPEED_TAG)
+    _pass_on_without_progress_bars(err.getvalue())
+    if found is None:
+        raise CheckpointError("checkpoint has neither ZeRO optimizer shards nor rank 0's module weights")
+    return found
 
 
 def export_format(config: ModelConfig, format: str) -> Literal["native", "hf"]:
@@ -152,7 +131,8 @@ def export_local_checkpoint(
     dtype = _checked_dtype(dtype)
     model, source = _checkpoint_model(local_dir, config, dtype=dtype)
     os.makedirs(out_dir, exist_ok=True)
-    info = {"weights": source, "dtype": dtype, "format": chosen, **(metadata or {}), **_losses_at_save(local_dir)}
+    info = {"weights": source, "dtype": dtype, "format": chosen, **(metadata or {}), **_losses_at_save(local_dir),
+            **_run_tasks(read_run_config(local_dir))}
     if chosen == "hf":
         from raytrain_fast.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, write_hf_export
 
@@ -200,6 +180,24 @@ def read_run_config(local_dir: str) -> dict[str, Any]:
     path = Path(local_dir, CONFIG_FILE)
     data = yaml.safe_load(path.read_text()) if path.exists() else None
     return data if isinstance(data, dict) else {}
+
+
+def _run_tasks(run_config: dict[str, Any]) -> dict[str, Any]:
+    """The run's eval.tasks and task_limit, kept with an export so that `evaluate` of it scores what
+    `evaluate` of the run scores ({} for a run without tasks)."""
+    section = run_config.get("eval") or {}
+    return {"eval": {"tasks": section["tasks"], "task_limit": section.get("task_limit")}} if section.get("tasks") else {}
+
+
+def exported_eval_section(out_dir: str) -> dict[str, Any]:
+    """The run's eval.tasks and task_limit from an export's config.yaml ({} when it has none)."""
+    path = Path(out_dir, CONFIG_FILE)
+    try:
+        data = yaml.safe_load(path.read_text()) if path.exists() else None
+    except (OSError, yaml.YAMLError):
+        return {}
+    section = ((data or {}).get("export") or {}).get("eval") if isinstance(data, dict) else None
+    return section if isinstance(section, dict) else {}
 
 
 def _losses_at_save(local_dir: str) -> dict[str, float]:

@@ -10,10 +10,8 @@ place that sees every resize (a resumed job and an elastic restart of the worker
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
-import io
 import shutil
 import tempfile
 import time
@@ -73,29 +71,19 @@ def fit_batch(*, global_batch: int, micro_batch: int, num_workers: int, saved_wo
 
 def convert_to_universal(checkpoint_dir: str, output_dir: str) -> float:
     """Convert a downloaded checkpoint (its `deepspeed/` ZeRO files) into a universal checkpoint in
-    `output_dir` (`deepspeed/` in the universal layout, plus the RNG states and the train state).
-    Returns the seconds the conversion took. `checkpoint_dir` is only read."""
-    from deepspeed.checkpoint import ds_to_universal
+    `output_dir` (`deepspeed/` in the universal layout, by engine/deepspeed_compat.py, plus the RNG
+    states and the train state). Returns the seconds the conversion took. `checkpoint_dir` is only read."""
+    from raytrain_fast.engine.deepspeed_compat import convert_to_universal as deepspeed_conversion
 
     start = time.perf_counter()
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    args = argparse.Namespace(
-        input_folder=str(Path(checkpoint_dir, DEEPSPEED_TAG)), output_folder=str(output / DEEPSPEED_TAG),
-        num_extract_workers=1, num_merge_workers=1,  # in-process: no process pool inside a Ray worker
-        keep_temp_folder=False, strict=True,
-        inject_missing_state=True,  # our model carries no universal_checkpoint_info: plain data parallelism
-    )
-    log = io.StringIO()
     try:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            ds_to_universal.main(args)
-    except Exception as error:
+        deepspeed_conversion(str(Path(checkpoint_dir, DEEPSPEED_TAG)), str(output / DEEPSPEED_TAG))
+    except RuntimeError as error:
         raise CheckpointError(
-            f"converting {checkpoint_dir} to a universal checkpoint failed: {error!r}. Resume with the worker "
-            f"count that wrote it. DeepSpeed said: {log.getvalue()[-800:]}"
+            f"converting {checkpoint_dir} to a universal checkpoint failed: {error} Resume with the worker count that wrote it."
         ) from error
-    (output / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's marker, beside our tag dir
     for path in Path(checkpoint_dir).iterdir():
         if path.is_file() and (path.name.startswith("rng_state_rank") or path.name in ("train_state.json", "config.yaml")):
             shutil.copy2(path, output / path.name)

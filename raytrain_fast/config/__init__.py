@@ -3,7 +3,6 @@ other modules here, each a leaf: no torch, nothing of the package above), strict
 `--set` overrides, and `validate` (validate.py), which runs every check before a worker starts."""
 
 from raytrain_fast.config.root import (
-    DEFAULT_PRESET,
     Config,
     load_config,
     presets,
@@ -11,5 +10,3 @@ from raytrain_fast.config.root import (
     resolve_config_path,
 )
 from raytrain_fast.config.validate import validate
-
-__all__ = ["DEFAULT_PRESET", "Config", "load_config", "presets", "reference_markdown", "resolve_config_path", "validate"]

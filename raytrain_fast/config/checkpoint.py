@@ -30,9 +30,9 @@ class CheckpointConfig:
     upload: Literal["async", "sync"] = "async"
     """async: training continues while the checkpoint uploads (the next save waits for it); sync: wait."""
     write: Literal["background", "inline"] = "background"
-    """background: a save takes a snapshot of DeepSpeed's state in memory (on a GPU in spare device memory
-    when it fits, else in pinned host memory) and a background thread writes the files, so training waits
-    for the snapshot, not the disk; inline: training waits while torch.save writes them."""
+    """background: a save copies DeepSpeed's state into host memory reserved at start (on a GPU pinned, the
+    copies overlapping the next step) and a background thread writes the files, so training waits for
+    neither the copy nor the disk; inline: training waits while torch.save writes them."""
     keep_last: int = 3
     """Keep the newest this many checkpoints in storage (the newest is never deleted)."""
     keep_best: int = 1

@@ -45,10 +45,12 @@ class EngineConfig:
 
     zero_stage: int = 2
     """ZeRO stage: 0 (plain data parallel), 1 (optimizer states sharded) or 2 (+ gradients sharded)."""
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """bf16 (fp32 master weights kept by DeepSpeed) or fp32. auto = bf16 on GPUs, and on CPUs only
-    where a measured bf16 matmul is at least as fast as fp32 (CPUs without AVX-512 BF16 / AMX run
-    bf16 matmuls far slower); the choice and its measurement are logged."""
+    precision: Literal["auto", "bf16", "fp32", "fp8"] = "auto"
+    """bf16 (fp32 master weights kept by DeepSpeed) or fp32. auto = bf16 on GPUs, and on CPUs with
+    native bf16 instructions (AVX-512 BF16 / AMX; CPUs without them run bf16 matmuls far slower), else
+    fp32; a CPU whose feature flags do not say (not x86) is timed; the choice and its reason are logged.
+    fp8: bf16, with the blocks' linear layers computing in float8 (torchao, tensorwise scaling; compiled):
+    GPUs with FP8 tensor cores only (H100, H200, L40S, B200); checkpoints and evaluation stay bf16 (docs/configuration.md#real-model-sizes)."""
     overlap_comm: bool = True
     """Overlap gradient reduction with the backward pass (off with one worker: nothing to reduce)."""
     contiguous_gradients: bool = True
@@ -71,6 +73,25 @@ class EngineConfig:
     (engine/deepspeed_compat.py), each only where DeepSpeed's method is the one it was written against (else
     DeepSpeed's own, with a warning line). off: DeepSpeed's own methods throughout, e.g. to compare. The run's
     first lines name the patches in force."""
+
+
+FP8_ON_CPU = ("engine.precision=fp8 needs a GPU with FP8 tensor cores (H100, H200, L40S, B200), but this run trains "
+              "on CPUs: use engine.precision=bf16 (or auto)")
+
+
+def fp8_problems(engine: EngineConfig, *, use_gpu: bool | str, cluster_gpus: float | None) -> list[str]:
+    """engine.precision=fp8 where it cannot run: workers on CPUs (resources.use_gpu false, or auto on a
+    cluster without GPUs; a GPU's FP8 tensor cores are checked on one: engine/fp8.py), or blocks left
+    uncompiled (float8's scaling then runs unfused, slower than bf16)."""
+    if engine.precision != "fp8":
+        return []
+    problems = []
+    if use_gpu is False or (use_gpu == "auto" and cluster_gpus is not None and not cluster_gpus):
+        problems.append(FP8_ON_CPU)
+    if engine.compile == "off":
+        problems.append("engine.precision=fp8 needs compiled blocks (float8's scaling kernels are fused by the compile): "
+                        "set engine.compile=auto or on")
+    return problems
 
 
 def wsd_decay_steps(*, optim: OptimConfig, total_steps: int) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 
 from raytrain_fast.config.checkpoint import CheckpointConfig, allowed_groups
 from raytrain_fast.config.data import BYTE_VOCAB_SIZE, DataConfig, data_sources_problems, document_masking_problems
-from raytrain_fast.config.engine import OptimConfig, wsd_decay_steps
+from raytrain_fast.config.engine import OptimConfig, fp8_problems, wsd_decay_steps
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.config.resources import ResourcesConfig
 from raytrain_fast.config.train import TrainConfig
@@ -35,6 +35,7 @@ def validate(config: Config, *, cluster_cpus: float | None = None, cluster_gpus:
     problems += _data_problems(config.data)
     problems += data_sources_problems(config.data)
     problems += document_masking_problems(config.data, dropout=config.model.dropout, use_gpu=config.resources.use_gpu, cluster_gpus=cluster_gpus)
+    problems += fp8_problems(config.engine, use_gpu=config.resources.use_gpu, cluster_gpus=cluster_gpus)
     problems += _optim_problems(config)
     problems += _batch_problems(config.train, config.resources)
     problems += _elastic_batch_problems(config)

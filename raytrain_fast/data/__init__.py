@@ -20,6 +20,4 @@ _EXPORTS = {
     "load_manifest": "raytrain_fast.data.manifest",
 }
 
-__all__ = sorted(_EXPORTS)
-
 __getattr__ = lazy_exports(__name__, _EXPORTS)

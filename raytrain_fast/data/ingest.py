@@ -369,6 +369,3 @@ def hide_execution_summaries() -> None:
     executor_logger = logging.getLogger(DATA_EXECUTOR_LOGGER)
     if not any(isinstance(f, _HideExecutionSummary) for f in executor_logger.filters):
         executor_logger.addFilter(_HideExecutionSummary())
-
-
-__all__ = ["BatchIterator"]

@@ -205,8 +205,3 @@ def summarize_skipped(skipped: list[Skipped], limit: int = 10, *, listed: bool =
     if len(skipped) > limit:
         lines.append(f"  ... and {len(skipped) - limit} more{where.replace('each', 'all')}")
     return "\n".join(lines)
-
-
-__all__ = [
-    "Listing", "Source", "canonical_input", "input_filesystems", "list_inputs", "list_sources", "summarize_skipped",
-]

@@ -247,9 +247,3 @@ def read_shard(path: str, filesystem: Any) -> Any:
         raise DataError(f"the prepared data's shard {path} is missing: {fix}") from None
     except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
         raise DataError(f"the prepared data's shard {path} cannot be read ({error}): {fix}") from None
-
-
-__all__ = [
-    "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "Shard", "Skipped", "SourceFile", "TokenizerInfo", "ValidationSplit",
-    "check_manifest_matches", "join_uri", "load_manifest", "read_shard", "shard_locations",
-]

@@ -25,7 +25,6 @@ from raytrain_fast.config.data import data_sources, source_name
 from raytrain_fast.data.manifest import Manifest, check_manifest_matches, load_manifest
 from raytrain_fast.data.order import EpochOrder, locate_absolute, rank_indexes, usable_rows
 from raytrain_fast.errors import DataError
-from raytrain_fast.storage import StorageConfig
 
 logger = logging.getLogger("raytrain_fast")
 
@@ -251,13 +250,14 @@ def check_sources(config: Any, *, prepared: list[str] | None = None, loaded: Seq
     preparation), a source still to prepare is checked as text: it exists and holds some, and the
     tokenizer that will prepare it suits the model and the other sources. `prepared`: the manifest
     URIs of prepare_sources (then every source loads); `loaded`: sources whose manifests were read."""
-    from raytrain_fast.data.cache import STDLIB, is_prepared
+    from raytrain_fast.data.cache import STDLIB, is_prepared, text_problem
     from raytrain_fast.errors import ConfigError
 
     data, storage = config.data, config.storage
     items = data_sources(data)
     pending = [] if prepared else [i for i, item in enumerate(items) if item.source == STDLIB or not is_prepared(item.source, storage)]
-    problems = [problem for i in pending if (problem := _text_problem(items[i].source, storage, config))]
+    setting, remove = _named(config)
+    problems = [problem for i in pending if (problem := text_problem(items[i].source, storage, setting=setting, remedy=remove))]
     sources, load_problems = load_sources(config, prepared or [item.source for item in items], skip=pending, loaded=loaded)
     if pending and not problems:
         problems += _on_the_fly_problems(config, sources)
@@ -297,29 +297,6 @@ def _on_the_fly_problems(config: Any, prepared: list[Source]) -> list[str]:
     return problems
 
 
-def _text_problem(source: str, storage: StorageConfig, config: Any) -> str | None:
-    """Why a source given as text (not prepared yet) cannot be prepared: missing, or holding no text.
-    Its files are listed as prepare-data lists them."""
-    import os
-
-    from raytrain_fast.data.cache import STDLIB
-    from raytrain_fast.data.inputs import Listing, list_inputs
-
-    if source == STDLIB:
-        return None
-    try:
-        listing = list_inputs([source], storage)[0]
-    except DataError:  # a bucket that cannot be listed
-        listing = Listing()
-    key, remove = _named(config)
-    if not listing.sources and ("://" in source or not os.path.exists(source)):
-        return (f"{key} '{source}' does not exist: give a prepared dataset (directory or s3:// URI holding "
-                f"manifest.json), text to prepare (file, directory, glob) or 'stdlib'{remove}")
-    if not any(s.size > 0 for s in listing.sources):
-        return f"{key} '{source}' is empty (no file with any text): add text to it{remove}"
-    return None
-
-
 def mixture_problems(sources: list[Source]) -> list[str]:
     """Problems that make these prepared sources unusable together (empty list = fine): an empty
     source, another tokenizer than the first source's."""
@@ -334,9 +311,3 @@ def mixture_problems(sources: list[Source]) -> list[str]:
                 "a mixture needs one tokenizer; prepare every source with the same --tokenizer"
             )
     return problems
-
-
-__all__ = [
-    "MIXTURE_STREAM", "MixturePosition", "MixtureSchedule", "Source", "check_sources", "identity", "load_sources",
-    "mixture_problems", "mixture_rank_stream", "prepare_sources", "window_cuts",
-]

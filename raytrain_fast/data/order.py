@@ -118,9 +118,3 @@ def locate_absolute(
         windows[mask] = orders[epoch].windows_of(offsets[mask])
         shards[mask], rows[mask] = orders[epoch].locate(offsets[mask])
     return epochs, windows, shards, rows
-
-
-__all__ = [
-    "SHUFFLE_WINDOW_SHARDS", "EpochOrder", "locate_absolute", "rank_indexes", "shard_order",
-    "usable_rows", "window_permutation", "window_rows",
-]

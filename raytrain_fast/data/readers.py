@@ -350,10 +350,3 @@ def parquet_column_problem(schema: pa.Schema, text_field: str) -> str:
     if value_type not in _TEXT_TYPES:
         return f"the Parquet column '{column}' holds {column_type}, not text; set {TEXT_FIELD_SETTING} to a string column"
     return ""
-
-
-__all__ = [
-    "BATCH_BYTES", "CODECS", "DEFAULT_TEXT_FIELD", "FileReader", "JSONL_SUFFIXES", "PARQUET_SUFFIXES", "TEXT_FIELD_SETTING",
-    "file_sha256", "input_format", "name_settings", "parquet_column_problem", "parquet_text_column", "text_fields",
-    "verdict",
-]

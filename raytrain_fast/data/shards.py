@@ -214,6 +214,3 @@ def clear_output(filesystem: pafs.FileSystem, root: str, existing: Manifest | No
             filesystem.delete_file(entry.path)
         elif entry.type == pafs.FileType.Directory and entry.base_name == VAL_DIR:
             filesystem.delete_dir(entry.path)
-
-
-__all__ = ["Packed", "ShardWriter", "VAL_DIR", "ValPacker", "clear_output", "hash_sources", "pack", "read_manifest"]

@@ -95,6 +95,3 @@ class SplitRequest:
             num_sequences=val.writer.num_rows, num_documents=val.num_documents, num_dropped_tokens=val.dropped,
             shards=val.writer.shards, sources=val.sources,
         )
-
-
-__all__ = ["DEFAULT_VAL_FRACTION", "SplitRequest", "VAL_MAX_TOKENS"]

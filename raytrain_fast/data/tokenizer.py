@@ -169,6 +169,3 @@ def _hf_tokenizer(digest: str, json_text: str, *, source: str = "tokenizer"):
         return Tokenizer.from_str(json_text)
     except Exception as error:  # the Rust side raises a plain Exception for malformed files
         raise DataError(f"tokenizer '{source}' is not a valid tokenizers JSON file: {error}") from None
-
-
-__all__ = ["BYTE_TOKENIZER", "EOD_CANDIDATES", "TOKENIZER_FILE", "TokenizerSpec", "byte_tokenizer", "load_tokenizer"]

@@ -271,6 +271,3 @@ class Progress:
             f"{self.skipped} skipped, {seconds:.1f}s ({self.tokens / seconds / 1e6:.2f}M tokens/s, "
             f"{self.num_bytes / seconds / 1e6:.1f} MB/s of text)"
         )
-
-
-__all__ = ["Part", "Progress", "is_validation_document", "ray_running", "results_local", "results_ray", "tokenize_file"]

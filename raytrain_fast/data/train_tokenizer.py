@@ -250,6 +250,3 @@ def _say_summary(result: TrainedTokenizer, *, min_frequency: int) -> None:
     )
     if result.skipped:
         say(f"train-tokenizer: {summarize_skipped(result.skipped, listed=False)}", stderr=True)
-
-
-__all__ = ["DEFAULT_MIN_FREQUENCY", "DEFAULT_VOCAB_SIZE", "MIN_VOCAB_SIZE", "TOKENIZER_FILES", "TrainedTokenizer", "train_tokenizer"]

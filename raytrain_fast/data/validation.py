@@ -84,4 +84,3 @@ def load_validation(
     return (np.concatenate(parts) if parts else np.zeros((0, width), dtype=np.int64)), splits
 
 
-__all__ = ["SourceSplit", "evaluation_ids", "load_validation", "load_validation_tokens", "rank_share"]

@@ -145,12 +145,6 @@ def _ids(encoder: Encoder, text: str, *, where: str) -> list[int]:
     return ids
 
 
-def shard(task: EncodedTask, *, rank: int, world_size: int) -> np.ndarray:
-    """The items (positions in the task's scored items) rank `rank` of `world_size` scores: every
-    world_size-th one, so each item is scored by exactly one rank."""
-    return np.arange(rank, task.num_items, world_size, dtype=np.int64)
-
-
 def skipped_note(tasks: list[EncodedTask], window: int) -> list[str]:
     """One line per task that left items out."""
     return [
@@ -158,6 +152,3 @@ def skipped_note(tasks: list[EncodedTask], window: int) -> list[str]:
         f"model's window of {window} tokens by itself (items {', '.join(map(str, t.skipped[:5]))}{', ...' if len(t.skipped) > 5 else ''})."
         for t in tasks if t.skipped
     ]
-
-
-__all__ = ["EncodedTask", "Encoder", "encode_task", "encode_tasks", "shard", "skipped_note"]

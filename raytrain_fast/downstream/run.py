@@ -61,6 +61,3 @@ def encode_run_tasks(tasks: list[Task], config: Config, manifest: Manifest, *, e
         )
     run_tasks = RunTasks(tasks=encoded, window=encoder.window)
     return run_tasks, [run_tasks.note(every_steps), *skipped_note(encoded, encoder.window)]
-
-
-__all__ = ["encode_run_tasks", "encoder_for", "load_run_tasks", "manifest_tokenizer"]

@@ -195,9 +195,3 @@ def _own_contexts(data: dict, where: str) -> tuple[list[str], list[str]]:
     if not isinstance(continuation, str) or not continuation.strip():
         raise TaskError(f"{where}: \"continuation\" must be a non-empty string (the text scored after each context)")
     return contexts, [continuation] * len(contexts)
-
-
-__all__ = [
-    "Item", "STANDARD_TASKS", "Task", "TaskError", "check_task_specs", "is_jsonl", "load_task", "load_tasks",
-    "parse_item", "select", "task_name",
-]

@@ -18,8 +18,3 @@ from raytrain_fast.drills.kinds import (
 )
 from raytrain_fast.drills.specs import parse_drills
 from raytrain_fast.loop.hooks import LoopHooks
-
-__all__ = [
-    "CpuBurn", "FailOnce", "Hang", "HoldMemory", "LoopHooks", "Nonfinite", "RecordSequences", "SlowData", "SlowSink",
-    "SlowStep", "SlowUpload", "Spike", "parse_drills",
-]

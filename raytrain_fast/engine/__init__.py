@@ -6,12 +6,8 @@ from raytrain_fast.engine.deepspeed_engine import (
     build_deepspeed_config,
     build_engine,
     build_optimizer,
-    enable_tf32,
     lr_lambda,
     resolve_precision,
     select_accelerator,
     training_device,
 )
-
-__all__ = ["EngineConfig", "OptimConfig", "apply_optim_settings", "build_deepspeed_config", "build_engine",
-    "build_optimizer", "enable_tf32", "lr_lambda", "resolve_precision", "select_accelerator", "training_device"]

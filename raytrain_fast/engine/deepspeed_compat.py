@@ -18,7 +18,10 @@ import hashlib
 import inspect
 import logging
 import math
+import glob
+import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -373,6 +376,72 @@ def skip_shm_comm_build() -> bool:
     return True
 
 
+def _held_open(paths: set[str]) -> set[str] | None:
+    """Which of `paths` some process on this machine holds open (from /proc/<pid>/fd); None where
+    that can't be told (no /proc, or a process whose descriptors this user can't read)."""
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    held: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            continue
+        except PermissionError:
+            return None
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target in paths:
+                held.add(target)
+    return held
+
+
+def clear_stale_build_locks(*, warn: Callable[[str], None] = say, unknown_after_s: float = 900.0) -> list[str]:
+    """Remove the lock files of torch JIT extension builds (DeepSpeed's ops) whose builder is gone.
+
+    torch's `FileBaton` creates `<TORCH_EXTENSIONS_DIR>/<python>_<device>/<op>/lock` and holds it open
+    while the op compiles; every other process that loads the op waits, with no time limit and no
+    output, until the file is removed. A build killed part-way (Ctrl-C, a worker lost, a machine
+    stopped) leaves the file behind, and every later run on the machine then hangs before its first
+    step. A lock no process on this machine holds open is stale and removed, with one line naming it;
+    where open files can't be read (no /proc, another user's processes), only a lock older than
+    `unknown_after_s` is. The removed paths."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    seen = {}  # each lock as found, so one made anew meanwhile (its builder just started) is kept
+    for pattern in ("*/lock", "*/*/lock"):
+        for path in glob.glob(os.path.join(root, pattern)):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            seen[os.path.realpath(path)] = (st.st_ino, st.st_mtime_ns)
+    if not seen:
+        return []
+    held = _held_open(set(seen))
+    removed = []
+    for lock, identity in sorted(seen.items()):
+        try:
+            st = os.stat(lock)
+        except FileNotFoundError:
+            continue
+        age = time.time() - st.st_mtime
+        if (st.st_ino, st.st_mtime_ns) != identity or (held is not None and lock in held) or (held is None and age < unknown_after_s):
+            continue
+        try:
+            os.remove(lock)
+        except FileNotFoundError:
+            continue
+        removed.append(lock)
+        warn(f"Removed a stale build lock no process holds ({lock}, {age / 60:.0f} min old): a killed JIT build of "
+             f"{os.path.basename(os.path.dirname(lock))} left it, and every run would wait on it forever.")
+    return removed
+
+
 def apply_patches(mode: PatchMode = "auto", *, warn: Callable[[str], None] = say) -> list[str]:
     """Make (auto) or undo (off) every replacement; the names of those in force."""
     if mode == "off":
@@ -476,20 +545,105 @@ def run_eagerly_where_compile_fails() -> bool:
     return True
 
 
+# --- DeepSpeed's checkpoint files: their names, the consolidation of a save, the universal form -------
+
 ZERO_SHARD_FILE = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt$")
 """A data-parallel rank's own checkpoint file: its optimizer shard (under ZeRO-3 also its part of the
 model states), as DeepSpeed 0.19.8's private `DeepSpeedEngine._get_rank_zero_ckpt_name` names it
 (tests/test_compat_fallbacks.py checks). A rank resuming at the same world size opens only its own
 (`_get_all_zero_checkpoint_state_dicts` without elastic_checkpoint; the others' names are only
 tested with os.path.exists, which tolerates their absence)."""
+MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
+"""Rank 0's module weights (under the key "module") in a save without model or pipeline
+parallelism, as DeepSpeed 0.19.8's `_get_ckpt_name` names it."""
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+"""Parameter-name prefixes of the wrappers around a saved model: DeepSpeed's and DDP's `module`, and
+the `_orig_mod` of torch.compile's OptimizedModule (read on torch 2.13; the package compiles blocks in
+place, so only a model compiled whole by other code has it). Another wrapper's prefix fails the strict load."""
+
+
+def _names_read_on_another_deepspeed(what: str) -> None:
+    version = _deepspeed_version()
+    if version not in TESTED_DEEPSPEED:
+        _fallback("file-names", f"DeepSpeed {version}: {what} by the names DeepSpeed {TESTED_DEEPSPEED[-1]} gives its files")
 
 
 def zero_shard_rank(relative: str) -> int | None:
     """The rank whose DeepSpeed shard `relative` is, or None for a file every rank loads. On an
     untested DeepSpeed, one warning line: a shard named otherwise is downloaded by every rank."""
-    version = _deepspeed_version()
-    if version not in TESTED_DEEPSPEED:
-        _fallback("shard-names", f"DeepSpeed {version}: checkpoint shards are told apart by the names DeepSpeed "
-                  f"{TESTED_DEEPSPEED[-1]} gives them; one named otherwise is downloaded by every rank")
+    _names_read_on_another_deepspeed("checkpoint shards are told apart (one named otherwise is downloaded by every rank)")
     match = ZERO_SHARD_FILE.search(relative)
     return int(match.group(1)) if match else None
+
+
+def saved_weights(checkpoint_dir: str, *, tag: str) -> tuple[dict[str, Any], str] | None:
+    """(the model's fp32 weights, where they came from) from a downloaded DeepSpeed save under
+    `checkpoint_dir/tag`: the master weights consolidated from the ZeRO optimizer shards (DeepSpeed's
+    `zero_to_fp32`, which prints and draws progress bars: redirect them), else rank 0's module weights;
+    names without wrapper prefixes. None where the save holds neither."""
+    from pathlib import Path
+
+    _names_read_on_another_deepspeed("a save's weights are found")
+    saved = Path(checkpoint_dir, tag)
+    if any(ZERO_SHARD_FILE.search(path.name) and "_optim_" in path.name for path in saved.iterdir()):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag)
+        source = "fp32 master weights from the ZeRO optimizer shards"
+    elif (saved / MODEL_STATES_FILE).exists():
+        # weights_only=False: DeepSpeed pickles its own objects in here; the file comes from a verified checkpoint.
+        state = torch.load(saved / MODEL_STATES_FILE, map_location="cpu", weights_only=False)["module"]
+        state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+        source = f"module weights from {MODEL_STATES_FILE}"
+    else:
+        return None
+    return {_unwrapped(key): value for key, value in state.items()}, source
+
+
+def _unwrapped(key: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        key = key.removeprefix(prefix)
+    return key
+
+
+UNIVERSAL_FLAGS = ("--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state")
+"""ds_to_universal's command-line flags (DeepSpeed's universal checkpointing tutorial runs it as a
+script): one worker each (no process pool inside a Ray worker); the model carries no
+universal_checkpoint_info (plain data parallelism), so the missing state is injected."""
+
+
+def convert_to_universal(input_folder: str, output_folder: str) -> None:
+    """DeepSpeed's `ds_to_universal` from the save in `input_folder` into `output_folder`, in this
+    process: its flags parsed by its own `parse_arguments` (a release that adds one gets its
+    default), then its `main`, as its script does (read on DeepSpeed 0.19.8). Where either is
+    missing: its script in a subprocess, with one warning line. Its `latest_universal` marker beside
+    `output_folder` is removed. Raises RuntimeError with what it printed when it fails."""
+    import contextlib
+    import io
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    flags = ["--input_folder", input_folder, "--output_folder", output_folder, *UNIVERSAL_FLAGS]
+    parse, main = getattr(ds_to_universal, "parse_arguments", None), getattr(ds_to_universal, "main", None)
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            if parse is None or main is None:
+                _fallback("ds-to-universal", "DeepSpeed's ds_to_universal has no parse_arguments/main: it runs as a script")
+                done = subprocess.run([sys.executable, "-m", ds_to_universal.__name__, *flags], capture_output=True, text=True)
+                log.write(done.stdout + done.stderr)
+                if done.returncode:
+                    raise RuntimeError(f"ds_to_universal exited with {done.returncode}")
+            else:
+                argv, sys.argv = sys.argv, ["ds_to_universal", *flags]  # its parser reads sys.argv only
+                try:
+                    args = parse()
+                finally:
+                    sys.argv = argv
+                main(args)
+    except (Exception, SystemExit) as error:  # SystemExit: its parser refused the flags
+        raise RuntimeError(f"{error!r}. DeepSpeed said: {log.getvalue()[-800:]}") from error
+    (Path(output_folder).parent / "latest_universal").unlink(missing_ok=True)

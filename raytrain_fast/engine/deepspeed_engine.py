@@ -16,6 +16,7 @@ import torch
 from raytrain_fast.config.engine import EngineConfig, OptimConfig, wsd_decay_steps
 from raytrain_fast.console import say
 from raytrain_fast.engine.deepspeed_compat import set_clip_grad, set_last_lr
+from raytrain_fast.errors import ConfigError
 
 
 def select_accelerator() -> str:
@@ -68,9 +69,31 @@ def measure_cpu_bf16_speedup(*, size: int = 512, repeats: int = 5) -> float:
     return times[torch.float32] / times[torch.bfloat16]
 
 
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+"""x86 flags (in /proc/cpuinfo) of instructions that compute bf16 dot products natively."""
+
+
+def cpu_bf16_native(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU computes bf16 matmuls natively, from its x86 feature flags (AVX-512 BF16, AMX):
+    True or False where the flags say (x86 Linux), None where they do not (another architecture or OS)."""
+    try:
+        with open(cpuinfo) as lines:
+            flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if flags is None else bool(NATIVE_BF16_FLAGS & set(flags))
+
+
 def resolve_precision(precision: str, *, use_gpu: bool) -> tuple[str, str]:
     """Turn `auto` into bf16 or fp32 on the hardware of this process (call it where the workers run:
     launch/trainer.py's `resolve_precision_on_a_worker`). Returns (precision, reason) for the log."""
+    if precision == "fp8":  # set explicitly, and only for GPUs with FP8 tensor cores: checked here
+        from raytrain_fast.engine.fp8 import RECIPE, fp8_problem
+
+        problem = fp8_problem(use_gpu=use_gpu)
+        if problem is not None:
+            raise ConfigError(problem)
+        return "fp8", f"engine.precision=fp8 (set explicitly): float8 matmuls in the blocks' linear layers ({RECIPE} scaling), bf16 elsewhere"
     if precision != "auto":
         return precision, f"engine.precision={precision} (set explicitly)"
     if use_gpu:
@@ -78,7 +101,15 @@ def resolve_precision(precision: str, *, use_gpu: bool) -> tuple[str, str]:
             name = torch.cuda.get_device_name()
             return "fp32", f"this GPU ({name}) has no bf16 support, so training runs in fp32"
         return "bf16", "GPU workers: bf16 with fp32 master weights"
-    speedup = measure_cpu_bf16_speedup()
+    native = cpu_bf16_native()  # the features settle it where they can: a timing swings with the machine's load
+    if native is not None:
+        if native:
+            return "bf16", "this CPU has native bf16 instructions (AVX-512 BF16 or AMX): bf16 with fp32 master weights"
+        return "fp32", (
+            "this CPU has no native bf16 instructions (no AVX-512 BF16 or AMX: a bf16 matmul runs several times slower "
+            "than fp32), so training runs in fp32; set engine.precision=bf16 to force bf16"
+        )
+    speedup = measure_cpu_bf16_speedup()  # no flags to read (another architecture): time both
     if speedup >= 1.0:
         return "bf16", f"this CPU runs bf16 matmuls {speedup:.1f}x as fast as fp32"
     return "fp32", (
@@ -103,9 +134,9 @@ def build_deepspeed_config(
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": optim.grad_clip,
         # bf16 is the one mixed-precision path: DeepSpeed casts the model and keeps fp32 master
-        # weights. check_grad_overflow would read a flag back to the host every optimizer step
+        # weights (fp8 too: only the blocks' matmuls run in float8, engine/fp8.py). check_grad_overflow would read a flag back to the host every optimizer step
         # (a host sync); bf16's range makes overflow rare, so it is off unless asked for.
-        "bf16": {"enabled": precision == "bf16", "check_grad_overflow": engine.check_grad_overflow},
+        "bf16": {"enabled": precision in ("bf16", "fp8"), "check_grad_overflow": engine.check_grad_overflow},
         "zero_optimization": {
             "stage": engine.zero_stage,
             # With one worker there is nothing to reduce: overlapping the reduction and copying
@@ -214,6 +245,7 @@ def apply_deepspeed_patches(mode: str, *, world_size: int, warn=say) -> str:
     """Make (auto) or undo (off) the DeepSpeed patches before an engine is built; the startup line."""
     from raytrain_fast.engine import deepspeed_compat
 
+    deepspeed_compat.clear_stale_build_locks(warn=warn)
     shm_skipped = mode != "off" and select_accelerator() == "cpu" and world_size == 1 and deepspeed_compat.skip_shm_comm_build()
     active = deepspeed_compat.apply_patches(mode, warn=warn)
     return deepspeed_compat.patches_line(active, mode=mode, shm_skipped=shm_skipped)

@@ -1,8 +1,8 @@
 """What a training worker runs, built in one place: the process's device, threads, TF32 and seed
 (`prepare_process`), then the model with its activation checkpointing, the compiled blocks and the
 DeepSpeed engine at the config's precision (`build_program`). The step loop, `train.micro_batch:
-auto`'s probe and `raytrain-fast bench model` all build through it, so each times and sizes the
-program that trains.
+auto`'s probe and the benches all build through it and step it with engine/step.py's `train_step`,
+so each times and sizes the program that trains.
 """
 
 from __future__ import annotations
@@ -11,20 +11,23 @@ import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from raytrain_fast.config import Config
 from raytrain_fast.config.train import Batch
 from raytrain_fast.engine.compile import compile_blocks
+from raytrain_fast.engine.fp8 import apply_fp8
 from raytrain_fast.engine.deepspeed_engine import (
     apply_deepspeed_patches,
     build_engine,
+    build_optimizer,
     enable_tf32,
     select_accelerator,
     training_device,
 )
+from raytrain_fast.engine.step import TorchEngine
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -42,8 +45,8 @@ class WorkerProgram:
     """Whether the blocks are compiled (they compile in the first step: time it apart)."""
     compile_line: str | None
     """engine.compile's startup line (None when auto left it off)."""
-    engine: DeepSpeedEngine | None = None
-    """The DeepSpeed engine; None for a program built without one (`bench model`'s `bare` variant)."""
+    engine: DeepSpeedEngine | TorchEngine
+    """DeepSpeed's engine, or plain PyTorch's for a bench's `bare` baseline (engine/step.py)."""
 
 
 def prepare_process(*, threads: int, seed: int) -> torch.device:
@@ -62,37 +65,47 @@ def prepare_process(*, threads: int, seed: int) -> torch.device:
     return device
 
 
+def eager_model(config: Config, *, device: torch.device, documents: DocumentMasking | None = None) -> GPT:
+    """The model of `config.model` on `device`, its blocks not compiled yet: what the loop loads its
+    initial weights into and measures before `build_program` takes it."""
+    from raytrain_fast.model import build_model
+
+    return build_model(config.model, device, documents=documents)  # weights made on the device: no host copy first
+
+
 def build_program(
     config: Config, *, device: torch.device, model: GPT | None = None, batch: Batch | None = None,
-    documents: DocumentMasking | None = None, with_engine: bool = True, load_universal: bool = False,
-    say: Callable[[str], None] | None = None,
+    documents: DocumentMasking | None = None, engine: Literal["deepspeed", "torch"] = "deepspeed",
+    load_universal: bool = False, say: Callable[[str], None] | None = None,
 ) -> WorkerProgram:
     """The model of `config.model` (activation checkpointing included) on `device`, its blocks
     compiled as `engine.compile` says, then the DeepSpeed engine for `batch` (None: the config's own,
     `Config.batch()`) at `config.engine.precision` (resolved).
 
-    `model`: the eager model when the caller built it already (the loop measures it before its blocks
-    compile). `with_engine=False`: the model alone. `say`: where the compile and DeepSpeed patch
-    startup lines (and a patch's warning) go, as they happen; None: not said (a patch's warning is
-    still printed)."""
-    from raytrain_fast.model import build_model
-
+    `model`: the eager model when the caller built it already (`eager_model`: the loop measures it
+    before its blocks compile). `engine="torch"`: torch's optimizer behind a `TorchEngine` instead of DeepSpeed (a
+    bench's `bare` baseline). `say`: where the compile and DeepSpeed patch startup lines (and a
+    patch's warning) go, as they happen; None: not said (a patch's warning is still printed)."""
     if model is None:
-        model = build_model(config.model, device, documents=documents)  # weights made on the device: no host copy first
+        model = eager_model(config, device=device, documents=documents)
+    if (fp8_line := apply_fp8(model, precision=config.engine.precision, device=device)) and say is not None:
+        say(fp8_line)  # engine/fp8.py: the blocks' linear layers in float8, converted before they are compiled
     compiled, compile_line = compile_blocks(model, setting=config.engine.compile, device=device)
     if compile_line and say is not None:
         say(compile_line)
-    program = WorkerProgram(device=device, model=model, compiled=compiled, compile_line=compile_line)
-    if not with_engine:
-        return program
     batch = batch or config.batch()
+    if engine == "torch":
+        optimizer = build_optimizer(list(model.parameters()), optim=config.optim, device=device)
+        built = TorchEngine(model, optimizer, precision=config.engine.precision, grad_accum=batch.grad_accum,
+                            grad_clip=config.optim.grad_clip)
+        return WorkerProgram(device=device, model=model, compiled=compiled, compile_line=compile_line, engine=built)
     if say is not None:  # its startup line; build_engine makes the patches either way
         say(apply_deepspeed_patches(config.engine.deepspeed_patches, world_size=batch.world_size, warn=say))
-    program.engine = build_engine(
+    deepspeed_engine = build_engine(
         model, engine=config.engine, optim=config.optim, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
         world_size=batch.world_size, total_steps=config.train.steps, load_universal=load_universal,
     )
-    return program
+    return WorkerProgram(device=device, model=model, compiled=compiled, compile_line=compile_line, engine=deepspeed_engine)
 
 
 def one_process(config: Config, *, micro_batch: int, grad_accum: int, steps: int) -> Config:

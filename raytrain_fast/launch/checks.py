@@ -110,4 +110,3 @@ def with_absolute_paths(config: Config) -> Config:
     return dataclasses.replace(config, data=data, checkpoint=checkpoint, storage=storage, eval=evaluation)
 
 
-__all__ = ["Checked", "check_run", "raise_config_problems", "with_absolute_paths"]

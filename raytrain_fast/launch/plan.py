@@ -155,10 +155,11 @@ def on_the_cluster(config: Config, *, announce_precision: bool = True) -> tuple[
         cpus_per_worker = 4 if use_gpu else max(1, int(cpus // resources.num_workers))
         cpus_per_worker = min(cpus_per_worker, max(1, int(cpus // resources.num_workers)))
     precision = config.engine.precision
-    if precision == "auto":  # measured where the workers run: the driver may have no GPU, or another CPU
-        precision, reason = resolve_precision_on_a_worker(use_gpu=use_gpu, cpus_per_worker=cpus_per_worker)
+    if precision in ("auto", "fp8"):  # measured (fp8: checked) where the workers run: the driver may have no GPU, or another CPU
+        precision, reason = resolve_precision_on_a_worker(precision, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker)
         logger.info("precision: %s (%s)", precision, reason)
-        lines.append(f"Precision: {precision} ({reason})")
+        if announce_precision or config.engine.precision == "auto":
+            lines.append(f"Precision: {precision} ({reason})")
     elif announce_precision:
         lines.append(f"Precision: {precision} (engine.precision={precision}, set explicitly)")
     return dataclasses.replace(
@@ -180,20 +181,25 @@ def check_storage_on_cluster(config: Config) -> None:
         raise ConfigError(problems)
 
 
-def resolve_precision_on_a_worker(*, use_gpu: bool, cpus_per_worker: int) -> tuple[str, str]:
-    """engine.precision=auto, decided in a Ray task with a training worker's resources (its GPU, or
-    its CPUs and thread count), so on a cluster it is the workers' hardware that is measured."""
+def resolve_precision_on_a_worker(precision: str, *, use_gpu: bool, cpus_per_worker: int) -> tuple[str, str]:
+    """engine.precision auto (or fp8, whose GPU must have FP8 tensor cores), decided in a Ray task with
+    a training worker's resources (its GPU, or its CPUs and thread count), so on a cluster it is the
+    workers' hardware that is measured. A refusal is raised here, as the one-line error it is."""
     import ray
 
-    def resolve() -> tuple[str, str]:
+    def resolve() -> tuple[str, str] | ConfigError:
         import torch
 
         if not use_gpu:
             torch.set_num_threads(cpus_per_worker)  # a Ray process starts with one thread
-        return resolve_precision("auto", use_gpu=use_gpu)
+        try:
+            return resolve_precision(precision, use_gpu=use_gpu)
+        except ConfigError as refused:  # returned, not raised: Ray would wrap it in its task error
+            return refused
 
     task = ray.remote(resolve).options(num_cpus=0 if use_gpu else cpus_per_worker, num_gpus=1 if use_gpu else 0)
-    return ray.get(task.remote())
+    resolved = ray.get(task.remote())
+    if isinstance(resolved, ConfigError):
+        raise resolved
+    return resolved
 
-
-__all__ = ["DEFAULT_EVERY_STEPS", "on_the_cluster", "plan_run", "resolve_eval", "trial_plan", "with_batches"]

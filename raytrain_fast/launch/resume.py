@@ -173,6 +173,9 @@ def keep_checkpoint_precision(config: Config, state) -> tuple[Config, list[str]]
     if asked in ("auto", saved):
         line = f"Precision: {saved} (kept from the checkpoint at step {state.step})"
         return dataclasses.replace(config, engine=dataclasses.replace(config.engine, precision=saved)), [line]
+    if {saved, asked} == {"bf16", "fp8"}:  # fp8 keeps bf16's weights and optimizer state: the same files
+        return config, [f"Precision: {asked} (engine.precision={asked}; the checkpoint at step {state.step} was written "
+                        f"in {saved}, with the same weights and optimizer state)"]
     raise CheckpointError(
         f"engine.precision={asked}, but run '{config.name}' was checkpointed in {saved} (step {state.step}): "
         f"its optimizer state is in {saved}'s layout. Resume with engine.precision={saved} (or auto), or start "

@@ -6,7 +6,6 @@ the stop notice, then reads the measurements and the divergence verdict."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import signal
@@ -21,7 +20,6 @@ from raytrain_fast.errors import WILL_REPEAT, DivergenceError, RaytrainFastError
 from raytrain_fast.launch.checks import check_run
 from raytrain_fast.launch.plan import plan_run
 from raytrain_fast.launch.resume import RunSnapshot
-from raytrain_fast.loop.health import DIVERGENCE_KEY
 from raytrain_fast.loop.hooks import LoopHooks, WindowCallback
 from raytrain_fast.loop.worker import LoopInputs
 from raytrain_fast.plan import RunPlan
@@ -203,27 +201,23 @@ def fit_run(
     last worker group, a ConfigError or DataError a worker raised as itself. `controller_poll_s`:
     Ray Train's controller polls the workers this often during the fit (a sweep trial's windows are
     short); the arguments in between are `build_trainer`'s."""
-    import ray
-
     from raytrain_fast._ray_compat import controller_poll_interval, create_ray_data_cluster_actors
-    from raytrain_fast.coordinator import start_coordinator
+    from raytrain_fast.coordinator import Coordinator
 
     create_ray_data_cluster_actors()
     drop_ray_run_snapshot(plan)
     # One named actor per run, owned by this driver (coordinator.py); kept referenced until fit() returns.
-    coordinator = start_coordinator(plan.config.name or "run")
+    coordinator = Coordinator.start(plan.config.name or "run")
     try:
         start_watchdog(plan, coordinator)
         trainer = build_trainer(plan, hooks=hooks, on_window=on_window, save_checkpoints=save_checkpoints, callbacks=callbacks)
         with _StopOnSignal(coordinator) as stop, controller_poll_interval(controller_poll_s):
             result = fit(trainer, coordinator, plan)
-        measurements = ray.get(coordinator.measurements.remote())
-        diverged, message = ray.get(coordinator.wait.remote(DIVERGENCE_KEY, 0))
-    finally:  # the next run of this name starts a fresh one (values come from checkpoints)
-        with contextlib.suppress(Exception):  # a Ray that is gone must not hide the run's own error
-            ray.kill(coordinator)
+        measurements, diverged = coordinator.measurements(), coordinator.divergence()
+    finally:  # quiet when Ray is gone: that must not hide the run's own error
+        coordinator.end()
     if diverged:  # the workers ended normally (so Ray did not restart them): the run failed
-        raise DivergenceError(message)
+        raise DivergenceError(diverged)
     return Fitted(result=result, measurements=measurements, stopped_by=stop.signal_name)
 
 
@@ -232,14 +226,12 @@ def fit(trainer, coordinator, plan: RunPlan):
     not yet announced by a restarted rank 0) is raised as HungRun, naming the hang; a ConfigError or
     DataError that ended it in a worker as itself (its one-line message, exit status 2 from the
     command line), not as Ray's worker group error."""
-    import ray
-
     try:
         return trainer.fit()
     except Exception as error:
         repeated = repeating_error(error)
         try:
-            hangs = ray.get(coordinator.take_hangs.remote())
+            hangs = coordinator.take_hangs()
         except Exception:  # noqa: BLE001 - the coordinator is gone: the failure as it is
             hangs = []
         if hangs:
@@ -264,15 +256,13 @@ def hang_summary(record: dict, *, plan: RunPlan) -> str:
 def start_watchdog(plan: RunPlan, coordinator) -> None:
     """The hang watchdog runs in the run's coordinator actor (it outlives worker-group restarts);
     the stacks of a hang go to `<run>/hangs/` in the run's storage (watchdog/stacks.py)."""
-    import ray
-
     watchdog = plan.config.watchdog
     if not watchdog.enabled:
         return
-    ray.get(coordinator.start_watchdog.remote(
+    coordinator.start_watchdog(
         timeout_s=watchdog.hang_timeout_s, min_timeout_s=watchdog.min_timeout_s,
         beat_interval_s=watchdog.beat_interval_s(), filesystem=plan.filesystem, run_path=plan.run_path,
-    ))
+    )
 
 
 class _StopOnSignal:
@@ -312,7 +302,7 @@ class _StopOnSignal:
     def _send(self) -> None:
         self._event.wait()
         if self.signal_name is not None:
-            self.coordinator.request_stop.remote(self.signal_name)
+            self.coordinator.request_stop(self.signal_name)
 
     def _restore(self) -> None:
         for number, handler in self._previous.items():

@@ -120,6 +120,3 @@ class Evaluator:
                 loss = engine(batch[:, :-1], batch[:, 1:])
                 self._sum[index].add_(loss.detach().float() * batch.shape[0])  # type: ignore[index]
         return self._sum  # type: ignore[return-value]
-
-
-__all__ = ["Evaluator"]

@@ -23,8 +23,6 @@ from raytrain_fast.loop.divergence import DivergenceCheck
 logger = logging.getLogger("raytrain_fast.health")
 RECORD_FILE = "health.json"
 """The run's rollbacks (`<run>/health.json`), beside its checkpoints: what a resume must skip again."""
-DIVERGENCE_KEY = "health/divergence"
-"""The key under which rank 0 posts a stop's message to the run's coordinator actor; the driver raises it."""
 _SPIKE_MIN_WINDOWS = 5
 _SPIKE_MIN_RISE = 0.5  # and at least 50% above the median: a MAD near zero alone is no spike
 _WARN_ADVICE = {

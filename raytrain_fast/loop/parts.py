@@ -23,12 +23,12 @@ from raytrain_fast.checkpoint import Checkpointer, TrainState
 from raytrain_fast.console import nothing_to_do, say
 from raytrain_fast.coordinator import Coordinator
 from raytrain_fast.engine import apply_optim_settings
-from raytrain_fast.engine.program import build_program
+from raytrain_fast.engine.program import build_program, eager_model
 from raytrain_fast.loop.evaluation import Evaluator
 from raytrain_fast.loop.health import HealthMonitor
 from raytrain_fast.metrics import SinkWriter, StepPlan, TrainMetrics, build_sinks, mfu_inputs
 from raytrain_fast.metrics.setup import MfuInputs
-from raytrain_fast.model import GPT, build_model, document_masking
+from raytrain_fast.model import GPT, document_masking
 from raytrain_fast.storage import redact
 from raytrain_fast.watchdog.heartbeat import Heartbeat, NoHeartbeat
 
@@ -116,14 +116,16 @@ class LoopParts:
         self.coordinator = Coordinator.connect(worker.config.name or "run", timeout_s=worker.config.metrics.coordinator_timeout_s)
         close(self.coordinator.close)
         documents = document_masking(worker.config.data, eod_id=worker.plan.sources[0].manifest.tokenizer.eod_id)  # None: off
-        model = build_model(worker.config.model, worker.device, documents=documents)  # eager, its weights on the device
+        model = eager_model(worker.config, device=worker.device, documents=documents)
         self.mfu = measure_eager_model(worker, model, state, self.coordinator, restored=restored)
         self.sinks = start_sinks(worker, state)  # after the measurement: W&B starts while the engine is built
         if self.sinks is not None:
             close(self.sinks.close)  # closed by metrics.close() too, unless setup fails before it
         if worker.rank == 0:
             self.coordinator.watch_for_stop()  # the driver's SIGTERM / Ctrl-C reaches the loop through it
-        self.engine, self.compiled = self.build_engine(model, restored)
+        self.engine, self.compiled = self._build_program(model, restored)
+        if self.save_checkpoints:  # before the first step: no save allocates its host memory while training runs
+            self.checkpointer.reserve_snapshot_memory(self.engine)
         self.evaluator = build_evaluator(worker, self.engine, tasks=worker.plan.tasks, start_step=state.step)
         self.metrics = build_metrics(worker, state, self.engine, self.mfu, self.sinks)  # last: it freezes the heap for GC control
         close(self.metrics.close)
@@ -132,7 +134,7 @@ class LoopParts:
         self.heartbeat = start_heartbeat(worker, self.coordinator, state)  # from here on, the hang watchdog watches this rank
         close(self.heartbeat.close)
 
-    def build_engine(self, model: GPT, restored: TrainState | None) -> tuple[DeepSpeedEngine, bool]:
+    def _build_program(self, model: GPT, restored: TrainState | None) -> tuple[DeepSpeedEngine, bool]:
         """The worker's program (engine/program.py) around the eager model, with the restored state in
         its engine: (the engine, whether its blocks compile in the next step)."""
         worker, config = self.worker, self.worker.config
@@ -294,6 +296,6 @@ def start_heartbeat(worker: Worker, coordinator: Coordinator, state: TrainState)
     if not watchdog.enabled:
         return NoHeartbeat()
     return Heartbeat(
-        coordinator.actor, rank=worker.rank, world_size=worker.world_size, read_step=lambda: state.step,
+        coordinator, rank=worker.rank, world_size=worker.world_size, read_step=lambda: state.step,
         last_step=worker.config.train.steps, interval_s=watchdog.beat_interval_s(),
     ).start()

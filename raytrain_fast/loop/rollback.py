@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from raytrain_fast.console import say
 from raytrain_fast.engine import apply_optim_settings
-from raytrain_fast.loop.health import DIVERGENCE_KEY, DivergenceStop, Rollback, write_records
+from raytrain_fast.loop.health import DivergenceStop, Rollback, write_records
 from raytrain_fast.loop.steps import run_steps
 
 if TYPE_CHECKING:
@@ -78,8 +78,6 @@ def stop_on_divergence(worker: Worker, stop: DivergenceStop, parts: LoopParts) -
     normally, so Ray Train does not restart them (the driver raises it)."""
     parts.checkpointer.finish()
     if worker.rank == 0:
-        import ray
-
         write_records(parts.checkpointer.filesystem, parts.checkpointer.run_path, parts.health.rollbacks, stopped=stop.record())
         say(str(stop), rank=worker.rank)
-        ray.get(parts.coordinator.actor.post.remote(DIVERGENCE_KEY, str(stop), {}))
+        parts.coordinator.report_divergence(str(stop))

@@ -9,19 +9,16 @@ is due, the health check whether the state may be saved, the evaluator whether a
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from raytrain_fast.console import say
+from raytrain_fast.engine.step import train_step
 from raytrain_fast.loop.preemption import PreemptionNotice
 
 if TYPE_CHECKING:
     from raytrain_fast.loop.parts import LoopParts
     from raytrain_fast.loop.worker import Worker
-    from raytrain_fast.metrics import TrainMetrics
 
 
 class Notice(enum.IntFlag):
@@ -31,33 +28,6 @@ class Notice(enum.IntFlag):
     CHECKPOINT_TIME = 1  # this rank's checkpoint.every_minutes timer is due
     STOP = 2  # the driver got a stop notice (SIGTERM / Ctrl-C): save now and stop
     PREEMPTED = 4  # Ray is draining a node of the run: save now and go on (loop/preemption.py)
-
-
-def train_step(
-    engine: Any, data: Iterator[tuple[torch.Tensor, torch.Tensor]], metrics: TrainMetrics, *, grad_accum: int,
-    on_batch=None, on_loss=None,
-) -> None:
-    """One optimizer step: grad_accum micro-batches of forward + backward, then DeepSpeed's step.
-
-    The detached loss and grad norm go into on-device accumulators: no host sync here. `on_loss`:
-    a drill's (loop/hooks.py), or None.
-    """
-    metrics.begin_step()
-    for _ in range(grad_accum):
-        tokens, seq_ids = next(data)  # tokens: (B, T + 1)
-        metrics.lap("data")
-        if on_batch is not None:
-            on_batch(seq_ids)
-        loss = engine(tokens[:, :-1], tokens[:, 1:])
-        if on_loss is not None:
-            loss = on_loss(loss)
-        metrics.lap("forward")
-        engine.backward(loss)
-        metrics.lap("backward")
-        engine.step()  # applies the optimizer only at the accumulation boundary
-        metrics.lap("optimizer")
-        metrics.add_loss(loss)
-    metrics.add_grad_norm(engine.get_global_grad_norm())
 
 
 def run_steps(worker: Worker, parts: LoopParts) -> None:
@@ -107,7 +77,7 @@ class StepRun:
         """One optimizer step; the step count, tokens, metrics and drills move on."""
         worker, parts, hooks = self.worker, self.parts, self.worker.hooks
         with parts.metrics.compile_timer(parts.state.step + 1, active=parts.compiled):
-            train_step(parts.engine, self.batches, parts.metrics, grad_accum=worker.grad_accum,
+            train_step(parts.engine, self.batches, grad_accum=worker.grad_accum, metrics=parts.metrics,
                        on_batch=hooks.on_batch, on_loss=hooks.on_loss)
         parts.compiled = False
         parts.state.step += 1
@@ -131,7 +101,7 @@ class StepRun:
         if self.preemption.flag():
             mine |= Notice.PREEMPTED
         self.last = parts.metrics.log(step, lr=parts.engine.get_lr()[0], flags=int(mine), epoch=parts.data.epochs)
-        self.agreed = Notice(parts.metrics.agreement.flags)
+        self.agreed = Notice(parts.metrics.agreed_flags)
         parts.metrics.emit(step, parts.data.source_metrics(seq_len=self.worker.config.data.seq_len))  # tokens per source
         parts.health.check_window(step, self.last, parts.metrics)
         return True

@@ -29,6 +29,4 @@ _EXPORTS = {
     "TrainMetrics": "raytrain_fast.metrics.train_metrics",
 }
 
-__all__ = sorted(_EXPORTS)
-
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -93,8 +93,11 @@ def datasheet_peak_flops(device_name: str, dtype: str) -> float | None:
 
 
 def matmul_dtype(precision: str) -> str:
-    """The dtype the tensor cores see for a training precision (bf16, fp16 or fp32, as the config's
-    validation allows): fp32 runs as tf32 when torch allows it."""
+    """The dtype the peaks are read for, for a training precision (bf16, fp16, fp32 or fp8): fp32 runs
+    as tf32 when torch allows it; fp8 is measured against the bf16 peak, as is usual, so that its MFU
+    and bf16's compare as their tokens/s do."""
+    if precision == "fp8":
+        return "bf16"
     if precision != "fp32":
         return precision
     import torch
@@ -263,16 +266,3 @@ def mfu(*, tokens_per_sec: float, flops_per_token: float | None, peak_flops: flo
     if not flops_per_token or not peak_flops or num_devices <= 0:
         return None
     return tokens_per_sec * flops_per_token / (peak_flops * num_devices)
-
-
-__all__ = [
-    "PeakFigure",
-    "cached_matmul_peak",
-    "datasheet_peak_flops",
-    "device_key",
-    "device_name",
-    "matmul_dtype",
-    "measure_matmul_peak",
-    "mfu",
-    "peak_cache_path",
-]

@@ -296,17 +296,3 @@ def build_sinks(
     if (config.wandb or config.tensorboard) and "://" in run_uri:  # local_dir is a node-local temp dir then
         sinks.append(LocalDirSync(local_dir, run_uri, storage=storage))
     return sinks
-
-
-__all__ = [
-    "JsonlSink",
-    "LocalDirSync",
-    "MetricSink",
-    "SinkWriter",
-    "TensorBoardSink",
-    "WandbSink",
-    "build_sinks",
-    "read_metrics",
-    "resolve_wandb_mode",
-    "wandb_run_id",
-]

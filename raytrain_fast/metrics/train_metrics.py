@@ -29,7 +29,6 @@ from raytrain_fast.metrics.setup import MfuInputs
 from raytrain_fast.metrics.sinks import SinkWriter
 from raytrain_fast.metrics.slowdown import Window
 
-__all__ = ["StepPlan", "TrainMetrics"]
 _HOST_FLOATS = 5  # per rank, gathered on log steps: seconds to reach the drain, data wait, GC, CPU share, CPU wait
 
 
@@ -53,19 +52,9 @@ class TrainMetrics:
     """Metrics of one worker's step loop. Construct it on every rank after setup (model, engine and
     data built: it freezes the heap for GC control), right before the first step.
 
-    Per step (hot path, no host sync)::
-
-        metrics.begin_step()
-        for each micro-batch:
-            tokens = next(data);          metrics.lap("data")
-            loss = engine(...);           metrics.lap("forward")
-            engine.backward(loss);        metrics.lap("backward")
-            engine.step();                metrics.lap("optimizer")
-            metrics.add_loss(loss)
-        metrics.add_grad_norm(engine.get_global_grad_norm())
-        metrics.end_step(step)
-        if metrics.is_log_step(step):
-            last = metrics.log(step, lr=engine.get_lr()[0])   # every rank: a collective + ONE host sync
+    Per step (hot path, no host sync): engine/step.py's `train_step` records into it (`begin_step`,
+    `lap`, `add_loss`, `add_grad_norm`), then `end_step(step)`; on log steps every rank calls
+    `log(step, ...)`: a collective and ONE host sync.
 
     Checkpoints: `record_checkpoint(blocked_s=...)` after a save, and `record_checkpoint(upload_s=...)`
     when an async upload reports its duration.
@@ -87,8 +76,8 @@ class TrainMetrics:
         self._memory_capacity_gb = (
             torch.cuda.get_device_properties(self.device).total_memory / GB if self._cuda else memory_budget_gb
         )
-        self.acc = StepAccumulators(device=self.device, profile_every=config.profile_every, start_step=steps.start_step)
-        self.agreement = StepAgreement(world_size=world_size, device=self.device, host_floats=_HOST_FLOATS)
+        self._acc = StepAccumulators(device=self.device, profile_every=config.profile_every, start_step=steps.start_step)
+        self._agreement = StepAgreement(world_size=world_size, device=self.device, host_floats=_HOST_FLOATS)
         # Threads that compute: torch's on a CPU, the one that launches kernels on a GPU.
         self._host = HostSampler(compute_threads=1 if self._cuda else torch.get_num_threads())
         self._niceness = niceness
@@ -103,7 +92,7 @@ class TrainMetrics:
         """What the health check saw so far (loop/health.py): event -> (count, last step); the progress line shows it."""
         self._writer = sinks if self._is_logger else None  # rank 0's, started during setup (its sinks already open)
         self._sink_at_window_start = (0.0, 0)  # the sink thread's CPU seconds and dropped records
-        self.alerts = WindowAlerts(config, start_step=steps.start_step)
+        self._alerts = WindowAlerts(config, start_step=steps.start_step)
         self._last_upload_s: float | None = None
         self._compile_s: float | None = None
         reset_peak_memory(self.device)  # memory/peak_gb: training's, not setup's
@@ -112,30 +101,35 @@ class TrainMetrics:
     # --- hot path (metrics/accumulators.py) ------------------------------------------------------
 
     def begin_step(self) -> None:
-        self.acc.begin_step()
+        self._acc.begin_step()
 
     def lap(self, phase: str) -> None:
-        self.acc.lap(phase)
+        self._acc.lap(phase)
 
     def add_loss(self, loss: torch.Tensor) -> None:
-        self.acc.add_loss(loss)
+        self._acc.add_loss(loss)
 
     def add_grad_norm(self, grad_norm: torch.Tensor | float | None) -> None:
-        self.acc.add_grad_norm(grad_norm)
+        self._acc.add_grad_norm(grad_norm)
 
     def end_step(self, step: int) -> None:
         """Step `step` is done (optimizer applied). GC runs its timed collection here on its cadence."""
-        self.acc.end_step(step)
+        self._acc.end_step(step)
         self._gc.step(step)
 
     def is_log_step(self, step: int) -> bool:
         return self.steps.is_log_step(step)
 
+    @property
+    def agreed_flags(self) -> int:
+        """The OR of the flags every rank passed to the last `log` (metrics/agreement.py)."""
+        return self._agreement.flags
+
     def window_finite(self) -> bool:
         """Whether every step since the last drain had a finite loss and gradient norm on every rank:
         one all-reduce (with several ranks) and ONE host read. For a save on a step that is not a
         log step (saves are rare); on a log step the drain already told."""
-        return self.agreement.all_finite(self.acc.sums)
+        return self._agreement.all_finite(self._acc.sums)
 
     # --- side concerns -------------------------------------------------------------------------
 
@@ -187,14 +181,14 @@ class TrainMetrics:
     def log(self, step: int, *, lr: float | None = None, flags: int = 0, epoch: float | None = None) -> dict[str, float]:
         """Drain the window. Every rank must call it at the same step (it is a collective).
 
-        `flags` (small non-negative int bit flags) ride along for free: afterwards `agreement.flags`
+        `flags` (small non-negative int bit flags) ride along for free: afterwards `agreed_flags`
         is the OR of every rank's flags on every rank, with no extra collective or sync."""
         arrival_s = time.perf_counter() - self._window_start
         gc_s = self._gc.collect_s - self._gc_at_window_start[0]
         host = self._host.window()
         cpu_wait = -1.0 if host.cpu_wait_frac is None else host.cpu_wait_frac
-        sums, ranks = self.agreement.drain(
-            self.acc.sums, [arrival_s, self.acc.data_wait_s, gc_s, host.cpu_share, cpu_wait], flags
+        sums, ranks = self._agreement.drain(
+            self._acc.sums, [arrival_s, self._acc.data_wait_s, gc_s, host.cpu_share, cpu_wait], flags
         )
         now = time.perf_counter()
         metrics = self._compute(step, sums, ranks, now=now, lr=lr)
@@ -219,7 +213,7 @@ class TrainMetrics:
         metrics["gc/collections"] = float(self._gc.num_collections - self._gc_at_window_start[1])
         sink_cpu, dropped = self._sink_metrics(metrics)
         if self._is_logger:
-            self.alerts.check(metrics, Window(
+            self._alerts.check(metrics, Window(
                 step=step, step_s=metrics["time/step_s"], num_steps=num_steps, data_wait_s=data_wait / num_steps,
                 gc_s=gc_window / num_steps, checkpoint_s=self._checkpoint_blocked_s / num_steps,
                 sink_cpu_s=sink_cpu / num_steps, sink_dropped=dropped,
@@ -230,15 +224,15 @@ class TrainMetrics:
 
     def _train_metrics(self, sums: list[float], *, lr: float | None, num_steps: int, wall: float) -> dict[str, float]:
         """Loss, learning rate, grad norm, throughput, MFU and step time: the window's train/ and throughput/."""
-        world = self.world_size if self.agreement.distributed else 1
+        world = self.world_size if self._agreement.distributed else 1
         tokens_per_sec = self.steps.tokens_per_step * num_steps / wall
         metrics: dict[str, float] = {}
-        if self.acc.num_losses:
-            metrics["train/loss"] = sums[0] / (self.acc.num_losses * world)
+        if self._acc.num_losses:
+            metrics["train/loss"] = sums[0] / (self._acc.num_losses * world)
         if lr is not None:
             metrics["train/lr"] = float(lr)
-        if self.acc.num_grad_norms:
-            metrics["train/grad_norm"] = sums[1] / (self.acc.num_grad_norms * world)
+        if self._acc.num_grad_norms:
+            metrics["train/grad_norm"] = sums[1] / (self._acc.num_grad_norms * world)
         metrics["throughput/tokens_per_sec"] = tokens_per_sec
         for name, peak in self.peaks.items():
             value = mfu(tokens_per_sec=tokens_per_sec, flops_per_token=self.flops_per_token, peak_flops=peak, num_devices=self.world_size)
@@ -257,7 +251,7 @@ class TrainMetrics:
             metrics["time/step_s_rank_spread"] = (max(arrivals) - min(arrivals)) / num_steps
             metrics["time/data_wait_frac_rank_min"] = min(waits) / wall
         metrics["time/data_wait_frac"] = max(waits) / wall
-        phases = self.acc.phase_means()
+        phases = self._acc.phase_means()
         for phase in ("forward", "backward", "optimizer"):
             if phase in phases:
                 metrics[f"time/{phase}_s"] = phases[phase]
@@ -312,11 +306,11 @@ class TrainMetrics:
     def restart_at(self, step: int) -> None:
         """The loop went back to step `step` (a rollback, loop/health.py): the window restarts there
         and what the abandoned steps accumulated is dropped."""
-        self.acc.step = step
+        self._acc.step = step
         self._start_window(step, time.perf_counter())
 
     def _start_window(self, step: int, now: float) -> None:
-        self.acc.reset()
+        self._acc.reset()
         self._checkpoint_blocked_s, self._num_checkpoints = 0.0, 0
         self._window_start_step = step
         self._window_start = now  # logging and sink hand-off below count in the next window

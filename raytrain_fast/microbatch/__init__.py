@@ -15,8 +15,3 @@ from raytrain_fast.microbatch.plan import (
     fastest,
     plan_candidates,
 )
-
-__all__ = [
-    "FAILED", "MemoryBudgetExceeded", "OK", "OOM", "OVER_BUDGET", "Outcome", "candidate_micro_batches",
-    "classify_error", "classify_peak", "fastest", "plan_candidates",
-]

@@ -146,20 +146,21 @@ def probe_micro_batch(
 
 
 def _timed_steps(engine: Any, tokens: Any, *, grad_accum: int, warmup_steps: int, timed_steps: int) -> float:
-    """Seconds of `timed_steps` optimizer steps after `warmup_steps` untimed ones, on one batch."""
-    def optimizer_step() -> Any:
-        for _ in range(grad_accum):
-            loss = engine(tokens[:, :-1], tokens[:, 1:])
-            engine.backward(loss)
-            engine.step()
-        return loss
+    """Seconds of `timed_steps` training steps (engine/step.py, with the loop's on-device sums) after
+    `warmup_steps` untimed ones, on one batch."""
+    import itertools
 
+    from raytrain_fast.engine.step import train_step
+    from raytrain_fast.metrics.accumulators import StepAccumulators
+
+    batches = itertools.repeat((tokens, None))
+    sums = StepAccumulators(device=tokens.device, profile_every=0, start_step=0)
     for _ in range(warmup_steps):
-        optimizer_step()
+        train_step(engine, batches, grad_accum=grad_accum, metrics=sums)
     loss = None
     start = time.perf_counter()
     for _ in range(timed_steps):
-        loss = optimizer_step()
+        loss = train_step(engine, batches, grad_accum=grad_accum, metrics=sums)
     float(loss.detach())  # host sync: the clock stops when the device is done
     return time.perf_counter() - start
 
@@ -211,12 +212,11 @@ def cache_key(config: Config) -> tuple[str, dict[str, Any]]:
 
 
 def _cache_path(config: Config, key: str) -> tuple[Any, str, str]:
-    from raytrain_fast.storage import resolve_filesystem
+    from raytrain_fast.storage.filesystem import resolve_filesystem, uri_of
 
     filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
     path = f"{root.rstrip('/')}/{CACHE_DIR}/{key}.json"
-    scheme = "s3://" if config.storage.uri.startswith("s3://") else ""
-    return filesystem, path, f"{scheme}{path}"
+    return filesystem, path, uri_of(path, like=config.storage.uri)
 
 
 def _read_cache(config: Config, key: str) -> AutoBatchChoice | None:
@@ -385,6 +385,3 @@ def resolve_micro_batch(config: Config, *, probe=probe_in_fresh_process) -> Conf
     return dataclasses.replace(
         config, train=dataclasses.replace(config.train, micro_batch=choice.micro_batch, grad_accum=choice.grad_accum)
     )
-
-
-__all__ = ["AutoBatchChoice", "Probe", "candidate_micro_batches", "probe_micro_batch", "resolve_micro_batch", "search"]

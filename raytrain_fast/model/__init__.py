@@ -5,5 +5,3 @@ from raytrain_fast.model.build import build_model, model_class
 from raytrain_fast.model.documents import DocumentMasking, document_masking
 from raytrain_fast.model.gpt import GPT, flops_per_token
 from raytrain_fast.model.loss import chunked_cross_entropy
-
-__all__ = ["GPT", "DocumentMasking", "ModelConfig", "build_model", "chunked_cross_entropy", "document_masking", "flops_per_token", "model_class"]

@@ -51,6 +51,3 @@ def report_for(run: RunMetrics, *, out_dir: str) -> Report:
         run=run, diagnosis=diagnosis, out_dir=out_dir, html_path=html_path,
         pngs=[os.path.join(out_dir, p.file) for p in plots.plots],
     )
-
-
-__all__ = ["Diagnosis", "Finding", "Report", "ReportError", "RunMetrics", "diagnose", "from_records", "load_run", "make_report", "report_for"]

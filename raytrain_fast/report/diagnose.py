@@ -34,8 +34,6 @@ from raytrain_fast.report.mixture import mixture_lines
 from raytrain_fast.report.summary import summarize
 from raytrain_fast.report.tasks import task_lines
 
-__all__ = ["Diagnosis", "Finding", "diagnose"]
-
 # A hang, a divergence or a spike is a finding however short the run: each returns a list.
 EVENT_FINDINGS = (hang.find, divergence.find, finite_divergence.find, spike.find)
 # The rest judge the steady windows; each returns a Finding, the reason it was skipped, or None.

@@ -127,6 +127,3 @@ def mixture_facts(run: RunMetrics) -> dict[str, Any]:
     stretches = mixture_stretches(run)
     shares = stretches[-1].shares if stretches else []
     return {f"mixture: {s.name}": f"weight {pct(s.weight)}, realised {pct(s.share)}" for s in shares}
-
-
-__all__ = ["MixtureStretch", "SourceShare", "mixture_facts", "mixture_lines", "mixture_stretches"]

@@ -84,6 +84,3 @@ def task_lines(run: RunMetrics) -> list[str]:
     lines += [f"  {r['task']}: first {r['first']}, last {r['last']}, best {r['best acc']}; chance {r['chance']}, {r['items']} items"
               for r in rows]
     return lines
-
-
-__all__ = ["draw_tasks", "task_lines", "task_points", "task_rows"]

@@ -5,16 +5,3 @@ from raytrain_fast.config.storage import StorageConfig
 from raytrain_fast.errors import StorageError
 from raytrain_fast.storage.filesystem import check_uri, resolve_filesystem, uri_of
 from raytrain_fast.storage.redact import redact, redact_text
-
-__all__ = [
-    "StorageConfig",
-    "StorageError",
-    "check_storage",
-    "check_storage_readable",
-    "check_uri",
-    "redact",
-    "redact_text",
-    "resolve_filesystem",
-    "uri_of",
-    "store_corruption_hint",
-]

@@ -3,5 +3,3 @@ stopping of trials clearly behind (beyond timing noise), concurrency derived fro
 over budget, invalid) recorded with its reason while the sweep goes on."""
 
 from raytrain_fast.sweep.runner import SweepSpec, max_concurrent_trials, plan, run_sweep
-
-__all__ = ["SweepSpec", "max_concurrent_trials", "plan", "run_sweep"]

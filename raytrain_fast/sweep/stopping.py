@@ -59,6 +59,3 @@ class NoiseAwareStopper(FIFOScheduler):
 
     def debug_string(self) -> str:
         return f"NoiseAwareStopper: grace {self.grace} windows, margin {self.margin:.0%}"
-
-
-__all__ = ["NOISE_MARGIN", "NoiseAwareStopper", "grace_windows"]

@@ -16,14 +16,14 @@ logger = logging.getLogger("raytrain_fast.watchdog")
 
 
 class Heartbeat:
-    """Sends (rank, step, phase) to the coordinator actor from a daemon thread."""
+    """Sends (rank, step, phase) to the run's coordinator (coordinator.py's `Coordinator`) from a daemon thread."""
 
     def __init__(
-        self, actor: Any, *, rank: int, world_size: int, read_step: Callable[[], int], last_step: int, interval_s: float
+        self, coordinator: Any, *, rank: int, world_size: int, read_step: Callable[[], int], last_step: int, interval_s: float
     ) -> None:
         import ray
 
-        self._actor = actor
+        self._coordinator = coordinator
         self._rank, self._world_size = rank, world_size
         self._read_step, self._last_step = read_step, last_step
         self._start_step = read_step()  # the step it starts (or resumes) at: the first step after it compiles, not watched
@@ -50,8 +50,6 @@ class Heartbeat:
         return self._phase
 
     def _run(self) -> None:
-        import ray
-
         pid = os.getpid()
         wait_s = 0.0  # the first beat at once: a rank that froze before its first beat would never be watched
         while not self._stop.wait(wait_s):
@@ -60,10 +58,10 @@ class Heartbeat:
             if step >= self._last_step:  # the run's last step is done: what follows (the final upload) is not watched
                 break
             try:
-                ray.get(self._actor.beat.remote(
+                self._coordinator.beat(
                     rank=self._rank, world_size=self._world_size, pid=pid, node_id=self._node_id,
-                    step=step, start_step=self._start_step, phase=self._current_phase(step),
-                ), timeout=max(10.0, 5 * self.interval_s))
+                    step=step, start_step=self._start_step, phase=self._current_phase(step), timeout_s=max(10.0, 5 * self.interval_s),
+                )
             except Exception as error:  # noqa: BLE001 - the driver (and its actor) is gone: Ray ends us anyway
                 if not self._stop.is_set():
                     logger.warning("hang watchdog: heartbeat to the coordinator failed, no longer beating: %s", error)
@@ -71,10 +69,8 @@ class Heartbeat:
         self._end()
 
     def _end(self) -> None:
-        import ray
-
         try:
-            ray.get(self._actor.beat_end.remote(rank=self._rank, pid=os.getpid()), timeout=10)
+            self._coordinator.beat_end(rank=self._rank, pid=os.getpid())
         except Exception:  # noqa: BLE001 - nothing left to watch either way
             pass
 

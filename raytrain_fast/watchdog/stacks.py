@@ -6,6 +6,7 @@ and restarts the group from the newest checkpoint (a failure under resources.max
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -156,5 +157,8 @@ class Watchdog:
         await end_processes(stuck, record["stuck_ranks"])
         self.watch.retire_all()
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
+        """Cancel the checks and wait for them to end (a response under way ends at its next await)."""
         self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
