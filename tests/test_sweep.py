@@ -199,8 +199,9 @@ def test_a_trial_error_through_ray_gets_the_shared_reason(ray_session):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_sweep_over_activation_checkpointing_tries_each_micro_batch_with_each_value(ray_session, tmp_path):
-    config = _config(tmp_path, "train.global_batch=2", "model.max_seq_len=256", "data.seq_len=256", name="ac")
+def test_a_sweep_on_a_mixture_over_activation_checkpointing_tries_each_micro_batch_with_each_value(ray_session, tmp_path):
+    config = _config(tmp_path, "train.global_batch=2", "model.max_seq_len=256", "data.seq_len=256", "data.max_tokens=0",
+                     "data.sources=[{source: stdlib, weight: 0.7}, {source: stdlib, name: again, weight: 0.3}]", name="ac")
     result = run_sweep(config, SweepSpec(micro_batches=[2, 3], activation_checkpointing=["none", "full"], steps=2, num_reports=2))
     print(result.table)
     trials = [r for r in result.rows if r.status != "skipped"]
@@ -225,6 +226,7 @@ def test_sweep_over_activation_checkpointing_tries_each_micro_batch_with_each_va
     # The best config sets the winning value (and leaves the config's own, none, as it is).
     best = load_config(result.best_config_path)
     assert (best.train.micro_batch, best.model.activation_checkpointing) == (2, result.best.activation_checkpointing)
+    assert [(s.name, s.weight) for s in best.data.sources] == [(None, 0.7), ("again", 0.3)]  # the mixture, as given
 
 
 def test_cli_rejects_an_unknown_activation_checkpointing_before_ray_starts(tmp_path, capsys):
