@@ -388,7 +388,7 @@ def prepare_data(args: argparse.Namespace) -> int:
     held_out = f" (+ {manifest.validation.num_sequences:,} held out for validation)" if manifest.validation else " (no validation split)"
     print(f"Prepared {manifest.num_sequences:,} sequences of {args.seq_len + 1} tokens in {args.output}{held_out}")
     s3 = {"endpoint_url": args.endpoint_url, "region": args.region, "profile": args.profile}
-    print(f"Train on it: {train_command(data=args.output, seq_len=args.seq_len, vocab_size=manifest.tokenizer.vocab_size, storage=s3)}")
+    print(f"Train on it: {train_command(data=args.output, seq_len=args.seq_len, vocab_size=manifest.tokenizer.vocab_size, num_sequences=manifest.num_sequences, storage=s3)}")
     return 0
 
 

@@ -28,13 +28,20 @@ def run_name_for(output: str) -> str:
     return f"{name}-run"
 
 
-def train_command(*, data: str, seq_len: int, vocab_size: int, preset: str = DEFAULT_PRESET,
+def train_command(*, data: str, seq_len: int, vocab_size: int, num_sequences: int | None = None, preset: str = DEFAULT_PRESET,
                   storage: dict[str, str | None] | None = None) -> str:
-    """`raytrain-fast pretrain ...` on prepared data (`data`, its `seq_len` and tokenizer vocabulary):
-    the preset's model with what the data needs changed, under a run name of its own. `storage`: the
-    S3 settings (endpoint_url, region, profile) the data was written with, for data in a bucket."""
-    model = load_config(preset).model
+    """`raytrain-fast pretrain ...` on prepared data (`data`, its `seq_len`, tokenizer vocabulary and
+    training sequences): the preset's model with what the data needs changed (a smaller micro-batch
+    for fewer sequences than one per worker), under a run name of its own. `storage`: the S3 settings
+    (endpoint_url, region, profile) the data was written with, for data in a bucket."""
+    config = load_config(preset)
+    model, train, workers = config.model, config.train, config.resources.num_workers
     sets = [f"data.source={data}", f"data.seq_len={seq_len}"]
+    per_worker = (num_sequences or 0) // workers if isinstance(workers, int) else 0
+    if isinstance(train.micro_batch, int) and 0 < per_worker < train.micro_batch:
+        # the largest micro-batch the corpus fills that divides the global batch (accumulation makes up the rest)
+        fits = max(m for m in range(1, per_worker + 1) if train.global_batch % (m * workers) == 0)
+        sets.append(f"train.micro_batch={fits}")
     if data.startswith("s3://"):
         sets += [f"storage.{key}={value}" for key, value in (storage or {}).items() if value]
     if model_vocab_size(vocab_size) > model.vocab_size:

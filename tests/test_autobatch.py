@@ -255,7 +255,7 @@ def test_auto_is_validated_before_anything_runs(tmp_path):
         validate(no_budget, cluster_cpus=2, cluster_gpus=0)  # ...CPU workers do
     validate(_config(tmp_path, "resources.memory_budget_gb=4"), cluster_cpus=2, cluster_gpus=0)
     with pytest.raises(ValueError, match="must be resolved first"):
-        no_budget.grad_accum()
+        no_budget.batch()
 
 
 @pytest.mark.ray
@@ -264,7 +264,6 @@ def test_auto_under_a_small_budget_fits_keeps_the_global_batch_and_is_cached(ray
     import dataclasses
 
     from raytrain_fast.microbatch.auto import resolve_micro_batch
-    from raytrain_fast.launch.checks import resolve_resources
     from raytrain_fast.launch.trainer import run
     from raytrain_fast.metrics import read_metrics
 
@@ -293,20 +292,19 @@ def test_auto_under_a_small_budget_fits_keeps_the_global_batch_and_is_cached(ray
     assert max(r["memory/peak_gb"] for r in records) <= budget
 
     # A rerun (or a resume) finds the choice in storage and measures nothing.
-    resolved = resolve_micro_batch(resolve_resources(config), probe=_must_not_probe)
+    resolved = resolve_micro_batch(_on_the_cluster(config), probe=_must_not_probe)
     assert (resolved.train.micro_batch, resolved.train.grad_accum) == (record["micro_batch"], record["grad_accum"])
     assert "cached in" in capfd.readouterr().out
     # A different budget is a different question: not answered from this cache.
     other = dataclasses.replace(config, resources=dataclasses.replace(config.resources, memory_budget_gb=budget * 2))
     with pytest.raises(AssertionError, match="probed"):
-        resolve_micro_batch(resolve_resources(other), probe=_must_not_probe)
+        resolve_micro_batch(_on_the_cluster(other), probe=_must_not_probe)
 
 
 @pytest.mark.ray
 @pytest.mark.slow
 def test_auto_turns_activation_checkpointing_on_under_a_budget_only_it_meets(ray_session, tmp_path, capfd):
     from raytrain_fast.microbatch.auto import resolve_micro_batch
-    from raytrain_fast.launch.checks import resolve_resources
 
     # One sequence of 4096 tokens through 12 blocks with a 32x-wide MLP: activations are most of the
     # memory. Measured 3 times each on the 2-core CI machine (micro_batch=1): the probe peaks at
@@ -316,7 +314,7 @@ def test_auto_turns_activation_checkpointing_on_under_a_budget_only_it_meets(ray
         tmp_path, "model.vocab_size=320", "model.num_layers=12", "model.mlp_ratio=32", "model.max_seq_len=4096",
         "data.seq_len=4096", "train.global_batch=1", f"resources.memory_budget_gb={budget}",
     )
-    resolved = resolve_micro_batch(resolve_resources(config))
+    resolved = resolve_micro_batch(_on_the_cluster(config))
     out = capfd.readouterr().out
     assert (resolved.train.micro_batch, resolved.train.grad_accum, resolved.model.activation_checkpointing) == (1, 1, "full")
     assert "micro_batch=auto -> micro_batch=1, grad_accum=1, model.activation_checkpointing=full" in out
@@ -330,9 +328,17 @@ def test_auto_turns_activation_checkpointing_on_under_a_budget_only_it_meets(ray
     assert record["activation_checkpointing"] == "full" and record["key_inputs"]["model"]["activation_checkpointing"] == "none"
 
     # A rerun finds the choice, activation checkpointing included, and measures nothing.
-    again = resolve_micro_batch(resolve_resources(config), probe=_must_not_probe)
+    again = resolve_micro_batch(_on_the_cluster(config), probe=_must_not_probe)
     assert again.model == resolved.model and again.train == resolved.train
     assert "cached in" in capfd.readouterr().out
+
+
+def _on_the_cluster(config):
+    """The config as the plan hands it to micro_batch=auto: checked, its resources resolved on the cluster."""
+    from raytrain_fast.launch.checks import check_run
+    from raytrain_fast.launch.plan import on_the_cluster
+
+    return on_the_cluster(check_run(config).config)[0]
 
 
 def _must_not_probe(*args, **kwargs):

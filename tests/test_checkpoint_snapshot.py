@@ -201,3 +201,31 @@ def test_on_a_gpu_the_reserved_buffers_are_pinned_and_every_save_lands_in_them(t
         _check_written(tmp_path / name, "cuda")
     assert writer.buffers.missed_bytes == 0
     writer.close()
+
+
+def test_tied_weights_from_a_real_state_dict_are_copied_once_and_load_back_tied(tmp_path):
+    # module.state_dict() hands out a fresh tensor object per name, so the tie is only visible in the storage.
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64, bias=False))
+    model[1].weight = model[0].weight
+    state = model.state_dict()
+    assert state["0.weight"] is not state["1.weight"]
+    writer = SnapshotWriter()
+    reserved, _ = writer.reserve(lambda: writer.save(state, str(tmp_path / "reserve.pt")))
+    assert reserved == 64 * 16 * 4  # one buffer for the tied pair, not two
+    writer.save(state, str(tmp_path / "model.pt"))
+    writer.wait()
+    writer.close()
+    assert writer.buffers.missed_bytes == 0
+    loaded = torch.load(tmp_path / "model.pt")
+    assert loaded["0.weight"].data_ptr() == loaded["1.weight"].data_ptr()
+    assert torch.equal(loaded["1.weight"], model[0].weight.detach())
+
+
+def test_closing_the_writer_removes_its_hook_from_the_optimizer():
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    writer = SnapshotWriter()
+    assert writer.guard(optimizer)
+    assert len(optimizer._optimizer_step_pre_hooks) == 1
+    writer.close()
+    assert len(optimizer._optimizer_step_pre_hooks) == 0

@@ -32,7 +32,7 @@ def test_every_shipped_preset_loads_and_validates(preset):
     if config.train.micro_batch == "auto":  # the run measures it: the global batch must split over the workers
         assert config.train.global_batch % config.resources.num_workers == 0
     else:
-        assert config.train.global_batch == config.train.micro_batch * config.grad_accum() * config.resources.num_workers
+        assert config.train.global_batch == config.batch().global_batch
 
 
 def test_unknown_key_names_the_key_and_the_file(tmp_path):
@@ -122,7 +122,7 @@ def test_derived_grad_accum_must_divide():
     with pytest.raises(ConfigError) as error:
         validate(load_config("tiny", readme_case))
     _every_offered_fix_validates(str(error.value), readme_case)
-    assert load_config("tiny", ["train.global_batch=32", "train.micro_batch=8", "resources.num_workers=2"]).grad_accum() == 2
+    assert load_config("tiny", ["train.global_batch=32", "train.micro_batch=8", "resources.num_workers=2"]).batch().grad_accum == 2
 
 
 def test_many_bad_values_in_one_message():

@@ -1,6 +1,7 @@
 """Mixtures (data.sources): the weighted interleave holds every source's share in every window, a
 source that runs out starts its next epoch alone, a resume on another worker count continues the same
-sequences of each source, and bad mixtures are refused before any worker starts.
+sequences of each source, a resume with other weights or sources continues each source where it stood
+(with exact counts), and bad mixtures are refused before any worker starts.
 
 The three tiny sources are written in distinct letters (web a-d, code k-l, papers x), so which source a
 sequence came from is read from its tokens, not from the schedule under test."""
@@ -14,12 +15,10 @@ import numpy as np
 import pytest
 
 from raytrain_fast.config import load_config
-from raytrain_fast.data import load_manifest, prepare_data
-from raytrain_fast.data.ingest import DataPosition, rank_stream, usable_rows
-from raytrain_fast.data.mixture import (
-    MixtureIterator, MixturePosition, MixtureSchedule, Source, check_mixture, mixture_rank_stream, open_mixture,
-)
-from raytrain_fast.errors import ConfigError, DataError
+from raytrain_fast.data import BatchIterator, load_manifest, prepare_data
+from raytrain_fast.data.mixture import MixturePosition, MixtureSchedule, Source, check_sources, load_sources, mixture_rank_stream
+from raytrain_fast.data.order import locate_absolute, rank_indexes, usable_rows
+from raytrain_fast.errors import ConfigError
 from raytrain_fast.storage import StorageConfig
 
 pytestmark = pytest.mark.ray
@@ -102,13 +101,12 @@ def test_one_source_is_exactly_the_single_source_stream(local_uris):
     manifest = load_manifest(local_uris["web"])
     rows = usable_rows(manifest)
     for world_size, rank, start in ((1, 0, 0), (3, 2, 20)):
-        sources, shards, in_shard = mixture_rank_stream(
-            [rows], MixtureSchedule([1.0]), seed=4, consumed=start, rank=rank, world_size=world_size, micro_batch=4, batches=9,
+        sources, shards, in_shard, _ = mixture_rank_stream(
+            [rows], MixtureSchedule([1.0]), seed=4, position=MixturePosition(consumed=start, sources=[{"name": "web", "weight": 1.0}]),
+            rank=rank, world_size=world_size, micro_batch=4, batches=9,
         )
-        _, _, plain_shards, plain_rows = rank_stream(
-            rows, seed=4, start=DataPosition(epoch=start // sum(rows), consumed=start % sum(rows)), rank=rank,
-            world_size=world_size, micro_batch=4, batches=9,
-        )
+        indexes = rank_indexes(start, rank=rank, world_size=world_size, micro_batch=4, batches=9, first_batch=0)
+        _, _, plain_shards, plain_rows = locate_absolute(rows, indexes, seed=4, orders={})
         assert not sources.any() and np.array_equal(shards, plain_shards) and np.array_equal(in_shard, plain_rows)
 
 
@@ -125,7 +123,7 @@ def test_a_three_source_run_holds_the_shares_and_sources_run_out_on_their_own(wh
     sources = sources_at(uris, storage)
     sizes = {s.name: s.manifest.num_sequences for s in sources}
     assert sizes == {"web": 64, "code": 32, "papers": 16}
-    with MixtureIterator(sources, rank=0, world_size=1, micro_batch=4, seed=3, storage=storage) as it:
+    with BatchIterator(sources, rank=0, world_size=1, micro_batch=4, seed=3, storage=storage) as it:
         taken = take(it, 40)  # 160 sequences: papers 32 (2 epochs), code 48 (1.5), web 80 (1.25)
         metrics = it.source_metrics(seq_len=SEQ_LEN)
     names = [n for n, _ in taken]
@@ -142,6 +140,7 @@ def test_a_three_source_run_holds_the_shares_and_sources_run_out_on_their_own(wh
         assert metrics[f"data/tokens/{name}"] == len(ids) * SEQ_LEN
         assert metrics[f"data/epochs/{name}"] == pytest.approx(len(ids) / size)
     assert metrics["data/epochs/papers"] == 2.0 and metrics["data/epochs/web"] == 1.25
+    assert {n: metrics[f"data/weight/{n}"] for n in WEIGHTS} == pytest.approx(WEIGHTS)
 
 
 def global_order(sources, *, world_size: int, micro_batch: int, batches: int, position=None) -> tuple[list, list]:
@@ -149,7 +148,7 @@ def global_order(sources, *, world_size: int, micro_batch: int, batches: int, po
     positions after each batch."""
     shares, positions = [], []
     for rank in range(world_size):
-        with MixtureIterator(sources, rank=rank, world_size=world_size, micro_batch=micro_batch, seed=9, position=position) as it:
+        with BatchIterator(sources, rank=rank, world_size=world_size, micro_batch=micro_batch, seed=9, position=position) as it:
             share = []
             for _ in range(batches):
                 share.append(take(it, 1))
@@ -168,20 +167,43 @@ def test_a_resume_on_another_worker_count_continues_the_same_sequences_of_each_s
     assert reference[:40] + resumed[:56] == reference[:94]
     per_source = {n: [i for m, i in reference[40:94] if m == n] for n in WEIGHTS}
     assert per_source == {n: [i for m, i in resumed if m == n] for n in WEIGHTS}
-    # The loop's entry (open_mixture: the run's config and prepared URIs) resumes the same way, on 1 worker.
-    config = mixture_config(*local_uris.values(), weights=tuple(WEIGHTS.values()), overrides=["train.micro_batch=4", "data.shuffle_seed=9"])
-    with open_mixture(config, list(local_uris.values()), rank=0, world_size=1, device="cpu", position=saved) as it:
+    # The sources as the plan loads them from a config (launch/plan.py) resume the same way, on 1 worker.
+    config = mixture_config(*local_uris.values(), weights=tuple(WEIGHTS.values()))
+    loaded, problems = load_sources(config, list(local_uris.values()))
+    assert not problems and [s.name for s in loaded] == list(WEIGHTS)
+    with BatchIterator(loaded, rank=0, world_size=1, micro_batch=4, seed=9, position=saved) as it:
         assert take(it, 3) == reference[40:52]
 
 
-def test_a_resume_with_other_weights_or_a_single_source_position_is_refused(local_uris):
-    identity = [{"name": s.name, "weight": s.weight} for s in sources_at(local_uris)]
-    saved = MixturePosition(consumed=40, sources=identity).to_dict()
-    other = [dict(item, weight=1.0) for item in identity]
-    with pytest.raises(DataError, match="Restore data.sources, or start a new run"):
-        MixturePosition.from_dict(saved, sources=other)
-    with pytest.raises(DataError, match="belongs to a single data.source"):
-        MixturePosition.from_dict(DataPosition(epoch=1, consumed=4).to_dict(), sources=identity)
+def test_a_resume_with_other_weights_and_sources_continues_each_source_where_it_stood(local_uris, ray_session):
+    """checkpoint.allow_changes=data: from the resume position a new schedule, each source going on
+    in its own stream from the sequences it had given; a source left out keeps its count, a new one starts at 0."""
+    sources = sources_at(local_uris)
+    before, positions = global_order(sources, world_size=1, micro_batch=4, batches=25)  # 100 sequences
+    saved = json.loads(json.dumps(positions[9].to_dict()))  # after 40
+    given = {n: sum(m == n for m, _ in before[:40]) for n in WEIGHTS}
+    changed = [Source(name="papers", weight=3.0, manifest=sources[2].manifest), Source(name="web", weight=1.0, manifest=sources[0].manifest)]
+    with BatchIterator(changed, rank=0, world_size=1, micro_batch=4, seed=9, position=saved) as it:
+        assert (it.position.start, it.position.before) == (40, given)
+        after = take(it, 10)  # 40 more: papers 30, web 10
+        metrics = it.source_metrics(seq_len=SEQ_LEN)
+        again = json.loads(json.dumps(it.position.to_dict()))
+    assert_shares_hold_in_every_window([n for n, _ in after], {"papers": 3.0, "web": 1.0}, STATED_BOUND)
+    for name, source in (("papers", sources[2]), ("web", sources[0])):
+        ids = [i for n, i in after if n == name]
+        assert ids == own_stream(source.manifest, given[name] + len(ids))[given[name]:], name
+        assert metrics[f"data/tokens/{name}"] == (given[name] + len(ids)) * SEQ_LEN
+    assert metrics["data/tokens/code"] == given["code"] * SEQ_LEN and "data/weight/code" not in metrics  # left out: counted, not read
+    assert metrics["data/weight/papers"] == 0.75
+    # The changed position saved again resumes itself: the same schedule, no second change.
+    with BatchIterator(changed, rank=0, world_size=1, micro_batch=4, seed=9, position=again) as it:
+        assert it.position.start == 40 and take(it, 1)[0][0] in ("papers", "web")
+
+
+def own_stream(manifest, count: int, *, seed: int = 9) -> list[int]:
+    """The first `count` seq_ids of one source's own stream (its epochs one after the other)."""
+    _, _, shards, rows = locate_absolute(usable_rows(manifest), np.arange(count), seed=seed, orders={})
+    return [manifest.shards[s].first_seq_id + r for s, r in zip(shards.tolist(), rows.tolist())]
 
 
 def mixture_config(*sources: str, weights=(0.7, 0.2, 0.1), overrides=()):
@@ -192,11 +214,11 @@ def mixture_config(*sources: str, weights=(0.7, 0.2, 0.1), overrides=()):
 def test_bad_mixtures_are_named_with_the_fix(local_uris, tmp_path):
     web, code = local_uris["web"], local_uris["code"]
     with pytest.raises(ConfigError, match=r"data.sources '.*/missing' does not exist.*remove it from data.sources"):
-        check_mixture(mixture_config(web, code, str(tmp_path / "missing")))
+        check_sources(mixture_config(web, code, str(tmp_path / "missing")))
     (tmp_path / "x.txt").write_text("x" * 300)
     prepare_data(inputs=[str(tmp_path / "x.txt")], output=str(tmp_path / "len16"), seq_len=16, parallel=False, verbose=False)
-    with pytest.raises(ConfigError, match=r"prepared with seq_len 16 but data.seq_len is 8: prepare every source with --seq-len 8"):
-        check_mixture(mixture_config(web, code, str(tmp_path / "len16")))
+    with pytest.raises(ConfigError, match=r"prepared with seq_len 16 but data.seq_len is 8: .* prepare it again with --seq-len 8"):
+        check_sources(mixture_config(web, code, str(tmp_path / "len16")))
     from raytrain_fast.data.train_tokenizer import train_tokenizer
 
     (tmp_path / "words.txt").write_text(" ".join(f"word{i % 50} text{i % 7}" for i in range(3000)))
@@ -204,16 +226,16 @@ def test_bad_mixtures_are_named_with_the_fix(local_uris, tmp_path):
     prepare_data(inputs=[str(tmp_path / "words.txt")], output=str(tmp_path / "bpe"), seq_len=8, tokenizer=str(tmp_path / "tok"),
                  parallel=False, verbose=False)
     with pytest.raises(ConfigError, match=r"a mixture needs one tokenizer; prepare every source with the same --tokenizer"):
-        check_mixture(mixture_config(web, code, str(tmp_path / "bpe"), overrides=["model.vocab_size=320"]))
+        check_sources(mixture_config(web, code, str(tmp_path / "bpe"), overrides=["model.vocab_size=320"]))
     (tmp_path / "empty-text").mkdir()
     (tmp_path / "empty-text" / "a.txt").write_text("")
     with pytest.raises(ConfigError, match=r"data.sources '.*empty-text' is empty .*add text to it, or remove it"):
-        check_mixture(mixture_config(web, code, str(tmp_path / "empty-text")))
-    assert [s.name for s in check_mixture(mixture_config(web, code, local_uris["papers"]))] == ["web", "code", "papers"]
+        check_sources(mixture_config(web, code, str(tmp_path / "empty-text")))
+    assert [s.name for s in check_sources(mixture_config(web, code, local_uris["papers"]))] == ["web", "code", "papers"]
     # A source smaller than a micro-batch (papers: 16 sequences) is fine: it cycles. A model too small for the vocabulary is not.
-    check_mixture(mixture_config(web, code, local_uris["papers"], overrides=["train.micro_batch=64"]))
-    with pytest.raises(ConfigError, match=r"data.sources 'web': model.vocab_size \(200\) is smaller"):
-        check_mixture(mixture_config(web, code, local_uris["papers"], overrides=["model.vocab_size=200"]))
+    check_sources(mixture_config(web, code, local_uris["papers"], overrides=["train.micro_batch=64"]))
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(200\) is smaller"):
+        check_sources(mixture_config(web, code, local_uris["papers"], overrides=["model.vocab_size=200"]))
 
 
 class _Recorded:
@@ -232,7 +254,7 @@ class _Recorded:
 def test_val_loss_is_reported_per_source_where_each_has_a_validation_split(tmp_path):
     import torch
 
-    from raytrain_fast.data.validation import load_mixture_validation
+    from raytrain_fast.data.validation import load_validation
     from raytrain_fast.loop.evaluation import Evaluator
     from raytrain_fast.model import GPT, ModelConfig
 
@@ -250,41 +272,44 @@ def test_val_loss_is_reported_per_source_where_each_has_a_validation_split(tmp_p
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=320, max_seq_len=SEQ_LEN, num_layers=1, num_heads=2, d_model=32))
 
-    def evaluate(tokens: np.ndarray, total: int, splits=None) -> dict[str, float]:
+    def evaluate(tokens: np.ndarray, splits) -> dict[str, float]:
         recorded = _Recorded()
-        evaluator = Evaluator(tokens=torch.from_numpy(tokens), total=total, every_steps=1, total_steps=1, micro_batch=3,
-                              rank=0, world_size=1, sources=splits)
+        evaluator = Evaluator(tokens=torch.from_numpy(tokens), sources=splits, every_steps=1, total_steps=1, micro_batch=3,
+                              rank=0, world_size=1)
         evaluator.run(model, recorded, step=1)
         return recorded.emitted
 
-    tokens, splits = load_mixture_validation(sources, count=8, rank=0, world_size=1)
+    tokens, splits = load_validation(sources, count=8, rank=0, world_size=1)
     assert [s.name for s in splits] == ["web", "code"] and [s.weight for s in splits] == pytest.approx([0.5 / 0.8, 0.3 / 0.8])
-    mixed = evaluate(tokens, len(tokens), splits)
+    mixed = evaluate(tokens, splits)
     alone = {}
     for source, split in zip(sources, splits):
-        own, _ = load_mixture_validation([source], count=8, rank=0, world_size=1)
-        alone[source.name] = evaluate(own, len(own))["val/loss"]  # the single-source path on that source alone
+        own, own_split = load_validation([dataclasses.replace(source, weight=1.0)], count=8, rank=0, world_size=1)
+        alone[source.name] = evaluate(own, own_split)["val/loss"]  # that source alone, as a single data.source
         assert mixed[f"val/loss/{source.name}"] == pytest.approx(alone[source.name], rel=1e-5)
     assert mixed["val/loss"] == pytest.approx(sum(s.weight * alone[s.name] for s in splits), rel=1e-5)
     assert alone["web"] != pytest.approx(alone["code"], rel=1e-3)  # two distributions, two losses
     # A source without a validation split gets no val/loss of its own.
     papers = prepared_with_split("papers", "an abstract", None)
     bare = Source(name="papers", weight=0.2, manifest=dataclasses.replace(papers.manifest, validation=None))
-    _, splits = load_mixture_validation(sources + [bare], count=8, rank=0, world_size=1)
+    _, splits = load_validation(sources + [bare], count=8, rank=0, world_size=1)
     assert [s.name for s in splits] == ["web", "code"]
 
 
 def test_the_report_shows_the_realised_mixture_against_the_weights():
-    from raytrain_fast.data.mixture import tokens_per_source
     from raytrain_fast.report.load import from_records
-    from raytrain_fast.report.mixture import mixture_lines, realised_mixture
+    from raytrain_fast.report.mixture import mixture_lines, mixture_stretches
 
     schedule, names, global_batch, log_every = MixtureSchedule(list(WEIGHTS.values())), list(WEIGHTS), 12, 10
     config = {"data": {"sources": [{"source": f"/data/{n}", "weight": w} for n, w in WEIGHTS.items()]},
               "train": {"log_every": log_every}}
-    records = [{"step": step, "time": float(step), **tokens_per_source(schedule, consumed=step * global_batch, seq_len=SEQ_LEN, names=names)}
-               for step in range(log_every, 201, log_every)]
-    shares = {s.name: s for s in realised_mixture(from_records(records, config=config))}
+
+    def tokens(counts) -> dict[str, float]:
+        return {f"data/tokens/{n}": float(c * SEQ_LEN) for n, c in zip(names, counts.tolist())}
+
+    records = [{"step": step, "time": float(step), **tokens(schedule.counts(step * global_batch))} for step in range(log_every, 201, log_every)]
+    [stretch] = mixture_stretches(from_records(records, config=config))  # records without data/weight: the config's
+    shares = {s.name: s for s in stretch.shares}
     window = log_every * global_batch  # sequences per log window
     for name, weight in WEIGHTS.items():
         assert shares[name].weight == pytest.approx(weight)
@@ -294,11 +319,37 @@ def test_the_report_shows_the_realised_mixture_against_the_weights():
     for record in records[9:]:
         record["data/tokens/web"] += 30 * SEQ_LEN
     run = from_records(records, config=config)
-    skewed = {s.name: s for s in realised_mixture(run)}
+    skewed = {s.name: s for s in mixture_stretches(run)[0].shares}
     assert skewed["web"].worst_window_step == 100 and skewed["web"].worst_window_share == pytest.approx((60 + 30) / (window + 30))
     lines = mixture_lines(run)
     assert lines[0].startswith("Mixture") and any(line.strip().startswith("web: weight 50%") for line in lines)
-    assert realised_mixture(from_records([{"step": 10, "time": 1.0, "train/loss": 2.0}])) == []  # not a mixture
+    assert mixture_stretches(from_records([{"step": 10, "time": 1.0, "train/loss": 2.0}])) == []  # not a mixture
+
+
+def test_the_report_shows_each_stretch_of_a_mixture_changed_on_resume():
+    """Weights and sources changed at step 100 (checkpoint.allow_changes=data): the records carry the
+    weights in force, and the report compares each stretch with its own weights."""
+    from raytrain_fast.report.load import from_records
+    from raytrain_fast.report.mixture import mixture_lines, mixture_stretches
+
+    first, second = MixtureSchedule([0.5, 0.3, 0.2]), MixtureSchedule([0.25, 0.75])  # web, code, papers; then web, papers
+    global_batch, records = 12, []
+    for step in range(10, 201, 10):
+        if step <= 100:
+            counts, weights = dict(zip(WEIGHTS, first.counts(step * global_batch).tolist())), dict(WEIGHTS)
+        else:
+            given = dict(zip(WEIGHTS, first.counts(100 * global_batch).tolist()))
+            now = dict(zip(("web", "papers"), second.counts((step - 100) * global_batch).tolist()))
+            counts, weights = {n: given[n] + now.get(n, 0) for n in WEIGHTS}, {"web": 0.25, "papers": 0.75}
+        records.append({"step": step, "time": float(step), **{f"data/tokens/{n}": float(c * SEQ_LEN) for n, c in counts.items()},
+                        **{f"data/weight/{n}": w for n, w in weights.items()}})
+    before, after = mixture_stretches(from_records(records))
+    assert (before.first, before.last, after.first, after.last) == (0, 100, 100, 200)
+    assert {s.name: round(s.share, 2) for s in before.shares} == WEIGHTS
+    assert {s.name: round(s.share, 2) for s in after.shares} == {"web": 0.25, "code": 0.0, "papers": 0.75}
+    assert sum(s.tokens for s in after.shares) == 100 * global_batch * SEQ_LEN  # exactly the stretch's tokens
+    lines = mixture_lines(from_records(records))
+    assert sum("weights changed on resume" in line for line in lines) == 2 and "  papers: weight 75%, realised 75%" in "\n".join(lines)
 
 
 def test_a_mixture_trains_through_the_loop_and_logs_tokens_per_source(local_uris, ray_session, tmp_path):

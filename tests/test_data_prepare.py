@@ -162,8 +162,8 @@ def test_bad_inputs_are_reported_with_reasons(tmp_path, capsys):
 
     with pytest.raises(DataError) as error:
         prepare_data(inputs=[missing, str(corpus / "empty.txt")], output=str(tmp_path / "out2"), seq_len=8)
-    assert "no input files to prepare" in str(error.value) or "fewer than one sequence" in str(error.value)
-    assert "does not exist" in str(error.value) and "empty file" in str(error.value)
+    assert "the inputs hold no text (1 empty file(s)" in str(error.value)  # before anything is written
+    assert "does not exist" in str(error.value) and not (tmp_path / "out2").exists()
     with pytest.raises(DataError, match="no inputs given"):
         prepare_data(inputs=[], output=str(tmp_path / "out3"), seq_len=8)
     (tmp_path / "short.txt").write_text("tiny")
@@ -305,7 +305,8 @@ def test_validation_split_is_disjoint_by_document_and_stable(tmp_path):
 def test_validation_split_bad_input_and_old_manifests(tmp_path):
     from raytrain_fast.config import load_config
     from raytrain_fast.errors import ConfigError
-    from raytrain_fast.loop.evaluation import resolve_eval
+    from raytrain_fast.data.mixture import Source
+    from raytrain_fast.launch.plan import resolve_eval
 
     corpus = tmp_path / "corpus"
     write_corpus(corpus)
@@ -328,15 +329,17 @@ def test_validation_split_bad_input_and_old_manifests(tmp_path):
     path.write_text(json.dumps(data))
     manifest = load_manifest(str(tmp_path / "old"))
     assert manifest.validation is None and manifest.num_sequences == old.num_sequences
-    config, notes = resolve_eval(load_config("tiny"), manifest)
+    config, notes = resolve_eval(load_config("tiny"), [Source(name="old", weight=1.0, manifest=manifest)])
     assert config.eval.enabled is False and config.checkpoint.best_metric == "train/loss"
     assert len(notes) == 1 and "no validation split" in notes[0]
     with pytest.raises(ConfigError, match="eval.enabled=true, but .* no validation split.*prepare-data"):
-        resolve_eval(load_config("tiny", ["eval.enabled=true"]), manifest)
+        resolve_eval(load_config("tiny", ["eval.enabled=true"]), [Source(name="old", weight=1.0, manifest=manifest)])
 
     split = prepare_data(inputs=[str(corpus)], output=str(tmp_path / "split"), seq_len=8, val_fraction=0.5)
     n = split.validation.num_sequences
-    with pytest.raises(ConfigError, match=rf"eval.sequences \({n + 1}\) is larger than the validation split .* \({n} sequences\)"):
-        resolve_eval(load_config("tiny", ["eval.enabled=true", f"eval.sequences={n + 1}"]), split)
-    config, _ = resolve_eval(load_config("tiny", [f"eval.sequences={n + 1}"]), split)  # auto: the whole split
-    assert config.eval.sequences == n and config.eval.every_steps == 100 and config.checkpoint.best_metric == "val/loss"
+    sources = [Source(name="split", weight=1.0, manifest=split)]
+    with pytest.raises(ConfigError, match=rf"eval.sequences \({n + 1}\) is larger than the validation split of split \({n} sequences\)"):
+        resolve_eval(load_config("tiny", ["eval.enabled=true", f"eval.sequences={n + 1}"]), sources)
+    config, notes = resolve_eval(load_config("tiny", [f"eval.sequences={n + 1}"]), sources)  # auto: the whole split
+    assert config.eval.enabled and config.eval.every_steps == 100 and config.checkpoint.best_metric == "val/loss"
+    assert f"split ({n} sequences) holds fewer: evaluating all of it" in notes[0] and f"Eval: {n} validation sequences" in notes[1]

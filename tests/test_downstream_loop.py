@@ -1,8 +1,9 @@
 """eval.tasks in a real run (Ray Train, DeepSpeed on the CPU): a tiny model trained on the gold
 continuations of a small task scores above 0.9 on it while the same model untrained scores near
-chance; the figure the loop records at a step equals `raytrain-fast evaluate` on that step's
-checkpoint; two evaluate workers give one worker's accuracy with each item scored once; and the
-report draws the accuracy against the tokens trained on."""
+chance; the figures the loop records at a step equal `raytrain-fast evaluate` on that step's
+checkpoint, in bf16 (the run's precision, which evaluate takes by default); two evaluate workers
+give one worker's accuracy with each item scored once; and the report draws the accuracy against
+the tokens trained on."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ STEPS, SAVE_EVERY, ITEMS = 200, 100, 32
 SETTINGS = [
     "data.seq_len=64", "model.max_seq_len=64", "model.d_model=64", "model.num_heads=2", "model.num_layers=2",
     f"train.steps={STEPS}", "train.log_every=20", f"checkpoint.every_steps={SAVE_EVERY}", "optim.lr=0.003",
-    "optim.warmup_steps=10", f"eval.task_limit={ITEMS}", "eval.every_steps=50", "engine.precision=fp32",
+    "optim.warmup_steps=10", f"eval.task_limit={ITEMS}", "eval.every_steps=50", "engine.precision=bf16",
     "metrics.peak_measure_s=0.2", "resources.max_failures=0",
 ]
 
@@ -97,12 +98,30 @@ def test_the_in_loop_figure_at_a_step_equals_evaluate_on_that_steps_checkpoint(t
     for step in (SAVE_EVERY, STEPS):
         result = evaluate_json(capsys, "--storage", str(storage), "--name", "codes", "--step", str(step))  # the run's own tasks and limit
         assert result["step"] == step and set(result["tasks"]) == {"codes", "arc_easy"}
+        assert (result["precision"], result["micro_batch"]) == ("bf16", 16)  # the run's precision and evaluation micro-batch
         for name, task in result["tasks"].items():
             loop = by_step[step]
-            assert (task["acc"], task["acc_norm"], task["items"], task["cut"]) == (
-                loop[f"eval/{name}/acc"], loop[f"eval/{name}/acc_norm"], loop[f"eval/{name}/items"], loop[f"eval/{name}/cut"]
-            ), (name, step)
+            # loglikelihood: the right choice's, summed over the items; any item scored otherwise changes it
+            keys = ("acc", "acc_norm", "loglikelihood", "items", "cut")
+            assert tuple(task[k] for k in keys) == tuple(loop[f"eval/{name}/{k}"] for k in keys), (name, step, task, loop)
         assert result["tasks"]["arc_easy"]["cut"] > 0  # a 64-token window: ARC's contexts are cut
+    # Scored in fp32 (as evaluate scored every checkpoint before), the figures are not the loop's: the check can fail.
+    fp32 = evaluate_json(capsys, "--storage", str(storage), "--name", "codes", "--step", str(STEPS), "--precision", "fp32")
+    assert fp32["tasks"]["arc_easy"]["loglikelihood"] != by_step[STEPS]["eval/arc_easy/loglikelihood"]
+
+
+def test_evaluate_of_the_runs_hugging_face_export_scores_the_runs_tasks_by_default(trained, capsys, tmp_path):
+    pytest.importorskip("transformers")
+    storage, _, _ = trained
+    out = tmp_path / "codes-hf"
+    assert main(["export", "--storage", str(storage), "--name", "codes", "--format", "hf", "--out", str(out)]) == 0
+    capsys.readouterr()
+    of_run = evaluate_json(capsys, "--storage", str(storage), "--name", "codes")
+    of_export = evaluate_json(capsys, "--hf", str(out))
+    # The same items chosen (the export's tokenizer may leave out an item whose choice it encodes longer than the window).
+    chosen = lambda result: {name: task["items"] + task["skipped"] for name, task in result["tasks"].items()}  # noqa: E731
+    assert chosen(of_export) == chosen(of_run) == {"codes": ITEMS, "arc_easy": ITEMS}, (of_export["tasks"], of_run["tasks"])
+    assert {(r["task"], r["index"]) for r in of_export["items"]} <= {(r["task"], r["index"]) for r in of_run["items"]}
 
 
 def test_two_workers_give_one_workers_accuracy_and_score_each_item_once(trained, capsys):

@@ -1,6 +1,7 @@
 """Tasks as data and their scoring, without Ray: the shipped standard tasks, a user's JSONL file and
-each of its errors, the encoding (left cut, skipped items, tokenizers that cannot encode), and the
-device-side scorer against log-likelihoods computed here one sequence at a time."""
+each of its errors, the encoding (left cut, skipped items, tokenizers that cannot encode), the
+device-side scorer against log-likelihoods computed here one sequence at a time, and the loop's
+scoring equal to `evaluate`'s bit for bit, in fp32 and bf16, whatever the worker counts."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ import torch
 from raytrain_fast.config import load_config
 from raytrain_fast.config.validate import validate
 from raytrain_fast.data.tokenizer import byte_tokenizer
-from raytrain_fast.downstream.encode import Encoder, encode_task, shard
+from raytrain_fast.downstream.encode import Encoder, encode_task
+from raytrain_fast.downstream.evaluate import evaluate
+from raytrain_fast.downstream.in_loop import RunTasks
+from raytrain_fast.downstream.models import ModelSource
 from raytrain_fast.downstream.run import encoder_for
-from raytrain_fast.downstream.score import COUNTS, ScoringPlan
+from raytrain_fast.downstream.score import ScoringPlan, choose
 from raytrain_fast.downstream.tasks import STANDARD_TASKS, TaskError, load_task, load_tasks
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.model import model_class
@@ -170,25 +174,59 @@ def test_the_batched_scorer_equals_one_sequence_at_a_time_and_two_ranks_count_ea
     config = load_config("tiny", ["model.num_layers=2"]).model
     model = model_class(config)(config).eval()
     tasks = [encode_task(load_task(name, limit=12), encoder_for(byte_tokenizer(), config)) for name in ("arc_easy", "winogrande")]
-    plan = ScoringPlan(tasks, [shard(t, rank=0, world_size=1) for t in tasks], micro_batch=5, device="cpu")
+    plan = ScoringPlan(tasks, micro_batch=5, device="cpu")
     with torch.no_grad():
         lls = plan.loglikelihoods(model)
         expected = [reference_loglikelihood(model, t.sequences[r], int(t.continuation_tokens[r]))
                     for t in tasks for r in range(len(t.sequences))]
         assert np.allclose(lls.numpy(), expected, atol=1e-4)
-        unpacked = ScoringPlan(tasks, [shard(t, rank=0, world_size=1) for t in tasks], micro_batch=5, device="cpu", packed=False)
+        unpacked = ScoringPlan(tasks, micro_batch=5, device="cpu", packed=False)
         assert np.allclose(unpacked.loglikelihoods(model).numpy(), expected, atol=1e-4)
         read = lambda p: sum(b.tokens.numel() for b in p.batches)  # noqa: E731
         assert read(plan) < 0.75 * read(unpacked)  # ARC's context read once for its 3-5 choices (winogrande: one row each)
-        choice, choice_norm = plan.choose(lls)
-        per_item = [expected[r0:r0 + n] for r0, n in zip(np.cumsum([0, *np.concatenate([t.choices() for t in tasks])[:-1]]),
-                                                          np.concatenate([t.choices() for t in tasks]))]
-        assert choice.tolist() == [int(np.argmax(v)) for v in per_item]
-        one = plan.counts(lls).view(len(tasks), len(COUNTS))
-        ranks = [ScoringPlan(tasks, [shard(t, rank=r, world_size=2) for t in tasks], micro_batch=3, device="cpu") for r in (0, 1)]
-        two = sum(p.counts(p.loglikelihoods(model)) for p in ranks).view(len(tasks), len(COUNTS))
-    assert torch.allclose(one, two)
-    assert one[:, COUNTS.index("items")].tolist() == [12.0, 12.0]  # each item counted once over the two ranks
-    assert sorted(np.concatenate([shard(tasks[0], rank=r, world_size=2) for r in (0, 1)]).tolist()) == list(range(12))
-    gold = np.array([t.gold for t in tasks], dtype=object)
-    assert one[0, 0] == sum(int(c == g) for c, g in zip(choice.tolist()[:12], gold[0]))
+        choice, _ = choose(tasks[0], lls.numpy()[: len(tasks[0].sequences)].astype(np.float64))
+        starts = np.searchsorted(tasks[0].request_item, np.arange(13))
+        assert choice.tolist() == [int(np.argmax(expected[a:b])) for a, b in zip(starts[:-1], starts[1:])]
+        one = plan.figures(lls.tolist())
+        ranks = [ScoringPlan(tasks, micro_batch=3, device="cpu", rank=r, world_size=2) for r in (0, 1)]
+        assert all(p.batches for p in ranks)
+        two = plan.figures(sum(p.loglikelihoods(model) for p in ranks).tolist())
+    assert [f["items"] for f in one] == [f["items"] for f in two] == [12.0, 12.0]  # each item counted once over the two ranks
+    assert [f["acc"] for f in one] == [f["acc"] for f in two]
+    assert one[0]["acc"] == sum(int(c == g) for c, g in zip(choice.tolist(), tasks[0].gold)) / 12
+    gold = [expected[int(a) + int(g)] for a, g in zip(starts[:-1], tasks[0].gold)]  # the right choice's, one item at a time
+    assert one[0]["loglikelihood"] == pytest.approx(sum(gold) / 12, abs=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_loop_and_evaluate_give_every_request_the_same_loglikelihood_whatever_the_worker_counts(precision):
+    """The same weights at the same precision and micro-batch: the loop's share of the tasks on 1 or 3
+    ranks (summed as its all-reduce sums them) and `evaluate` in one process (each task on its own) or
+    split over 2 workers give every request the same log-likelihood, bit for bit, and so the same
+    accuracy. A batch of other rows (another micro-batch) would change the last bits."""
+    from raytrain_fast.downstream.evaluate import score_shard
+
+    torch.manual_seed(0)
+    config = load_config("tiny", ["model.num_layers=2"]).model
+    source = ModelSource(description="test", state=model_class(config)(config).state_dict(), config=config, precision=precision)
+    tasks = [encode_task(load_task(name, limit=12), encoder_for(byte_tokenizer(), config)) for name in ("arc_easy", "winogrande", "piqa")]
+    model = source.build("cpu")
+    run_tasks = RunTasks(tasks=tasks, window=config.max_seq_len)
+
+    def loop(world_size: int) -> tuple[list[float], dict[str, float]]:
+        shares = [run_tasks.for_rank(rank=r, world_size=world_size, device="cpu", micro_batch=5) for r in range(world_size)]
+        with torch.no_grad():
+            summed = sum(share.score(model) for share in shares).tolist()
+        return summed, shares[0].values(summed, tokens=None)
+
+    (by_loop, values), (on_three, _) = loop(1), loop(3)
+    assert on_three == by_loop
+    result = evaluate(source, tasks, window=config.max_seq_len, micro_batch=5, device="cpu")
+    assert [ll for r in result.items for ll in r["loglikelihoods"]] == by_loop
+    halves = [score_shard(source, tasks, rank=r, world_size=2, micro_batch=5, device="cpu")["values"] for r in (0, 1)]
+    split = [a if a is not None else b for t in tasks for a, b in zip(halves[0][t.name], halves[1][t.name])]
+    assert split == by_loop
+    assert all((a is None) != (b is None) for t in tasks for a, b in zip(halves[0][t.name], halves[1][t.name]))  # one worker each
+    for task in result.tasks:
+        keys = ("acc", "acc_norm", "loglikelihood", "items")
+        assert (task.acc, task.acc_norm, task.loglikelihood, task.items) == tuple(values[f"eval/{task.name}/{k}"] for k in keys)

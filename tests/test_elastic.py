@@ -73,19 +73,18 @@ def test_an_elastic_run_needs_room_for_its_fewest_workers_only():
 
 
 def test_every_size_of_the_range_keeps_the_global_batch_or_the_range_is_refused():
-    from raytrain_fast.loop.train_loop import keep_global_batch
+    from raytrain_fast.launch.plan import batch_table
 
     refused = Config.from_dict({"train": {"global_batch": 16, "micro_batch": 4}, "resources": {"num_workers": "1-4"}})
     with pytest.raises(ConfigError, match=r"cannot be kept on 3 worker\(s\).*these do: 1, 2, 4"):
         validate(refused, cluster_cpus=8, cluster_gpus=0)
     config = Config.from_dict({"train": {"global_batch": 96, "micro_batch": 8}, "resources": {"num_workers": "1-4"}})
     validate(config, cluster_cpus=8, cluster_gpus=0)
-    assert keep_global_batch(config, 4) is config  # the full size: as configured
+    table = batch_table(config)  # planned once on the driver, read by each worker group for its size
+    assert sorted(table) == [1, 2, 3, 4] and table[4] == config.batch()  # the full size: as configured
     for workers in (1, 2, 3):  # a smaller group refits micro_batch x grad_accum, the global batch stays
-        fitted = keep_global_batch(config, workers)
-        train = fitted.train
-        assert train.micro_batch * fitted.grad_accum() * workers == 96
-        assert train.micro_batch <= 8 and fitted.resources.num_workers == workers
+        batch = table[workers]
+        assert batch.global_batch == 96 and batch.micro_batch <= 8 and batch.world_size == workers
 
 
 def test_a_range_given_as_a_mapping_is_refused_by_the_loader():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import platform
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,15 +89,31 @@ def test_lr_warmup_then_cosine_to_min():
 def test_explicit_precision_is_kept_and_gpu_auto_is_bf16():
     assert resolve_precision("fp32", use_gpu=True)[0] == "fp32"
     assert resolve_precision("auto", use_gpu=True)[0] == "bf16"
-    precision, reason = resolve_precision("auto", use_gpu=False)
-    stated = float(re.search(r"bf16 matmuls (?:at )?([\d.]+)x", reason).group(1))  # the measured ratio is in the reason
-    assert stated > 0 and precision == ("bf16" if stated >= 1.0 else "fp32"), reason
+
+
+def test_cpu_auto_precision_is_decided_by_the_cpus_bf16_instructions_without_timing(monkeypatch, tmp_path):
+    from raytrain_fast.engine import deepspeed_engine
+
+    if platform.machine() in ("x86_64", "AMD64") and Path("/proc/cpuinfo").exists():
+        # torch's own CPU feature probe (cpuinfo), read independently of /proc/cpuinfo
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        assert deepspeed_engine.cpu_bf16_native() is native
+    monkeypatch.setattr(deepspeed_engine, "measure_cpu_bf16_speedup", lambda: pytest.fail("timed, though the flags settle it"))
+    read = deepspeed_engine.cpu_bf16_native
+    for flags, expected in [("fpu avx2 avx512f", "fp32"), ("fpu avx2 avx512f avx512_bf16", "bf16"), ("fpu amx_bf16 amx_tile", "bf16")]:
+        (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(deepspeed_engine, "cpu_bf16_native", functools.partial(read, str(tmp_path / "cpuinfo")))
+        precision, reason = resolve_precision("auto", use_gpu=False)
+        assert precision == expected and ("engine.precision=bf16" in reason) == (expected == "fp32"), reason
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # an Arm CPU: no x86 flags
+    assert read(str(tmp_path / "cpuinfo")) is None
 
 
 @pytest.mark.parametrize(("speedup", "expected"), [(0.02, "fp32"), (0.99, "fp32"), (1.0, "bf16"), (3.5, "bf16")])
-def test_cpu_auto_precision_follows_the_measured_bf16_speed(speedup, expected, monkeypatch):
+def test_cpu_auto_precision_follows_the_measured_bf16_speed_where_no_flags_say(speedup, expected, monkeypatch):
     from raytrain_fast.engine import deepspeed_engine
 
+    monkeypatch.setattr(deepspeed_engine, "cpu_bf16_native", lambda: None)
     monkeypatch.setattr(deepspeed_engine, "measure_cpu_bf16_speedup", lambda: speedup)
     precision, reason = resolve_precision("auto", use_gpu=False)
     stated = float(re.search(r"bf16 matmuls (?:at )?([\d.]+)x", reason).group(1))

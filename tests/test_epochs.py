@@ -15,12 +15,14 @@ pytestmark = pytest.mark.unit
 
 
 def test_epochs_come_from_the_data_position():
-    from raytrain_fast.data.ingest import BatchIterator, DataPosition
+    import numpy as np
 
-    at = lambda epoch, consumed: BatchIterator.epochs.fget(  # noqa: E731
-        SimpleNamespace(_position=DataPosition(epoch=epoch, consumed=consumed), sequences_per_epoch=94)
+    from raytrain_fast.data.ingest import BatchIterator
+
+    at = lambda given: BatchIterator.epochs.fget(  # noqa: E731 - the most repeated source's passes
+        SimpleNamespace(given=lambda: given, names=["a", "b"], source_sizes=np.asarray([94, 10]))
     )
-    assert at(0, 0) == 0.0 and at(2, 47) == 2.5 and at(53, 0) == 53.0
+    assert at({"a": 0, "b": 0}) == 0.0 and at({"a": 235, "b": 5}) == 2.5 and at({"a": 94, "b": 530, "gone": 9}) == 53.0
 
 
 def test_progress_line_shows_the_epoch():
@@ -51,3 +53,36 @@ def test_report_finds_a_corpus_repeated_many_times():
     assert finding.numbers["epochs"] > 50 and "53" in finding.title
     few = diagnose(from_records(records(tweak=epochs(MANY_EPOCHS / 16)), config=CONFIG))
     assert all(f.key != "corpus_repeated" for f in few.findings)
+
+
+def test_the_small_corpus_advice_names_the_runs_own_data_setting_and_a_split_only_when_it_lacks_one():
+    def repeated(with_val: bool):
+        def tweak(i, r):
+            r["train/epoch"] = 3.3 * (i + 1)
+            if with_val:
+                r["val/loss"] = 3.0
+        return tweak
+
+    def advice(config: dict, *, with_val: bool) -> str:
+        found = diagnose(from_records(records(tweak=repeated(with_val)), config=config)).findings
+        return " ".join(next(f for f in found if f.key == "corpus_repeated").advice)
+
+    mixture = {**CONFIG, "data": {"sources": [{"source": "code", "weight": 0.5}, {"source": "notes", "weight": 0.5}]}}
+    said = advice(mixture, with_val=True)
+    assert "data.sources" in said and "data.source)" not in said and "validation split" not in said, said
+    said = advice(CONFIG, with_val=False)
+    assert "a larger corpus (data.source)" in said and "keep a validation split (prepare-data --val-fraction)" in said, said
+
+
+def test_the_loss_plot_draws_each_sources_val_loss_of_a_mixture():
+    from matplotlib.figure import Figure
+
+    from raytrain_fast.report.plots import _loss
+
+    def evaluated(i, r):
+        r.update({"val/loss": 3.0 - 0.1 * i, "val/loss/code": 2.5 - 0.1 * i, "val/loss/notes": 3.5 - 0.1 * i})
+
+    axis = Figure().subplots()
+    assert _loss(from_records(records(tweak=evaluated), config=CONFIG), axis) is None
+    _, labels = axis.get_legend_handles_labels()
+    assert {"train/loss", "val/loss (held out)", "val/loss/code", "val/loss/notes"} <= set(labels), labels

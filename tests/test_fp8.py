@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+import torchao  # noqa: F401 - a test dependency: a missing install fails here, loudly
 
 from raytrain_fast.config import load_config, validate
 from raytrain_fast.engine import resolve_precision
@@ -19,7 +20,6 @@ from raytrain_fast.errors import ConfigError
 from raytrain_fast.model import build_model
 
 pytestmark = pytest.mark.unit
-pytest.importorskip("torchao")
 
 BLOCK_LAYERS = ("attn.qkv", "attn.proj", "mlp.gate_up", "mlp.down")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -32,6 +33,8 @@ SESSION = [
     ("evaluate", "raytrain-fast evaluate --storage runs --name shell --tasks csqa --limit 4", "csqa"),
     ("report", "raytrain-fast report --storage runs --name shell --out report", "Run 'shell'"),
     ("export", "raytrain-fast export --storage runs --name shell --out exported", "exported"),
+    ("export", "raytrain-fast export --storage runs --name shell --format hf --out hf-exported", "hf-exported"),
+    ("evaluate", "raytrain-fast evaluate --hf hf-exported --tasks csqa --limit 4 --workers 2", "csqa"),
     ("sweep", f"raytrain-fast sweep --config tiny --name sw {SETS} --set data.source=prepared --set storage.uri=runs "
               "--micro-batch 2,4 --steps 4", "micro_batch"),
     ("bench data", "raytrain-fast bench data --steps 2 --warmup-steps 1 --rounds 1 --json", "{"),
@@ -64,6 +67,8 @@ def test_every_documented_command_shape_runs_from_a_fresh_shell(tmp_path):
         if done.returncode != 0 or expected not in shown:
             failures.append(f"$ {line}\nexit {done.returncode}\n{shown[-3000:]}")
             continue
+        if re.search(r"\d+%\|", shown):  # a dependency's progress bar (tqdm's "40%|####"), e.g. every --hf worker's
+            failures.append(f"$ {line}\nprinted a progress bar:\n{shown[-3000:]}")
         if line.endswith("--json"):
             json.loads(done.stdout)  # the JSON object alone on stdout, as --json promises
     assert not failures, "\n\n".join(failures)

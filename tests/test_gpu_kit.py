@@ -204,3 +204,24 @@ def test_train_speed_times_profiles_and_compares_float8_on_the_same_tokens_and_r
     done, refused = _train_speed(tmp_path, "refused", "--set", "engine.precision=fp8")
     assert done.returncode == 2 and refused["refused"].startswith("Invalid configuration: engine.precision=fp8 needs a GPU")
     assert done.stderr.strip().splitlines()[-1] == f"error: {refused['refused']}"
+
+
+def test_a_rerun_of_one_stage_into_the_same_outdir_keeps_the_earlier_stages_and_log(tmp_path, monkeypatch):
+    gpu_check = _tool("gpu_check")
+    monkeypatch.setenv("GPU_CHECK_WORK", str(tmp_path / "work"))
+    (tmp_path / "work").mkdir()
+    first = gpu_check.Check(tmp_path, "cpu", budget_s=0)
+    first.stage("preflight", lambda: first.run("preflight", [sys.executable, "-c", "print('first run')"], timeout=60))
+    again = gpu_check.Check(tmp_path, "cpu", budget_s=0)
+    again.stage("engine", lambda: again.run("engine", [sys.executable, "-c", "print('second run')"], timeout=60))
+    stages = json.loads((tmp_path / "summary.json").read_text())["stages"]
+    assert set(stages) == {"preflight", "engine"} and stages["preflight"]["rc"] == 0
+    log = (tmp_path / "check.log").read_text()
+    assert "first run" in log and "second run" in log
+
+
+def test_unreadable_metrics_show_as_an_error_in_the_stages_result():
+    gpu_check = _tool("gpu_check")
+    result: dict = {"rc": 0}
+    assert gpu_check._read_metrics("bogus://bucket/run", result) == []
+    assert "bogus://bucket/run" in result["metrics_error"] and "not supported" in result["metrics_error"]

@@ -16,7 +16,7 @@ from raytrain_fast.checkpoint.init_from import load_initial_weights
 from raytrain_fast.checkpoint.hf_import import init_from_problems
 from raytrain_fast.config import load_config
 from raytrain_fast.errors import ConfigError
-from raytrain_fast.launch.checks import check_before_ray
+from raytrain_fast.launch.checks import check_run
 from raytrain_fast.model import build_model
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
 
@@ -72,11 +72,12 @@ def test_a_model_that_differs_is_refused_before_any_worker_with_every_field(tmp_
     _saved_llama(tmp_path / "hf")
     config = load_config("llama-tiny", [
         "model.d_model=64", "model.num_layers=3", "model.num_heads=4", "model.num_kv_heads=0", "model.mlp_hidden=160",
-        f"checkpoint.init_from={tmp_path / 'hf'}", f"storage.uri={tmp_path / 'runs'}",
+        f"checkpoint.init_from={tmp_path / 'hf'}", f"storage.uri={tmp_path / 'runs'}", "train.steps=10", "optim.warmup_steps=20",
     ])
     with pytest.raises(ConfigError) as raised:
-        check_before_ray(config)
+        check_run(config)
     message = str(raised.value)
+    assert "optim.warmup_steps (20) exceeds train.steps (10)" in message  # named in the same message: one try fixes both
     assert "model.num_layers: run 3, checkpoint 2" in message and "model.rope_theta: run 10000.0, checkpoint 500000.0" in message
     assert "model.num_kv_heads: run 4, checkpoint 2" in message  # 0 = num_heads, compared as derived
     assert "model.d_model" not in message and "model.mlp_hidden" not in message  # equal: not listed

@@ -18,8 +18,8 @@ import pytest
 
 from raytrain_fast.checkpoint import list_runs
 from raytrain_fast.config import load_config
-from raytrain_fast.downstream.run import load_run_tasks
-from raytrain_fast.launch.checks import prepare_tasks, prepare_training_data, resolve_resources
+from raytrain_fast.launch.checks import check_run
+from raytrain_fast.launch.plan import plan_run
 from raytrain_fast.loop.worker import LoopInputs
 from raytrain_fast.storage import StorageConfig
 from tests.s3_server import free_port
@@ -105,10 +105,7 @@ def test_the_step_loop_reads_from_the_device_once_per_log_window(ray_session, tm
         "metrics.profile_every=5", "resources.num_workers=1", "resources.cpus_per_worker=1",
         "engine.precision=bf16", "optim.warmup_steps=2", f"storage.uri={tmp_path / 'runs'}",
     ], name="reads")
-    config = resolve_resources(config)
-    data_uri = prepare_training_data(config)
-    tasks = prepare_tasks(config, load_run_tasks(config), data_uri)  # scored at every evaluation, in its one read
-    inputs = LoopInputs(config=config, data_uri=data_uri, data_uris=[data_uri], tasks=tasks)
+    inputs = LoopInputs(plan=plan_run(check_run(config)))  # eval.tasks scored at every evaluation, in its one read
     out_path = tmp_path / "reads.json"
 
     process = multiprocessing.get_context("spawn").Process(

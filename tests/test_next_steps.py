@@ -43,3 +43,15 @@ def test_the_prepare_command_takes_the_preset_window_the_tokenizer_and_the_text_
     assert args.input == ["a dir", "b.parquet"] and args.output == "my tok-data" and args.tokenizer == "my tok"
     assert args.seq_len == load_config("tiny").data.seq_len and args.text_field == "content,text"
     assert model_vocab_size(300) == 320 and model_vocab_size(320) == 320 and model_vocab_size(321) == 384
+
+
+@pytest.mark.parametrize("sequences", [1, 6, 15, 16, 100_000])
+def test_the_train_command_fits_the_micro_batch_to_a_corpus_of_fewer_sequences_than_one(sequences, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    words = shlex.split(train_command(data="./data", seq_len=128, vocab_size=257, num_sequences=sequences))
+    args = build_parser().parse_args(words[1:])
+    config = load_config(args.config, args.overrides, name=args.name)
+    validate(config)  # the global batch still splits into micro-batches x accumulation
+    preset = load_config("tiny").train.micro_batch
+    assert config.train.micro_batch == (preset if sequences >= preset else max(m for m in (1, 2, 4, 8) if m <= sequences))

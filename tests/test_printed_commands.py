@@ -175,6 +175,28 @@ def test_train_tokenizer_then_prepare_data_then_pretrain_run_as_printed(tmp_path
     shell("raytrain-fast show-config --set data.source=posts.parquet --set data.text_field=content,text")
 
 
+def test_an_empty_corpus_fails_before_ray_and_a_six_sequence_corpus_trains_as_printed(tmp_path):
+    shell = Shell(tmp_path)
+    (tmp_path / "empty.txt").write_text("")
+    for line in ("raytrain-fast pretrain --name empty --set data.source=empty.txt",
+                 "raytrain-fast pretrain --name empty --set 'data.sources=[{source: empty.txt, weight: 1}]'"):
+        failed = shell(line, ok=False)
+        assert f"'{tmp_path / 'empty.txt'}' is empty (no file with any text): add text to it" in failed, failed
+        assert "Precision:" not in failed  # refused before Ray started (it prints the precision first)
+    (tmp_path / "short.txt").write_text("too short")
+    for name in ("empty", "short"):
+        refused = shell(f"raytrain-fast prepare-data --input {name}.txt --output {name}-data --seq-len 128", ok=False)
+        assert "the inputs hold no text" in refused or "fewer than one sequence" in refused, refused
+        assert not (tmp_path / f"{name}-data").exists()  # no empty val/ (or anything) left behind
+    (tmp_path / "six.txt").write_text("x = 1  # a line of code\n" * 35)  # 840 bytes: 6 sequences of 129 tokens
+    prepared = shell("raytrain-fast prepare-data --input six.txt --output six-data --seq-len 128")
+    assert "Prepared 6 sequences" in prepared, prepared
+    train = printed(prepared, "Train on it:")  # fewer sequences than the preset's micro-batch of 16
+    run = shell(f"{train} --set train.steps=4 --set train.log_every=2 --set checkpoint.every_steps=2 --set optim.warmup_steps=1 "
+                "--set metrics.peak_measure_s=0.2")
+    assert "Done." in run, run[-3000:]
+
+
 def test_a_rollback_with_no_checkpoint_and_its_report_name_the_settings_that_acted(tmp_path):
     shell = Shell(tmp_path)
     package_texts(tmp_path / "texts", "email", "json")

@@ -118,6 +118,24 @@ def test_a_lead_within_the_windows_spread_is_not_resolved_and_the_load_is_named(
     assert resolution(noisy, objective="loss") == ""
 
 
+def test_a_lead_the_machine_load_can_explain_is_not_resolved():
+    from raytrain_fast.sweep.results import resolution
+
+    # Steady windows each, so the noise check passes; the loads of `sweep --micro-batch 4,8,16 --steps 30`
+    # on a busy 2-core VM: the winner ran with half the load of the runner-up.
+    loaded = [_trial(4, [6000, 6050, 5980], load=1.66), _trial(8, [4000, 4030, 3990], load=3.32),
+              _trial(16, [2500, 2520, 2490], load=5.92)]
+    why = resolution(loaded, objective="tokens_per_sec")
+    assert why.startswith("not resolved: micro-batch 4 leads micro-batch 8 by 1.50x, but it ran at a load per CPU of 1.66 "
+                          "against 3.32: the load alone can make a 2.00x difference"), why
+    beyond = [_trial(4, [9000, 9050, 8980], load=1.66), _trial(8, [4000, 4030, 3990], load=3.32)]
+    assert resolution(beyond, objective="tokens_per_sec") == ""  # 2.25x: more than the load's 2x
+    despite = [_trial(4, [4000, 4030, 3990], load=3.32), _trial(8, [3900, 3910, 3890], load=1.66)]
+    assert resolution(despite, objective="tokens_per_sec") == ""  # the leader had the busier machine
+    quiet = [_trial(4, [5000, 5010, 4990], load=0.4), _trial(8, [4900, 4910, 4890], load=0.9)]
+    assert resolution(quiet, objective="tokens_per_sec") == ""  # below 1 per CPU: no trial was short of CPU
+
+
 def test_the_best_config_has_its_own_run_name_and_only_what_differs_from_the_defaults(tmp_path):
     import yaml
 
@@ -181,8 +199,9 @@ def test_a_trial_error_through_ray_gets_the_shared_reason(ray_session):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_sweep_over_activation_checkpointing_tries_each_micro_batch_with_each_value(ray_session, tmp_path):
-    config = _config(tmp_path, "train.global_batch=2", "model.max_seq_len=256", "data.seq_len=256", name="ac")
+def test_a_sweep_on_a_mixture_over_activation_checkpointing_tries_each_micro_batch_with_each_value(ray_session, tmp_path):
+    config = _config(tmp_path, "train.global_batch=2", "model.max_seq_len=256", "data.seq_len=256", "data.max_tokens=0",
+                     "data.sources=[{source: stdlib, weight: 0.7}, {source: stdlib, name: again, weight: 0.3}]", name="ac")
     result = run_sweep(config, SweepSpec(micro_batches=[2, 3], activation_checkpointing=["none", "full"], steps=2, num_reports=2))
     print(result.table)
     trials = [r for r in result.rows if r.status != "skipped"]
@@ -207,6 +226,7 @@ def test_sweep_over_activation_checkpointing_tries_each_micro_batch_with_each_va
     # The best config sets the winning value (and leaves the config's own, none, as it is).
     best = load_config(result.best_config_path)
     assert (best.train.micro_batch, best.model.activation_checkpointing) == (2, result.best.activation_checkpointing)
+    assert [(s.name, s.weight) for s in best.data.sources] == [(None, 0.7), ("again", 0.3)]  # the mixture, as given
 
 
 def test_cli_rejects_an_unknown_activation_checkpointing_before_ray_starts(tmp_path, capsys):

@@ -78,6 +78,10 @@ def test_rerun_with_same_name_resumes_at_the_right_step_and_lr(uninterrupted, ra
     resumed = run(config, hooks=hooks)  # the same command again (the marker keeps the failure from repeating)
     steps = by_step(resumed)
     assert steps[30]["start_step"] == 20  # continued from the step-20 checkpoint, not from 0
+    from raytrain_fast.metrics.sinks import read_metrics
+
+    evaluated = [r["step"] for r in read_metrics(resumed.run_dir) if "val/loss" in r]
+    assert evaluated == [10, 20, 30], evaluated  # on its cadence after the resume too: none at its first log step, 25
     assert steps[30]["tokens"] == uninterrupted.metrics["tokens"] == 30 * 8 * 32
     assert steps[30]["train/lr"] == pytest.approx(by_step(uninterrupted)[30]["train/lr"], rel=1e-6)
     assert steps[30]["train/loss"] < steps[10]["train/loss"]

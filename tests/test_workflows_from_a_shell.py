@@ -3,7 +3,9 @@ relative paths (tests/shell.py).
 
 - A mixture (data.sources): the workers run in Ray Train's working directory, not the shell's, so
   every local path must reach them absolute; sources of every kind data.source takes (prepared
-  datasets, `.jsonl.zst` / `.jsonl.gz` files, text) train as a mixture.
+  datasets, `.jsonl.zst` / `.jsonl.gz` files, text) train as a mixture. Its weights changed on a
+  resume are refused in seconds, before Ray starts, and with checkpoint.allow_changes=data the run
+  trains on under the new weights, the report showing both stretches.
 - A damaged prepared dataset found by a worker ends the run in one attempt, exit 2 (an error that
   will repeat is not retried: tests/test_errors_that_repeat.py).
 - `export --format hf` from the README's install, without the `tokenizers` extra, loads in
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -56,7 +59,7 @@ def test_a_mixture_of_a_relative_prepared_directory_and_a_jsonl_zst_file_trains_
     )
     shown = done.stdout + done.stderr
     assert done.returncode == 0, shown
-    assert "a mixture of 2 sources (code 0.7, docs.jsonl.zst 0.3)" in shown
+    assert "code 70% (" in shown and "docs.jsonl.zst 30% (" in shown
     assert "Done. Run directory:" in shown and "Traceback" not in shown
     prepared_on_the_fly = sorted(p.name for p in (project / "cache").iterdir())
     assert [p.split("-seq32-")[0] for p in prepared_on_the_fly] == ["docs.jsonl.zst"], prepared_on_the_fly
@@ -64,6 +67,24 @@ def test_a_mixture_of_a_relative_prepared_directory_and_a_jsonl_zst_file_trains_
     sources = [str(project / "data" / "code"), str(project / "corpora" / "docs.jsonl.zst")]
     assert [s["source"] for s in saved["data"]["sources"]] == sources
     assert saved["storage"]["uri"] == str(project / "runs") and saved["data"]["cache_dir"] == str(project / "cache")
+
+    # An annealing phase on another mix: the same run, on to step 8 with other weights.
+    anneal = (f"raytrain-fast pretrain --name mix {SETS} --set storage.uri=runs --set data.cache_dir=cache --set train.steps=8 "
+              "--set 'data.sources=[{source: ./data/code, weight: 0.3}, {source: corpora/docs.jsonl.zst, weight: 0.7}]'")
+    started = time.monotonic()
+    refused = shell(anneal, cwd=project, home=home)
+    seconds, shown = time.monotonic() - started, refused.stdout + refused.stderr
+    assert refused.returncode == 2 and seconds < 30, (seconds, shown)  # before Ray starts or a checkpoint downloads
+    assert "data.sources: code 0.7, docs.jsonl.zst 0.3 -> code 0.3, docs.jsonl.zst 0.7" in refused.stderr, shown
+    assert "--set checkpoint.allow_changes=data" in refused.stderr and "Resumed from checkpoint" not in shown, shown
+    done = shell(f"{anneal} --set checkpoint.allow_changes=data", cwd=project, home=home)
+    shown = done.stdout + done.stderr
+    assert done.returncode == 0 and "The mixture changes at step 4" in shown and "Done. Run directory:" in shown, shown
+    report = shell("raytrain-fast report --storage runs --name mix", cwd=project, home=home)
+    stretches = report.stdout.split("Mixture (realised to step ")[1:]
+    assert report.returncode == 0 and len(stretches) == 2, report.stdout + report.stderr
+    assert stretches[0].startswith("4 ") and "code: weight 70%" in stretches[0], report.stdout
+    assert stretches[1].startswith("8 ") and "steps 4-8" in stretches[1] and "code: weight 30%" in stretches[1], report.stdout
 
 
 def _damage_the_only_shard(data: Path) -> Path:

@@ -23,7 +23,7 @@ as soon as it is known (a stage that fails or runs out of time does not stop the
 
 A stage starts only if its expected time fits in what is left of `--budget-s` (9 minutes on a GPU: a
 lent machine's call lasts 10); one that does not is marked skipped, and `--only` runs it later.
-OUTDIR holds summary.json, check.log (every stage's output, in order), pretrain_metrics.jsonl and
+OUTDIR holds summary.json, check.log (every stage's output, in order, appended to by a rerun; a rerun's stages join summary.json's), pretrain_metrics.jsonl and
 profile_trace.json.gz. `--size cpu` runs every stage at CPU sizes (llama-tiny, fp32; the 8B width
 shrunk, FP8 emulated and refused): tools/rehearse_gpu_kit.sh uses it to check this script and the
 wheelhouse here before a GPU node ever sees them.
@@ -119,6 +119,9 @@ class Check:
         self.work = Path(os.environ.get("GPU_CHECK_WORK") or _work_root(self.s["disk_gb"]))
         self.summary: dict[str, Any] = {"size": size, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "targets": TARGETS,
                                         "budget_s": budget_s or None, "stages": {}}
+        earlier = out / "summary.json"
+        if earlier.exists():  # a rerun with --only into the same OUTDIR: its stages join the earlier ones
+            self.summary["stages"] = json.loads(earlier.read_text()).get("stages", {})
         # gpu_check.sh says when it started, so the wheelhouse's install counts against the budget too.
         self.started = float(os.environ.get("GPU_CHECK_STARTED") or time.time())
         self.budget_s = budget_s
@@ -252,7 +255,7 @@ class Check:
         ]
         result = self.run("pretrain", argv, timeout=self.timeout("pretrain"))
         reserved = re.search(r"Checkpoint saves reuse ([\d.]+) GB of ([\w ]+), reserved in ([\d.]+) s", result.pop("output"))
-        records = _read_metrics(f"{storage}/{name}")
+        records = _read_metrics(f"{storage}/{name}", result)
         _copy_metrics(records, self.out / "pretrain_metrics.jsonl")
         result.update(loop_figures(records, log_every=s["log_every"], tokens_per_step=s["micro_batch"] * s["grad_accum"] * s["seq_len"]))
         if reserved:
@@ -318,7 +321,7 @@ class Check:
             "--drill", "nonfinite=15", "--drill", f"hang=28:{marker}",
         ]
         result = self.run("drills", argv, timeout=self.timeout("drills"))
-        records = _read_metrics(f"{storage}/{name}")
+        records = _read_metrics(f"{storage}/{name}", result)
         log = result.pop("output")
         rollbacks = [r["step"] for r in records if r.get("health/rollback")]
         hangs = [(r["step"], r.get("hang/step"), r.get("hang/rank"), r.get("hang/stuck_s")) for r in records if "hang/step" in r]
@@ -339,12 +342,14 @@ def _work_root(disk_gb: float) -> str:
     return f"{base}/raytrain-fast-gpu-check"
 
 
-def _read_metrics(run_uri: str) -> list[dict[str, Any]]:
+def _read_metrics(run_uri: str, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's metric records; if they cannot be read, none, and result["metrics_error"] says why."""
     from raytrain_fast.metrics import read_metrics
 
     try:
         return read_metrics(run_uri)
-    except Exception:  # noqa: BLE001 - no metrics is a finding, not a crash of the check
+    except Exception as error:  # noqa: BLE001 - no metrics is a finding, not a crash of the check
+        result["metrics_error"] = f"reading the metrics of {run_uri} failed: {type(error).__name__}: {error}"
         return []
 
 

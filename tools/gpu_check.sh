@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1 GPU_CHECK_STARTED=$(date +%s)  # the budget counts fro
 python=${PYTHON:-python3}
 site=${GPU_CHECK_SITE:-/tmp/raytrain-fast-site}
 ls .wheelhouse/*.whl >/dev/null 2>&1 || { echo "error: no wheels in .wheelhouse/: run tools/offline_wheels.py first" >&2; exit 2; }
-echo "===== install ($(date +%H:%M:%S)): .wheelhouse/*.whl into $site" >"$out/check.log"
+echo "===== install ($(date +%H:%M:%S)): .wheelhouse/*.whl into $site" >>"$out/check.log"
 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .wheelhouse/*.whl \
   >>"$out/check.log" 2>&1 || { echo "error: installing the wheelhouse failed: see $out/check.log" >&2; tail -5 "$out/check.log" >&2; exit 1; }
 echo "[gpu_check] installed the wheelhouse into $site in $(( $(date +%s) - GPU_CHECK_STARTED )) s"

@@ -27,7 +27,7 @@ def _parquet_loader(manifest, *, micro_batch: int, seed: int):
     import pyarrow.parquet as pq
     import torch
 
-    from raytrain_fast.data.ingest import shard_order
+    from raytrain_fast.data.order import shard_order
     from raytrain_fast.storage import StorageConfig, resolve_filesystem
 
     filesystem, root = resolve_filesystem(manifest.root, StorageConfig())
@@ -183,15 +183,16 @@ def bench_data(
 def _trainers(manifest, *, micro_batch: int, seq_len: int, seed: int, prefetch_batches: int) -> dict[str, _Trainer]:
     """The three paths, each feeding its own copy of the tiny model (same seed, same weights)."""
     from raytrain_fast.data import BatchIterator
-    from raytrain_fast.data.mixture import MixtureIterator, Source
+    from raytrain_fast.data.mixture import Source
     from raytrain_fast.model import ModelConfig
 
     model_config = ModelConfig(max_seq_len=max(seq_len, ModelConfig().max_seq_len))
     sources = [Source(name=name, weight=weight, manifest=manifest) for name, weight in MIXTURE_WEIGHTS.items()]
     batches = {
-        "ingest": BatchIterator(manifest, rank=0, world_size=1, micro_batch=micro_batch, seed=seed, prefetch_batches=prefetch_batches),
+        "ingest": BatchIterator([Source(name="corpus", weight=1.0, manifest=manifest)], rank=0, world_size=1,
+                                micro_batch=micro_batch, seed=seed, prefetch_batches=prefetch_batches),
         "baseline": _parquet_loader(manifest, micro_batch=micro_batch, seed=seed),
-        "mixture": MixtureIterator(sources, rank=0, world_size=1, micro_batch=micro_batch, seed=seed, prefetch_batches=prefetch_batches),
+        "mixture": BatchIterator(sources, rank=0, world_size=1, micro_batch=micro_batch, seed=seed, prefetch_batches=prefetch_batches),
     }
     return {name: _Trainer(batch_source, model_config=model_config, seed=seed) for name, batch_source in batches.items()}
 

@@ -52,7 +52,8 @@ class _Variant:
         self.device = device = prepare_process(threads=job["threads"], seed=job["seed"])  # as a training worker
         config = Config.from_dict(job["config"])
         self.precision, self.seq_len = config.engine.precision, config.data.seq_len
-        self.micro_batch, self.grad_accum = int(config.train.micro_batch), config.grad_accum()
+        batch = config.batch()
+        self.micro_batch, self.grad_accum = batch.micro_batch, batch.grad_accum
         generator = torch.Generator().manual_seed(job["seed"])  # the same tokens in every variant
         tokens = torch.randint(0, config.model.vocab_size, (self.micro_batch, self.seq_len + 1), generator=generator)
         self.tokens = tokens.to(device)

@@ -131,7 +131,8 @@ def export_local_checkpoint(
     dtype = _checked_dtype(dtype)
     model, source = _checkpoint_model(local_dir, config, dtype=dtype)
     os.makedirs(out_dir, exist_ok=True)
-    info = {"weights": source, "dtype": dtype, "format": chosen, **(metadata or {}), **_losses_at_save(local_dir)}
+    info = {"weights": source, "dtype": dtype, "format": chosen, **(metadata or {}), **_losses_at_save(local_dir),
+            **_run_tasks(read_run_config(local_dir))}
     if chosen == "hf":
         from raytrain_fast.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, write_hf_export
 
@@ -179,6 +180,24 @@ def read_run_config(local_dir: str) -> dict[str, Any]:
     path = Path(local_dir, CONFIG_FILE)
     data = yaml.safe_load(path.read_text()) if path.exists() else None
     return data if isinstance(data, dict) else {}
+
+
+def _run_tasks(run_config: dict[str, Any]) -> dict[str, Any]:
+    """The run's eval.tasks and task_limit, kept with an export so that `evaluate` of it scores what
+    `evaluate` of the run scores ({} for a run without tasks)."""
+    section = run_config.get("eval") or {}
+    return {"eval": {"tasks": section["tasks"], "task_limit": section.get("task_limit")}} if section.get("tasks") else {}
+
+
+def exported_eval_section(out_dir: str) -> dict[str, Any]:
+    """The run's eval.tasks and task_limit from an export's config.yaml ({} when it has none)."""
+    path = Path(out_dir, CONFIG_FILE)
+    try:
+        data = yaml.safe_load(path.read_text()) if path.exists() else None
+    except (OSError, yaml.YAMLError):
+        return {}
+    section = ((data or {}).get("export") or {}).get("eval") if isinstance(data, dict) else None
+    return section if isinstance(section, dict) else {}
 
 
 def _losses_at_save(local_dir: str) -> dict[str, float]:

@@ -38,14 +38,20 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _map(value: Any, fn, memo: dict[int, Any] | None = None) -> Any:
-    """`value` with every tensor replaced by fn(tensor), once per tensor (a tensor listed twice, as
-    tied embeddings are, stays one tensor); containers copied, other leaves shared."""
+def _same(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors one: the same memory seen the same way. A state dict lists tied weights
+    (an embedding tied to the LM head) as two tensor objects over one storage."""
+    return t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+
+def _map(value: Any, fn, memo: dict[tuple[Any, ...], Any] | None = None) -> Any:
+    """`value` with every tensor replaced by fn(tensor), once per storage view (tied weights, listed
+    twice, stay one tensor); containers copied, other leaves shared."""
     memo = {} if memo is None else memo
     if isinstance(value, torch.Tensor):
-        if id(value) not in memo:
-            memo[id(value)] = fn(value)
-        return memo[id(value)]
+        if _same(value) not in memo:
+            memo[_same(value)] = fn(value)
+        return memo[_same(value)]
     if isinstance(value, dict):
         out = copy.copy(value)  # keeps the type (OrderedDict, defaultdict) and its attributes
         for k, v in value.items():
@@ -60,7 +66,7 @@ def _map(value: Any, fn, memo: dict[int, Any] | None = None) -> Any:
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
     """What copies of these tensors take (a view's copy holds only the view)."""
-    unique = {id(t): t for t in tensors}
+    unique = {_same(t): t for t in tensors}
     return sum(t.numel() * t.element_size() for t in unique.values())
 
 
@@ -89,7 +95,7 @@ class HostBuffers:
         now (pinned if any tensor is on a GPU); returns the bytes allocated."""
         pinned = any(t.is_cuda for t in tensors)
         wanted: dict[tuple[torch.dtype, tuple[int, ...]], int] = {}
-        for t in {id(t): t for t in tensors}.values():
+        for t in {_same(t): t for t in tensors}.values():
             wanted[_key(t)] = wanted.get(_key(t), 0) + 1
         added = 0
         for (dtype, shape), count in wanted.items():
@@ -175,6 +181,7 @@ class SnapshotWriter:
         self._streams: dict[Any, Any] = {}  # one side stream per CUDA device
         self._unfenced: list[tuple[torch.device, Any]] = []  # copies the training stream has not waited for yet
         self._guarded: Any = None  # the optimizer whose steps call `fence`
+        self._hook: Any = None  # its step pre-hook's handle
         self.last_snapshot: str | None = None
         """How the last snapshot was taken: pinned_host_async (on a side stream, fenced at the next
         optimizer step), pinned_host (copied before save returned) or host (tests read it)."""
@@ -199,11 +206,17 @@ class SnapshotWriter:
         if optimizer is self._guarded:
             return optimizer is not None
         if not isinstance(optimizer, torch.optim.Optimizer):
-            self._guarded = None
+            self._unguard()
             return False
-        optimizer.register_step_pre_hook(lambda *_: self.fence())
+        self._unguard()
+        self._hook = optimizer.register_step_pre_hook(lambda *_: self.fence())
         self._guarded = optimizer
         return True
+
+    def _unguard(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook, self._guarded = None, None
 
     def fence(self) -> None:
         """Make each device's current stream wait for every snapshot copy queued so far: call it before
@@ -256,7 +269,9 @@ class SnapshotWriter:
         snapshot = _map(state_dict, copy)
         copied = torch.cuda.Event()
         copied.record(stream)
-        self._unfenced.append((device, copied))
+        # Without a guarded optimizer nobody fences: `save` waits on the event itself, so keep none.
+        if self._guarded is not None:
+            self._unfenced.append((device, copied))
         return snapshot, copied
 
     def wait(self) -> None:
@@ -268,7 +283,8 @@ class SnapshotWriter:
             raise CheckpointError(f"writing the checkpoint's files failed: {error}") from error
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer thread."""
+        """Write what is queued, then stop the writer thread and unhook the guarded optimizer."""
+        self._unguard()
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join()

@@ -49,7 +49,8 @@ class CheckpointConfig:
     a step (e.g. 200): continue from that checkpoint, its later ones moved aside, kept (docs/checkpoints.md#resume-from-a-step)."""
     allow_changes: str = ""
     """A resume whose data, tokenizer or model settings differ from the checkpoint's run config is refused;
-    name what may change, comma-separated: data, tokenizer, model (e.g. `--set checkpoint.allow_changes=data`)."""
+    name what may change, comma-separated: data, tokenizer, model (e.g. `--set checkpoint.allow_changes=data`,
+    which also lets a mixture's weights and sources change: each source goes on where it stood)."""
     init_from: str | None = None
     """Start a NEW run from the model weights (not optimizer or step) of this checkpoint directory
     (local path or s3:// URI of a `checkpoint_<step>` dir), or of a Hugging Face directory of a Llama,

@@ -68,6 +68,11 @@ class DataConfig:
     tokenizer and seq_len; the stream interleaves them by weight (docs/data.md#mixtures)."""
 
 
+def data_sources(d: DataConfig) -> list[SourceConfig]:
+    """The run's sources: data.sources, or data.source as a mixture of one (weight 1)."""
+    return d.sources or [SourceConfig(source=d.source)]
+
+
 def source_name(item: SourceConfig) -> str:
     """A source's name: its own, or the last part of its path (`stdlib` for the standard library)."""
     return item.name or item.source.rstrip("/").rsplit("/", 1)[-1] or item.source

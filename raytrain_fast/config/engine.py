@@ -46,11 +46,11 @@ class EngineConfig:
     zero_stage: int = 2
     """ZeRO stage: 0 (plain data parallel), 1 (optimizer states sharded) or 2 (+ gradients sharded)."""
     precision: Literal["auto", "bf16", "fp32", "fp8"] = "auto"
-    """bf16 (fp32 master weights kept by DeepSpeed) or fp32. auto = bf16 on GPUs, and on CPUs only
-    where a measured bf16 matmul is at least as fast as fp32 (CPUs without AVX-512 BF16 / AMX run
-    bf16 matmuls far slower); the choice and its measurement are logged. fp8: bf16, with the blocks'
-    linear layers computing in float8 (torchao, tensorwise scaling; compiled): GPUs with FP8 tensor
-    cores only (H100, H200, L40S, B200); checkpoints and evaluation stay bf16 (docs/configuration.md#real-model-sizes)."""
+    """bf16 (fp32 master weights kept by DeepSpeed) or fp32. auto = bf16 on GPUs, and on CPUs with
+    native bf16 instructions (AVX-512 BF16 / AMX; CPUs without them run bf16 matmuls far slower), else
+    fp32; a CPU whose feature flags do not say (not x86) is timed; the choice and its reason are logged.
+    fp8: bf16, with the blocks' linear layers computing in float8 (torchao, tensorwise scaling; compiled):
+    GPUs with FP8 tensor cores only (H100, H200, L40S, B200); checkpoints and evaluation stay bf16 (docs/configuration.md#real-model-sizes)."""
     overlap_comm: bool = True
     """Overlap gradient reduction with the backward pass (off with one worker: nothing to reduce)."""
     contiguous_gradients: bool = True

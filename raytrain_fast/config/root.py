@@ -19,7 +19,7 @@ from raytrain_fast.config.data import DataConfig
 from raytrain_fast.config.engine import EngineConfig, OptimConfig
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.config.resources import ResourcesConfig
-from raytrain_fast.config.train import EvalConfig, HealthConfig, TrainConfig
+from raytrain_fast.config.train import Batch, EvalConfig, HealthConfig, TrainConfig
 from raytrain_fast.config.metrics import MetricsConfig
 from raytrain_fast.config.model import ModelConfig
 from raytrain_fast.config.storage import StorageConfig
@@ -60,14 +60,13 @@ class Config:
             raise ConfigError(problems, source=source)
         return config
 
-    def grad_accum(self) -> int:
-        """Micro-batches per optimizer step (explicit, or derived from the global batch)."""
-        if self.train.grad_accum is not None:
-            return self.train.grad_accum
-        if self.train.micro_batch == "auto":
+    def batch(self) -> Batch:
+        """The batch split of resources.num_workers workers: grad_accum explicit, or derived from the global batch."""
+        micro_batch, workers = self.train.micro_batch, self.resources.num_workers
+        if isinstance(micro_batch, str) or isinstance(workers, str):
             raise ValueError("train.micro_batch=auto must be resolved first (raytrain_fast.microbatch.auto.resolve_micro_batch)")
-        per_step = self.train.micro_batch * self.resources.num_workers
-        return max(1, self.train.global_batch // per_step)
+        grad_accum = self.train.grad_accum or max(1, self.train.global_batch // (micro_batch * workers))
+        return Batch(micro_batch=micro_batch, grad_accum=grad_accum, world_size=workers)
 
 
 PRESET_ALIASES = {"gpt2-124m": "gpt-124m"}

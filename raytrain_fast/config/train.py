@@ -4,6 +4,19 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 
+@dataclass(frozen=True, kw_only=True)
+class Batch:
+    """The batch arithmetic of one worker group, resolved: global batch = micro_batch x grad_accum x world_size."""
+
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.world_size
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Length of the run and the batch arithmetic: global_batch = micro_batch x grad_accum x num_workers."""

@@ -16,9 +16,8 @@ _EXPORTS = {
     "prepare_data": "raytrain_fast.data.prepare",
     "ensure_prepared_corpus": "raytrain_fast.data.cache",
     "BatchIterator": "raytrain_fast.data.ingest",
-    "DataPosition": "raytrain_fast.data.ingest",
-    "check_manifest_matches": "raytrain_fast.data.ingest",
-    "load_manifest": "raytrain_fast.data.ingest",
+    "check_manifest_matches": "raytrain_fast.data.manifest",
+    "load_manifest": "raytrain_fast.data.manifest",
 }
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -39,6 +39,24 @@ def is_prepared(uri: str, storage: StorageConfig) -> bool:
 
 
 
+def text_problem(source: str, storage: StorageConfig, *, setting: str, remedy: str = "") -> str | None:
+    """Why `source` (the value of `setting`, data.source or one of data.sources), when it is text to
+    prepare, cannot be: missing, or holding no text (only empty files). Its files are listed as
+    prepare-data lists them: a check of seconds, before Ray starts. `remedy` ends each message."""
+    if source == STDLIB or is_prepared(source, storage):
+        return None
+    try:
+        listing = list_inputs([source], storage)[0]
+    except DataError:  # a bucket that cannot be listed
+        listing = None
+    if not (listing and listing.sources) and ("://" in source or not os.path.exists(source)):
+        return (f"{setting} '{source}' does not exist: give a prepared dataset (directory or s3:// URI holding "
+                f"manifest.json), text to prepare (file, directory, glob) or 'stdlib'{remedy}")
+    if not any(s.size > 0 for s in (listing.sources if listing else [])):
+        return f"{setting} '{source}' is empty (no file with any text): add text to it{remedy}"
+    return None
+
+
 def _fingerprint(inputs: list[str], storage: StorageConfig) -> str:
     """sha256 over (path, size, mtime) of every input file: notices changed files without reading them."""
     listing = list_inputs(inputs, storage)[0]

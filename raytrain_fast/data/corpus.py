@@ -19,15 +19,17 @@ MANY_EPOCHS = 4.0
 memorises a small corpus (an 11 KB file seen ~53 times reached loss 0.40 and learned nothing general)."""
 
 
-def repetition_warning(*, sequences_per_epoch: int, steps: int, global_batch: int) -> str | None:
-    """The start-of-run warning when train.steps would go through the corpus more than MANY_EPOCHS times."""
+def repetition_warning(*, sequences_per_epoch: int, steps: int, global_batch: int, share: float = 1.0) -> str | None:
+    """The start-of-run warning when train.steps would go through the corpus more than MANY_EPOCHS
+    times. `share`: the corpus's weight in a mixture."""
     if sequences_per_epoch <= 0:
         return None
-    epochs = steps * global_batch / sequences_per_epoch
+    epochs = steps * global_batch * share / sequences_per_epoch
     if epochs <= MANY_EPOCHS:
         return None
+    weight = f" x its weight {share:.0%}" if share < 1 else ""
     return (
-        f"Warning: train.steps={steps:,} x train.global_batch={global_batch:,} goes through this corpus's "
+        f"Warning: train.steps={steps:,} x train.global_batch={global_batch:,}{weight} goes through this corpus's "
         f"{sequences_per_epoch:,} sequences {epochs:,.0f} times: the model will memorise it, and a low loss "
         "will not mean it learned anything general. Use more data (data.source), fewer steps, or keep an "
         "evaluation split to watch val/loss."

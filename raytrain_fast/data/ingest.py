@@ -1,8 +1,9 @@
-"""Training-side ingest: a per-rank, resumable stream of micro-batches from prepared shards.
+"""Training-side ingest: a per-rank, resumable stream of micro-batches from the run's prepared sources
+(a single data.source is a mixture of one: data/mixture.py).
 
-The order, the rank slicing, the global `DataPosition` and the sequential reads are described in
-docs/data.md ("How training reads the shards"); the order itself is `order.py`. With W ranks and
-micro-batch B, rank r's k-th micro-batch since the start position P is
+The order, the rank slicing, the global position and the sequential reads are described in
+docs/data.md ("How training reads the shards"); each source's order is `order.py`, the interleave
+`mixture.py`. With W ranks and micro-batch B, rank r's k-th micro-batch since the start position P is
 stream[P + (k * W + r) * B : P + (k * W + r + 1) * B].
 
 Reading goes through Ray Data: one small read task per piece of the plan (num_cpus=0, one at a time,
@@ -14,7 +15,7 @@ only ever blocks on `queue.get()`, once per group (the loop times that wait: Tra
 from __future__ import annotations
 
 import collections
-import json
+import dataclasses
 import logging
 import pickle
 import queue
@@ -28,92 +29,22 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raytrain_fast._ray_compat import DATA_EXECUTOR_LOGGER
-from raytrain_fast.data.manifest import MANIFEST_NAME, Manifest, shard_locations
-from raytrain_fast.data.order import (  # the order is its own module; these names stay importable from here
-    SHUFFLE_WINDOW_SHARDS, DataPosition, EpochOrder, locate_absolute, rank_stream, shard_order, usable_rows,
-    window_permutation, window_rows,
+from raytrain_fast.data.inputs import NODE_ID_LABEL
+from raytrain_fast.data.manifest import shard_locations
+from raytrain_fast.data.mixture import (
+    MixturePosition, MixtureSchedule, Source, identity, mixture_problems, mixture_rank_stream, window_cuts,
 )
+from raytrain_fast.data.order import EpochOrder, usable_rows, window_rows
 from raytrain_fast.errors import DataError
-from raytrain_fast.storage import StorageConfig, resolve_filesystem
+from raytrain_fast.storage import StorageConfig
 
 logger = logging.getLogger("raytrain_fast")
-NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries its id under this label
 _WINDOWS_PER_DATASET = 2  # a Ray Dataset covers about this many windows' worth of micro-batches
 HANDOVER_BATCHES = 8
 """Micro-batches per Ray Data batch and per hand-over to the step loop. Each batch Ray Data delivers
 wakes its prefetch, format and producer threads, and each wake takes a core from a torch thread (on
 2 cores, a step's parallel regions then wait for it): in groups, those wakes come once per 8 micro-batches,
 and the loop takes 7 of 8 micro-batches from its own buffer without any thread."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Manifest loading and checks
-
-
-def load_manifest(uri: str, storage: StorageConfig | None = None) -> Manifest:
-    """The manifest of prepared data at `uri` (its directory or the manifest.json itself)."""
-    root = uri.rstrip("/")
-    if root.endswith("/" + MANIFEST_NAME) or root == MANIFEST_NAME:
-        root = root[: -len(MANIFEST_NAME)].rstrip("/")
-    filesystem, path = resolve_filesystem(root, storage or StorageConfig())
-    manifest_path = f"{path.rstrip('/')}/{MANIFEST_NAME}"
-    try:
-        with filesystem.open_input_stream(manifest_path) as stream:
-            raw = stream.read()
-    except FileNotFoundError:
-        raise DataError(
-            f"no prepared data at '{uri}': {MANIFEST_NAME} is missing. Run `raytrain-fast prepare-data "
-            f"--output {uri} ...` first (a preparation that was interrupted writes no manifest)."
-        ) from None
-    except OSError as error:
-        raise DataError(f"cannot read {MANIFEST_NAME} at '{uri}': {error}") from None
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as error:
-        from raytrain_fast.storage import store_corruption_hint
-
-        raise DataError(f"{MANIFEST_NAME} at '{uri}' is not valid JSON ({error}). {store_corruption_hint(raw)}.") from None
-    return Manifest.from_dict(data, root=root if "://" in root else path)
-
-
-def check_manifest_matches(
-    manifest: Manifest,
-    *,
-    seq_len: int,
-    vocab_size: int,
-    micro_batch: int | None = None,
-    world_size: int | None = None,
-    max_sequences: int | None = None,
-) -> list[str]:
-    """Problems that make `manifest` unusable for this model / batch setup (empty list = fine).
-
-    Meant to be raised as one ConfigError before any worker starts.
-    """
-    problems = []
-    where = manifest.root or "the prepared data"
-    if manifest.seq_len != seq_len:
-        problems.append(
-            f"data.seq_len is {seq_len} but {where} was prepared with seq_len {manifest.seq_len}; "
-            f"set data.seq_len={manifest.seq_len} or prepare the data again with seq_len {seq_len}"
-        )
-    tokenizer = manifest.tokenizer
-    if tokenizer.vocab_size > vocab_size:
-        problems.append(
-            f"model.vocab_size ({vocab_size}) is smaller than the vocabulary of the tokenizer the data was "
-            f"prepared with ({tokenizer.name}: {tokenizer.vocab_size} tokens); set model.vocab_size >= "
-            f"{tokenizer.vocab_size} (a multiple of 64 is fastest: {-(-tokenizer.vocab_size // 64) * 64})"
-        )
-    elif manifest.max_token_id >= vocab_size:
-        problems.append(f"{where} holds token id {manifest.max_token_id}, outside model.vocab_size ({vocab_size})")
-    if micro_batch is not None and world_size is not None:
-        available = manifest.num_sequences if not max_sequences else min(max_sequences, manifest.num_sequences)
-        per_rank = available // world_size
-        if per_rank < micro_batch:
-            problems.append(
-                f"{where} has {available:,} sequences to use: {per_rank} per worker, fewer than one micro-batch of "
-                f"{micro_batch}; add data, or lower train.micro_batch or resources.num_workers"
-            )
-    return problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,8 +95,8 @@ def _collate_class():
 class _Item:
     tokens: Any
     seq_ids: Any
-    position: Any
-    """Position after this batch (every rank has taken it): a DataPosition, or a mixture's."""
+    position: MixturePosition
+    """Position after this batch (every rank has taken it)."""
 
 
 @dataclass
@@ -186,66 +117,48 @@ class _Chunk:
 
 
 class BatchIterator(Iterator):
-    """(tokens, seq_ids) micro-batches for one rank, epoch after epoch, resumable at a `DataPosition`.
+    """(tokens, seq_ids) micro-batches for one rank from the run's sources, resumable at a saved position.
 
-    tokens: (micro_batch, seq_len + 1) int64 on `device`; seq_ids: (micro_batch,) int64 on the CPU.
-    Every rank of a run must use the same manifest, seed, micro_batch and world_size; the position
-    may come from a run with other ones.
+    tokens: (micro_batch, seq_len + 1) int64 on `device`; seq_ids: (micro_batch,) int64 on the CPU, each
+    source's own. Every rank of a run must use the same sources, seed, micro_batch and world_size; the
+    position may come from a run with other ones (a resize), or of other sources or weights (then this
+    mixture goes on from it: `MixturePosition.continued`).
     """
 
     def __init__(
-        self,
-        manifest: Manifest,
-        *,
-        rank: int,
-        world_size: int,
-        micro_batch: int,
-        seed: int = 0,
-        prefetch_batches: int = 2,
-        device: Any = "cpu",
-        position: DataPosition | None = None,
+        self, sources: list[Source], *, rank: int, world_size: int, micro_batch: int, seed: int = 0,
+        prefetch_batches: int = 2, device: Any = "cpu", position: dict[str, Any] | None = None,
         storage: StorageConfig | None = None,
-        max_sequences: int | None = None,
     ) -> None:
-        self._setup(rank, world_size, micro_batch, seed, prefetch_batches, device)
-        self.manifest = manifest
-        self.shard_rows = usable_rows(manifest, max_sequences)
-        self.sequences_per_epoch = sum(self.shard_rows)
-        """Sequences in the global stream per epoch (all ranks together)."""
-        if self.sequences_per_epoch < micro_batch * world_size:
-            raise DataError(
-                f"the prepared data at {manifest.root} has {self.sequences_per_epoch:,} usable sequences: "
-                f"{self.sequences_per_epoch // world_size} per rank with {world_size} ranks, fewer than one micro-batch of {micro_batch}"
-            )
-        position = position or DataPosition()
-        if position.legacy_world_size is not None:
-            logger.warning(
-                "this checkpoint's data position (epoch %d, %d sequences per rank on %d ranks) comes from the older "
-                "shard-order stream: continuing at the same share of epoch %d in the sequence-shuffled stream, whose "
-                "order is new (some sequences of this epoch may repeat or be skipped; later epochs are exact)",
-                position.epoch, position.consumed // position.legacy_world_size, position.legacy_world_size, position.epoch,
-            )
-        absolute = position.epoch * self.sequences_per_epoch + min(position.consumed, self.sequences_per_epoch)
-        self._start = DataPosition(epoch=absolute // self.sequences_per_epoch, consumed=absolute % self.sequences_per_epoch)
-        self._position = self._start
-        self._filesystems, self._paths, self._first_seq_id = shard_locations([manifest], storage)
-        chunk_rows = int(window_rows(self.shard_rows) * _WINDOWS_PER_DATASET)
-        self._batches_per_chunk = max(1, chunk_rows // (micro_batch * world_size))
-        self._orders: dict[int, EpochOrder] = {}
-        self._start_pipeline()
-
-    def _setup(
-        self, rank: int, world_size: int, micro_batch: int, seed: int, prefetch_batches: int, device: Any
-    ) -> None:
-        """The settings every reader checks and keeps, single source or mixture."""
         import torch
 
         if not 0 <= rank < world_size:
             raise DataError(f"rank {rank} is outside world size {world_size}")
         if micro_batch < 1 or prefetch_batches < 1:
             raise DataError(f"micro_batch and prefetch_batches must be >= 1, got {micro_batch} and {prefetch_batches}")
+        if problems := mixture_problems(sources):
+            raise DataError("; ".join(problems))
         self.rank, self.world_size, self.micro_batch, self.seed = rank, world_size, micro_batch, seed
         self.prefetch_batches, self.device = prefetch_batches, torch.device(device)
+        self.names, self.mixture = [s.name for s in sources], identity(sources)
+        self.schedule = MixtureSchedule([s.weight for s in sources])
+        self.source_rows = [usable_rows(s.manifest, s.max_sequences) for s in sources]
+        self.source_sizes = np.asarray([s.num_sequences for s in sources], dtype=np.int64)
+        self._start = self._position = self.read_position(position)
+        self._filesystems, self._paths, self._first_seq_id = shard_locations([s.manifest for s in sources], storage)
+        self._first_shard = np.cumsum([0] + [len(s.manifest.shards) for s in sources])[:-1]
+        """Index into `_paths` of each source's first shard."""
+        chunk_rows = int(max(map(window_rows, self.source_rows)) * _WINDOWS_PER_DATASET)
+        self._batches_per_chunk = max(1, chunk_rows // (micro_batch * world_size))
+        self._orders: list[dict[int, EpochOrder]] = [{} for _ in sources]
+        self._start_pipeline()
+
+    def read_position(self, saved: dict[str, Any] | None) -> MixturePosition:
+        """A saved position (None: the start) in this iterator's mixture."""
+        if saved is None:
+            return MixturePosition(sources=self.mixture)
+        saved_position = MixturePosition.from_dict(saved, first=self.mixture[0], first_rows=int(self.source_sizes[0]))
+        return saved_position.continued(self.mixture)
 
     def _start_pipeline(self) -> None:
         self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch_batches)  # of groups of micro-batches
@@ -255,16 +168,34 @@ class BatchIterator(Iterator):
         self._thread.start()  # the pipeline warms up while the caller builds its model
 
     @property
-    def position(self) -> DataPosition:
-        """Where the global stream stands after the batches taken so far (same on every rank at a step
-        boundary). Save it with the checkpoint."""
-        return DataPosition(epoch=self._position.epoch, consumed=self._position.consumed)
+    def position(self) -> MixturePosition:
+        """Where the global stream stands after the batches taken so far (the same on every rank at a
+        step boundary). Save it with the checkpoint."""
+        return self._position
+
+    def given(self) -> dict[str, int]:
+        """Sequences each source has given so far (those the mixture no longer holds included)."""
+        now = self.schedule.counts(self._position.consumed - self._start.start)
+        return {**self._start.before, **{n: self._start.before.get(n, 0) + int(c) for n, c in zip(self.names, now)}}
 
     @property
     def epochs(self) -> float:
-        """Epochs of the global stream taken so far (2.5 = two whole passes and half of the third):
+        """The most-repeated source's passes so far (2.5 = two whole passes and half of the third):
         plain arithmetic on the position, no device work."""
-        return self._position.epoch + self._position.consumed / self.sequences_per_epoch
+        given = self.given()
+        return max(given[n] / int(size) for n, size in zip(self.names, self.source_sizes))
+
+    def sequences_since(self, saved: dict[str, Any] | None) -> int:
+        """Sequences of the global stream taken since the saved position `saved` (None: the start)."""
+        return self._position.consumed - self.read_position(saved).consumed
+
+    def source_metrics(self, *, seq_len: int) -> dict[str, float]:
+        """Tokens, passes and weight of each source at the current position: arithmetic, no device work."""
+        given = self.given()
+        values = {f"data/tokens/{name}": float(count * seq_len) for name, count in given.items()}
+        for name, size, weight in zip(self.names, self.source_sizes.tolist(), self.schedule.weights.tolist()):
+            values.update({f"data/epochs/{name}": given[name] / size, f"data/weight/{name}": weight})
+        return values
 
     def __next__(self) -> tuple[Any, Any]:
         if not self._ready:
@@ -304,19 +235,18 @@ class BatchIterator(Iterator):
 
     # -- plan -------------------------------------------------------------------------------
 
-    def _position_after(self, batches: int) -> DataPosition:
-        absolute = self._start.epoch * self.sequences_per_epoch + self._start.consumed + batches * self.world_size * self.micro_batch
-        return DataPosition(epoch=absolute // self.sequences_per_epoch, consumed=absolute % self.sequences_per_epoch)
+    def _position_after(self, batches: int) -> MixturePosition:
+        return dataclasses.replace(self._start, consumed=self._start.consumed + batches * self.world_size * self.micro_batch)
 
     def _plan(self, first_batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(shard index into `_paths`, row) of every sequence of this rank's next `_batches_per_chunk`
-        micro-batches, and where to cut them into read pieces: one per (epoch, window) run, so that
-        each piece reads one window's shards once."""
-        epochs, windows, shards, rows = rank_stream(
-            self.shard_rows, seed=self.seed, start=self._start, rank=self.rank, world_size=self.world_size,
-            micro_batch=self.micro_batch, batches=self._batches_per_chunk, first_batch=first_batch, orders=self._orders,
+        micro-batches, and where to cut them into read pieces (`mixture.window_cuts`)."""
+        sources, shards, rows, windows = mixture_rank_stream(
+            self.source_rows, self.schedule, seed=self.seed, position=self._start, rank=self.rank,
+            world_size=self.world_size, micro_batch=self.micro_batch, batches=self._batches_per_chunk,
+            first_batch=first_batch, orders=self._orders,
         )
-        return shards, rows, np.flatnonzero(np.diff(epochs * (1 << 32) + windows)) + 1
+        return self._first_shard[sources] + shards, rows, window_cuts(sources, windows)
 
     def _chunk(self, first_batch: int) -> _Chunk:
         shards, rows, cuts = self._plan(first_batch)

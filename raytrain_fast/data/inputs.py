@@ -18,6 +18,8 @@ from raytrain_fast.data.manifest import MANIFEST_NAME, Skipped
 from raytrain_fast.errors import DataError
 from raytrain_fast.storage import StorageConfig, resolve_filesystem
 
+NODE_ID_LABEL = "ray.io/node-id"
+"""Every Ray node carries its id under this label: tasks pinned to it read next to their caller."""
 _GLOB_CHARS = "*?["
 
 

@@ -163,6 +163,55 @@ class Manifest:
             raise DataError(f"manifest at {root or '?'} is malformed ({error}); prepare the data again") from None
 
 
+def load_manifest(uri: str, storage: Any = None) -> Manifest:
+    """The manifest of prepared data at `uri` (its directory or the manifest.json itself). `storage`:
+    a StorageConfig or None."""
+    from raytrain_fast.storage import StorageConfig, resolve_filesystem, store_corruption_hint
+
+    root = uri.rstrip("/")
+    if root.endswith("/" + MANIFEST_NAME) or root == MANIFEST_NAME:
+        root = root[: -len(MANIFEST_NAME)].rstrip("/")
+    filesystem, path = resolve_filesystem(root, storage or StorageConfig())
+    try:
+        with filesystem.open_input_stream(f"{path.rstrip('/')}/{MANIFEST_NAME}") as stream:
+            raw = stream.read()
+    except FileNotFoundError:
+        raise DataError(
+            f"no prepared data at '{uri}': {MANIFEST_NAME} is missing. Run `raytrain-fast prepare-data "
+            f"--output {uri} ...` first (a preparation that was interrupted writes no manifest)."
+        ) from None
+    except OSError as error:
+        raise DataError(f"cannot read {MANIFEST_NAME} at '{uri}': {error}") from None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{MANIFEST_NAME} at '{uri}' is not valid JSON ({error}). {store_corruption_hint(raw)}.") from None
+    return Manifest.from_dict(data, root=root if "://" in root else path)
+
+
+def check_manifest_matches(manifest: Manifest, *, seq_len: int, vocab_size: int) -> list[str]:
+    """Problems that make `manifest` unusable for this model (empty list = fine), meant to be raised
+    as one ConfigError before any worker starts. A source smaller than a micro-batch is no problem: its
+    stream goes on epoch after epoch (data/order.py)."""
+    problems = []
+    where = manifest.root or "the prepared data"
+    if manifest.seq_len != seq_len:
+        problems.append(
+            f"{where} was prepared with seq_len {manifest.seq_len} but data.seq_len is {seq_len}: set "
+            f"data.seq_len={manifest.seq_len} (every source of the run must have it), or prepare it again with --seq-len {seq_len}"
+        )
+    tokenizer = manifest.tokenizer
+    if tokenizer.vocab_size > vocab_size:
+        problems.append(
+            f"model.vocab_size ({vocab_size}) is smaller than the vocabulary of the tokenizer the data was "
+            f"prepared with ({tokenizer.name}: {tokenizer.vocab_size} tokens); set model.vocab_size >= "
+            f"{tokenizer.vocab_size} (a multiple of 64 is fastest: {-(-tokenizer.vocab_size // 64) * 64})"
+        )
+    elif manifest.max_token_id >= vocab_size:
+        problems.append(f"{where} holds token id {manifest.max_token_id}, outside model.vocab_size ({vocab_size})")
+    return problems
+
+
 def _stored_fields(entry: Any) -> dict[str, Any]:
     return {f.name: getattr(entry, f.name) for f in fields(entry) if f.name != "root"}
 

@@ -1,27 +1,32 @@
-"""Mixtures: several prepared datasets interleaved by weight into one global stream (data.sources).
+"""A run's training data: its sources (data.sources, or data.source as a mixture of one of weight 1)
+interleaved by weight into one global stream.
 
 docs/data.md ("Mixtures") describes the schedule and its bound. The source of global sequence g is
-`pattern[g % period]`, a fixed schedule built once from the weights ("largest deficit first"), and it
-is that source's `counts(g)[s]`-th sequence in its own endless stream of hash-shuffled epochs. So the
-position is one integer, the sequences consumed by all ranks together, valid on any worker count.
+`pattern[(g - start) % period]`, a fixed schedule built once from the weights ("largest deficit
+first"), and it is that source's `before[s] + counts(g - start)[s]`-th sequence in its own endless
+stream of hash-shuffled epochs (data/order.py). So the position is one integer, the sequences consumed
+by all ranks together, valid on any worker count. A resume with other weights or sources
+(checkpoint.allow_changes=data) starts a new schedule at the resume position (`start`), each source
+going on from the sequences it had given (`before`): the accounting stays exact.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import logging
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
-from raytrain_fast.data.ingest import BatchIterator
-from raytrain_fast.data.manifest import Manifest, shard_locations
-from raytrain_fast.data.order import EpochOrder, locate_absolute, rank_indexes, usable_rows, window_rows
+from raytrain_fast.config.data import data_sources, source_name
+from raytrain_fast.data.manifest import Manifest, check_manifest_matches, load_manifest
+from raytrain_fast.data.order import EpochOrder, locate_absolute, rank_indexes, usable_rows
 from raytrain_fast.errors import DataError
-from raytrain_fast.storage import StorageConfig
+
+logger = logging.getLogger("raytrain_fast")
 
 MIXTURE_STREAM = "mixture-v1"
 MAX_PERIOD = 100_000
@@ -90,223 +95,188 @@ def _largest_deficit_pattern(counts: list[int], period: int) -> tuple[np.ndarray
     return pattern, prefix
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class MixturePosition:
-    """Where a mixture's global stream stands: `consumed` sequences taken by all ranks together."""
+    """Where the global stream stands: `consumed` sequences taken by all ranks together."""
 
     consumed: int = 0
     sources: list[dict[str, Any]]
-    """[{name, weight}] of the mixture the position belongs to (a resume must use the same)."""
+    """[{name, weight}] of the mixture from `start` on."""
+    start: int = 0
+    """The global index from which these sources and weights hold (0: from the run's start)."""
+    before: dict[str, int] = field(default_factory=dict)
+    """Sequences each source had given before `start` (sources no longer in the mixture too)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stream": MIXTURE_STREAM, "consumed": self.consumed, "sources": self.sources}
+        changed = {"start": self.start, "before": self.before} if self.start else {}
+        return {"stream": MIXTURE_STREAM, "consumed": self.consumed, "sources": self.sources, **changed}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, sources: list[dict[str, Any]]) -> MixturePosition:
-        """A saved position, checked against this run's mixture `sources` ([{name, weight}])."""
+    def from_dict(cls, data: dict[str, Any], *, first: dict[str, Any], first_rows: int) -> MixturePosition:
+        """A saved position. A single-source one ({epoch, consumed}: `_single_source_index`) is a place
+        in the stream of `first` ({name, weight}: this run's first source, of `first_rows` sequences per
+        epoch), which that stream was."""
         if data.get("stream") != MIXTURE_STREAM:
-            raise DataError(
-                f"the checkpoint's data position {json.dumps(data)} belongs to a single data.source, but this run sets "
-                "data.sources (a mixture): resume with the run's data.source, or start a new run (another --name)"
-            )
-        consumed = data.get("consumed")
-        if not isinstance(consumed, int) or consumed < 0:
-            raise DataError(f"mixture position must hold a non-negative integer 'consumed': {data}")
-        if data.get("sources") != sources:
-            raise DataError(
-                f"the checkpoint was trained on the mixture {data.get('sources')} and this run sets {sources}: the "
-                "mixture's position only continues the same sources and weights. Restore data.sources, or start a new run"
-            )
-        return cls(consumed=consumed, sources=sources)
+            return cls(consumed=_single_source_index(data, first_rows), sources=[{"name": first["name"], "weight": 1.0}])
+        consumed, start, before = data.get("consumed"), data.get("start", 0), data.get("before", {})
+        if not (isinstance(consumed, int) and isinstance(start, int) and 0 <= start <= consumed and isinstance(before, dict)):
+            raise DataError(f"mixture position must hold integers 0 <= start <= consumed: {data}")
+        return cls(consumed=consumed, sources=list(data["sources"]), start=start, before=dict(before))
+
+    def continued(self, sources: list[dict[str, Any]]) -> MixturePosition:
+        """This position in a mixture of `sources` ([{name, weight}]): itself for the same ones, else a
+        new schedule from here on, each source going on from the sequences it gave so far."""
+        if sources == self.sources:
+            return self
+        given = dict(self.before)
+        schedule = MixtureSchedule([item["weight"] for item in self.sources])
+        for item, count in zip(self.sources, schedule.counts(self.consumed - self.start).tolist()):
+            given[item["name"]] = given.get(item["name"], 0) + count
+        return MixturePosition(consumed=self.consumed, sources=sources, start=self.consumed, before=given)
+
+
+def _single_source_index(data: dict[str, Any], rows: int) -> int:
+    """The global index of a single-source position, as checkpoints without a mixture position hold
+    it: {epoch, consumed, stream: sequence-shuffle-v1}, or, of the per-rank shard stream, {epoch,
+    consumed per rank, world_size}, whose epoch goes on at the same share in a new order (sequences may
+    repeat or be skipped until the next epoch)."""
+    epoch, consumed, stream = data.get("epoch", 0), data.get("consumed", 0), data.get("stream")
+    valid = isinstance(epoch, int) and isinstance(consumed, int) and min(epoch, consumed) >= 0
+    if not valid or set(data) - {"epoch", "consumed", "world_size", "stream"} or stream not in (None, "sequence-shuffle-v1"):
+        raise DataError(f"not a data position this version reads (a mixture's, or a single source's): {data}")
+    if stream is None:
+        consumed *= int(data.get("world_size") or 1)
+        logger.warning("this checkpoint's data position is of the per-rank shard stream: epoch %d goes on at "
+                       "the same share, in a new order (later epochs are exact)", epoch)
+    return epoch * rows + min(consumed, rows)
 
 
 @dataclass(kw_only=True)
 class Source:
-    """One source of a mixture as the ingest reads it."""
+    """One source of the run's data as the ingest reads it."""
 
     name: str
     weight: float
     manifest: Manifest
+    max_sequences: int | None = None
+    """Sequences of it to use at most (data.max_tokens); None: all."""
+
+    @property
+    def num_sequences(self) -> int:
+        """Its training sequences that are used: one pass of its stream."""
+        return sum(usable_rows(self.manifest, self.max_sequences))
 
 
-def tokens_per_source(schedule: MixtureSchedule, *, consumed: int, seq_len: int, names: list[str]) -> dict[str, float]:
-    """{'data/tokens/<name>': tokens of each source trained on so far} at a global position: plain
-    arithmetic on the position and the weights (host-side, no device work), for the metrics record."""
-    counts = schedule.counts(consumed)
-    return {f"data/tokens/{name}": float(count * seq_len) for name, count in zip(names, counts.tolist())}
+def identity(sources: list[Source]) -> list[dict[str, Any]]:
+    """[{name, weight}]: what a saved position records of the mixture it belongs to."""
+    return [{"name": s.name, "weight": s.weight} for s in sources]
 
 
 def mixture_rank_stream(
-    source_rows: list[list[int]], schedule: MixtureSchedule, *, seed: int, consumed: int, rank: int, world_size: int,
-    micro_batch: int, batches: int, first_batch: int = 0, orders: list[dict[int, EpochOrder]] | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(sources, shards, rows) of rank `rank`'s micro-batches first_batch .. first_batch + batches - 1
-    after global position `consumed`, sliced as a single source's stream (order.rank_indexes). Pure: the
+    source_rows: list[list[int]], schedule: MixtureSchedule, *, seed: int, position: MixturePosition, rank: int,
+    world_size: int, micro_batch: int, batches: int, first_batch: int = 0, orders: list[dict[int, EpochOrder]] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(sources, shards, rows, windows) of rank `rank`'s micro-batches first_batch .. first_batch + batches - 1
+    after `position` (its sources are `schedule`'s), sliced as order.rank_indexes slices one stream. Pure: the
     ingest's plan, and what tests check. `source_rows`: usable rows of each shard, per source; `orders`:
-    per-source EpochOrder caches."""
+    per-source EpochOrder caches. `windows`: each sequence's (epoch, shuffle window) of its source, as one number."""
     orders = [{} for _ in source_rows] if orders is None else orders
     g = rank_indexes(
-        consumed, rank=rank, world_size=world_size, micro_batch=micro_batch, batches=batches, first_batch=first_batch
+        position.consumed, rank=rank, world_size=world_size, micro_batch=micro_batch, batches=batches, first_batch=first_batch
     )
-    sources, local = schedule.locate(g)
-    shards, rows = np.empty_like(g), np.empty_like(g)
+    sources, local = schedule.locate(g - position.start)
+    local += np.asarray([position.before.get(item["name"], 0) for item in position.sources], dtype=np.int64)[sources]
+    shards, rows, windows = np.empty_like(g), np.empty_like(g), np.empty_like(g)
     for s in np.unique(sources).tolist():
         mask = sources == s
-        _, _, shards[mask], rows[mask] = locate_absolute(source_rows[s], local[mask], seed=seed, orders=orders[s])
-    return sources, shards, rows
+        epochs, window, shards[mask], rows[mask] = locate_absolute(source_rows[s], local[mask], seed=seed, orders=orders[s])
+        windows[mask] = epochs * (1 << 32) + window
+    return sources, shards, rows, windows
 
 
-class MixtureIterator(BatchIterator):
-    """BatchIterator over a mixture: the same micro-batches, ranks, prefetch and checks, with global
-    index g drawn from source `schedule.locate(g)`. seq_ids are each source's own.
-
-    `position`: a MixturePosition (or its dict) of the same sources and weights, or None (the start).
-    """
-
-    def __init__(
-        self, sources: list[Source], *, rank: int, world_size: int, micro_batch: int, seed: int = 0,
-        prefetch_batches: int = 2, device: Any = "cpu", position: MixturePosition | dict[str, Any] | None = None,
-        storage: StorageConfig | None = None,
-    ) -> None:
-        self._setup(rank, world_size, micro_batch, seed, prefetch_batches, device)
-        problems = mixture_problems(sources)
-        if problems:
-            raise DataError("; ".join(problems))
-        self.sources = sources
-        self.schedule = MixtureSchedule([s.weight for s in sources])
-        self.names = [s.name for s in sources]
-        self.source_rows = [usable_rows(s.manifest) for s in sources]
-        self.source_sizes = [sum(rows) for rows in self.source_rows]
-        self.sequences_per_epoch = sum(self.source_sizes)
-        """Sequences of all sources together (a mixture's positions carry no epoch: health arithmetic only)."""
-        identity = [{"name": s.name, "weight": s.weight} for s in sources]  # what a saved position must match
-        if isinstance(position, dict):
-            position = MixturePosition.from_dict(position, sources=identity)
-        self._start = position or MixturePosition(sources=identity)
-        self._position = self._start
-        self._filesystems, self._paths, self._first_seq_id = shard_locations([s.manifest for s in sources], storage)
-        self._first_shard = np.cumsum([0] + [len(s.manifest.shards) for s in sources])[:-1]
-        """Index into `_paths` of each source's first shard."""
-        self._piece_batches = max(1, int(max(map(window_rows, self.source_rows))) // (micro_batch * world_size))
-        self._batches_per_chunk = 2 * self._piece_batches
-        self._orders: list[dict[int, EpochOrder]] = [{} for _ in sources]
-        self._start_pipeline()
-
-    @property
-    def position(self) -> MixturePosition:
-        return MixturePosition(consumed=self._position.consumed, sources=self._position.sources)
-
-    @property
-    def source_epochs(self) -> np.ndarray:
-        """Epochs each source has gone through so far (1.5 = one whole pass and half of the next)."""
-        return self.schedule.counts(self._position.consumed) / np.asarray(self.source_sizes, dtype=np.float64)
-
-    @property
-    def epochs(self) -> float:
-        """The most-repeated source's epochs (what repetition warnings care about)."""
-        return float(self.source_epochs.max())
-
-    def source_metrics(self, *, seq_len: int) -> dict[str, float]:
-        """Tokens and epochs per source at the current position: arithmetic on the position, no device work."""
-        values = tokens_per_source(self.schedule, consumed=self._position.consumed, seq_len=seq_len, names=self.names)
-        values.update({f"data/epochs/{name}": float(e) for name, e in zip(self.names, self.source_epochs.tolist())})
-        return values
-
-    def _position_after(self, batches: int) -> MixturePosition:
-        consumed = self._start.consumed + batches * self.world_size * self.micro_batch
-        return MixturePosition(consumed=consumed, sources=self._start.sources)
-
-    def _plan(self, first_batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(shard index into `_paths`, row) of this rank's next micro-batches, cut into pieces of
-        `_piece_batches` micro-batches each."""
-        sources, shards, rows = mixture_rank_stream(
-            self.source_rows, self.schedule, seed=self.seed, consumed=self._start.consumed, rank=self.rank,
-            world_size=self.world_size, micro_batch=self.micro_batch, first_batch=first_batch,
-            batches=self._batches_per_chunk, orders=self._orders,
-        )
-        per_piece = self._piece_batches * self.micro_batch
-        return self._first_shard[sources] + shards, rows, np.arange(per_piece, len(rows), per_piece)
+def window_cuts(sources: np.ndarray, windows: np.ndarray) -> np.ndarray:
+    """Where to cut a plan into read pieces: wherever a source moves on to its next shuffle window, so
+    that a piece reads each window's shards once (a single source's pieces are its windows)."""
+    by_source = np.argsort(sources, kind="stable")
+    moved = (np.diff(windows[by_source]) != 0) & (np.diff(sources[by_source]) == 0)
+    return np.unique(by_source[1:][moved])
 
 
-def load_sources(data: Any, storage: StorageConfig, *, prepared: list[str] | None = None) -> tuple[list[Source], list[str]]:
-    """(the sources of `data.sources` whose manifests load, problems): a source missing from storage is
-    a problem naming it. `prepared`: the manifest URIs `prepare_sources` returned (default: the sources as given)."""
-    from raytrain_fast.config.data import source_name
-    from raytrain_fast.data.ingest import load_manifest
-
-    sources, problems = [], []
-    for i, item in enumerate(data.sources):
-        uri = prepared[i] if prepared else item.source
-        try:
-            manifest = load_manifest(uri, storage)
-        except DataError as error:
-            problems.append(
-                f"data.sources[{i}] '{item.source}': {error} Fix the path (or bucket), or remove the source from data.sources"
-            )
-            continue
-        sources.append(Source(name=source_name(item), weight=float(item.weight), manifest=manifest))
-    return sources, problems
-
-
-def prepare_sources(data: Any, storage: StorageConfig, *, cache_dir: str, verbose: bool = True) -> list[str]:
-    """The manifest URI of every source (absolute for a local one), as data.source's: a prepared dataset
-    as it is, anything else (text, JSONL, Parquet, compressed or not, `stdlib`) prepared once into cache_dir."""
+def prepare_sources(config: Any, *, cache_dir: str, verbose: bool = True) -> list[str]:
+    """The manifest URI of every source of the run (absolute for a local one): a prepared dataset as it is,
+    anything else (text, JSONL, Parquet, compressed or not, `stdlib`) prepared once into cache_dir."""
     from raytrain_fast.data.cache import ensure_prepared_corpus
 
+    data = config.data
     return [
         ensure_prepared_corpus(
-            item.source, seq_len=data.seq_len, cache_dir=cache_dir, tokenizer=data.tokenizer, storage=storage,
+            item.source, seq_len=data.seq_len, cache_dir=cache_dir, tokenizer=data.tokenizer, storage=config.storage,
             verbose=verbose, val_fraction=data.val_fraction, val_input=data.val_input, text_field=data.text_field,
         )
-        for item in data.sources
+        for item in data_sources(data)
     ]
 
 
-def check_mixture(config: Any, *, prepared: list[str] | None = None) -> list[Source]:
-    """Every problem of a config's data.sources against storage and the model, raised as one
-    ConfigError before any worker starts; returns the loaded sources.
-    `prepared`: manifest URIs from prepare_sources (without it, text sources not yet prepared are skipped)."""
-    from raytrain_fast.data.cache import STDLIB, is_prepared
-    from raytrain_fast.data.ingest import check_manifest_matches
+def load_sources(
+    config: Any, uris: list[str], *, skip: Sequence[int] = (), loaded: Sequence[Source] = ()
+) -> tuple[list[Source], list[str]]:
+    """(the run's sources whose manifests load, problems): `uris` are their manifests', in order; the
+    indexes in `skip` are left out, and a manifest in `loaded` is not read again."""
+    data, known = config.data, {s.manifest.root: s.manifest for s in loaded}
+    max_sequences = max(1, data.max_tokens // (data.seq_len + 1)) if data.max_tokens > 0 else None
+    sources, problems = [], []
+    for i, (item, uri) in enumerate(zip(data_sources(data), uris)):
+        if i in skip:
+            continue
+        try:
+            manifest = known.get(uri.rstrip("/")) or load_manifest(uri, config.storage)
+        except DataError as error:
+            key, remove = _named(config)
+            problems.append(f"{key} '{item.source}': {error} Fix the path (or bucket){remove}")
+            continue
+        sources.append(Source(name=source_name(item), weight=float(item.weight), manifest=manifest, max_sequences=max_sequences))
+    return sources, problems
+
+
+def _named(config: Any) -> tuple[str, str]:
+    """How a message names a source (the key the user set: data.source, or data.sources of a mixture),
+    and the other fix a mixture has."""
+    return ("data.sources", ", or remove it from data.sources") if config.data.sources else ("data.source", "")
+
+
+def check_sources(config: Any, *, prepared: list[str] | None = None, loaded: Sequence[Source] = ()) -> list[Source]:
+    """Every problem of the run's sources against storage and the model, raised as one ConfigError
+    before any worker starts; returns the sources whose manifests loaded. Without `prepared` (before
+    preparation), a source still to prepare is checked as text: it exists and holds some, and the
+    tokenizer that will prepare it suits the model and the other sources. `prepared`: the manifest
+    URIs of prepare_sources (then every source loads); `loaded`: sources whose manifests were read."""
+    from raytrain_fast.data.cache import STDLIB, is_prepared, text_problem
     from raytrain_fast.errors import ConfigError
 
     data, storage = config.data, config.storage
-    if prepared is None:  # before preparation: what is prepared already, and what is missing altogether
-        items = [i for i in data.sources if i.source == STDLIB or not is_prepared(i.source, storage)]
-        problems = [problem for i in items if (problem := _text_problem(i.source, storage))]
-        view = dataclasses.replace(data, sources=[i for i in data.sources if i not in items])
-        sources, load_problems = load_sources(view, storage)
-        if items and not problems:  # what they will be tokenized with, against the model and the prepared ones
-            problems += _on_the_fly_problems(config, sources)
-    else:
-        problems, (sources, load_problems) = [], load_sources(data, storage, prepared=prepared)
-    problems += load_problems + (mixture_problems(sources, seq_len=data.seq_len) if sources else [])
-    for source in sources:  # the vocabulary; no micro-batch check: a source smaller than a batch just cycles
+    items = data_sources(data)
+    pending = [] if prepared else [i for i, item in enumerate(items) if item.source == STDLIB or not is_prepared(item.source, storage)]
+    setting, remove = _named(config)
+    problems = [problem for i in pending if (problem := text_problem(items[i].source, storage, setting=setting, remedy=remove))]
+    sources, load_problems = load_sources(config, prepared or [item.source for item in items], skip=pending, loaded=loaded)
+    if pending and not problems:
+        problems += _on_the_fly_problems(config, sources)
+    if prepared is None and not pending:
         problems += [
-            f"data.sources '{source.name}': {p}"
-            for p in check_manifest_matches(source.manifest, seq_len=source.manifest.seq_len, vocab_size=config.model.vocab_size)
+            f"data.{key} applies to a source prepared on the fly, but every source is prepared already: run "
+            f"`raytrain-fast prepare-data` again with --{key.replace('_', '-')}, or leave data.{key} unset"
+            for key in ("val_fraction", "val_input") if getattr(data, key) is not None
         ]
+    problems += load_problems + mixture_problems(sources)
+    for source in sources:
+        problems += check_manifest_matches(source.manifest, seq_len=data.seq_len, vocab_size=config.model.vocab_size)
     if problems:
         raise ConfigError(problems)
     return sources
 
 
-def open_mixture(
-    config: Any, uris: list[str], *, rank: int, world_size: int, device: Any, position: dict[str, Any] | None,
-) -> MixtureIterator:
-    """The step loop's reader for data.sources (what `build_data` returns for a mixture): `uris` are
-    prepare_sources' manifest URIs, `position` the checkpoint's saved data position (None: the start)."""
-    sources, problems = load_sources(config.data, config.storage, prepared=uris)
-    if problems:
-        raise DataError("; ".join(problems))
-    return MixtureIterator(
-        sources, rank=rank, world_size=world_size, micro_batch=int(config.train.micro_batch), seed=config.data.shuffle_seed,
-        prefetch_batches=config.data.prefetch_batches, device=device, position=position, storage=config.storage,
-    )
-
-
 def _on_the_fly_problems(config: Any, prepared: list[Source]) -> list[str]:
-    """The sources prepared on the fly are tokenized with data.tokenizer: its vocabulary against
+    """A source prepared on the fly is tokenized with data.tokenizer: its vocabulary against
     model.vocab_size, and against the tokenizer of the sources already prepared."""
     from raytrain_fast.data.tokenizer import load_tokenizer
 
@@ -315,65 +285,29 @@ def _on_the_fly_problems(config: Any, prepared: list[Source]) -> list[str]:
     if info.vocab_size > config.model.vocab_size:
         problems.append(
             f"model.vocab_size ({config.model.vocab_size}) is smaller than data.tokenizer's vocabulary ({info.vocab_size} "
-            f"tokens), which prepares the text sources of data.sources; set model.vocab_size >= {info.vocab_size} "
-            f"(a multiple of 64 is fastest: {-(-info.vocab_size // 64) * 64})"
+            f"tokens); set model.vocab_size >= {info.vocab_size} (a multiple of 64 is fastest: {-(-info.vocab_size // 64) * 64})"
         )
     different = [s for s in prepared if s.manifest.tokenizer.identity() != info.identity()]
     if different:
         problems.append(
-            f"data.sources '{different[0].name}' was tokenized with {different[0].manifest.tokenizer.name}, but the text "
+            f"data source '{different[0].name}' was tokenized with {different[0].manifest.tokenizer.name}, but the text "
             f"sources would be tokenized with data.tokenizer={config.data.tokenizer}: a mixture needs one tokenizer; set "
             f"data.tokenizer={different[0].manifest.tokenizer.name}, or prepare every source with the same --tokenizer"
         )
     return problems
 
 
-def _text_problem(source: str, storage: StorageConfig) -> str | None:
-    """Why a source given as text (not prepared yet) cannot be prepared: missing, or holding no text.
-    Its files are listed as prepare-data lists them."""
-    import os
-
-    from raytrain_fast.data.cache import STDLIB
-    from raytrain_fast.data.inputs import Listing, list_inputs
-
-    if source == STDLIB:
-        return None
-    try:
-        listing = list_inputs([source], storage)[0]
-    except DataError:  # a bucket that cannot be listed
-        listing = Listing()
-    if not listing.sources and ("://" in source or not os.path.exists(source)):
-        return (f"data.sources '{source}' does not exist: give a prepared dataset (directory or s3:// URI holding "
-                "manifest.json), text to prepare (file, directory, glob) or 'stdlib', or remove it from data.sources")
-    if not any(s.size > 0 for s in listing.sources):
-        return f"data.sources '{source}' is empty (no file with any text): add text to it, or remove it from data.sources"
-    return None
-
-
-def mixture_problems(sources: list[Source], *, seq_len: int | None = None) -> list[str]:
+def mixture_problems(sources: list[Source]) -> list[str]:
     """Problems that make these prepared sources unusable together (empty list = fine): an empty
-    source, another tokenizer or seq_len than the first source's."""
+    source, another tokenizer than the first source's."""
     problems = []
-    if not sources:
-        return ["data.sources is empty"]
-    first = sources[0]
     for source in sources:
-        manifest, where = source.manifest, f"data.sources '{source.name}' ({source.manifest.root})"
-        if sum(usable_rows(manifest)) == 0:
-            problems.append(f"{where} holds no training sequences: prepare it from a non-empty input, or remove it from data.sources")
-        if manifest.tokenizer.identity() != first.manifest.tokenizer.identity():
+        manifest, where = source.manifest, f"data source '{source.name}' ({source.manifest.root})"
+        if source.num_sequences == 0:
+            problems.append(f"{where} holds no training sequences: prepare it from a non-empty input")
+        if manifest.tokenizer.identity() != (first := sources[0]).manifest.tokenizer.identity():
             problems.append(
                 f"{where} was tokenized with {manifest.tokenizer.name} but '{first.name}' with {first.manifest.tokenizer.name}: "
                 "a mixture needs one tokenizer; prepare every source with the same --tokenizer"
-            )
-        if seq_len is not None and manifest.seq_len != seq_len:
-            problems.append(
-                f"{where} was prepared with seq_len {manifest.seq_len} but data.seq_len is {seq_len}: prepare every "
-                f"source with --seq-len {seq_len} (or set data.seq_len to match all of them)"
-            )
-        elif manifest.seq_len != first.manifest.seq_len:
-            problems.append(
-                f"{where} was prepared with seq_len {manifest.seq_len} but '{first.name}' with {first.manifest.seq_len}: "
-                "prepare every source with the same --seq-len"
             )
     return problems

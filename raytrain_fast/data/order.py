@@ -2,58 +2,18 @@
 docs/data.md, "How training reads the shards"): shards ordered by a hash of (seed, epoch), cut into
 shuffle windows whose sequences are permuted by a hash of (seed, epoch, window); epochs follow each
 other in one endless stream. Hashes, not a library RNG, so the order survives library upgrades.
-`DataPosition` is a place in that stream."""
+A place in it is one global index (data/mixture.py `MixturePosition`)."""
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from raytrain_fast.data.manifest import Manifest
-from raytrain_fast.errors import DataError
 
 SHUFFLE_WINDOW_SHARDS = 16
 """Shards whose sequences are shuffled together (about 16M tokens at the default shard size)."""
-STREAM = "sequence-shuffle-v1"
-"""The stream a position belongs to; positions without it come from the older per-rank shard stream."""
-
-
-@dataclass(kw_only=True)
-class DataPosition:
-    """Where the global stream stands: the next micro-batch starts at sequence `consumed` of `epoch`."""
-
-    epoch: int = 0
-    consumed: int = 0
-    """Sequences of `epoch` consumed by all ranks together (the same value on every rank)."""
-    legacy_world_size: int | None = None
-    """Set only for a position read from a checkpoint of the older per-rank stream (see `from_dict`)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "consumed": self.consumed, "stream": STREAM}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DataPosition:
-        """A saved position. An older checkpoint's position ({epoch, consumed per rank, world_size},
-        no `stream`) belongs to a stream that no longer exists: it maps to the same share of its
-        epoch in the new stream (consumed x world_size sequences), and the iterator says that this
-        epoch's order is new (sequences may repeat or be skipped until the next epoch)."""
-        unknown = set(data) - {"epoch", "consumed", "world_size", "stream"}
-        if unknown:
-            raise DataError(f"data position has unknown keys {sorted(unknown)}: {data}")
-        epoch, consumed = data.get("epoch", 0), data.get("consumed", 0)
-        if not isinstance(epoch, int) or not isinstance(consumed, int) or epoch < 0 or consumed < 0:
-            raise DataError(f"data position must hold non-negative integers: {data}")
-        if data.get("stream") == STREAM:
-            return cls(epoch=epoch, consumed=consumed)
-        if data.get("stream") is not None:
-            raise DataError(f"data position of an unknown stream '{data['stream']}' (this version reads '{STREAM}')")
-        world_size = int(data.get("world_size") or 1)
-        return cls(epoch=epoch, consumed=consumed * world_size, legacy_world_size=world_size)
-
-
 def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
@@ -129,20 +89,6 @@ class EpochOrder:
             length = int(self.window_start[window + 1] - self.window_start[window])
             self._permutations[window] = window_permutation(length, seed=self.seed, epoch=self.epoch, window=window)
         return self._permutations[window]
-
-
-def rank_stream(
-    shard_rows: list[int], *, seed: int, start: DataPosition, rank: int, world_size: int, micro_batch: int, batches: int,
-    first_batch: int = 0, orders: dict[int, EpochOrder] | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(epochs, windows, shards, rows) of the sequences of rank `rank`'s micro-batches first_batch ..
-    first_batch + batches - 1 after `start`, in order. Pure: the ingest's plan, and what tests check.
-    `orders`: a cache of EpochOrder by epoch (the caller keeps it across calls)."""
-    absolute = rank_indexes(
-        start.epoch * sum(shard_rows) + start.consumed, rank=rank, world_size=world_size, micro_batch=micro_batch,
-        batches=batches, first_batch=first_batch,
-    )
-    return locate_absolute(shard_rows, absolute, seed=seed, orders={} if orders is None else orders)
 
 
 def rank_indexes(

@@ -142,6 +142,9 @@ def _check_inputs(listing: Listing, filesystems: dict[str, pafs.FileSystem], *, 
     read), so that a wrong --text-field fails in seconds; every other file is checked as it is read."""
     if not listing.sources:
         raise DataError(f"no input files to prepare: check the --input paths.\n{summarize_skipped(listing.skipped, limit=20)}")
+    if not any(s.size for s in listing.sources):
+        raise DataError(f"the inputs hold no text ({len(listing.sources)} empty file(s): {listing.sources[0].uri}): add text to them."
+                        f"\n{summarize_skipped(listing.skipped, limit=20)}".rstrip())
     import pyarrow.parquet as pq
 
     source = next((s for s in listing.sources if input_format(s.path)[0] == "parquet" and s.size), None)
@@ -190,10 +193,18 @@ def _write(
     job: _Job, out: _Output, split: SplitRequest, recipe: dict, *, seq_len: int, rows_per_shard: int, existing: Manifest | None
 ) -> Manifest:
     """Tokenize, pack and write the shards, then the manifest (last: it marks the output complete)."""
+    created = out.filesystem.get_file_info(out.root).type == pafs.FileType.NotFound
     clear_output(out.filesystem, out.root, existing)
     writer, val = split.writers(out.filesystem, out.root, seq_len=seq_len, rows_per_shard=rows_per_shard, dtype=job.spec.dtype)
     progress = Progress(len(job.listing.sources), enabled=job.verbose)
-    packed = _tokenize_and_pack(job, writer, progress, val)
+    try:
+        packed = _tokenize_and_pack(job, writer, progress, val)
+    except DataError:  # too little text: leave no empty val/ (or output directory) behind
+        if created:
+            out.filesystem.delete_dir(out.root)
+        else:
+            clear_output(out.filesystem, out.root, None)
+        raise
     manifest = Manifest(
         format_version=FORMAT_VERSION, seq_len=seq_len, num_sequences=writer.num_rows,
         num_documents=sum(s.num_documents for s in packed.used) - val.hashed_documents, num_dropped_tokens=packed.dropped,

@@ -23,8 +23,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from raytrain_fast.data.ingest import NODE_ID_LABEL
-from raytrain_fast.data.inputs import Source
+from raytrain_fast.data.inputs import NODE_ID_LABEL, Source
 from raytrain_fast.data.readers import FileReader, input_format, verdict
 from raytrain_fast.data.tokenizer import TokenizerSpec
 from raytrain_fast.console import say

@@ -19,7 +19,7 @@ from raytrain_fast.storage import StorageConfig, resolve_filesystem
 
 @dataclass(frozen=True)
 class SourceSplit:
-    """One mixture source's part of the validation tokens (per-source val/loss)."""
+    """One source's part of the validation tokens (its val/loss/<name>)."""
 
     name: str
     rows: int
@@ -66,11 +66,11 @@ def load_validation_tokens(
     return np.concatenate(rows) if rows else np.zeros((0, width), dtype=np.int64)
 
 
-def load_mixture_validation(
+def load_validation(
     sources: list, *, count: int, rank: int, world_size: int, storage: StorageConfig | None = None,
 ) -> tuple[np.ndarray, list[SourceSplit]]:
-    """(tokens, splits): `count` evaluation sequences of every mixture source that has a validation split
-    (or all of its split, if smaller), this rank's share of each, one source after the other. Sources
+    """(tokens, splits): `count` evaluation sequences of every source that has a validation split (or
+    all of its split, if smaller), this rank's share of each, one source after the other. Sources
     without a split get no val/loss; the weights of the others are normalised again."""
     with_split = [s for s in sources if s.manifest.validation is not None and s.manifest.validation.num_sequences > 0]
     total_weight = sum(s.weight for s in with_split)
@@ -84,15 +84,3 @@ def load_mixture_validation(
     return (np.concatenate(parts) if parts else np.zeros((0, width), dtype=np.int64)), splits
 
 
-def mixture_eval_note(sources: list) -> str | None:
-    """The line that says val/loss covers only some of a mixture's sources (those with a validation
-    split), or None when it covers all of them (or none: evaluation is off then)."""
-    covered = [s.name for s in sources if s.manifest.validation is not None and s.manifest.validation.num_sequences > 0]
-    left_out = [s.name for s in sources if s.name not in covered]
-    if not covered or not left_out:
-        return None
-    return (
-        f"Eval: val/loss covers {', '.join(covered)} only (their weights renormalised): {', '.join(left_out)} "
-        f"{'has' if len(left_out) == 1 else 'have'} no validation split, so none of its text is evaluated; prepare it "
-        "with a split (prepare-data --val-fraction, or data.val_fraction for a source prepared on the fly) to include it."
-    )

@@ -14,6 +14,9 @@ from raytrain_fast.console import say
 from raytrain_fast.downstream.encode import Encoder, encode_tasks, skipped_note
 from raytrain_fast.downstream.tasks import STANDARD_TASKS, Task, TaskError, load_tasks
 
+DEFAULT_MICRO_BATCH = 16
+"""Sequences per forward pass where the model has no run of its own to take it from (--hf)."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags besides the storage ones (cli.py adds those, --storage optional here)."""
@@ -23,12 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tasks", nargs="+", default=None, metavar="TASK",
         help=f"standard tasks ({', '.join(STANDARD_TASKS)}) and .jsonl files of your own, space- or comma-separated "
-        "(default: the run's eval.tasks, else every standard task)",
+        "(default: the run's eval.tasks, also for --hf of its export, else every standard task)",
     )
     parser.add_argument("--limit", type=int, default=None, metavar="N",
                         help="items per task, spread evenly over it (default: the run's eval.task_limit for its own tasks, else all)")
-    parser.add_argument("--workers", type=int, default=1, metavar="N", help="score on N Ray workers, each every N-th item (default 1: this process)")
-    parser.add_argument("--micro-batch", type=int, default=16, metavar="N", help="sequences per forward pass (default 16)")
+    parser.add_argument("--workers", type=int, default=1, metavar="N", help="score on N Ray workers, each every N-th batch (default 1: this process)")
+    parser.add_argument("--micro-batch", type=int, default=None, metavar="N",
+                        help="sequences per forward pass (default: the run's evaluation micro-batch, else 16)")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
+                        help="score in bf16 or fp32 (default: the run's training precision, as its loop scored; fp32 for --hf)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to score (auto: a GPU when there is one)")
     parser.add_argument("--tokenizer", default=None, help="(a run) the tokenizer.json to encode with instead of the one the run's data was made with")
     parser.add_argument("--json", action="store_true", help="print one JSON document: per-task results and every item's record")
@@ -68,22 +74,29 @@ def run_evaluate(args: argparse.Namespace, *, storage: Any, connect_ray: Callabl
     for note in skipped_note(encoded, encoder.window):
         say(note, stderr=args.json)  # with --json, stdout holds the JSON alone
     where = f"on {args.workers} Ray workers" if args.workers > 1 else "in this process"
-    say(f"Evaluating {source.description} on {', '.join(t.name for t in encoded)} ({sum(t.num_items for t in encoded):,} items) {where}.",
-        stderr=args.json)
+    micro_batch = args.micro_batch or source.micro_batch or DEFAULT_MICRO_BATCH
+    say(f"Evaluating {source.description} on {', '.join(t.name for t in encoded)} ({sum(t.num_items for t in encoded):,} items) {where}, "
+        f"in {source.precision}, {micro_batch} sequences per forward pass.", stderr=args.json)
     result = evaluate(
-        source, encoded, window=encoder.window, step=step, workers=args.workers, micro_batch=args.micro_batch,
+        source, encoded, window=encoder.window, step=step, workers=args.workers, micro_batch=micro_batch,
         device=None if args.device == "auto" else args.device, connect_ray=connect_ray,
     )
     if args.json:
         return json.dumps(result.to_json(), indent=1)
-    return (f"{result.table()}\nacc: the choice with the highest log-likelihood; acc_norm: per character; cut: contexts "
+    return (f"{result.table()}\nacc: the choice with the highest log-likelihood; acc_norm: per character; loglik: the right "
+            f"choice's log-likelihood, mean per item; cut: contexts "
             f"cut from the left to the {encoder.window}-token window. --json adds every item's log-likelihoods.")
 
 
 def _run_eval_section(args: argparse.Namespace, storage: Any) -> dict[str, Any]:
-    """The run's eval section from its newest run config (for its own tasks), {} for --hf or none."""
-    if not args.storage or args.tasks:
+    """The run's eval section (for its own tasks): from its newest run config, or for --hf from the
+    config.yaml `raytrain-fast export` wrote beside the weights; {} for none."""
+    if args.tasks:
         return {}
+    if args.hf:
+        from raytrain_fast.checkpoint.export import exported_eval_section
+
+        return exported_eval_section(args.hf)
     from raytrain_fast.report.load import newest_config
 
     config = newest_config(f"{args.storage.rstrip('/')}/{args.name}", storage) or {}
@@ -95,9 +108,11 @@ def _model(args: argparse.Namespace, storage: Any):
     from raytrain_fast.downstream.models import from_checkpoint, from_hf_dir
 
     if args.hf:
-        source, encoder = from_hf_dir(args.hf)
+        source, encoder = from_hf_dir(args.hf, precision=args.precision)
         return source, encoder, None
-    return from_checkpoint(storage_uri=args.storage, storage=storage, name=args.name, step=args.step, tokenizer=args.tokenizer)
+    return from_checkpoint(
+        storage_uri=args.storage, storage=storage, name=args.name, step=args.step, tokenizer=args.tokenizer, precision=args.precision,
+    )
 
 
 def _encoded(tasks: list[Task], encoder: Encoder):

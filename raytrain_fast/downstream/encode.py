@@ -150,12 +150,6 @@ def _ids(encoder: Encoder, text: str, *, where: str) -> list[int]:
     return ids
 
 
-def shard(task: EncodedTask, *, rank: int, world_size: int) -> np.ndarray:
-    """The items (positions in the task's scored items) rank `rank` of `world_size` scores: every
-    world_size-th one, so each item is scored by exactly one rank."""
-    return np.arange(rank, task.num_items, world_size, dtype=np.int64)
-
-
 def skipped_note(tasks: list[EncodedTask], window: int) -> list[str]:
     """One line per task that left items out."""
     return [

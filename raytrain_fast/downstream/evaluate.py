@@ -1,6 +1,7 @@
 """Score tasks on a model outside training (`raytrain-fast evaluate`): on this process, or on N Ray
-workers that each score every N-th item, their records merged. Each item is scored by exactly one
-worker, and its record says which.
+workers that each score every N-th batch of every task (downstream/score.py: the batches are the
+same whatever N), their log-likelihoods merged. Each request is scored by exactly one worker; an
+item's record names the worker of its first choice.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from raytrain_fast.downstream.encode import EncodedTask, shard
+from raytrain_fast.downstream.encode import EncodedTask
 from raytrain_fast.downstream.models import ModelSource
-from raytrain_fast.downstream.score import ScoringPlan
+from raytrain_fast.downstream.score import ScoringPlan, choose, task_figures
 
 
 @dataclass(kw_only=True)
@@ -22,6 +24,8 @@ class TaskResult:
     name: str
     acc: float
     acc_norm: float
+    loglikelihood: float
+    """The right choice's log-likelihood, mean per item (nats)."""
     chance: float
     items: int
     """Items scored."""
@@ -45,23 +49,26 @@ class Evaluation:
     step: int | None
     workers: int
     window: int
+    precision: str
+    micro_batch: int
     tasks: list[TaskResult]
     items: list[dict[str, Any]] = field(default_factory=list)
     """One record per item scored: task, index (its line in the task's file, from 0), gold, choice,
-    choice_norm, loglikelihoods (one per choice), characters (acc_norm's divisors), cut, worker."""
+    choice_norm, loglikelihoods (one per choice), characters (acc_norm's divisors), cut, worker (of its first choice)."""
 
     def to_json(self) -> dict[str, Any]:
         tasks = {t.name: {**{k: v for k, v in asdict(t).items() if k != "name"}, "ms_per_item": t.ms_per_item}
                  for t in self.tasks}
         return {
             "model": self.model, "step": self.step, "workers": self.workers, "window": self.window,
+            "precision": self.precision, "micro_batch": self.micro_batch,
             "acc_norm": "log-likelihood per character of the choice, leading whitespace not counted",
             "tasks": tasks, "items": self.items,
         }
 
     def table(self) -> str:
-        rows = [("task", "acc", "acc_norm", "chance", "items", "cut", "skipped", "ms/item")]
-        rows += [(t.name, f"{t.acc:.4f}", f"{t.acc_norm:.4f}", f"{t.chance:.4f}", f"{t.items:,}", f"{t.cut:,}", f"{t.skipped:,}",
+        rows = [("task", "acc", "acc_norm", "loglik", "chance", "items", "cut", "skipped", "ms/item")]
+        rows += [(t.name, f"{t.acc:.4f}", f"{t.acc_norm:.4f}", f"{t.loglikelihood:.3f}", f"{t.chance:.4f}", f"{t.items:,}", f"{t.cut:,}", f"{t.skipped:,}",
                   f"{t.ms_per_item:.1f}") for t in self.tasks]
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
@@ -72,32 +79,25 @@ def score_shard(
     source: ModelSource, tasks: list[EncodedTask], *, rank: int, world_size: int, micro_batch: int, device: str,
     threads: int | None = None,
 ) -> dict[str, Any]:
-    """Worker `rank` of `world_size`: its items of every task scored. {"records": [...], "seconds": {task: s}}."""
+    """Worker `rank` of `world_size`: its batches of every task scored. {"rank": rank, "values": {task:
+    [log-likelihood per request, None where another worker scores it]}, "seconds": {task: s}}."""
+    from raytrain_fast.engine.deepspeed_engine import enable_tf32
+
     if threads:
         torch.set_num_threads(threads)
+    enable_tf32(torch.device(device))  # fp32 on a GPU as training evaluates it
     forward = source.build(device)
-    records: list[dict[str, Any]] = []
+    values: dict[str, list[float | None]] = {}
     seconds: dict[str, float] = {}
     with torch.no_grad():
         for task in tasks:
             start = time.perf_counter()
-            items = shard(task, rank=rank, world_size=world_size)
-            plan = ScoringPlan([task], [items], micro_batch=micro_batch, device=device, packed=source.packs)
-            loglikelihoods = plan.loglikelihoods(forward)
-            choice, choice_norm = plan.choose(loglikelihoods)
-            values, chosen, chosen_norm = loglikelihoods.tolist(), choice.tolist(), choice_norm.tolist()
+            plan = ScoringPlan([task], micro_batch=micro_batch, device=device, packed=source.packs, rank=rank, world_size=world_size)
+            loglikelihoods = plan.loglikelihoods(forward).tolist()
             seconds[task.name] = time.perf_counter() - start
-            characters = plan.characters.tolist()
-            for row, requests in enumerate(plan.choice.tolist()):
-                requests = [r for r in requests if r >= 0]
-                item = int(items[row])
-                records.append({
-                    "task": task.name, "index": int(task.item_index[item]), "gold": int(task.gold[item]),
-                    "choice": chosen[row], "choice_norm": chosen_norm[row],
-                    "loglikelihoods": [values[r] for r in requests], "characters": [characters[r] for r in requests],
-                    "cut": bool(task.cut[item]), "worker": rank,
-                })
-    return {"records": records, "seconds": seconds}
+            mine = {int(r) for batch in plan.batches for r in batch.requests.tolist()}
+            values[task.name] = [value if r in mine else None for r, value in enumerate(loglikelihoods)]
+    return {"rank": rank, "values": values, "seconds": seconds}
 
 
 def evaluate(
@@ -111,18 +111,42 @@ def evaluate(
         parts = [score_shard(source, tasks, rank=0, world_size=1, micro_batch=micro_batch, device=device)]
     else:
         parts = _on_ray_workers(source, tasks, workers=workers, micro_batch=micro_batch, device=device, connect_ray=connect_ray)
-    records = sorted((r for part in parts for r in part["records"]), key=lambda r: ([t.name for t in tasks].index(r["task"]), r["index"]))
+    records: list[dict[str, Any]] = []
     results = []
     for task in tasks:
-        mine = [r for r in records if r["task"] == task.name]
-        scored = max(1, len(mine))
+        loglikelihoods, worker = _merged(task, parts)
+        records += _records(task, loglikelihoods, worker)
+        figures = task_figures(task, loglikelihoods)
         results.append(TaskResult(
-            name=task.name, acc=sum(r["choice"] == r["gold"] for r in mine) / scored,
-            acc_norm=sum(r["choice_norm"] == r["gold"] for r in mine) / scored, chance=task.chance, items=len(mine),
-            cut=sum(r["cut"] for r in mine), skipped=len(task.skipped), total=task.total,
+            name=task.name, acc=figures["acc"], acc_norm=figures["acc_norm"], loglikelihood=figures["loglikelihood"],
+            chance=task.chance, items=task.num_items, cut=int(figures["cut"]), skipped=len(task.skipped), total=task.total,
             seconds=max(part["seconds"].get(task.name, 0.0) for part in parts),
         ))
-    return Evaluation(model=source.description, step=step, workers=max(1, workers), window=window, tasks=results, items=records)
+    return Evaluation(model=source.description, step=step, workers=max(1, workers), window=window, precision=source.precision,
+                      micro_batch=micro_batch, tasks=results, items=records)
+
+
+def _merged(task: EncodedTask, parts: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """Every request's log-likelihood of `task` from the workers that scored it, and which worker did."""
+    loglikelihoods = np.full(len(task.sequences), np.nan)
+    worker = np.full(len(task.sequences), -1)
+    for part in parts:
+        for request, value in enumerate(part["values"][task.name]):
+            if value is not None:
+                loglikelihoods[request], worker[request] = value, part["rank"]
+    return loglikelihoods, worker
+
+
+def _records(task: EncodedTask, loglikelihoods: np.ndarray, worker: np.ndarray) -> list[dict[str, Any]]:
+    """One record per item of `task`, in file order."""
+    choice, choice_norm = choose(task, loglikelihoods)
+    starts = np.searchsorted(task.request_item, np.arange(task.num_items + 1))
+    return [{
+        "task": task.name, "index": int(task.item_index[item]), "gold": int(task.gold[item]),
+        "choice": int(choice[item]), "choice_norm": int(choice_norm[item]),
+        "loglikelihoods": loglikelihoods[a:b].tolist(), "characters": task.characters[a:b].tolist(),
+        "cut": bool(task.cut[item]), "worker": int(worker[a]),
+    } for item, (a, b) in enumerate(zip(starts[:-1], starts[1:]))]
 
 
 def _on_ray_workers(

@@ -1,8 +1,9 @@
 """The tasks of `eval.tasks` inside the step loop. `RunTasks` is built on the driver (the tasks read and
 encoded there, every error raised before a worker starts) and reaches the loop in its config as an
-object; each worker turns it into `RankTasks`, its share of the items on its device. The loop's
-evaluator (loop/evaluation.py) asks it for the counts at its cadence and sums them with the held-out
-loss in the evaluation's one collective and one host read.
+object; each worker turns it into `RankTasks`, its share of the batches on its device. The loop's
+evaluator (loop/evaluation.py) asks it for the log-likelihoods at its cadence, sums them over the
+ranks with the held-out loss in the evaluation's one collective and one host read, and has the
+counts made from every request's value on the host, as `raytrain-fast evaluate` makes them.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any
 
 import torch
 
-from raytrain_fast.downstream.encode import EncodedTask, shard
-from raytrain_fast.downstream.score import COUNTS, ScoringPlan
+from raytrain_fast.downstream.encode import EncodedTask
+from raytrain_fast.downstream.score import ScoringPlan
 
 
 @dataclass(kw_only=True)
@@ -29,38 +30,36 @@ class RunTasks:
         return f"Tasks: {parts}, scored at each evaluation (every {every_steps} steps; docs/evaluation.md)."
 
     def for_rank(self, *, rank: int, world_size: int, device: torch.device | str, micro_batch: int) -> RankTasks:
-        items = [shard(task, rank=rank, world_size=world_size) for task in self.tasks]
-        return RankTasks(self.tasks, ScoringPlan(self.tasks, items, micro_batch=micro_batch, device=device))
+        plan = ScoringPlan(self.tasks, micro_batch=micro_batch, device=device, rank=rank, world_size=world_size)
+        return RankTasks(self.tasks, plan)
 
 
 class RankTasks:
-    """One rank's share of the run's tasks: its counts on the device, and the metrics from the counts
-    summed over all ranks."""
+    """One rank's share of the run's tasks: its requests' log-likelihoods on the device, and the
+    metrics from every request's (summed over all ranks)."""
 
     def __init__(self, tasks: list[EncodedTask], plan: ScoringPlan) -> None:
         self.tasks, self.plan = tasks, plan
-        self.size = len(tasks) * len(COUNTS)
-        """Length of the counts tensor."""
+        self.size = plan.num_requests
+        """Length of the log-likelihoods tensor."""
         self._timer = DeviceTimer(plan.device)
 
     def score(self, engine: Any) -> torch.Tensor:
-        """This rank's counts (device tensor); the caller has the model in eval mode under no_grad."""
+        """This rank's log-likelihoods (device tensor, 0 for other ranks' requests); the caller has the
+        model in eval mode under no_grad."""
         self._timer.start()
-        counts = self.plan.score(engine)  # engine(tokens) -> logits
+        loglikelihoods = self.plan.loglikelihoods(engine)  # engine(tokens) -> logits
         self._timer.stop()
-        return counts
+        return loglikelihoods
 
-    def values(self, counts: list[float], *, tokens: int | None) -> dict[str, float]:
-        """Metrics from the counts summed over the ranks (read after the evaluation's host read)."""
+    def values(self, loglikelihoods: list[float], *, tokens: int | None) -> dict[str, float]:
+        """Metrics from every request's log-likelihood, summed over the ranks (read after the
+        evaluation's host read)."""
         values: dict[str, float] = {}
-        scored = 0.0
-        for position, task in enumerate(self.tasks):
-            correct, correct_norm, items, cut = counts[position * len(COUNTS):(position + 1) * len(COUNTS)]
-            scored += items
-            values.update({
-                f"eval/{task.name}/acc": correct / max(items, 1.0), f"eval/{task.name}/acc_norm": correct_norm / max(items, 1.0),
-                f"eval/{task.name}/chance": task.chance, f"eval/{task.name}/items": items, f"eval/{task.name}/cut": cut,
-            })
+        for task, figures in zip(self.tasks, self.plan.figures(loglikelihoods)):
+            values.update({f"eval/{task.name}/{key}": value for key, value in figures.items()})
+            values[f"eval/{task.name}/chance"] = task.chance
+        scored = sum(task.num_items for task in self.tasks)
         seconds = self._timer.seconds()
         values["time/eval_tasks_s"] = seconds
         values["time/eval_tasks_ms_per_item"] = 1e3 * seconds / max(scored, 1.0)

@@ -1,17 +1,26 @@
-"""Scoring on the device: the log-likelihood of every request, then each item's choice and the counts
-per task, with no host read (the caller reads the counts once, after summing them across ranks).
+"""Scoring on the device: the log-likelihood of every request with no host read; then, on the host,
+from every request's log-likelihood, each item's choice and the counts per task.
 
-`ScoringPlan` lays one rank's share of the requests out in rows once. Packed (our models, which take
-a `DocumentLayout`): an item whose choices share a context is one row, the context once and then
+`ScoringPlan` lays the requests out in rows once. Packed (our models, which take a
+`DocumentLayout`): an item whose choices share a context is one row, the context once and then
 every choice after it, each choice attending to the context and to itself only and positioned right
 after the context, as if it were alone: the context is read once instead of once per choice. Unpacked
-(any causal LM, e.g. through transformers): one row per choice. Rows are sorted by length, so a
-batch pads little, and index tensors made once pick each continuation token's log-probability out of
-the logits: a batch costs one forward pass and a few gathers, and no step reads a value back.
+(any causal LM, e.g. through transformers): one row per choice. Each task's rows are sorted by
+length and cut into batches of `micro_batch` rows, so a batch pads little, and index tensors made
+once pick each continuation token's log-probability out of the logits: a batch costs one forward
+pass and a few gathers, and no step reads a value back.
 
-The counts of a task are [correct, correct_norm, items, cut]: `acc` picks the choice with the highest
-log-likelihood, `acc_norm` the highest log-likelihood per character of the continuation (leading
-whitespace not counted); ties go to the lower choice index.
+A batch's rows depend on the task's items and the micro-batch only, never on how many ranks share
+the work (ranks take whole batches in turn) or on the other tasks scored with it, and a request's
+sum runs in a fixed order: so the same weights at the same precision give every request the same
+log-likelihood, bit for bit, in the loop (any worker count) and in `raytrain-fast evaluate` (any
+--workers). A different micro-batch changes the padding and the kernels' shapes, and with them the
+last bits.
+
+A task's figures (`task_figures`): `acc` picks the choice with the highest log-likelihood,
+`acc_norm` the highest log-likelihood per character of the continuation (leading whitespace not
+counted), ties to the lower choice index; `loglikelihood` is the right choice's, averaged over the
+items (it moves before acc leaves chance, and any item scored differently changes it).
 """
 
 from __future__ import annotations
@@ -24,10 +33,6 @@ import torch
 
 from raytrain_fast.downstream.encode import EncodedTask
 from raytrain_fast.model.documents import DocumentLayout
-
-COUNTS = ("correct", "correct_norm", "items", "cut")
-"""What a task's counts hold, in order."""
-
 
 @dataclass
 class Row:
@@ -53,88 +58,84 @@ class Batch:
     """(N,) flat positions (row * T + column) whose logits predict a continuation token."""
     targets: torch.Tensor
     """(N,) the continuation token each of those positions predicts."""
+    slots: tuple[torch.Tensor, torch.Tensor]
+    """(N,) each of those positions' (request of the batch, token of its continuation)."""
     requests: torch.Tensor
-    """(N,) the request each of those positions belongs to."""
+    """(R,) the plan's number of each request of the batch."""
+    longest: int
+    """Tokens of the batch's longest continuation."""
 
 
 class ScoringPlan:
-    """One rank's requests (the items `items[t]` of each task t), ready to score on `device`."""
+    """The requests of `tasks` (every scored item), numbered task after task; rank `rank` of
+    `world_size` holds every world_size-th batch, on `device`."""
 
     def __init__(
-        self, tasks: list[EncodedTask], items: list[np.ndarray], *, micro_batch: int, device: torch.device | str, packed: bool = True,
+        self, tasks: list[EncodedTask], *, micro_batch: int, device: torch.device | str, packed: bool = True,
+        rank: int = 0, world_size: int = 1,
     ) -> None:
         self.tasks, self.device, self.packed = tasks, torch.device(device), packed
-        rows, item_requests, chars, task_of_item, gold, cut = [], [], [], [], [], []
-        for task_id, (task, chosen) in enumerate(zip(tasks, items)):
+        self.offsets = np.cumsum([0, *(len(task.sequences) for task in tasks)]).tolist()
+        """Where each task's requests start in the plan's numbering (the last: the number of requests)."""
+        self.num_requests = self.offsets[-1]
+        groups = []
+        for task, first in zip(tasks, self.offsets):
             starts = np.searchsorted(task.request_item, np.arange(task.num_items + 1))  # an item's requests are contiguous
-            for item in chosen:
-                first = len(chars)
-                requests = list(range(starts[item], starts[item + 1]))
-                item_requests.append(list(range(first, first + len(requests))))
-                chars += [float(task.characters[r]) for r in requests]
-                rows += _rows(task, requests, first, shared=packed and bool(task.shared[item]))
-                task_of_item.append(task_id)
-                gold.append(int(task.gold[item]))
-                cut.append(int(task.cut[item]))
-        self.num_requests, self.num_items = len(chars), len(item_requests)
-        self.batches = _batches(rows, micro_batch=micro_batch, device=self.device, packed=packed)
-        width = max((len(r) for r in item_requests), default=1)
-        choice = torch.full((self.num_items, width), -1, dtype=torch.long)
-        for row, requests in enumerate(item_requests):
-            choice[row, : len(requests)] = torch.tensor(requests, dtype=torch.long)
-        self.choice = choice.to(self.device)
-        self.padding = self.choice < 0
-        self.characters = torch.tensor(chars or [1.0], dtype=torch.float32, device=self.device)
-        self.gold = torch.tensor(gold, dtype=torch.long, device=self.device)
-        self.cut = torch.tensor(cut, dtype=torch.float32, device=self.device)
-        self.task_of_item = torch.tensor(task_of_item, dtype=torch.long, device=self.device)
+            rows = [row for item in range(task.num_items)
+                    for row in _rows(task, range(starts[item], starts[item + 1]), first, shared=packed and bool(task.shared[item]))]
+            order = sorted(rows, key=lambda row: -row.length)  # longest first
+            groups += [order[start:start + max(1, micro_batch)] for start in range(0, len(order), max(1, micro_batch))]
+        self.batches = [_batch(rows, device=self.device, packed=packed) for rows in groups[rank::world_size]]
 
     def loglikelihoods(self, forward: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """(requests,) the summed log-probability of each request's continuation, on the device.
+        """(requests,) the summed log-probability of each request's continuation on the device; 0 for
+        the requests of other ranks' batches, so a sum over the ranks holds every one exactly.
         `forward(tokens)` (unpacked) or `forward(tokens, layout=...)` (packed) returns (B, T, V) logits."""
         total = torch.zeros(self.num_requests, dtype=torch.float32, device=self.device)
         for batch in self.batches:
             logits = forward(batch.tokens) if batch.layout is None else forward(batch.tokens, layout=batch.layout)
             picked = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.positions).float()
             logprobs = torch.log_softmax(picked, dim=-1).gather(1, batch.targets.unsqueeze(1)).squeeze(1)
-            total.index_add_(0, batch.requests, logprobs)
+            # A request's tokens summed along a row of a fixed shape: the same order on every run
+            # (an index_add_ would add in whatever order a GPU's atomics land).
+            table = torch.zeros(len(batch.requests), batch.longest, dtype=torch.float32, device=self.device)
+            table[batch.slots] = logprobs
+            total[batch.requests] = table.sum(dim=1)
         return total
 
-    def choose(self, loglikelihoods: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(item choice by log-likelihood, by log-likelihood per character), on the device."""
-        safe = self.choice.clamp(min=0)
-        lls = loglikelihoods[safe].masked_fill(self.padding, float("-inf"))
-        per_char = (loglikelihoods / self.characters)[safe].masked_fill(self.padding, float("-inf"))
-        return lls.argmax(dim=1), per_char.argmax(dim=1)
-
-    def counts(self, loglikelihoods: torch.Tensor) -> torch.Tensor:
-        """(tasks x 4,) float counts on the device, in the order of COUNTS."""
-        choice, choice_norm = self.choose(loglikelihoods)
-        rows = torch.stack([
-            (choice == self.gold).float(), (choice_norm == self.gold).float(), torch.ones_like(self.cut), self.cut,
-        ], dim=1)
-        out = torch.zeros(len(self.tasks), len(COUNTS), dtype=torch.float32, device=self.device)
-        out.index_add_(0, self.task_of_item, rows)
-        return out.flatten()
-
-    def score(self, forward: Callable[..., torch.Tensor]) -> torch.Tensor:
-        return self.counts(self.loglikelihoods(forward))
+    def figures(self, loglikelihoods: list[float]) -> list[dict[str, float]]:
+        """Every task's figures (`task_figures`), from every request's log-likelihood (host values)."""
+        return [task_figures(task, np.asarray(loglikelihoods[first:first + len(task.sequences)], dtype=np.float64))
+                for task, first in zip(self.tasks, self.offsets)]
 
 
-def _rows(task: EncodedTask, requests: list[int], first: int, *, shared: bool) -> list[Row]:
+def task_figures(task: EncodedTask, loglikelihoods: np.ndarray) -> dict[str, float]:
+    """acc, acc_norm, loglikelihood (the right choice's, mean per item), items and cut of a task, from
+    its requests' log-likelihoods (the task's numbering): the loop and `evaluate` both make them here."""
+    choice, choice_norm = choose(task, loglikelihoods)
+    items = max(task.num_items, 1)
+    gold = loglikelihoods[np.searchsorted(task.request_item, np.arange(task.num_items)) + task.gold]
+    return {"acc": float((choice == task.gold).sum()) / items, "acc_norm": float((choice_norm == task.gold).sum()) / items,
+            "loglikelihood": float(gold.sum()) / items, "items": float(task.num_items), "cut": float(task.cut.sum())}
+
+
+def choose(task: EncodedTask, loglikelihoods: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each item's choice by log-likelihood and by log-likelihood per character, from its requests'
+    values (the task's numbering); ties go to the lower choice index."""
+    starts = np.searchsorted(task.request_item, np.arange(task.num_items + 1))
+    per_char = loglikelihoods / task.characters
+    pick = lambda values: np.array([int(np.argmax(values[a:b])) for a, b in zip(starts[:-1], starts[1:])], np.int64)  # noqa: E731
+    return pick(loglikelihoods), pick(per_char)
+
+
+def _rows(task: EncodedTask, requests: range, first: int, *, shared: bool) -> list[Row]:
     """An item's rows: one for all its choices when they share the context, else one per choice.
-    Request numbers in the rows count from `first` (this plan's numbering)."""
+    `requests` are the task's numbers; the rows carry the plan's (`first` + the task's)."""
     split = [(task.sequences[r][: task.context_tokens[r]], task.sequences[r][task.context_tokens[r]:]) for r in requests]
+    numbers = [first + r for r in requests]
     if shared:
-        return [Row(context=split[0][0], continuations=[c for _, c in split], requests=[first + i for i in range(len(split))])]
-    return [Row(context=context, continuations=[c], requests=[first + i]) for i, (context, c) in enumerate(split)]
-
-
-def _batches(rows: list[Row], *, micro_batch: int, device: torch.device, packed: bool) -> list[Batch]:
-    """Longest first, micro_batch rows per batch."""
-    order = sorted(rows, key=lambda row: -row.length)
-    step = max(1, micro_batch)
-    return [_batch(order[start:start + step], device=device, packed=packed) for start in range(0, len(order), step)]
+        return [Row(context=split[0][0], continuations=[c for _, c in split], requests=numbers)]
+    return [Row(context=context, continuations=[c], requests=[number]) for (context, c), number in zip(split, numbers)]
 
 
 def _batch(rows: list[Row], *, device: torch.device, packed: bool) -> Batch:
@@ -142,7 +143,7 @@ def _batch(rows: list[Row], *, device: torch.device, packed: bool) -> Batch:
     tokens = np.zeros((len(rows), width), np.int64)
     positions = np.zeros((len(rows), width), np.int64)
     segment = np.full((len(rows), width), -1, np.int64)  # 0: context, k + 1: choice k, -1: padding
-    picks, targets, requests = [], [], []
+    picks, targets, slot_rows, slot_columns, requests = [], [], [], [], []
     for b, row in enumerate(rows):
         n = len(row.context)
         tokens[b, :n], positions[b, :n], segment[b, :n] = row.context, np.arange(n), 0
@@ -155,12 +156,16 @@ def _batch(rows: list[Row], *, device: torch.device, packed: bool) -> Batch:
             reads = np.concatenate([[n - 1], at + np.arange(inputs)])  # the context's last token predicts its first
             picks.append(b * width + reads)
             targets.append(continuation)
-            requests.append(np.full(len(continuation), request))
+            slot_rows.append(np.full(len(continuation), len(requests)))
+            slot_columns.append(np.arange(len(continuation)))
+            requests.append(request)
             at += inputs
     layout = _layout(positions, segment, device) if packed and any(len(r.continuations) > 1 for r in rows) else None
+    on = lambda parts: torch.from_numpy(np.concatenate(parts)).to(device)  # noqa: E731
     return Batch(
-        tokens=torch.from_numpy(tokens).to(device), layout=layout, positions=torch.from_numpy(np.concatenate(picks)).to(device),
-        targets=torch.from_numpy(np.concatenate(targets)).to(device), requests=torch.from_numpy(np.concatenate(requests)).to(device),
+        tokens=torch.from_numpy(tokens).to(device), layout=layout, positions=on(picks), targets=on(targets),
+        slots=(on(slot_rows), on(slot_columns)), requests=torch.tensor(requests, dtype=torch.long, device=device),
+        longest=max(len(t) for t in targets),
     )
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from raytrain_fast.config import Config
+from raytrain_fast.config.train import Batch
 from raytrain_fast.engine.compile import compile_blocks
 from raytrain_fast.engine.fp8 import apply_fp8
 from raytrain_fast.engine.deepspeed_engine import (
@@ -64,42 +65,46 @@ def prepare_process(*, threads: int, seed: int) -> torch.device:
     return device
 
 
-def build_program(
-    config: Config, *, device: torch.device, documents: DocumentMasking | None = None,
-    engine: Literal["deepspeed", "torch"] = "deepspeed",
-    on_eager_model: Callable[[GPT], list | None] | None = None, load_universal: bool = False,
-    say: Callable[[str], None] | None = None,
-) -> WorkerProgram:
-    """The model of `config.model` (activation checkpointing included) on `device`, its blocks
-    compiled as `engine.compile` says, then the DeepSpeed engine for `config.train`'s micro-batch and
-    accumulation on `config.resources.num_workers` workers at `config.engine.precision` (resolved).
-
-    `on_eager_model(model)`: what must see the eager model before compilation (the loop's initial
-    weights and FLOP count); it returns the fp32 values the master weights start from (checkpoint/
-    init_from.py `fp32_values`: a bf16 engine makes them from its bf16 copy otherwise) or None.
-    `engine="torch"`: torch's optimizer behind a `TorchEngine` instead of DeepSpeed (a bench's `bare`
-    baseline). `say`: where the compile and DeepSpeed patch startup lines (and a patch's warning) go,
-    as they happen; None: not said (a patch's warning is still printed)."""
+def eager_model(config: Config, *, device: torch.device, documents: DocumentMasking | None = None) -> GPT:
+    """The model of `config.model` on `device`, its blocks not compiled yet: what the loop loads its
+    initial weights into and measures before `build_program` takes it."""
     from raytrain_fast.model import build_model
 
-    model = build_model(config.model, device, documents=documents)  # weights made on the device: no host copy first
-    masters = on_eager_model(model) if on_eager_model is not None else None
+    return build_model(config.model, device, documents=documents)  # weights made on the device: no host copy first
+
+
+def build_program(
+    config: Config, *, device: torch.device, model: GPT | None = None, batch: Batch | None = None,
+    documents: DocumentMasking | None = None, engine: Literal["deepspeed", "torch"] = "deepspeed",
+    masters: list | None = None, load_universal: bool = False, say: Callable[[str], None] | None = None,
+) -> WorkerProgram:
+    """The model of `config.model` (activation checkpointing included) on `device`, its blocks
+    compiled as `engine.compile` says, then the DeepSpeed engine for `batch` (None: the config's own,
+    `Config.batch()`) at `config.engine.precision` (resolved).
+
+    `model`: the eager model when the caller built it already (`eager_model`: the loop measures it
+    before its blocks compile). `masters`: the fp32 values the master weights start from (checkpoint/
+    init_from.py `fp32_values`: a bf16 engine makes them from its bf16 copy otherwise). `engine="torch"`: torch's optimizer behind a `TorchEngine` instead of DeepSpeed (a
+    bench's `bare` baseline). `say`: where the compile and DeepSpeed patch startup lines (and a
+    patch's warning) go, as they happen; None: not said (a patch's warning is still printed)."""
+    if model is None:
+        model = eager_model(config, device=device, documents=documents)
     if (fp8_line := apply_fp8(model, precision=config.engine.precision, device=device)) and say is not None:
         say(fp8_line)  # engine/fp8.py: the blocks' linear layers in float8, converted before they are compiled
     compiled, compile_line = compile_blocks(model, setting=config.engine.compile, device=device)
     if compile_line and say is not None:
         say(compile_line)
+    batch = batch or config.batch()
     if engine == "torch":
         optimizer = build_optimizer(list(model.parameters()), optim=config.optim, device=device)
-        built = TorchEngine(model, optimizer, precision=config.engine.precision, grad_accum=config.grad_accum(),
+        built = TorchEngine(model, optimizer, precision=config.engine.precision, grad_accum=batch.grad_accum,
                             grad_clip=config.optim.grad_clip)
         return WorkerProgram(device=device, model=model, compiled=compiled, compile_line=compile_line, engine=built)
-    world_size = int(config.resources.num_workers)
     if say is not None:  # its startup line; build_engine makes the patches either way
-        say(apply_deepspeed_patches(config.engine.deepspeed_patches, world_size=world_size, warn=say))
+        say(apply_deepspeed_patches(config.engine.deepspeed_patches, world_size=batch.world_size, warn=say))
     deepspeed_engine = build_engine(
-        model, engine=config.engine, optim=config.optim, micro_batch=int(config.train.micro_batch),
-        grad_accum=config.grad_accum(), world_size=world_size, total_steps=config.train.steps, load_universal=load_universal,
+        model, engine=config.engine, optim=config.optim, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
+        world_size=batch.world_size, total_steps=config.train.steps, load_universal=load_universal,
     )
     if masters:  # float8 conversion keeps each layer's Parameter, so they are still the engine's
         keep_as_master_weights(masters)

@@ -31,7 +31,11 @@ class RunSnapshot:
     """The run's checkpoints as storage holds them, newest first."""
 
     filesystem: Any
+    """The run storage's filesystem, built once from storage.* (every later reach of the run goes through it)."""
     run_path: str
+    """The run's directory in it: `<storage.uri>/<name>`, the one place that path is built."""
+    run_uri: str
+    """The same as the user names it (s3://... on S3)."""
     complete: list[tuple[int, str]]
     """(step, path) of every complete checkpoint (its rank manifests all present), newest first."""
     listed: list[tuple[int, str]]
@@ -46,7 +50,8 @@ class RunSnapshot:
         run_path = f"{root.rstrip('/')}/{config.name}"
         listed = list_checkpoint_dirs(filesystem, run_path)
         complete = [(step, path) for step, path in listed if verify_checkpoint(filesystem, path, checksums=False)[0]]
-        return cls(filesystem=filesystem, run_path=run_path, complete=complete, listed=listed)
+        return cls(filesystem=filesystem, run_path=run_path, run_uri=uri_of(run_path, like=config.storage.uri),
+                   complete=complete, listed=listed)
 
     def candidates(self, resume: Any) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
         """(the complete checkpoints this run may resume from, the later ones checkpoint.resume=<step>
@@ -80,7 +85,8 @@ def keep_checkpoint_batch(config: Config, snapshot: RunSnapshot | None) -> Confi
     are recomputed for the new count (checkpoint/resize.py `fit_batch`), or a CheckpointError names
     the counts that work. Runs before validation: no snapshot (storage unreadable) or a malformed
     worker count is left to the checks that follow."""
-    from raytrain_fast.checkpoint.resize import fit_batch, saved_global_batch
+    from raytrain_fast.checkpoint.resize import saved_global_batch
+    from raytrain_fast.plan import batch_table
 
     workers = config.resources.num_workers
     if snapshot is None or config.checkpoint.resume == "never" or not isinstance(workers, int) or workers < 1:
@@ -94,22 +100,21 @@ def keep_checkpoint_batch(config: Config, snapshot: RunSnapshot | None) -> Confi
         return config
     train = config.train
     global_batch = saved_global_batch(state, seq_len=config.data.seq_len, default=train.global_batch)
-    if train.micro_batch == "auto":
-        fitted = dataclasses.replace(train, global_batch=global_batch, grad_accum=None)
-    else:
-        micro_batch, grad_accum = fit_batch(
-            global_batch=global_batch, micro_batch=int(train.micro_batch), num_workers=workers,
-            saved_workers=state.world_size, uri=uri_of(complete[0][1], like=config.storage.uri),
-        )
-        fitted = dataclasses.replace(train, global_batch=global_batch, micro_batch=micro_batch, grad_accum=grad_accum)
-    return dataclasses.replace(config, train=fitted)
+    config = dataclasses.replace(config, train=dataclasses.replace(train, global_batch=global_batch, grad_accum=None))
+    if isinstance(train.micro_batch, str) or train.micro_batch < 1:  # auto: measured for the kept global batch
+        return config
+    checkpoint = uri_of(complete[0][1], like=config.storage.uri)
+    batch = batch_table(config, saved_workers=state.world_size, checkpoint=checkpoint)[workers]
+    train = dataclasses.replace(config.train, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum)
+    return dataclasses.replace(config, train=train)
 
 
-def check_resume_policy(config: Config, snapshot: RunSnapshot):
+def check_resume_policy(config: Config, snapshot: RunSnapshot) -> tuple[Any, list[str]]:
     """checkpoint.resume=must|never|<step>. A checkpoint of another worker count is resumed (see
     `keep_checkpoint_batch` and checkpoint/resize.py); one whose data, tokenizer or model settings
-    differ is refused (launch/run_changes.py). Returns the TrainState of the checkpoint to resume:
-    the newest complete and healthy one, or the chosen step's (None when the run has none)."""
+    differ is refused unless checkpoint.allow_changes names them (launch/run_changes.py). Returns the
+    TrainState of the checkpoint to resume (the newest complete and healthy one, or the chosen step's;
+    None when the run has none) and the lines that say what the resume changes."""
     from raytrain_fast.checkpoint.layout import CONFIG_FILE
 
     policy = config.checkpoint.resume
@@ -121,11 +126,11 @@ def check_resume_policy(config: Config, snapshot: RunSnapshot):
             f"{config.storage.uri} (complete ones: {', '.join(map(str, reversed(steps))) or 'none'}). Pick one of "
             "those steps, or checkpoint.resume=auto for the newest."
         )
-    state = None
+    state, lines = None, []
     healthy = snapshot.healthy(policy)
     if healthy:
         state = snapshot.state(healthy[0])
-        _check_run_unchanged(config, snapshot.filesystem, f"{healthy[0]}/{CONFIG_FILE}", step=state.step)
+        lines = _check_run_unchanged(config, snapshot.filesystem, f"{healthy[0]}/{CONFIG_FILE}", step=state.step)
     if policy == "must" and not complete:
         raise CheckpointError(
             f"--resume must: run '{config.name}' has no complete checkpoint under {config.storage.uri}. "
@@ -136,11 +141,12 @@ def check_resume_policy(config: Config, snapshot: RunSnapshot):
             f"--resume never: run '{config.name}' already has {len(complete)} checkpoint(s) under {config.storage.uri}. "
             "Pick another --name to start fresh, or use --resume auto to continue it."
         )
-    return state
+    return state, lines
 
 
-def _check_run_unchanged(config: Config, filesystem, config_file: str, *, step: int) -> None:
-    """The checkpoint's saved run config against this command's (launch/run_changes.py)."""
+def _check_run_unchanged(config: Config, filesystem, config_file: str, *, step: int) -> list[str]:
+    """The checkpoint's saved run config against this command's (launch/run_changes.py): the lines
+    that say what changes, or a CheckpointError for a change not allowed."""
     import yaml
 
     from raytrain_fast.launch.run_changes import check_run_unchanged
@@ -150,28 +156,26 @@ def _check_run_unchanged(config: Config, filesystem, config_file: str, *, step: 
         with filesystem.open_input_stream(config_file) as stream:
             saved = yaml.safe_load(stream.read().decode()) or {}
     except FileNotFoundError:
-        return  # a checkpoint written without its config: nothing to compare
-    for line in check_run_unchanged(
+        return []  # a checkpoint written without its config: nothing to compare
+    return check_run_unchanged(
         saved, redact(config.to_dict()), allow_changes=config.checkpoint.allow_changes, name=config.name or "",
         step=step, checkpoint=uri_of(config_file.rsplit("/", 1)[0], like=config.storage.uri),
-    ):
-        say(line)
+    )
 
 
-def keep_checkpoint_precision(config: Config, state) -> Config:
+def keep_checkpoint_precision(config: Config, state) -> tuple[Config, list[str]]:
     """Precision is a property of the run: a resumed run trains in the precision its checkpoint was
-    written in (its optimizer files are in that layout), whatever `auto` would measure today. An
-    explicit other precision is an error, before any worker starts."""
+    written in (its optimizer files are in that layout), whatever `auto` would measure today; the
+    line that says so. An explicit other precision is an error, before any worker starts."""
     if state is None:
-        return config
+        return config, []
     saved, asked = state.precision, config.engine.precision
     if asked in ("auto", saved):
-        say(f"Precision: {saved} (kept from the checkpoint at step {state.step})")
-        return dataclasses.replace(config, engine=dataclasses.replace(config.engine, precision=saved))
+        line = f"Precision: {saved} (kept from the checkpoint at step {state.step})"
+        return dataclasses.replace(config, engine=dataclasses.replace(config.engine, precision=saved)), [line]
     if {saved, asked} == {"bf16", "fp8"}:  # fp8 keeps bf16's weights and optimizer state: the same files
-        say(f"Precision: {asked} (engine.precision={asked}; the checkpoint at step {state.step} was written in {saved}, "
-            "with the same weights and optimizer state)")
-        return config
+        return config, [f"Precision: {asked} (engine.precision={asked}; the checkpoint at step {state.step} was written "
+                        f"in {saved}, with the same weights and optimizer state)"]
     raise CheckpointError(
         f"engine.precision={asked}, but run '{config.name}' was checkpointed in {saved} (step {state.step}): "
         f"its optimizer state is in {saved}'s layout. Resume with engine.precision={saved} (or auto), or start "

@@ -16,7 +16,9 @@ from typing import Any
 from raytrain_fast.config.checkpoint import CHANGE_GROUPS, allowed_groups
 
 GROUPS: dict[str, tuple[str, ...]] = {
-    "data": ("data.source", "data.seq_len", "data.max_tokens", "data.shuffle_seed", "data.val_fraction", "data.val_input"),
+    "data": (
+        "data.source", "data.sources", "data.seq_len", "data.max_tokens", "data.shuffle_seed", "data.val_fraction", "data.val_input",
+    ),
     "tokenizer": ("data.tokenizer",),
     "model": ("model.*",),
 }
@@ -48,12 +50,27 @@ PATH_KEYS = ("data.source", "data.val_input", "data.tokenizer")
 """Compared as the files they name: a saved run config may hold a path as it was typed (relative)."""
 
 
+def _normal(key: str, value: Any) -> Any:
+    """`value` as compared: a local path absolute, data.sources' paths too."""
+    if key in PATH_KEYS and isinstance(value, str) and "://" not in value:
+        return os.path.abspath(os.path.expanduser(value))
+    if key == "data.sources" and isinstance(value, list):
+        return [{**item, "source": _normal("data.source", item.get("source"))} if isinstance(item, dict) else item for item in value]
+    return value
+
+
 def _same(key: str, old: Any, new: Any) -> bool:
-    if old == new:
-        return True
-    if key in PATH_KEYS and isinstance(old, str) and isinstance(new, str) and "://" not in old + new:
-        return os.path.abspath(os.path.expanduser(old)) == os.path.abspath(os.path.expanduser(new))
-    return False
+    return old == new or _normal(key, old) == _normal(key, new)
+
+
+def _shown(key: str, value: Any) -> str:
+    """data.sources as `name weight, ...`; anything else as its repr."""
+    if key == "data.sources" and isinstance(value, list) and all(isinstance(item, dict) for item in value):
+        from raytrain_fast.config.data import SourceConfig, source_name
+
+        return ", ".join(f"{source_name(SourceConfig(source=str(i.get('source', '')), name=i.get('name')))} {i.get('weight', 1.0):g}"
+                         for i in value) or "[]"
+    return repr(value)
 
 
 def run_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, list[tuple[str, Any, Any]]]:
@@ -89,7 +106,7 @@ def optim_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[
 
 
 def describe(changes: list[tuple[str, Any, Any]]) -> str:
-    return "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes)
+    return "; ".join(f"{key}: {_shown(key, old)} -> {_shown(key, new)}" for key, old, new in changes)
 
 
 def check_run_unchanged(saved: dict[str, Any], current: dict[str, Any], *, allow_changes: str, name: str, step: int,
@@ -114,6 +131,9 @@ def check_run_unchanged(saved: dict[str, Any], current: dict[str, Any], *, allow
         f"Resuming with changed {group} settings (checkpoint.allow_changes): {describe(items)}"
         for group, items in changes.items()
     ]
+    if any(key == "data.sources" for key, _, _ in changes.get("data", [])):
+        lines.append(f"The mixture changes at step {step}: from there each source goes on from the sequences it has given "
+                     "(`raytrain-fast report` shows the shares before and after)")
     optim = optim_changes(saved, current)
     steps = (current.get("train") or {}).get("steps")
     if optim and not (isinstance(steps, int) and step >= steps):  # a finished run trains no step with them

@@ -1,8 +1,8 @@
 """The one run workflow, from a config to a fitted Ray TorchTrainer. `run` (`raytrain-fast pretrain`)
-checks everything before a worker starts (launch/checks.py, reading the run's checkpoints once:
-launch/resume.py) and prepares the data; `fit_run`, which a sweep trial calls too (sweep/trial.py),
-drops Ray's checkpoint snapshot, starts the run's coordinator and hang watchdog, builds the
-TorchTrainer and fits it under the stop notice, then reads the measurements and the divergence verdict."""
+checks everything before Ray starts (launch/checks.py), plans the run once (launch/plan.py) and fits
+it; `fit_run`, which a sweep trial calls too with its plan (sweep/trial.py), drops Ray's checkpoint
+snapshot, starts the run's coordinator and hang watchdog, builds the TorchTrainer and fits it under
+the stop notice, then reads the measurements and the divergence verdict."""
 
 from __future__ import annotations
 
@@ -17,17 +17,13 @@ from raytrain_fast._ray_compat import checkpoint_snapshot_name, trainer_class, w
 from raytrain_fast.config import Config
 from raytrain_fast.console import nothing_to_do, say
 from raytrain_fast.errors import WILL_REPEAT, DivergenceError, RaytrainFastError, repeating_error
-from raytrain_fast.launch.checks import (
-    check_before_ray,
-    max_sequences,
-    prepare_mixture_data,
-    prepare_tasks,
-    prepare_training_data,
-    resolve_resources,
-)
+from raytrain_fast.launch.checks import check_run
+from raytrain_fast.launch.plan import plan_run
+from raytrain_fast.launch.resume import RunSnapshot
 from raytrain_fast.loop.hooks import LoopHooks, WindowCallback
 from raytrain_fast.loop.worker import LoopInputs
-from raytrain_fast.storage import resolve_filesystem, uri_of
+from raytrain_fast.plan import RunPlan
+from raytrain_fast.storage import uri_of
 from raytrain_fast.storage.filesystem import checksum_env
 
 logger = logging.getLogger("raytrain_fast")
@@ -51,26 +47,16 @@ class RunResult:
 
 
 def build_trainer(
-    config: Config, *, data_uris: list[str], hooks: LoopHooks | None = None, on_window: WindowCallback | None = None,
-    save_checkpoints: bool = True, callbacks: list | None = None, tasks=None,
+    plan: RunPlan, *, hooks: LoopHooks | None = None, on_window: WindowCallback | None = None, save_checkpoints: bool = True,
+    callbacks: list | None = None,
 ):
-    """A TorchTrainer for an already resolved config (see `resolve_resources`). `callbacks`: Ray Train
-    run callbacks (a sweep trial's TuneReportCallback); the other arguments are the loop's `LoopInputs`
-    (loop/worker.py says what each is)."""
+    """A TorchTrainer for the run's plan. `callbacks`: Ray Train run callbacks (a sweep trial's
+    TuneReportCallback); the other arguments are the loop's `LoopInputs` (loop/worker.py says what each is)."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    resources = config.resources
-    # Built from config and passed explicitly: pyarrow ignores AWS_ENDPOINT_URL, so a bare
-    # s3:// path would silently go to AWS instead of MinIO / Ceph / R2.
-    filesystem, storage_root = resolve_filesystem(config.storage.uri, config.storage)
-    if "://" not in config.storage.uri:
-        filesystem = None  # local: let Ray use a plain path
-    inputs = LoopInputs(
-        config=config, data_uri=data_uris[0], data_uris=data_uris, max_sequences=max_sequences(config),
-        hooks=hooks or LoopHooks(), on_window=on_window, save_checkpoints=save_checkpoints, tasks=tasks,
-        s3_filesystem=filesystem if config.storage.uri.startswith("s3://") else None,
-    )
+    config, resources = plan.config, plan.config.resources
+    inputs = LoopInputs(plan=plan, hooks=hooks or LoopHooks(), on_window=on_window, save_checkpoints=save_checkpoints)
     # Ctrl-C takes _StopOnSignal's path, and an error that will repeat is not retried (_ray_compat.trainer_class).
     return trainer_class(TorchTrainer, is_final=will_repeat)(
         functools.partial(_train_loop_without_result_dumps, inputs),  # pickled to every worker
@@ -84,8 +70,8 @@ def build_trainer(
         ),
         run_config=ray.train.RunConfig(
             name=config.name,
-            storage_path=storage_root,
-            storage_filesystem=filesystem,
+            storage_path=plan.run_path.rsplit("/", 1)[0],
+            storage_filesystem=plan.filesystem if plan.remote else None,  # local: Ray uses the plain path
             # A drained node (spot reclaim) restarts the run against its own budget: the loop saved
             # a checkpoint on the notice (loop/preemption.py).
             failure_config=ray.train.FailureConfig(
@@ -137,7 +123,7 @@ def _train_loop_without_result_dumps(inputs: LoopInputs) -> None:
         raise repeated from None  # itself, not the Ray task error around it: the failure policy and the driver see it
 
 
-def drop_ray_run_snapshot(config: Config) -> None:
+def drop_ray_run_snapshot(plan: RunPlan) -> None:
     """Remove Ray Train's snapshot of reported checkpoints from the run directory before fit().
 
     Ray keeps every checkpoint ever reported in that snapshot and refuses to start a new driver on
@@ -147,61 +133,45 @@ def drop_ray_run_snapshot(config: Config) -> None:
     """
     import pyarrow.fs as pafs
 
-    filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
-    path = f"{root.rstrip('/')}/{config.name}/{checkpoint_snapshot_name()}"
-    if filesystem.get_file_info(path).type == pafs.FileType.File:
-        filesystem.delete_file(path)
+    path = f"{plan.run_path}/{checkpoint_snapshot_name()}"
+    if plan.filesystem.get_file_info(path).type == pafs.FileType.File:
+        plan.filesystem.delete_file(path)
 
 
-def run_result(config: Config, *, metrics: dict, measurements: dict, stopped_by: str | None = None) -> RunResult:
+def run_result(snapshot: RunSnapshot, *, name: str, metrics: dict, measurements: dict, stopped_by: str | None = None) -> RunResult:
     """The run as storage holds it after retention (what a rerun resumes from): every complete
     checkpoint, oldest first, with its metrics at save time; `metrics` where the run kept none."""
     from raytrain_fast.checkpoint.checkpointing import TrainState
     from raytrain_fast.checkpoint.layout import STATE_FILE
     from raytrain_fast.checkpoint.verify import list_checkpoint_dirs, verify_checkpoint
 
-    filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
-    kept = []
-    for _, path in reversed(list_checkpoint_dirs(filesystem, f"{root.rstrip('/')}/{config.name}")):
+    filesystem, kept = snapshot.filesystem, []
+    for _, path in reversed(list_checkpoint_dirs(filesystem, snapshot.run_path)):
         if verify_checkpoint(filesystem, path, checksums=False)[0]:
             with filesystem.open_input_stream(f"{path}/{STATE_FILE}") as stream:
-                kept.append((uri_of(path, like=config.storage.uri), TrainState.from_json(stream.read().decode()).metrics))
+                kept.append((uri_of(path, like=snapshot.run_uri), TrainState.from_json(stream.read().decode()).metrics))
     return RunResult(
-        name=config.name or "", run_dir=run_dir(config), checkpoint=kept[-1][0] if kept else None,
+        name=name, run_dir=snapshot.run_uri, checkpoint=kept[-1][0] if kept else None,
         metrics=dict(kept[-1][1] if kept else metrics), checkpoints=kept, measurements=measurements, stopped_by=stopped_by,
     )
 
 
-def run_dir(config: Config) -> str:
-    """`<storage.uri>/<name>`: where the run's checkpoints are."""
-    return f"{config.storage.uri.rstrip('/')}/{config.name}"
-
-
 def run(config: Config, *, create_bucket: bool = False, hooks: LoopHooks | None = None) -> RunResult:
-    """`raytrain-fast pretrain`: every check, the data prepared, then `fit_run`. Same name + same
-    storage = the run continues from its latest checkpoint. `hooks`: drills and fault injection for
-    the loop (tests, `pretrain --drill`); none by default."""
-    config, resume_state = check_before_ray(config, create_bucket=create_bucket)
-    from raytrain_fast.downstream.run import load_run_tasks
-
-    tasks = load_run_tasks(config)  # an unknown task or a malformed line fails here, in a second
-    if resume_state is not None and resume_state.step >= config.train.steps:
-        say(nothing_to_do(config.name, steps=config.train.steps, saved_step=resume_state.step))
-        return run_result(config, metrics=resume_state.metrics, measurements={})  # from storage: no Ray, no workers
-    config = resolve_resources(config, create_bucket=create_bucket, checked=True, announce_precision=resume_state is None)
-    if config.train.micro_batch == "auto":
-        from raytrain_fast.microbatch.auto import resolve_micro_batch
-
-        config = resolve_micro_batch(config)  # measured in fresh processes (or cached), before any worker starts
-    r = config.resources
-    workers = f"{r.min_workers}-{r.num_workers} workers (elastic)" if r.elastic else f"{r.num_workers} worker(s)"
-    say(f"Run '{config.name}': {workers}, storage {run_dir(config)}")
-    data_uris = prepare_mixture_data(config) if config.data.sources else [prepare_training_data(config)]
-    run_tasks = prepare_tasks(config, tasks, data_uris[0])  # encoded with the data's tokenizer
-    fitted = fit_run(config, data_uris=data_uris, hooks=hooks, tasks=run_tasks)
-    return run_result(
-        config, metrics=fitted.result.metrics or {}, measurements=fitted.measurements, stopped_by=fitted.stopped_by
-    )
+    """`raytrain-fast pretrain`: the checks, the plan, then `fit_run`. Same name + same storage = the
+    run continues from its latest checkpoint. `hooks`: drills and fault injection for the loop
+    (tests, `pretrain --drill`); none by default."""
+    checked = check_run(config, create_bucket=create_bucket)
+    name, state = checked.config.name or "", checked.state
+    if state is not None and state.step >= checked.config.train.steps:
+        for line in (*checked.lines, nothing_to_do(name, steps=checked.config.train.steps, saved_step=state.step)):
+            say(line)
+        return run_result(checked.snapshot, name=name, metrics=state.metrics, measurements={})  # no Ray, no workers
+    plan = plan_run(checked)
+    for line in (plan.summary, *plan.lines):
+        say(line)
+    fitted = fit_run(plan, hooks=hooks)
+    return run_result(checked.snapshot, name=name, metrics=fitted.result.metrics or {}, measurements=fitted.measurements,
+                      stopped_by=fitted.stopped_by)
 
 
 @dataclass(kw_only=True)
@@ -219,12 +189,11 @@ class HungRun(RaytrainFastError):
 
 
 def fit_run(
-    config: Config, *, data_uris: list[str], hooks: LoopHooks | None = None, tasks=None,
-    on_window: WindowCallback | None = None, save_checkpoints: bool = True, callbacks: list | None = None,
-    controller_poll_s: float | None = None,
+    plan: RunPlan, *, hooks: LoopHooks | None = None, on_window: WindowCallback | None = None,
+    save_checkpoints: bool = True, callbacks: list | None = None, controller_poll_s: float | None = None,
 ) -> Fitted:
-    """The path every run takes once its config is checked and its data prepared (`pretrain` and each
-    sweep trial): Ray Data's actors on this node, Ray's checkpoint snapshot dropped, the run's
+    """The path every run takes once it is checked and planned (`pretrain` and each sweep trial):
+    Ray Data's actors on this node, Ray's checkpoint snapshot dropped, the run's
     coordinator and hang watchdog, the TorchTrainer fitted under the stop notice, then the
     measurements and the divergence verdict; the coordinator ends with the fit.
 
@@ -236,17 +205,14 @@ def fit_run(
     from raytrain_fast.coordinator import Coordinator
 
     create_ray_data_cluster_actors()
-    drop_ray_run_snapshot(config)
+    drop_ray_run_snapshot(plan)
     # One named actor per run, owned by this driver (coordinator.py); kept referenced until fit() returns.
-    coordinator = Coordinator.start(config.name or "run")
+    coordinator = Coordinator.start(plan.config.name or "run")
     try:
-        start_watchdog(config, coordinator)
-        trainer = build_trainer(
-            config, data_uris=data_uris, hooks=hooks, tasks=tasks, on_window=on_window,
-            save_checkpoints=save_checkpoints, callbacks=callbacks,
-        )
+        start_watchdog(plan, coordinator)
+        trainer = build_trainer(plan, hooks=hooks, on_window=on_window, save_checkpoints=save_checkpoints, callbacks=callbacks)
         with _StopOnSignal(coordinator) as stop, controller_poll_interval(controller_poll_s):
-            result = fit(trainer, coordinator, config)
+            result = fit(trainer, coordinator, plan)
         measurements, diverged = coordinator.measurements(), coordinator.divergence()
     finally:  # quiet when Ray is gone: that must not hide the run's own error
         coordinator.end()
@@ -255,7 +221,7 @@ def fit_run(
     return Fitted(result=result, measurements=measurements, stopped_by=stop.signal_name)
 
 
-def fit(trainer, coordinator, config: Config):
+def fit(trainer, coordinator, plan: RunPlan):
     """trainer.fit(). A failure after the watchdog ended a group that no new group followed (its hang
     not yet announced by a restarted rank 0) is raised as HungRun, naming the hang; a ConfigError or
     DataError that ended it in a worker as itself (its one-line message, exit status 2 from the
@@ -269,34 +235,33 @@ def fit(trainer, coordinator, config: Config):
         except Exception:  # noqa: BLE001 - the coordinator is gone: the failure as it is
             hangs = []
         if hangs:
-            raise HungRun(hang_summary(hangs[-1], config=config)) from (repeated or error)
+            raise HungRun(hang_summary(hangs[-1], plan=plan)) from (repeated or error)
         if repeated is None:
             raise
         raise repeated from None
 
 
-def hang_summary(record: dict, *, config: Config) -> str:
+def hang_summary(record: dict, *, plan: RunPlan) -> str:
     """One line for a hang that ended a run (the watchdog's record, watchdog/stacks.py)."""
     ranks = record["stuck_ranks"]
     tops = "; ".join(f"rank {r}: {record['ranks'][str(r)]['top']}" for r in ranks)
     return (
         f"hang at step {record['step']}: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} completed no "
         f"step for {record['stuck_s']:.0f} s (top of stack: {tops}); the hang watchdog ended the workers and no restart "
-        f"was left (resources.max_failures={config.resources.max_failures}). All stacks: "
-        f"{run_dir(config)}/{record['stacks_file']}"
+        f"was left (resources.max_failures={plan.config.resources.max_failures}). All stacks: "
+        f"{plan.run_uri}/{record['stacks_file']}"
     )
 
 
-def start_watchdog(config: Config, coordinator) -> None:
+def start_watchdog(plan: RunPlan, coordinator) -> None:
     """The hang watchdog runs in the run's coordinator actor (it outlives worker-group restarts);
     the stacks of a hang go to `<run>/hangs/` in the run's storage (watchdog/stacks.py)."""
-    watchdog = config.watchdog
+    watchdog = plan.config.watchdog
     if not watchdog.enabled:
         return
-    filesystem, root = resolve_filesystem(config.storage.uri, config.storage)
     coordinator.start_watchdog(
         timeout_s=watchdog.hang_timeout_s, min_timeout_s=watchdog.min_timeout_s,
-        beat_interval_s=watchdog.beat_interval_s(), filesystem=filesystem, run_path=f"{root.rstrip('/')}/{config.name}",
+        beat_interval_s=watchdog.beat_interval_s(), filesystem=plan.filesystem, run_path=plan.run_path,
     )
 
 

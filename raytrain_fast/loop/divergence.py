@@ -9,7 +9,9 @@ signs name it, both judged on the log windows' loss the drain already read (no h
   yet sits at about that loss, a little above it from its initial weights), and no lower than the
   best window before it (a loss still falling from a poor start is learning), in two windows in a row
   (one alone is a spike's: the spike check names it) that start after warm-up, not in a fresh run's
-  first window.
+  first window. During warm-up too, once a window reaches FAR_ABOVE_UNIFORM times that loss: no
+  learning-rate schedule makes such a loss healthy, and blow-ups happen most often while the rate is
+  still rising (real warm-ups are thousands of steps).
 - **A sustained climb.** A loss more than `climb` of the way back from the run's best window to that
   uniform-guess loss, for `windows` log windows in a row: the run lost that share of what it learned.
 
@@ -30,6 +32,9 @@ UNIFORM_MARGIN = 0.05
 """How far (relative) above ln(vocabulary size) a window loss must be to be worse than a uniform guess."""
 UNIFORM_WINDOWS = 2
 """Windows in a row above it that make a divergence (at most health.divergence_windows)."""
+FAR_ABOVE_UNIFORM = 2.0
+"""A window loss this many times the uniform-guess loss starts windows in a row that count in warm-up
+too (and in a fresh run's first window)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ class Diverged:
         best = f"the run's best window: {self.best:.4g} at step {self.best_step}" if math.isfinite(self.best) else "no better window before it"
         if self.kind == "uniform":
             return (f"loss {self.loss:.4g}, above the {self.uniform:.4g} that a uniform guess over the vocabulary scores "
-                    f"(ln of model.vocab_size), after warm-up ({best})")
+                    f"(ln of model.vocab_size) ({best})")
         return f"loss {self.loss:.4g}, above {self.bound:.4g} since step {self.since} ({best}; a uniform guess: {self.uniform:.4g})"
 
     def record(self) -> dict[str, float]:
@@ -80,7 +85,7 @@ class DivergenceCheck:
         self.best, self.best_step = math.inf, 0
         self.previous_step = self.start_step
         self.above_since: int | None = None
-        self.above, self.below, self.over_uniform = 0, 0, 0
+        self.above, self.below, self.over_uniform, self.blown = 0, 0, 0, 0
         self.in_episode = False
 
     @classmethod
@@ -109,7 +114,9 @@ class DivergenceCheck:
         over_bound = bound < self.uniform and loss > bound  # a climb needs a best below the uniform guess
         not_falling = loss >= self.best
         self.over_uniform = self.over_uniform + 1 if judged and over_uniform else 0
-        if judged and (over_bound or over_uniform):
+        # Windows above the uniform guess in a row since one at FAR_ABOVE_UNIFORM times it, warm-up or not.
+        self.blown = self.blown + 1 if over_uniform and (self.blown or loss > FAR_ABOVE_UNIFORM * self.uniform) else 0
+        if (judged and (over_bound or over_uniform)) or self.blown:
             self.above += 1
             self.above_since = self.above_since if self.above_since is not None else step
             self.below = 0
@@ -120,7 +127,7 @@ class DivergenceCheck:
                 self.in_episode = False
         if loss < self.best and not self.in_episode:
             self.best, self.best_step = loss, step
-        uniform_breach = self.over_uniform >= min(UNIFORM_WINDOWS, self.windows) and not_falling
+        uniform_breach = max(self.over_uniform, self.blown) >= min(UNIFORM_WINDOWS, self.windows) and not_falling
         if self.in_episode or not (uniform_breach or (over_bound and self.above >= self.windows)):
             return None
         self.in_episode = True
@@ -130,4 +137,4 @@ class DivergenceCheck:
     def restart(self, step: int) -> None:
         """A rollback went back to `step`: the episode ends there, the best so far stays."""
         self.previous_step, self.above, self.above_since, self.below, self.in_episode = step, 0, None, 0, False
-        self.over_uniform = 0
+        self.over_uniform = self.blown = 0

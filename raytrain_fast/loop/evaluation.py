@@ -1,6 +1,5 @@
 """Held-out evaluation inside the step loop: the `Evaluator` the loop asks on every step whether
-this is its step, and `resolve_eval`, which turns the eval section into concrete values for the
-data at hand (run on the driver, to fail before any worker starts, and again on every worker).
+this is its step, on the cadence the driver planned (launch/plan.py `resolve_eval`).
 
 An evaluation never disturbs training: it runs between optimizer steps, in eval mode (no dropout,
 so no random numbers drawn) under no_grad (no graph, no gradient touched), on a fixed set of
@@ -13,89 +12,34 @@ object) are scored in the same evaluation: their counts join the loss sums in th
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from typing import Any
 
 import torch
 
-from raytrain_fast.config import Config
 from raytrain_fast.console import say
-from raytrain_fast.data.manifest import Manifest
 from raytrain_fast.data.validation import SourceSplit
-from raytrain_fast.errors import ConfigError
 from raytrain_fast.metrics import TrainMetrics
-
-DEFAULT_EVERY_STEPS = 100
-"""eval.every_steps when it is null and checkpoints are saved by time only."""
-
-
-def resolve_eval(config: Config, manifest: Manifest) -> tuple[Config, list[str]]:
-    """(config with eval.enabled, every_steps, sequences and checkpoint.best_metric concrete, notes
-    to print). Raises ConfigError for what was asked explicitly and cannot be done."""
-    e, split, notes = config.eval, manifest.validation, []
-    where = manifest.root or "the prepared data"
-    if e.enabled is True and split is None:
-        raise ConfigError(
-            f"eval.enabled=true, but {where} has no validation split (prepared before splits existed, or its split "
-            "came out empty). Prepare it again with `raytrain-fast prepare-data ... --val-fraction 0.005` (or "
-            "--val-input), or set eval.enabled=false"
-        )
-    enabled = split is not None and e.enabled is not False
-    if e.enabled == "auto" and split is None:
-        notes.append(
-            f"Eval: off: {where} has no validation split (prepared before splits existed, or too few documents); "
-            "prepare it again to get val/loss (prepare-data --val-fraction, or for a source prepared on the fly "
-            "--set data.val_fraction=0.1 or data.val_input=<files>)."
-        )
-    sequences = e.sequences
-    if enabled and split is not None and sequences > split.num_sequences:
-        if e.enabled is True:
-            raise ConfigError(
-                f"eval.sequences ({sequences}) is larger than the validation split of {where} ({split.num_sequences} "
-                f"sequences); set eval.sequences <= {split.num_sequences}, or prepare a larger split (--val-fraction, --val-input)"
-            )
-        notes.append(f"Eval: the validation split holds {split.num_sequences} sequences (eval.sequences={sequences}): evaluating all of them.")
-        sequences = split.num_sequences
-    best = config.checkpoint.best_metric
-    if best == "auto":
-        best = "val/loss" if enabled else "train/loss"
-    elif best.startswith("val/") and not enabled and config.checkpoint.keep_best > 0:
-        raise ConfigError(
-            f"checkpoint.best_metric={best} ranks checkpoints by evaluation, but evaluation is off; "
-            "turn it on (eval.enabled, a prepared validation split) or set checkpoint.best_metric=train/loss"
-        )
-    every = e.every_steps or config.checkpoint.every_steps or DEFAULT_EVERY_STEPS
-    if enabled:
-        notes.append(f"Eval: {sequences} validation sequences every {every} steps (and before each checkpoint saved on a log step); keep_best ranks by {best}.")
-    resolved = dataclasses.replace(
-        config, eval=dataclasses.replace(e, enabled=enabled, every_steps=every, sequences=sequences),
-        checkpoint=dataclasses.replace(config.checkpoint, best_metric=best),
-    )
-    return resolved, notes
-
 
 class Evaluator:
     """val/loss of this rank's share of the fixed validation set, summed across ranks, and the
     downstream tasks' accuracy.
 
-    `tokens`: (n, seq_len + 1) on the training device, this rank's share; `total`: sequences across
-    all ranks. `sources` (a mixture): the parts of `tokens` per source; then val/loss/<name> per
-    source, and val/loss is their weight-averaged mean. `tasks`: this rank's share of eval.tasks
+    `tokens`: (n, seq_len + 1) on the training device, this rank's share, in `sources`' parts (each
+    source's val/loss/<name>; val/loss is their weighted mean). `tasks`: this rank's share of eval.tasks
     (downstream/in_loop.py), or None. An evaluator with neither (`tokens=None`, `tasks=None`) is never due.
+    `start_step`: the step the steps start from (a resumed run's first evaluation is on the cadence).
     """
 
     def __init__(
-        self, *, tokens: torch.Tensor | None, total: int, every_steps: int, total_steps: int, micro_batch: int,
-        rank: int, world_size: int, sources: list[SourceSplit] | None = None, tasks: Any = None,
+        self, *, tokens: torch.Tensor | None, sources: list[SourceSplit], every_steps: int, total_steps: int,
+        start_step: int = 0, micro_batch: int, rank: int, world_size: int, tasks: Any = None,
     ) -> None:
-        self.tokens, self.total, self.every_steps, self.total_steps = tokens, total, every_steps, total_steps
-        self.micro_batch, self.rank, self.world_size = micro_batch, rank, world_size
-        self.sources, self.tasks = sources or [], tasks
-        self._next_step = every_steps
-        parts = max(1, len(self.sources))
-        self._sum = torch.zeros(parts, dtype=torch.float32, device=tokens.device) if tokens is not None else None
+        self.tokens, self.sources, self.every_steps, self.total_steps = tokens, sources, every_steps, total_steps
+        self.micro_batch, self.rank, self.world_size, self.tasks = micro_batch, rank, world_size, tasks
+        self._next_step = (start_step // every_steps + 1) * every_steps
+        self._sum = torch.zeros(len(sources), dtype=torch.float32, device=tokens.device) if tokens is not None else None
 
     @property
     def enabled(self) -> bool:
@@ -140,7 +84,7 @@ class Evaluator:
         if self.tokens is None:
             return {}
         per_source = {f"val/loss/{s.name}": total / s.total for s, total in zip(self.sources, sums)}
-        loss = sum(s.weight * v for s, v in zip(self.sources, per_source.values())) if self.sources else sums[0] / self.total
+        loss = sum(s.weight * v for s, v in zip(self.sources, per_source.values()))
         return {"val/loss": loss, "val/ppl": math.exp(min(loss, 80.0)), **per_source}
 
     def _line(self, step: int, values: dict[str, float]) -> str:
@@ -170,7 +114,7 @@ class Evaluator:
 
     def _loss_sums(self, engine: Any) -> torch.Tensor:
         self._sum.zero_()  # type: ignore[union-attr]
-        parts = self.tokens.split([s.rows for s in self.sources]) if self.sources else [self.tokens]  # type: ignore[union-attr]
+        parts = self.tokens.split([s.rows for s in self.sources])  # type: ignore[union-attr]
         for index, part in enumerate(parts):
             for batch in part.split(self.micro_batch) if len(part) else ():  # a batch never mixes sources
                 loss = engine(batch[:, :-1], batch[:, 1:])

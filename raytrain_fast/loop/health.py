@@ -209,11 +209,3 @@ def skip_position(rollbacks: list[dict[str, Any]], *, step: int, position: dict[
         if record["to_step"] == step and record["position"] == position:
             return record["resume_position"]
     return position
-
-
-def sequences_between(start: dict[str, Any] | None, end: dict[str, Any], sequences_per_epoch: int) -> int:
-    """Sequences of the global stream from position `start` (None: the beginning) to `end`."""
-    def absolute(p: dict[str, Any] | None) -> int:
-        return 0 if p is None else int(p.get("epoch", 0)) * sequences_per_epoch + int(p.get("consumed", 0))
-
-    return absolute(end) - absolute(start)

@@ -3,10 +3,10 @@ closed in reverse.
 
 `LoopParts.restore` reads the newest checkpoint's state first (state only: the data reader starts
 at its position while the model is built), then `build` makes, in order: the health policy, the
-data reader, the run's coordinator, the program (engine/program.py: the model, measured eager; rank
-0's sinks opened while the rest is built; compiled blocks; the engine with the restored state), the
-evaluator, the metrics (last: building them freezes the heap for GC control), and the heartbeat (from
-then on the hang watchdog watches this rank). Leaving the `with` block closes what was built, in
+data reader, the run's coordinator, the eager model with its initial weights and what is measured on it, rank 0's sinks and
+stop watcher (W&B starts while the rest is built), the program (engine/program.py: compiled blocks,
+the engine with the restored state), the evaluator, the metrics (last: building them freezes the
+heap for GC control), and the heartbeat (from then on the hang watchdog watches this rank). Leaving the `with` block closes what was built, in
 reverse, whatever happened.
 """
 
@@ -23,14 +23,13 @@ from raytrain_fast.checkpoint import Checkpointer, TrainState
 from raytrain_fast.console import nothing_to_do, say
 from raytrain_fast.coordinator import Coordinator
 from raytrain_fast.engine import apply_optim_settings
-from raytrain_fast.engine.program import WorkerProgram, build_program
+from raytrain_fast.engine.program import build_program, eager_model
 from raytrain_fast.loop.evaluation import Evaluator
 from raytrain_fast.loop.health import HealthMonitor
 from raytrain_fast.metrics import SinkWriter, StepPlan, TrainMetrics, build_sinks, mfu_inputs
 from raytrain_fast.metrics.setup import MfuInputs
 from raytrain_fast.model import GPT, document_masking
 from raytrain_fast.storage import redact
-from raytrain_fast.storage.filesystem import resolve_filesystem
 from raytrain_fast.watchdog.heartbeat import Heartbeat, NoHeartbeat
 
 if TYPE_CHECKING:
@@ -80,12 +79,10 @@ class LoopParts:
         """The checkpointer and the state: the newest complete checkpoint's (returned; None for a new run).
         State only, not yet the engine's (loaded once the engine exists), so the data reader can start at
         the saved position while the engine is built."""
-        worker, config = self.worker, self.worker.config
-        filesystem, storage_root = resolve_filesystem(config.storage.uri, config.storage)
+        worker, config, plan = self.worker, self.worker.config, self.worker.plan
         self.checkpointer = checkpointer = Checkpointer(
             config.checkpoint, rank=worker.rank, world_size=worker.world_size, run_config=redact(config.to_dict()),
-            local_mode_run=(filesystem, f"{storage_root.rstrip('/')}/{config.name}"),
-            before_upload=worker.hooks.before_upload,
+            local_mode_run=(plan.filesystem, plan.run_path), before_upload=worker.hooks.before_upload,
         )
         restored = checkpointer.restore_state()
         self.state = state = restored or TrainState(
@@ -98,10 +95,10 @@ class LoopParts:
 
                 r = checkpointer.resized
                 say(resize_line(step=state.step, old=r["old"], new=r["new"], seconds=r["seconds"], cache=r["cache"],
-                                micro_batch=int(config.train.micro_batch), grad_accum=worker.grad_accum),
+                                micro_batch=worker.batch.micro_batch, grad_accum=worker.grad_accum),
                     rank=worker.rank)
         state.world_size = worker.world_size  # what the next checkpoint is written by (a resize changes it)
-        state.global_batch = worker.global_batch
+        state.global_batch = worker.batch.global_batch
         return restored
 
     def nothing_to_do(self) -> None:
@@ -118,11 +115,19 @@ class LoopParts:
         close(lambda: self.data.close())  # the reader of the moment (a rollback replaces it)
         self.coordinator = Coordinator.connect(worker.config.name or "run", timeout_s=worker.config.metrics.coordinator_timeout_s)
         close(self.coordinator.close)
-        program = self._build_program(restored)
-        self.engine, self.compiled = program.engine, program.compiled
+        documents = document_masking(worker.config.data, eod_id=worker.plan.sources[0].manifest.tokenizer.eod_id)  # None: off
+        model = eager_model(worker.config, device=worker.device, documents=documents)
+        masters = load_init_from(worker, model, restored=restored)
+        self.mfu = measure_eager_model(worker, model, state, self.coordinator)
+        self.sinks = start_sinks(worker, state)  # after the measurement: W&B starts while the engine is built
+        if self.sinks is not None:
+            close(self.sinks.close)  # closed by metrics.close() too, unless setup fails before it
+        if worker.rank == 0:
+            self.coordinator.watch_for_stop()  # the driver's SIGTERM / Ctrl-C reaches the loop through it
+        self.engine, self.compiled = self._build_program(model, restored, masters=masters)
         if self.save_checkpoints:  # before the first step: no save allocates its host memory while training runs
             self.checkpointer.reserve_snapshot_memory(self.engine)
-        self.evaluator = build_evaluator(worker, self.engine, self.data, tasks=self.inputs.tasks)
+        self.evaluator = build_evaluator(worker, self.engine, tasks=worker.plan.tasks, start_step=state.step)
         self.metrics = build_metrics(worker, state, self.engine, self.mfu, self.sinks)  # last: it freezes the heap for GC control
         close(self.metrics.close)
         note_resize(worker, restored, self.checkpointer, self.metrics, self.coordinator)
@@ -130,49 +135,31 @@ class LoopParts:
         self.heartbeat = start_heartbeat(worker, self.coordinator, state)  # from here on, the hang watchdog watches this rank
         close(self.heartbeat.close)
 
-    def _build_program(self, restored: TrainState | None) -> WorkerProgram:
-        """The worker's program (engine/program.py), with the restored state in its engine."""
+    def _build_program(
+        self, model: GPT, restored: TrainState | None, *, masters: list | None,
+    ) -> tuple[DeepSpeedEngine, bool]:
+        """The worker's program (engine/program.py) around the eager model, with the restored state in
+        its engine and `masters` (init_from's fp32 values) as its master weights: (the engine, whether
+        its blocks compile in the next step)."""
         worker, config = self.worker, self.worker.config
         program = build_program(
-            config, device=worker.device, on_eager_model=lambda model: self._on_eager_model(model, restored=restored),
-            documents=document_masking(config.data, eod_id=worker.manifest.tokenizer.eod_id),  # None unless data.document_masking
-            load_universal=self.checkpointer.resized is not None, say=functools.partial(say, rank=worker.rank),
+            config, device=worker.device, model=model, batch=worker.batch, masters=masters, load_universal=self.checkpointer.resized is not None,
+            say=functools.partial(say, rank=worker.rank),
         )
         if restored is not None:
             self.checkpointer.load_into(program.engine)
             apply_optim_settings(program.engine, optim=config.optim, total_steps=config.train.steps)  # a changed optim.* applies
-        return program
-
-    def _on_eager_model(self, model: GPT, *, restored: TrainState | None) -> list | None:
-        """Before compilation: the initial weights and the values measured once per run, then rank
-        0's sinks open (W&B / TensorBoard start while the engine is built, not in the first steps)
-        and its stop watcher starts. Returns the initial weights' fp32 values for a bf16 engine's
-        master weights (None without init_from, or in fp32)."""
-        masters = load_init_from(self.worker, model, restored=restored)
-        self.mfu = measure_eager_model(self.worker, model, self.state, self.coordinator)
-        self.sinks = start_sinks(self.worker, self.state)
-        if self.sinks is not None:
-            self._closing.callback(self.sinks.close)  # closed by metrics.close() too, unless setup fails before it
-        if self.worker.rank == 0:
-            self.coordinator.watch_for_stop()  # the driver's SIGTERM / Ctrl-C reaches the loop through it
-        return masters
+        return program.engine, program.compiled
 
     def open_data(self, state: TrainState) -> BatchIterator:
-        """The reader at `state`'s data position (a mixture's for data.sources)."""
-        from raytrain_fast.data import BatchIterator, DataPosition
+        """The reader of the plan's sources at `state`'s data position."""
+        from raytrain_fast.data import BatchIterator
 
-        worker, config = self.worker, self.worker.config
-        if config.data.sources:  # a mixture (data/mixture.py): its position is the mixture's
-            from raytrain_fast.data.mixture import open_mixture
-
-            return open_mixture(config, self.inputs.data_uris, rank=worker.rank, world_size=worker.world_size,
-                                device=worker.device, position=state.data_position)
+        worker, data = self.worker, self.worker.config.data
         return BatchIterator(
-            worker.manifest,
-            rank=worker.rank, world_size=worker.world_size, micro_batch=config.train.micro_batch,
-            seed=config.data.shuffle_seed, prefetch_batches=config.data.prefetch_batches, device=worker.device,
-            storage=config.storage, max_sequences=self.inputs.max_sequences,
-            position=DataPosition.from_dict(state.data_position) if state.data_position else None,
+            worker.plan.sources, rank=worker.rank, world_size=worker.world_size, micro_batch=worker.batch.micro_batch,
+            seed=data.shuffle_seed, prefetch_batches=data.prefetch_batches, device=worker.device,
+            storage=worker.config.storage, position=state.data_position,
         )
 
 
@@ -233,35 +220,32 @@ def start_sinks(worker: Worker, state: TrainState) -> SinkWriter | None:
     # W&B and TensorBoard write files on this node; with remote storage they go to a temp dir that
     # metrics.sinks.LocalDirSync copies into the run's storage and removes at the end.
     keeps_files = config.metrics.wandb or config.metrics.tensorboard
-    local_dir = tempfile.mkdtemp(prefix="raytrain-fast-sinks-") if keeps_files and "://" in worker.run_uri else worker.run_uri
+    run_uri = worker.plan.run_uri
+    local_dir = tempfile.mkdtemp(prefix="raytrain-fast-sinks-") if keeps_files and "://" in run_uri else run_uri
     sinks = build_sinks(
-        config.metrics, run_uri=worker.run_uri, run_name=config.name or "run", start_step=state.step,
+        config.metrics, run_uri=run_uri, run_name=config.name or "run", start_step=state.step,
         local_dir=local_dir, storage=config.storage, run_config=redact(config.to_dict()),
     )
     return SinkWriter(worker.hooks.sinks(sinks), max_queue=config.metrics.queue_size)
 
 
-def build_evaluator(worker: Worker, engine: DeepSpeedEngine, data: BatchIterator, *, tasks: Any = None) -> Evaluator:
-    """This rank's share of the fixed validation set, on the device once (none when eval is off); for
-    a mixture, each source's split with a val/loss of its own (data/validation.py). `tasks`: the run's
+def build_evaluator(worker: Worker, engine: DeepSpeedEngine, *, tasks: Any, start_step: int) -> Evaluator:
+    """This rank's share of the fixed validation set of every source, on the device once (none when
+    eval is off), each source's with a val/loss of its own (data/validation.py). `tasks`: the run's
     eval.tasks, encoded on the driver (downstream/in_loop.py RunTasks), or None."""
-    from raytrain_fast.data.validation import load_mixture_validation, load_validation_tokens
+    from raytrain_fast.data.validation import load_validation
 
-    config = worker.config
-    tokens, total, splits = None, config.eval.sequences, None
-    share = dict(rank=worker.rank, world_size=worker.world_size, storage=config.storage)
-    if config.eval.enabled and config.data.sources:
-        rows, splits = load_mixture_validation(data.sources, count=config.eval.sequences, **share)
-        tokens, total = torch.from_numpy(rows).to(engine.device), len(rows)
-    elif config.eval.enabled:
-        rows = load_validation_tokens(worker.manifest, count=config.eval.sequences, **share)
+    config, share = worker.config, dict(rank=worker.rank, world_size=worker.world_size)
+    tokens, splits = None, []
+    if config.eval.enabled:
+        rows, splits = load_validation(worker.plan.sources, count=config.eval.sequences, storage=config.storage, **share)
         tokens = torch.from_numpy(rows).to(engine.device)
-    micro_batch = config.eval.micro_batch or int(config.train.micro_batch)
+    micro_batch = config.eval.micro_batch or worker.batch.micro_batch
     if tasks is not None:
-        tasks = tasks.for_rank(rank=worker.rank, world_size=worker.world_size, device=engine.device, micro_batch=micro_batch)
+        tasks = tasks.for_rank(device=engine.device, micro_batch=micro_batch, **share)
     return Evaluator(
-        tokens=tokens, total=total, every_steps=config.eval.every_steps or 1, total_steps=config.train.steps,
-        micro_batch=micro_batch, rank=worker.rank, world_size=worker.world_size, sources=splits, tasks=tasks,
+        tokens=tokens, sources=splits, every_steps=config.eval.every_steps, total_steps=config.train.steps,
+        start_step=start_step, micro_batch=micro_batch, tasks=tasks, **share,
     )
 
 
@@ -306,7 +290,7 @@ def note_hangs(worker: Worker, coordinator: Coordinator, metrics: TrainMetrics, 
         ranks = ", ".join(map(str, hang["stuck_ranks"]))
         say(
             f"Resumed at step {step} after a hang at step {hang['step']}: rank {ranks} made no progress for "
-            f"{hang['stuck_s']:.0f} s (stacks: {worker.run_uri}/{hang['stacks_file']}).", rank=worker.rank,
+            f"{hang['stuck_s']:.0f} s (stacks: {worker.plan.run_uri}/{hang['stacks_file']}).", rank=worker.rank,
         )
         metrics.emit(step, {
             "hang/step": float(hang["step"]), "hang/stuck_s": float(hang["stuck_s"]),

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from raytrain_fast.console import say
 from raytrain_fast.engine import apply_optim_settings
-from raytrain_fast.loop.health import DivergenceStop, Rollback, sequences_between, write_records
+from raytrain_fast.loop.health import DivergenceStop, Rollback, write_records
 from raytrain_fast.loop.steps import run_steps
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def roll_back(worker: Worker, rollback: Rollback, parts: LoopParts) -> None:
     checkpointer.load_into(parts.engine)
     # The checkpoint may predate a resume that changed optim.*: this run's settings stay in force.
     apply_optim_settings(parts.engine, optim=config.optim, total_steps=config.train.steps)
-    skipped = sequences_between(restored.data_position, detected_at, parts.data.sequences_per_epoch)
+    skipped = parts.data.sequences_since(restored.data_position)
     health.rollbacks.append({
         "detected_step": rollback.step, "what": rollback.what, "loss": rollback.loss, "grad_norm": rollback.grad_norm,
         "to_step": restored.step, "position": restored.data_position, "skip_sequences": skipped, "resume_position": detected_at,
@@ -61,7 +61,7 @@ def roll_back(worker: Worker, rollback: Rollback, parts: LoopParts) -> None:
             f"{len(health.rollbacks)} of at most {config.health.max_rollbacks}).", rank=worker.rank,
         )
     restored.data_position, restored.world_size = detected_at, worker.world_size
-    restored.global_batch = worker.global_batch
+    restored.global_batch = worker.batch.global_batch
     parts.data.close()
     metrics.restart_at(restored.step)
     health.restart_at(restored.step)

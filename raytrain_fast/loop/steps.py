@@ -100,10 +100,9 @@ class StepRun:
             mine |= Notice.STOP
         if self.preemption.flag():
             mine |= Notice.PREEMPTED
-        self.last = parts.metrics.log(step, lr=parts.engine.get_lr()[0], flags=int(mine), epoch=getattr(parts.data, "epochs", None))
+        self.last = parts.metrics.log(step, lr=parts.engine.get_lr()[0], flags=int(mine), epoch=parts.data.epochs)
         self.agreed = Notice(parts.metrics.agreed_flags)
-        if hasattr(parts.data, "source_metrics"):  # a mixture: tokens and epochs per source, from its position
-            parts.metrics.emit(step, parts.data.source_metrics(seq_len=self.worker.config.data.seq_len))
+        parts.metrics.emit(step, parts.data.source_metrics(seq_len=self.worker.config.data.seq_len))  # tokens per source
         parts.health.check_window(step, self.last, parts.metrics)
         return True
 

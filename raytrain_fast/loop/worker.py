@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from raytrain_fast.config import Config
+from raytrain_fast.config.train import Batch
 from raytrain_fast.loop.hooks import LoopHooks, RankHooks, WindowCallback
+from raytrain_fast.plan import RunPlan
 
 if TYPE_CHECKING:
     import torch
-
-    from raytrain_fast.data.manifest import Manifest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,52 +19,41 @@ class LoopInputs:
     """What the driver hands every training worker (launch/trainer.py `build_trainer`); it pickles,
     and so does everything in it."""
 
-    config: Config
-    """The run's config, resolved on the driver (resources, precision, micro-batch)."""
-    data_uri: str
-    """The prepared data's manifest: its tokenizer and validation split (a mixture's first source)."""
-    data_uris: list[str]
-    """A mixture's prepared sources (data.sources), in order; else [data_uri]."""
-    max_sequences: int | None = None
-    """Sequences of the data to read at most (None: all)."""
+    plan: RunPlan
+    """The run's plan (raytrain_fast/plan.py): every derived setting, the data's manifests, the storage."""
     hooks: LoopHooks = field(default_factory=LoopHooks)
     """Drills, fault injection, the sequence recorder, a bench's clock; none by default."""
     on_window: WindowCallback | None = None
     """Called on every log step with the window's metrics (a sweep trial's Tune report)."""
     save_checkpoints: bool = True
     """False: a short measurement run that saves nothing."""
-    tasks: Any = None
-    """eval.tasks, encoded on the driver for the data's tokenizer (downstream/in_loop.py `RunTasks`,
-    which the loop does not import: `raytrain-fast evaluate` reads the report, which reads the loop), or None."""
-    s3_filesystem: Any = None
-    """The driver's S3 filesystem (credentials inside) for s3:// storage: workers read the data and
-    write the metrics with it, whatever their own environment holds."""
 
 
 @dataclass(kw_only=True)
 class Worker:
-    """What every setup step of one worker needs: its config, place in the group and hooks."""
+    """What every setup step of one worker needs: the plan, its place in the group and hooks."""
 
-    config: Config
+    plan: RunPlan
     rank: int
-    world_size: int
-    grad_accum: int
+    batch: Batch
+    """This group's batch split (the plan's for its size)."""
     device: torch.device
     hooks: RankHooks
     niceness: int
     """This worker's niceness after setup (0 unless lowering it was not permitted)."""
-    manifest: Manifest
-    """The prepared data's manifest (training shards and the validation split)."""
 
     @property
-    def global_batch(self) -> int:
-        """Sequences per optimizer step across the group."""
-        return int(self.config.train.micro_batch) * self.grad_accum * self.world_size
+    def config(self) -> Config:
+        return self.plan.config
+
+    @property
+    def world_size(self) -> int:
+        return self.batch.world_size
+
+    @property
+    def grad_accum(self) -> int:
+        return self.batch.grad_accum
 
     @property
     def tokens_per_step(self) -> int:
-        return self.global_batch * self.config.data.seq_len
-
-    @property
-    def run_uri(self) -> str:
-        return f"{self.config.storage.uri.rstrip('/')}/{self.config.name}"
+        return self.batch.global_batch * self.config.data.seq_len

@@ -21,6 +21,7 @@ METRICS: dict[str, str] = {
     "val/ppl": "exp(val/loss): validation perplexity.",
     "eval/<task>/acc": "Share of the task's items (eval.tasks, docs/evaluation.md) whose choice with the highest log-likelihood is the right one, over all ranks, at each evaluation.",
     "eval/<task>/acc_norm": "The same with each choice's log-likelihood divided by its characters (leading whitespace not counted).",
+    "eval/<task>/loglikelihood": "The right choice's log-likelihood, mean per item (nats): it moves before acc leaves chance, and any item scored differently changes it.",
     "eval/<task>/chance": "The task's chance level: the mean of 1 / choices over its items scored.",
     "eval/<task>/items": "Items of the task scored at the evaluation, over all ranks (eval.task_limit of them, less any whose choice alone is longer than the model's window).",
     "eval/<task>/cut": "Of those, items whose context was cut from the left to fit the model's window.",

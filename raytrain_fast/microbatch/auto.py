@@ -356,7 +356,7 @@ def _why(best: Probe, probes: list[Probe], *, budget_gb: float | None, source: s
 
 
 def resolve_micro_batch(config: Config, *, probe=probe_in_fresh_process) -> Config:
-    """Replace micro_batch=auto with the cached or measured choice (after `resolve_resources`:
+    """Replace micro_batch=auto with the cached or measured choice (after `launch.plan.on_the_cluster`:
     use_gpu, cpus_per_worker and precision must be resolved), and turn activation checkpointing on
     when the choice did (nothing fit without it). Other configs pass through."""
     if config.train.micro_batch != "auto":

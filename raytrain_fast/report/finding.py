@@ -45,6 +45,13 @@ def setting_note(run: RunMetrics, section: str, key: str) -> str:
     return f" (now {value})" if value is not None else ""
 
 
+def more_data(run: RunMetrics) -> str:
+    """Where more training text goes: data.sources for a mixture, else data.source."""
+    if run.setting("data", "sources"):
+        return "more or larger sources in data.sources"
+    return "a larger corpus (data.source)"
+
+
 def median_step_s(run: RunMetrics) -> float:
     """The median time/step_s over every record (NaN without one): what the time lost is priced at."""
     return median([r["time/step_s"] for r in run.records if "time/step_s" in r])

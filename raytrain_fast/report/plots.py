@@ -144,10 +144,13 @@ def _divergence_marks(run: RunMetrics, axis, loss_at: dict[int, float]) -> None:
 
 def _val_loss(run: RunMetrics, axis) -> None:
     """val/loss on the loss plot, where the run evaluated (a wide gap below train/loss that grows
-    while train/loss falls is memorisation: see the overfitting finding)."""
+    while train/loss falls is memorisation: see the overfitting finding); a mixture's val/loss of
+    each source beside it, dashed."""
     steps, val = run.series("val/loss")
     if val:
         axis.plot(steps, val, marker="o", label="val/loss (held out)")
+    for name in run.names_under("val/loss/"):
+        axis.plot(*run.series(f"val/loss/{name}"), marker=".", linestyle="--", label=f"val/loss/{name}")
 
 
 def _throughput(run: RunMetrics, axis) -> str | None:
@@ -317,7 +320,8 @@ def _memory(run: RunMetrics, axis) -> str | None:
 
 
 _SPECS = [
-    _Spec(file="loss.png", title="Training loss", caption="train/loss: mean over each log window; val/loss: the held-out set at each evaluation.", draw=_loss),
+    _Spec(file="loss.png", title="Training loss", caption="train/loss: mean over each log window; val/loss: the held-out set at "
+          "each evaluation (a mixture's: each source's, dashed, and their weighted mean).", draw=_loss),
     _Spec(
         file="throughput.png", title="Throughput",
         caption="Tokens per second across all ranks, checkpoint stalls included.", draw=_throughput,

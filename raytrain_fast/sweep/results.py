@@ -116,11 +116,15 @@ def pick_best(rows: list[SweepRow], *, objective: str) -> SweepRow | None:
 
 
 def resolution(rows: list[SweepRow], *, objective: str) -> str:
-    """Whether the best trial's lead over the next is larger than the trials' own noise: "" when it
+    """Whether the best trial's lead over the next is larger than what else could make it: "" when it
     is (or there is nothing to compare), else one line saying it is not resolved, with the numbers.
-    The noise is the spread of a trial's windows (the middle half: upper - lower quartile); the lead
-    is the gap between the two medians, trials stopped early among them (they were stopped on the
-    same noisy windows).
+    Two things besides the setting move a trial's tokens/s:
+    - its own noise: the spread of its windows (the middle half: upper - lower quartile), against the
+      gap between the two medians, trials stopped early among them (they were stopped on the same
+      noisy windows);
+    - the machine's load: a trial that ran while other processes held the CPUs got a share of them
+      (about 1 / load per CPU above 1), so a lead no larger than the ratio of the two trials' loads
+      may be the load's, not the setting's.
     Judged on tokens/s (the loss objectives compare one value per trial)."""
     done = sorted((r for r in rows if r.status in (OK, "stopped") and r.tokens_per_sec is not None and r.windows >= 2),
                   key=lambda r: r.tokens_per_sec, reverse=True)
@@ -129,11 +133,24 @@ def resolution(rows: list[SweepRow], *, objective: str) -> str:
     first, second = done[0], done[1]
     gap = first.tokens_per_sec - second.tokens_per_sec
     spread = max(first.tokens_per_sec_high - first.tokens_per_sec_low, second.tokens_per_sec_high - second.tokens_per_sec_low)
-    if spread <= gap:
-        return ""
-    return (f"not resolved: {_label(first)} leads {_label(second)} by {gap:,.0f} tokens/s, less than the {spread:,.0f} "
-            "tokens/s that the middle half of one trial's own windows spreads over; rerun with more --steps, on a "
-            "quieter machine, before trusting the order")
+    if spread > gap:
+        return (f"not resolved: {_label(first)} leads {_label(second)} by {gap:,.0f} tokens/s, less than the {spread:,.0f} "
+                "tokens/s that the middle half of one trial's own windows spreads over; rerun with more --steps, on a "
+                "quieter machine, before trusting the order")
+    load_ratio = _load_advantage(first, second)
+    if load_ratio is not None and first.tokens_per_sec <= load_ratio * second.tokens_per_sec:
+        return (f"not resolved: {_label(first)} leads {_label(second)} by {first.tokens_per_sec / second.tokens_per_sec:.2f}x, "
+                f"but it ran at a load per CPU of {first.load_per_cpu:.2f} against {second.load_per_cpu:.2f}: the load alone "
+                f"can make a {load_ratio:.2f}x difference; rerun on a quieter machine before trusting the order")
+    return ""
+
+
+def _load_advantage(first: SweepRow, second: SweepRow) -> float | None:
+    """How many times faster `first` could run than `second` from the machine's load alone: the ratio
+    of their CPU shares, 1 / max(1, load per CPU) each; None when a load was not recorded."""
+    if first.load_per_cpu is None or second.load_per_cpu is None:
+        return None
+    return max(1.0, second.load_per_cpu) / max(1.0, first.load_per_cpu)
 
 
 def load_note(rows: list[SweepRow]) -> str:

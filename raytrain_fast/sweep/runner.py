@@ -21,6 +21,7 @@ from raytrain_fast.console import say
 from raytrain_fast.errors import ConfigError
 from raytrain_fast.loop.hooks import LoopHooks
 from raytrain_fast.microbatch import classify_error, plan_candidates
+from raytrain_fast.plan import RunPlan
 from raytrain_fast.sweep.results import (
     ACTIVATION_CHECKPOINTING,
     SweepRow,
@@ -102,7 +103,7 @@ def _trial_config(config: Config, spec: SweepSpec) -> Config:
     log_every = max(1, spec.steps // max(1, spec.num_reports))
     # val_loss: an evaluation in every reported window (trials are compared on it window by window), and
     # an error before any trial when the data has no validation split; other objectives need none.
-    evaluation = dataclasses.replace(config.eval, enabled=spec.objective == "val_loss", every_steps=log_every)
+    evaluation = dataclasses.replace(config.eval, enabled=spec.objective == "val_loss", every_steps=log_every, tasks=[])
     return dataclasses.replace(
         config, eval=evaluation,
         train=dataclasses.replace(config.train, steps=spec.steps, log_every=log_every),
@@ -119,21 +120,15 @@ def _write(filesystem, path: str, text: str) -> None:
 
 @dataclass(kw_only=True)
 class _Sweep:
-    """What run_sweep settles once, before the trials: the names, the resolved config, where it writes."""
+    """What run_sweep settles once, before the trials: the name, the plan the trials share, where it writes."""
 
     name: str
     config: Config
     """As the user gave it (best.yaml is this with the winning split)."""
-    resolved: Config
-    """The trials' base: resources resolved, short run, named after the sweep."""
-    data_uri: str
+    plan: RunPlan
+    """The trials' base (launch/plan.py): resources resolved, a short run named after the sweep, the prepared data;
+    its run directory is the sweep's."""
     concurrency: int
-    filesystem: Any
-    path: str
-    """The sweep's directory in `filesystem`."""
-    uri: str
-    """The same directory as the user names it (s3://... on S3)."""
-    remote: bool
 
 
 def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False, hooks: LoopHooks | None = None) -> SweepResult:
@@ -148,7 +143,7 @@ def run_sweep(config: Config, spec: SweepSpec, *, create_bucket: bool = False, h
     unresolved = resolution(rows, objective=spec.objective)
     files, best_path = _write_results(sweep, spec, rows, best, unresolved=unresolved)
     return SweepResult(
-        name=sweep.name, uri=sweep.uri, rows=rows, best=best, best_config_path=best_path, unresolved=unresolved,
+        name=sweep.name, uri=sweep.plan.run_uri, rows=rows, best=best, best_config_path=best_path, unresolved=unresolved,
         max_concurrent_trials=sweep.concurrency, table=format_table(rows, notes=[load_note(rows)]), files=files,
     )
 
@@ -190,13 +185,14 @@ def _checkpointing_values(values: list[str]) -> list[str]:
 
 
 def _prepare(config: Config, spec: SweepSpec, *, first_micro_batch: int, create_bucket: bool) -> _Sweep:
-    """Resolve resources and validate once (with the first runnable micro-batch), prepare the data
-    once, derive the concurrency, and create the sweep's directory."""
+    """Check and plan once (with the first runnable micro-batch; the data prepared once), derive the
+    concurrency, and create the sweep's directory."""
     import ray
 
     from raytrain_fast._ray_compat import create_ray_data_cluster_actors
-    from raytrain_fast.launch.checks import prepare_training_data, resolve_resources
-    from raytrain_fast.storage import resolve_filesystem
+    from raytrain_fast.config.data import SourceConfig
+    from raytrain_fast.launch.checks import check_run
+    from raytrain_fast.launch.plan import plan_run
 
     name = spec.name or f"{config.name}-sweep"
     # Named after the sweep, whose directory holds no checkpoints: the resume checks look there, not
@@ -204,33 +200,23 @@ def _prepare(config: Config, spec: SweepSpec, *, first_micro_batch: int, create_
     base = dataclasses.replace(
         config, name=name, train=dataclasses.replace(config.train, micro_batch=first_micro_batch, grad_accum=None)
     )
-    if config.data.sources:
-        raise ConfigError(
-            "raytrain-fast sweep times one data.source, and this config has data.sources (a mixture): sweep on one of "
-            "its sources (--set data.sources=[] data.source=<it>), then train the mixture with the micro-batch it picks"
-        )
-    resolved = resolve_resources(_trial_config(base, spec), create_bucket=create_bucket)
-    data_uri = prepare_training_data(resolved)
+    plan = plan_run(check_run(_trial_config(base, spec), create_bucket=create_bucket))
+    for line in plan.lines:  # its summary's batch is the first trial's: the sweep's own line says what it tries
+        say(line)
     create_ray_data_cluster_actors()  # on this node, before the trials, whose actors may be on any node
-    # The trials read the prepared data; naming it keeps their own checks off the user's relative
-    # data.source, which a trial (in Tune's working directory) would not find. What prepared it
-    # on the fly (a validation split's source) is done.
-    resolved = dataclasses.replace(
-        resolved, data=dataclasses.replace(resolved.data, source=data_uri, val_fraction=None, val_input=None)
-    )
+    # The trials read the prepared data: naming it keeps their checks off the user's relative paths, which
+    # a trial (in Tune's working directory, maybe on another node) would not find; what prepared it on the
+    # fly (a validation split's source) is done. The user's key stays: data.max_tokens applies to data.source.
+    data = plan.config.data
+    items = [SourceConfig(source=s.manifest.root, weight=s.weight, name=s.name) for s in plan.sources]
+    data = dataclasses.replace(data, source=items[0].source, sources=items if data.sources else [], val_fraction=None, val_input=None)
+    plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, data=data))
     cluster = ray.cluster_resources()
-    concurrency = max_concurrent_trials(resolved, cluster_cpus=cluster.get("CPU", 0.0), cluster_gpus=cluster.get("GPU", 0.0))
-    filesystem, root = resolve_filesystem(resolved.storage.uri, resolved.storage)
-    path = f"{root.rstrip('/')}/{name}"
-    remote = resolved.storage.uri.startswith("s3://")
-    uri = f"s3://{path}" if remote else path
-    if replace_previous_results(filesystem, path):
-        say(f"Sweep '{name}' ran before: its earlier trials and results in {uri} are replaced by this run's.")
-    filesystem.create_dir(path, recursive=True)
-    return _Sweep(
-        name=name, config=config, resolved=resolved, data_uri=data_uri, concurrency=concurrency,
-        filesystem=filesystem, path=path, uri=uri, remote=remote,
-    )
+    concurrency = max_concurrent_trials(plan.config, cluster_cpus=cluster.get("CPU", 0.0), cluster_gpus=cluster.get("GPU", 0.0))
+    if replace_previous_results(plan.filesystem, plan.run_path):
+        say(f"Sweep '{name}' ran before: its earlier trials and results in {plan.run_uri} are replaced by this run's.")
+    plan.filesystem.create_dir(plan.run_path, recursive=True)
+    return _Sweep(name=name, config=config, plan=plan, concurrency=concurrency)
 
 
 SWEEP_OUTPUTS = ("trials", "tune", "results.csv", "results.json", "best.yaml")
@@ -257,7 +243,7 @@ def _announce(sweep: _Sweep, spec: SweepSpec, runnable: list[tuple[int, int]], s
     metric, mode = OBJECTIVES[spec.objective]
     say(
         f"Sweep '{sweep.name}': global batch {config.train.global_batch} sequences "
-        f"({config.train.global_batch * config.data.seq_len:,} tokens) on {sweep.resolved.resources.num_workers} worker(s); "
+        f"({config.train.global_batch * config.data.seq_len:,} tokens) on {sweep.plan.config.resources.num_workers} worker(s); "
         f"micro-batches {', '.join(str(m) for m, _ in runnable)}"
         + (f" (skipped: {', '.join(str(r.micro_batch) for r in skipped)})" if skipped else "")
         + (f"; activation checkpointing {', '.join(spec.activation_checkpointing)} with each"
@@ -274,14 +260,11 @@ def _run_trials(sweep: _Sweep, spec: SweepSpec, micro_batches: list[int], *, hoo
     from raytrain_fast.sweep.stopping import NoiseAwareStopper, grace_windows
     from raytrain_fast.sweep.trial import run_trial
 
-    resolved = sweep.resolved
+    plan = sweep.plan
     metric, mode = OBJECTIVES[spec.objective]
-    num_windows = math.ceil(resolved.train.steps / resolved.train.log_every)
+    num_windows = math.ceil(plan.config.train.steps / plan.config.train.log_every)
     trainable = tune.with_resources(
-        tune.with_parameters(
-            run_trial, base_config=resolved.to_dict(), data_uri=sweep.data_uri,
-            trials_uri=f"{resolved.storage.uri.rstrip('/')}/{sweep.name}/trials", prefix=sweep.name, hooks=hooks,
-        ),
+        tune.with_parameters(run_trial, base=plan, trials_uri=f"{plan.run_uri}/trials", prefix=sweep.name, hooks=hooks),
         # The driver only waits on fit(): no CPU, or a CPU machine's trial could never get its workers'
         # CPUs (they come from Ray Train's own placement group). Tune needs a non-empty bundle: 1 byte.
         {"CPU": 0, "memory": 1},
@@ -297,8 +280,8 @@ def _run_trials(sweep: _Sweep, spec: SweepSpec, micro_batches: list[int], *, hoo
             scheduler=NoiseAwareStopper(metric=metric, mode=mode, grace=grace_windows(num_windows)),
         ),
         run_config=tune.RunConfig(
-            name="tune", storage_path=sweep.path,
-            storage_filesystem=sweep.filesystem if sweep.remote else None, verbose=0, callbacks=[_release_stopped_trial()],
+            name="tune", storage_path=plan.run_path,
+            storage_filesystem=plan.filesystem if plan.remote else None, verbose=0, callbacks=[_release_stopped_trial()],
         ),
     )
     from raytrain_fast._ray_compat import quiet_tune_output
@@ -319,7 +302,7 @@ def _trial_rows(sweep: _Sweep, grid, accum: dict[int, int]) -> list[SweepRow]:
         reports = [r for r in reports if "step" in r and r.get("step") == r.get("step")]
         trial_id = (result.metrics or {}).get("trial_id")
         rows.append(row_from_reports(
-            micro_batch=m, grad_accum=accum[m], reports=reports, steps=sweep.resolved.train.steps,
+            micro_batch=m, grad_accum=accum[m], reports=reports, steps=sweep.plan.config.train.steps,
             error=_error_reason(result.error) if result.error is not None else None,
             run_name=trial_run_name(sweep.name, micro_batch=m, activation_checkpointing=swept, trial_id=trial_id) if trial_id else "",
             activation_checkpointing=swept or sweep.config.model.activation_checkpointing,
@@ -332,7 +315,7 @@ def _write_results(
 ) -> tuple[dict[str, str], str | None]:
     """results.csv, results.json and best.yaml in the sweep's directory, and best.yaml locally:
     (what was written where, the local best config or None)."""
-    config, resolved = sweep.config, sweep.resolved
+    config, resolved, plan = sweep.config, sweep.plan.config, sweep.plan
     summary = {
         "sweep": sweep.name, "objective": spec.objective, "global_batch": config.train.global_batch,
         "seq_len": config.data.seq_len, "num_workers": resolved.resources.num_workers,
@@ -346,16 +329,16 @@ def _write_results(
             activation_checkpointing=spec.activation_checkpointing,
             best_activation_checkpointing=best.activation_checkpointing if best else None,
         )
-    files = {"csv": f"{sweep.uri}/results.csv", "json": f"{sweep.uri}/results.json"}
-    _write(sweep.filesystem, f"{sweep.path}/results.csv", to_csv(rows))
-    _write(sweep.filesystem, f"{sweep.path}/results.json", to_json(rows, summary=summary))
+    files = {"csv": f"{plan.run_uri}/results.csv", "json": f"{plan.run_uri}/results.json"}
+    _write(plan.filesystem, f"{plan.run_path}/results.csv", to_csv(rows))
+    _write(plan.filesystem, f"{plan.run_path}/results.json", to_json(rows, summary=summary))
     if best is None:
         return files, None
     text = best_config_yaml(config, best, sweep_name=sweep.name, objective=spec.objective)
-    in_storage = f"{sweep.path}/best.yaml"
-    _write(sweep.filesystem, in_storage, text)
-    files["best"] = f"{sweep.uri}/best.yaml"
-    best_path = spec.best_config_out or (f"{sweep.name}-best.yaml" if sweep.remote else in_storage)
+    in_storage = f"{plan.run_path}/best.yaml"
+    _write(plan.filesystem, in_storage, text)
+    files["best"] = f"{plan.run_uri}/best.yaml"
+    best_path = spec.best_config_out or (f"{sweep.name}-best.yaml" if plan.remote else in_storage)
     if best_path != in_storage:
         Path(best_path).write_text(text)
     return files, best_path

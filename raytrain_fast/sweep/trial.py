@@ -1,5 +1,5 @@
-"""One sweep trial: a Tune driver function that takes the run workflow every run takes
-(`launch.trainer.fit_run`: coordinator, hang watchdog, TorchTrainer) for a short run at one
+"""One sweep trial: a Tune driver function that takes the checks and the run workflow every run takes
+(`launch.checks.check_run`, `launch.trainer.fit_run`: coordinator, hang watchdog, TorchTrainer) for a short run at one
 micro-batch (and activation checkpointing setting, when the sweep tries several; the Train V2 +
 Tune pattern), and the worker-side report it needs."""
 
@@ -12,6 +12,7 @@ from typing import Any
 from raytrain_fast.errors import RaytrainFastError
 from raytrain_fast.loop.hooks import LoopHooks
 from raytrain_fast.microbatch import MemoryBudgetExceeded, classify_error
+from raytrain_fast.plan import RunPlan
 
 FAILED_MARK = "[sweep trial failed] "
 """Prefix of a failed trial's reason in Tune's error text (the reason follows it on the same line)."""
@@ -68,26 +69,25 @@ so a shorter window would wait in report() and that wait would count in the next
 
 
 def run_trial(
-    params: dict[str, Any], *, base_config: dict[str, Any], data_uri: str, trials_uri: str, prefix: str,
-    hooks: LoopHooks | None = None,
+    params: dict[str, Any], *, base: RunPlan, trials_uri: str, prefix: str, hooks: LoopHooks | None = None,
 ) -> None:
     """The Tune driver function (in the trial's actor, which holds no CPU: the training workers
-    get theirs through Ray Train's own placement group): the trial's config checked, then the run
-    workflow every run takes (`launch.trainer.fit_run`: coordinator, hang watchdog, trainer) for a
-    short measurement run that reports every log window to Tune and saves no checkpoint. Any failure
-    becomes TrialFailed with its reason, so Tune records a failed trial and the sweep goes on.
-    `hooks`: drills for the trials' loops (tests)."""
+    get theirs through Ray Train's own placement group): the trial's run checked as every run is
+    (`launch.checks.check_run`) and planned from the sweep's plan, then the run workflow every run
+    takes (`launch.trainer.fit_run`: coordinator, hang watchdog, trainer) for a short measurement run
+    that reports every log window to Tune and saves no checkpoint. Any failure becomes TrialFailed with
+    its reason, so Tune records a failed trial and the sweep goes on. `hooks`: drills for the trials' loops (tests)."""
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from raytrain_fast.config import Config, validate
-    from raytrain_fast.launch.checks import check_data_matches_model
+    from raytrain_fast.launch.checks import check_run
+    from raytrain_fast.launch.plan import trial_plan
     from raytrain_fast.launch.trainer import fit_run
 
     micro_batch = int(params["micro_batch"])
     checkpointing = params.get("activation_checkpointing")  # only in a sweep over it
     trial_id = ray.tune.get_context().get_trial_id()
-    config = Config.from_dict(base_config)
+    config = base.config
     config = dataclasses.replace(
         config,
         name=trial_run_name(prefix, micro_batch=micro_batch, activation_checkpointing=checkpointing, trial_id=trial_id),
@@ -95,14 +95,13 @@ def run_trial(
         train=dataclasses.replace(config.train, micro_batch=micro_batch, grad_accum=None),
         storage=dataclasses.replace(config.storage, uri=trials_uri),
     )
-    try:  # the sweep's checked run on its prepared data, at this micro-batch: storage and resume were checked
-        validate(config)
-        check_data_matches_model(config)
+    try:  # the sweep's plan on its prepared data, at this micro-batch
+        plan = trial_plan(base, check_run(config))
     except RaytrainFastError as error:
         raise TrialFailed(f"{FAILED_MARK}invalid: {' '.join(str(error).split())[:300]}") from None
     try:
         fit_run(
-            config, data_uris=[data_uri], hooks=hooks, save_checkpoints=False, callbacks=[TuneReportCallback()],
+            plan, hooks=hooks, save_checkpoints=False, callbacks=[TuneReportCallback()],
             on_window=functools.partial(report_window, memory_budget_gb=config.resources.memory_budget_gb),
             controller_poll_s=TRIAL_POLL_S,
         )

@@ -1,5 +1,6 @@
 """Downstream scoring on a GPU: the loop's share of the tasks is scored with no synchronising CUDA call
-(torch's sync debug mode raises on one), gives the CPU's counts, and times itself with CUDA events."""
+(torch's sync debug mode raises on one), gives the CPU's log-likelihoods and counts (to a near tie),
+and times itself with CUDA events."""
 
 from __future__ import annotations
 
@@ -28,18 +29,21 @@ def scored(device: str, *, sync_check: bool) -> tuple[list[float], dict[str, flo
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")  # any synchronising call in the scoring raises
         try:
-            counts = tasks.score(model)
+            loglikelihoods = tasks.score(model)
         finally:
             if sync_check:
                 torch.cuda.set_sync_debug_mode("default")
-        read = counts.tolist()  # the evaluation's one read
+        read = loglikelihoods.tolist()  # the evaluation's one read
     return read, tasks.values(read, tokens=None)
 
 
 def test_the_tasks_score_on_a_gpu_without_a_sync_and_give_the_cpus_counts():
     gpu, values = scored("cuda", sync_check=True)
-    cpu, _ = scored("cpu", sync_check=False)
-    items = gpu[2::4]
-    assert items[:2] == [64.0, 64.0] and items == cpu[2::4]  # hellaswag leaves out endings longer than 128 bytes
-    assert sum(abs(a - b) for a, b in zip(gpu, cpu)) <= 2  # TF32 / kernel order may flip a near-tie
+    cpu, on_cpu = scored("cpu", sync_check=False)
+    names = ("arc_easy", "winogrande", "hellaswag")
+    items = [values[f"eval/{name}/items"] for name in names]
+    assert items[:2] == [64.0, 64.0] and items == [on_cpu[f"eval/{name}/items"] for name in names]  # hellaswag leaves out endings longer than 128 bytes
+    assert max(abs(a - b) for a, b in zip(gpu, cpu)) < 0.05  # TF32 and the kernels' order move the last bits
+    flipped = sum(abs(values[f"eval/{n}/acc"] - on_cpu[f"eval/{n}/acc"]) * values[f"eval/{n}/items"] for n in names)
+    assert flipped <= 2  # ... which may flip a near tie
     assert 0 < values["time/eval_tasks_s"] < 60 and values["time/eval_tasks_ms_per_item"] > 0

@@ -35,7 +35,9 @@ STEPS = textwrap.dedent("""
     lines = []
     engine = build_program(config, device=device, say=lines.append).engine
     text = open(sys.argv[2], "rb").read()  # this package's own source: bytes a model learns from in a few steps
-    rows = torch.tensor(list(text[: steps * 4 * 513]), dtype=torch.long).view(steps, 4, 513).to(device)
+    need = steps * 4 * 513
+    text = text * -(-need // len(text))  # repeated: the file is shorter than the batches ask for
+    rows = torch.tensor(list(text[:need]), dtype=torch.long).view(steps, 4, 513).to(device)
 
     def scaled_matmuls(run) -> int:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:

@@ -33,7 +33,8 @@ ONE_STEP = textwrap.dedent("""
     import torch
     from raytrain_fast.engine.process_group import single_process_group
     from raytrain_fast.config import load_config
-    from raytrain_fast.engine import build_engine, enable_tf32
+    from raytrain_fast.engine import build_engine
+    from raytrain_fast.engine.deepspeed_engine import enable_tf32
     from raytrain_fast.engine.compile import compile_blocks
     from raytrain_fast.model import build_model
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raytrain_fast.report.finding import Finding
+from raytrain_fast.report.finding import Finding, more_data
 from raytrain_fast.report.load import RunMetrics
 
 
@@ -23,8 +23,8 @@ def find(run: RunMetrics) -> Finding | str | None:
         key="corpus_repeated", title=f"Small corpus: every sequence was seen about {epochs[-1]:,.0f} times",
         evidence=evidence,
         advice=[
-            "train on more data (data.source) or for fewer steps; a loss reached by repeating a small corpus is memorisation",
-            "keep a validation split (prepare-data --val-fraction) so val/loss shows when the model stops generalising",
+            f"train on more data ({more_data(run)}) or for fewer steps; a loss reached by repeating a small corpus is memorisation",
+            *([] if val else ["keep a validation split (prepare-data --val-fraction) so val/loss shows when the model stops generalising"]),
         ],
         numbers={"epochs": epochs[-1]},
     )

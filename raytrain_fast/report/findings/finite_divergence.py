@@ -1,5 +1,5 @@
 """Finite divergence: a loss that blew up without a NaN (loop/divergence.py): above a uniform guess
-after warm-up, or a sustained climb far back from the run's best window."""
+after warm-up (or twice it during warm-up), or a sustained climb far back from the run's best window."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _finding(run: RunMetrics, record: dict[str, Any], source: str) -> Finding:
     end = next((s for s, v in after if s > step and v <= bound), None)
     peak_step, peak = max(after, key=lambda point: point[1]) if after else (step, loss)
     what = (f"the windows ending at steps {since} to {step} had losses above {uniform:.4g}, what a uniform guess over "
-            f"{vocab if isinstance(vocab, int) else 'the'} tokens scores (ln of model.vocab_size), after warm-up; "
+            f"{vocab if isinstance(vocab, int) else 'the'} tokens scores (ln of model.vocab_size); "
             f"{loss:.4g} at step {step}"
             if loss > uniform else
             f"the loss stayed above {bound:.4g} from step {since} to step {step}: more than "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raytrain_fast.report.finding import Finding, setting_note
+from raytrain_fast.report.finding import Finding, more_data, setting_note
 from raytrain_fast.report.load import RunMetrics
 
 
@@ -33,8 +33,7 @@ def find(run: RunMetrics) -> Finding | str | None:
         f"while train/loss fell from {train_then:.4f} to {train_now:.4f}: the model is memorising its training data",
     ]
     advice = [
-        "more data: a larger corpus (data.source), or all of it (data.max_tokens=0"
-        + setting_note(run, "data", "max_tokens") + ")",
+        f"more data: {more_data(run)}, or all of it (data.max_tokens=0" + setting_note(run, "data", "max_tokens") + ")",
         f"fewer epochs: train fewer steps (train.steps{setting_note(run, 'train', 'steps')}), or keep the best "
         f"checkpoint by val/loss (checkpoint.keep_best=1: the step-{steps[best]} one)",
         f"regularise: model.dropout{setting_note(run, 'model', 'dropout')} (e.g. 0.1), "
