@@ -215,7 +215,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from raytrain_fast.config import load_config
     from raytrain_fast.engine import resolve_precision
     from raytrain_fast.engine.process_group import single_process_group
-    from raytrain_fast.engine.program import build_program, one_process, prepare_process
+    from raytrain_fast.engine.program import build_program, eager_model, one_process, prepare_process
     from raytrain_fast.metrics.memory import peak_memory_gb, reset_peak_memory
     from raytrain_fast.metrics.peak import datasheet_peak_flops, device_name, matmul_dtype, mfu
 
@@ -234,19 +234,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     batches = rows.view(args.steps, args.grad_accum, args.micro_batch, args.seq_len + 1).to(device)
     single_process_group("nccl" if cuda else "gloo")
 
-    def on_eager_model(model: Any) -> None:
-        if args.fp8_emulate:
-            from raytrain_fast.engine.fp8 import convert_blocks
-
-            lines.append(f"FP8 (emulated): {len(convert_blocks(model, emulate=True))} linear layers converted")
-        if args.compile_scope == "model":
-            from raytrain_fast.engine.deepspeed_compat import run_eagerly_where_compile_fails
-
-            run_eagerly_where_compile_fails()
-            model.compile()  # in place, compiled on the first step: one graph for the whole forward
-
     lines: list[str] = []
-    program = build_program(config, device=device, on_eager_model=on_eager_model, say=lines.append)
+    model = eager_model(config, device=device)
+    if args.fp8_emulate:
+        from raytrain_fast.engine.fp8 import convert_blocks
+
+        lines.append(f"FP8 (emulated): {len(convert_blocks(model, emulate=True))} linear layers converted")
+    if args.compile_scope == "model":
+        from raytrain_fast.engine.deepspeed_compat import run_eagerly_where_compile_fails
+
+        run_eagerly_where_compile_fails()
+        model.compile()  # in place, compiled on the first step: one graph for the whole forward
+    program = build_program(config, device=device, model=model, say=lines.append)
     engine, model = program.engine, program.model
     # What two runs compare their losses on: the same tokens, from the same initial weights (as
     # trained: a float8 layer keeps its weights in the engine's dtype).
