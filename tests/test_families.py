@@ -215,7 +215,7 @@ from raytrain_fast.checkpoint.init_from import fp32_values
 from raytrain_fast.config import load_config
 from raytrain_fast.engine import select_accelerator
 from raytrain_fast.engine.process_group import single_process_group
-from raytrain_fast.engine.program import build_program
+from raytrain_fast.engine.program import build_program, eager_model
 
 select_accelerator()
 single_process_group("gloo")
@@ -224,15 +224,13 @@ from deepspeed.utils import safe_get_full_fp32_param
 config = load_config("llama-tiny", ["model.family=qwen2", "model.qkv_bias=true", "engine.precision=bf16", "engine.compile=off",
                                     "train.micro_batch=2", "train.global_batch=2", "model.num_layers=1"])
 for keep in (False, True):
-    values = []
-    def initial_weights(model):
-        torch.manual_seed(0)
-        with torch.no_grad():  # as an fp32 checkpoint's: values a bf16 copy rounds
-            for param in model.parameters():
-                param.normal_(0.0, 0.3)
-        values[:] = fp32_values(model)
-        return values if keep else None
-    engine = build_program(config, device=torch.device("cpu"), on_eager_model=initial_weights).engine
+    model = eager_model(config, device=torch.device("cpu"))
+    torch.manual_seed(0)
+    with torch.no_grad():  # as an fp32 checkpoint's: values a bf16 copy rounds
+        for param in model.parameters():
+            param.normal_(0.0, 0.3)
+    values = fp32_values(model)
+    engine = build_program(config, device=torch.device("cpu"), model=model, masters=values if keep else None).engine
     error = max((safe_get_full_fp32_param(p) - v).abs().max().item() for p, v in values)
     print("masters", keep, len(values), error)
 torch.distributed.destroy_process_group()
