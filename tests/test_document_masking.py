@@ -1,6 +1,7 @@
 """Document masking (data.document_masking, model/documents.py): a packed row of documents gives each
 document the logits it gets alone (fp32, max abs difference <= 1e-5), for the GPT (learned and rotary
-positions) and the Llama family, with activation checkpointing, the chunked loss and compiled blocks;
+positions) and the Llama family (with Qwen2's q/k/v biases, Qwen3's per-head norms and head width,
+Llama 3's RoPE scaling), with activation checkpointing, the chunked loss and compiled blocks;
 the loss after an end-of-document id is masked; the GPU path (flex attention) agrees with the CPU's."""
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ SHAPES = {
     "gpt-rotary": ModelConfig(num_layers=2, d_model=64, num_heads=4, max_seq_len=64, positions="rotary"),
     "llama-gqa": ModelConfig(architecture="llama", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, max_seq_len=64,
                              tie_embeddings=False),
+    "qwen2": ModelConfig(architecture="llama", family="qwen2", qkv_bias=True, num_layers=2, d_model=64, num_heads=4,
+                         num_kv_heads=2, max_seq_len=64),
+    "qwen3-llama3-rope": ModelConfig(architecture="llama", family="qwen3", qk_norm=True, head_dim=24, num_layers=2, d_model=64,
+                                     num_heads=4, num_kv_heads=2, max_seq_len=64, rope_scaling="llama3", rope_factor=32,
+                                     rope_original_max_seq_len=16),
 }
 
 
@@ -49,7 +55,12 @@ def packed_rows(lengths: list[list[int]], seed: int = 0) -> tuple[torch.Tensor, 
 
 def masked(config: ModelConfig, **kwargs) -> GPT:
     torch.manual_seed(0)
-    return build_model(config, "cpu", documents=DocumentMasking(eod_id=EOD, **kwargs))
+    model = build_model(config, "cpu", documents=DocumentMasking(eod_id=EOD, **kwargs))
+    with torch.no_grad():  # biases away from their zero init, so they take part
+        for name, param in model.named_parameters():
+            if name.endswith("qkv.bias"):
+                param.normal_(0.0, 0.3)
+    return model
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -119,7 +130,7 @@ def test_chunked_loss_with_masked_targets_matches_the_plain_loss_and_its_gradien
         assert chunked_cross_entropy(hidden, weight, targets, chunk_rows=8).item() == pytest.approx(plain.item(), rel=1e-5)
 
 
-@pytest.mark.parametrize("shape", ["gpt-learned", "llama-gqa"])
+@pytest.mark.parametrize("shape", ["gpt-learned", "llama-gqa", "qwen2", "qwen3-llama3-rope"])
 def test_activation_checkpointing_keeps_the_masked_gradients(shape):
     tokens, _ = packed_rows([[9, 20, 13, 17], [30, 4, 40]], seed=2)
     grads = {}
@@ -137,7 +148,8 @@ def test_compiled_blocks_give_the_eager_masked_loss_and_gradients():
     from raytrain_fast.engine.compile import compile_blocks
 
     tokens, _ = packed_rows([[9, 20, 13, 17], [30, 4, 40]], seed=3)
-    eager, compiled = masked(SHAPES["gpt-rotary"]), masked(SHAPES["gpt-rotary"])
+    # The llama with Qwen3's options and Llama 3's RoPE scaling (the GPT's compiled blocks: test_model_scale.py).
+    eager, compiled = masked(SHAPES["qwen3-llama3-rope"]), masked(SHAPES["qwen3-llama3-rope"])
     assert compile_blocks(compiled, setting="on", device=torch.device("cpu"))[0]
     losses = []
     for model in (eager, compiled):

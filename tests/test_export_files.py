@@ -39,9 +39,15 @@ def test_tokenizer_files_name_the_end_of_document_token_as_eos_and_pad(tmp_path)
     spec = load_tokenizer(str(tmp_path / "tokenizer.json"))
     files = hf_tokenizer_files(spec, model_max_length=64)
     special = json.loads(files["special_tokens_map.json"])
-    assert special == {"eos_token": "</s>", "pad_token": "</s>"} and spec.info.eod_id == bpe.token_to_id("</s>")
-    assert json.loads(files["tokenizer.json"])["post_processor"] is None  # no <s> the model never saw
+    # A <s> before each text is how such a family trains: the data puts it before every document, the export keeps it.
+    assert special == {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>"} and spec.info.eod_id == bpe.token_to_id("</s>")
+    assert spec.info.bos_id == bpe.token_to_id("<s>") and json.loads(files["tokenizer.json"])["post_processor"] is not None
     assert json.loads(files["tokenizer_config.json"])["pad_token"] == "</s>"
+    bpe.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 2)])  # not a BOS
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    other = hf_tokenizer_files(load_tokenizer(str(tmp_path / "tokenizer.json")), model_max_length=64)
+    assert json.loads(other["tokenizer.json"])["post_processor"] is None  # no token the model never saw there
+    assert json.loads(other["special_tokens_map.json"]) == {"eos_token": "</s>", "pad_token": "</s>"}
     word = next(t for t in bpe.get_vocab() if len(t) > 1)
     assert token_text(files["tokenizer.json"], bpe.token_to_id(word)) == word  # from the vocabulary
     byte = json.loads(hf_tokenizer_files(byte_tokenizer(), model_max_length=None)["special_tokens_map.json"])

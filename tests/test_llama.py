@@ -182,7 +182,7 @@ def test_gpt_is_still_the_default_and_bad_llama_fields_are_named():
 
 def test_a_bpe_tokenizer_exports_with_the_ids_prepare_data_makes(tmp_path):
     """A run's own tokenizer.json (trained here: nothing downloaded), with a post-processor that adds
-    a BOS: the export gives AutoTokenizer the training ids, which never had one."""
+    a BOS: the data has it before each document, and the export gives AutoTokenizer those ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
     from raytrain_fast.checkpoint.hf_export import run_tokenizer

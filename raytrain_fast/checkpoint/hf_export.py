@@ -10,6 +10,7 @@ tokenizer file whose content changed since (its sha256 is not the manifest's) is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -51,7 +52,7 @@ def run_tokenizer(run_config: dict[str, Any], storage: StorageConfig | None, ove
             f"the tokenizer file {recorded.name} changed since the data was prepared (sha256 {spec.info.hash[:12]}, "
             f"the data manifest says {recorded.hash[:12]}): pass --tokenizer <the tokenizer.json the data was made with>"
         )
-    return spec
+    return spec if recorded is None else dataclasses.replace(spec, info=recorded)  # the manifest says how the data was made
 
 
 def write_hf_export(
@@ -65,11 +66,11 @@ def write_hf_export(
     os.makedirs(out_dir, exist_ok=True)
     for stale in [*Path(out_dir).glob("model*.safetensors"), Path(out_dir, "model.safetensors.index.json")]:
         stale.unlink(missing_ok=True)  # an --overwrite with another shard count must not leave old shards
-    eod = tokenizer.info.eod_id
+    eod, bos = tokenizer.info.eod_id, tokenizer.info.bos_id
     written = _write_weights(to_hf_state_dict(state, config), out_dir, max_shard_bytes)
     files: dict[str, str] = {
-        "config.json": json.dumps(hf_config(config, eos_token_id=eod, dtype=dtype), indent=2),
-        "generation_config.json": json.dumps({"bos_token_id": None, "eos_token_id": eod, "pad_token_id": eod}, indent=2),
+        "config.json": json.dumps(hf_config(config, eos_token_id=eod, bos_token_id=bos, dtype=dtype), indent=2),
+        "generation_config.json": json.dumps({"bos_token_id": bos, "eos_token_id": eod, "pad_token_id": eod}, indent=2),
     }
     from raytrain_fast.data.hf_tokenizer import hf_tokenizer_files
 

@@ -1,20 +1,26 @@
-"""`checkpoint.init_from` of a Hugging Face directory: a Llama-family `config.json` and its
-safetensors weights (one file, or shards with `model.safetensors.index.json`), local or s3://.
+"""`checkpoint.init_from` of a Hugging Face directory: the `config.json` of a Llama-family model
+(Llama, Mistral, Qwen2, Qwen3) and its safetensors weights (one file, or shards with
+`model.safetensors.index.json`), local or s3://.
 
 Told apart from our own checkpoints by its config.json (ours hold config.yaml and manifests). The
-driver reads config.json before any worker starts and refuses a model that differs from the run's
-(`init_from_problems`, every differing field in one message); on the workers, rank 0 reads and
-converts the weights (`read_hf_weights`, model/hf.py), then broadcasts them as for our checkpoints.
+driver reads config.json before any worker starts (`init_from_problems`): every field is mapped or
+named as refused (model/hf.py), a model that differs from the run's is refused with every differing
+field in one message, and so is data tokenized with another tokenizer than the directory's. On the
+workers, rank 0 reads and converts the weights (`read_hf_weights`), then broadcasts them as for our
+checkpoints.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 import pyarrow.fs as pafs
+import torch
 
-from raytrain_fast.errors import CheckpointError
+from raytrain_fast.config.model import llama_option_problems
+from raytrain_fast.errors import CheckpointError, RaytrainFastError
 from raytrain_fast.model import ModelConfig
 from raytrain_fast.model.hf import from_hf_llama, model_differences, model_fields_from_hf, to_hf_state_dict
 
@@ -35,12 +41,14 @@ def read_hf_config(filesystem: pafs.FileSystem, path: str) -> dict[str, Any] | N
     return data if isinstance(data, dict) else None
 
 
-def init_from_problems(uri: str, model: ModelConfig, storage: Any) -> list[str]:
-    """Why the Hugging Face model at `uri` cannot initialise `model` ([] when it can, or when `uri`
-    is not a Hugging Face directory: our checkpoints are checked by the workers as before)."""
+def init_from_problems(config: Any) -> list[str]:
+    """Why the Hugging Face model at run config `config`'s checkpoint.init_from cannot initialise its
+    model ([] when it can, or when it is not a Hugging Face directory: our checkpoints are checked by
+    the workers). Called on the driver before any worker starts."""
     from raytrain_fast.storage import resolve_filesystem
 
-    filesystem, path = resolve_filesystem(uri, storage)
+    uri, model = config.checkpoint.init_from, config.model
+    filesystem, path = resolve_filesystem(uri, config.storage)
     try:
         hf = read_hf_config(filesystem, path)
     except OSError as error:
@@ -52,13 +60,45 @@ def init_from_problems(uri: str, model: ModelConfig, storage: Any) -> list[str]:
     except (ValueError, KeyError, TypeError) as error:
         return [f"checkpoint.init_from={uri}: its config.json cannot be loaded into model.architecture=llama: {error}"]
     differences = model_differences(model, fields)
+    # What the checkpoint's model cannot do here whatever the run's model says (a window under the sequence).
+    problems = llama_option_problems(dataclasses.replace(model, **fields), seq_len=config.data.seq_len)
     if differences:
         fix = " ".join(f"--set {d.split(':', 1)[0]}={fields[d.split(':', 1)[0].removeprefix('model.')]}" for d in differences)
-        return [
+        problems.append(
             f"checkpoint.init_from={uri} holds a model that differs from this run's in {len(differences)} field(s): "
             + "; ".join(differences) + f". Make the model section match: {fix}"
-        ]
-    return []
+        )
+    return problems + _tokenizer_problems(config, filesystem, path)
+
+
+def _tokenizer_problems(config: Any, filesystem: pafs.FileSystem, path: str) -> list[str]:
+    """The run's data must be tokenized with the directory's own tokenizer.json, if it has one: the
+    model's ids mean that tokenizer's text."""
+    import hashlib
+
+    from raytrain_fast.data import load_manifest
+    from raytrain_fast.data.cache import STDLIB, is_prepared
+    from raytrain_fast.data.tokenizer import TOKENIZER_FILE, load_tokenizer
+
+    uri, data = config.checkpoint.init_from, config.data
+    try:
+        with filesystem.open_input_stream(f"{path.rstrip('/')}/{TOKENIZER_FILE}") as stream:
+            theirs = hashlib.sha256(stream.read()).hexdigest()
+    except (FileNotFoundError, OSError):
+        return []  # weights only: the run's tokenizer is the user's choice
+    source = data.sources[0].source if data.sources else data.source
+    try:
+        if source != STDLIB and is_prepared(source, config.storage):
+            ours = load_manifest(source, config.storage).tokenizer
+            fix = f"prepare {source} again with `raytrain-fast prepare-data --tokenizer {uri}`"
+        else:
+            ours, fix = load_tokenizer(data.tokenizer, config.storage).info, f"set data.tokenizer={uri}"
+    except (RaytrainFastError, OSError):
+        return []  # the data checks that follow name the problem
+    if ours.hash == theirs:
+        return []
+    return [f"checkpoint.init_from={uri} comes with its own tokenizer ({TOKENIZER_FILE}), but this run's data is tokenized "
+            f"with {ours.name}, whose ids mean other text to the model: {fix}"]
 
 
 def read_hf_weights(filesystem: pafs.FileSystem, path: str, config: ModelConfig) -> dict[str, Any]:
@@ -85,7 +125,10 @@ def read_hf_weights(filesystem: pafs.FileSystem, path: str, config: ModelConfig)
     except KeyError as error:
         raise CheckpointError(f"checkpoint.init_from={path}: the weights have no {error}") from None
     # A weight we would not read (a bias, another layer) means another model: refuse, never drop it.
-    unread = sorted(set(hf_state) - set(to_hf_state_dict(state, config)) - {"lm_head.weight"})
+    # A tied model's lm_head.weight, when written, must be the embedding it is tied to.
+    unread = sorted(set(hf_state) - set(to_hf_state_dict(state, config)))
+    if unread == ["lm_head.weight"] and torch.equal(hf_state["lm_head.weight"], state["token_emb.weight"]):
+        unread = []
     if unread:
         raise CheckpointError(f"checkpoint.init_from={path}: weights our llama has no place for: {unread[:5]}")
     return state

@@ -1,7 +1,12 @@
 """`checkpoint.init_from`: a new run's starting weights (only the weights) from a checkpoint directory
 or a Hugging Face Llama-family directory. Its own module: it reads exported and consolidated weights
 (export.py), which itself reads the names saving writes (layout.py), so nothing here ties saving to
-exporting."""
+exporting.
+
+In bf16, DeepSpeed casts the module to bf16 and makes the fp32 master weights from that copy, so an
+fp32 checkpoint's values would be rounded to bf16 for good (2.2e-3 in the logits of a small llama
+after 5 steps at LR 1e-12). `fp32_values` keeps a host copy of those the cast rounds, and
+engine/program.py puts them into the engine's master weights once it exists."""
 
 from __future__ import annotations
 
@@ -66,3 +71,10 @@ def _read_initial_weights(model: torch.nn.Module, uri: str, *, storage: Any) -> 
         return source
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)
+
+
+def fp32_values(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(parameter, a host copy of its value) for each parameter of `model` that a bf16 cast would
+    round: none for a bf16 checkpoint, every one of an fp32 checkpoint (host memory: its fp32 size)."""
+    with torch.no_grad():
+        return [(p, p.detach().to("cpu", copy=True)) for p in model.parameters() if not torch.equal(p, p.bfloat16().float())]

@@ -53,7 +53,8 @@ class CheckpointConfig:
     which also lets a mixture's weights and sources change: each source goes on where it stood)."""
     init_from: str | None = None
     """Start a NEW run from the model weights (not optimizer or step) of this checkpoint directory
-    (local path or s3:// URI of a `checkpoint_<step>` dir), or of a Hugging Face Llama-family directory
-    (config.json + safetensors; its config must match the model section). Only used when the run has no checkpoint yet."""
+    (local path or s3:// URI of a `checkpoint_<step>` dir), or of a Hugging Face directory of a Llama,
+    Mistral, Qwen2 or Qwen3 model (config.json + safetensors; its config must match the model section,
+    docs/models.md). Only used when the run has no checkpoint yet."""
     upload_attempts: int = 3
     """Tries per checkpoint upload before training fails with an error."""

@@ -16,7 +16,7 @@ from raytrain_fast.errors import ConfigError
 from raytrain_fast.config.resources import ResourcesConfig
 from raytrain_fast.config.train import TrainConfig
 from raytrain_fast.config.metrics import metrics_config_problems
-from raytrain_fast.config.model import ModelConfig
+from raytrain_fast.config.model import ModelConfig, head_size, llama_option_problems
 from raytrain_fast.config.storage import uri_problem
 from raytrain_fast.config.root import NAME_PATTERN, Config
 from raytrain_fast.config.watchdog import watchdog_config_problems
@@ -82,15 +82,16 @@ def _not_positive(section: str, obj: Any, names: tuple[str, ...]) -> list[str]:
 
 def _model_problems(m: ModelConfig, d: DataConfig) -> list[str]:
     problems = []
-    if m.num_heads > 0 and m.d_model % m.num_heads:
+    if m.num_heads > 0 and not m.head_dim and m.d_model % m.num_heads:
         heads = max(h for h in range(1, m.num_heads + 1) if m.d_model % h == 0)
         problems.append(
             f"model.d_model ({m.d_model}) must be divisible by model.num_heads ({m.num_heads}); "
             f"e.g. --set model.num_heads={heads}"
         )
-    elif (m.positions == "rotary" or m.architecture == "llama") and m.num_heads > 0 and (m.d_model // m.num_heads) % 2:
-        problems.append("rotary positions (model.positions=rotary, model.architecture=llama) need an even head size (d_model / num_heads)")
-    problems += _llama_problems(m)
+    elif (m.positions == "rotary" or m.architecture == "llama") and m.num_heads > 0 and head_size(m) % 2:
+        problems.append("rotary positions (model.positions=rotary, model.architecture=llama) need an even head size "
+                        "(model.head_dim, or d_model / num_heads)")
+    problems += _llama_problems(m) + llama_option_problems(m, seq_len=d.seq_len)
     if not 0.0 <= m.dropout < 1.0:
         problems.append(f"model.dropout must be in [0, 1), got {m.dropout}")
     if d.tokenizer == "byte" and m.vocab_size < BYTE_VOCAB_SIZE:

@@ -67,24 +67,28 @@ def token_text(json_text: str, token_id: int) -> str | None:
 def hf_tokenizer_files(spec: TokenizerSpec, *, model_max_length: int | None) -> dict[str, str]:
     """{file name: text} for the tokenizer `spec` (the byte tokenizer or a tokenizers JSON file), so
     that `AutoTokenizer(text)` gives the ids the data was made with (its end-of-document token as
-    eos_token, no post-processor) and pads a batch (the same token as pad_token: the attention mask
-    keeps the model off it). model_max_length None: left out (a tokenizer of no model yet). Plain
-    JSON: no `tokenizers` import."""
+    eos_token; its beginning-of-text token before a text when the data has one before each document,
+    else no post-processor) and pads a batch (the same token as pad_token: the attention mask keeps
+    the model off it). model_max_length None: left out (a tokenizer of no model yet). Plain JSON: no
+    `tokenizers` import."""
     json_text = spec.json_text if spec.json_text is not None else byte_tokenizer_json()
     data = json.loads(json_text)
-    # prepare-data encodes with add_special_tokens=False: no post-processor ran on the training
-    # tokens, so none may run on the exported tokenizer's either (a BOS the model never saw).
-    if data.get("post_processor") is not None:
+    # The post-processor stays only where it put the BOS that the data has before each document
+    # (TokenizerInfo.bos_id); any other would add tokens the model never saw in that place.
+    if data.get("post_processor") is not None and spec.info.bos_id is None:
         data["post_processor"] = None
         json_text = json.dumps(data, ensure_ascii=False)
     eod = token_text(json_text, spec.info.eod_id)
     if eod is None:
         raise DataError(f"tokenizer {spec.info.name} has no token with the end-of-document id {spec.info.eod_id}")
     special = {"eos_token": eod, "pad_token": eod}
+    if spec.info.bos_id is not None:
+        special["bos_token"] = token_text(json_text, spec.info.bos_id)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **({"model_max_length": model_max_length} if model_max_length is not None else {}),
-        "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False, **special,
+        "clean_up_tokenization_spaces": False, "add_bos_token": spec.info.bos_id is not None, "add_eos_token": False,
+        **special,
     }
     return {
         "tokenizer.json": json_text,

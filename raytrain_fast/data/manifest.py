@@ -30,9 +30,13 @@ class TokenizerInfo:
     """Number of token ids, special tokens included; the model's vocab_size must be at least this."""
     eod_id: int
     """Token id appended after every document."""
+    bos_id: int | None = None
+    """Token id put before every document: the one the tokenizer file's post-processor adds (Llama 3's
+    `<|begin_of_text|>`, Mistral's `<s>`); None when it adds none (byte, Qwen, GPT-2 style)."""
 
     def identity(self) -> dict[str, str]:
-        return {"kind": self.kind, "hash": self.hash}
+        # With a BOS the same file makes other tokens: a key of its own (without, the key stays as it was).
+        return {"kind": self.kind, "hash": self.hash, **({"bos_id": str(self.bos_id)} if self.bos_id is not None else {})}
 
 
 @dataclass(kw_only=True)

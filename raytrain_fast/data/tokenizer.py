@@ -1,8 +1,10 @@
 """Tokenizers for `prepare_data`: the built-in byte tokenizer, or a HuggingFace `tokenizers` JSON file.
 
 Both turn a list of documents (UTF-8 bytes) into one id array with the end-of-document id after each
-document. A tokenizer travels to Ray tasks as its JSON text (never as a path: the file may only
-exist on the driver) and is rebuilt once per process.
+document, and, for a tokenizer file whose post-processor puts a beginning-of-text token before a text
+(Llama 3, Mistral), that token before each document, as the family trained. A tokenizer travels to
+Ray tasks as its JSON text (never as a path: the file may only exist on the driver) and is rebuilt
+once per process.
 """
 
 from __future__ import annotations
@@ -50,9 +52,10 @@ class TokenizerSpec:
         texts = [doc.decode("utf-8") for doc in documents]
         encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
         eod = np.array([self.info.eod_id], dtype=self.dtype)
+        bos = [np.array([self.info.bos_id], dtype=self.dtype)] if self.info.bos_id is not None else []
         parts: list[np.ndarray] = []
         for encoding in encodings:
-            parts += [np.asarray(encoding.ids, dtype=self.dtype), eod]
+            parts += [*bos, np.asarray(encoding.ids, dtype=self.dtype), eod]
         return np.concatenate(parts)
 
     def encode_text(self, text: str) -> list[int]:
@@ -131,8 +134,16 @@ def load_tokenizer(tokenizer: str, storage: StorageConfig | None = None) -> Toke
         )
     # Recorded in manifests and read back by `export`, maybe from another directory: a local path absolute.
     name = tokenizer if "://" in tokenizer else os.path.abspath(os.path.expanduser(tokenizer))
-    info = TokenizerInfo(kind="hf", name=name, hash=digest, vocab_size=hf.get_vocab_size(with_added_tokens=True), eod_id=eod_id)
+    bos_id = added_bos(hf.encode("a", add_special_tokens=True).ids, hf.encode("a", add_special_tokens=False).ids)
+    info = TokenizerInfo(kind="hf", name=name, hash=digest, vocab_size=hf.get_vocab_size(with_added_tokens=True), eod_id=eod_id,
+                         bos_id=bos_id)
     return TokenizerSpec(info=info, json_text=json_text)
+
+
+def added_bos(with_special: list[int], plain: list[int]) -> int | None:
+    """The beginning-of-text id a tokenizer adds before a text (from a text's ids with and without its
+    special tokens), or None unless it adds exactly one id, before the text."""
+    return with_special[0] if len(with_special) == len(plain) + 1 and with_special[1:] == plain else None
 
 
 def _is_directory(filesystem, path: str) -> bool:

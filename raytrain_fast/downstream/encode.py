@@ -4,8 +4,10 @@ model's window. Done once, on the driver, before any worker starts: a tokenizer 
 an item is an error here, naming the item.
 
 The scored sequence of a choice is context + continuation; the model reads all of it but its last
-token and predicts each continuation token from the tokens before it. An empty context becomes the
-end-of-document id, so the first continuation token is predicted too. When a sequence is longer than
+token and predicts each continuation token from the tokens before it. A context starts with the
+beginning-of-text id where the tokenizer's documents start with one (Llama 3, Mistral); an empty
+context is that id alone, or else the end-of-document id, so the first continuation token is
+predicted too. When a sequence is longer than
 the window + 1, the oldest context tokens are dropped (the item counts as cut): for choices that
 share their context, the same ones for every choice (as many as the longest choice needs), so every
 choice is scored after the same context, which the scorer then reads once for all of them. An item
@@ -37,6 +39,8 @@ class Encoder:
     """Tokens the model reads at once (its maximum sequence length)."""
     unknown_id: int | None = None
     """The tokenizer's unknown-token id, if it has one: text that becomes it cannot be scored."""
+    bos_id: int | None = None
+    """The id each document starts with, if the tokenizer puts one there: every context starts with it."""
     name: str = "tokenizer"
 
 
@@ -113,7 +117,8 @@ def _encode_item(item: Item, encoder: Encoder, *, task: str) -> tuple[list[np.nd
     pairs = []
     for choice, (context, continuation) in enumerate(zip(item.contexts, item.continuations)):
         where = f"task {task}, item {item.index}, choice {choice}"
-        context_ids = _ids(encoder, context, where=f"{where}, its context") if context else [encoder.eod_id]
+        start = [encoder.bos_id] if encoder.bos_id is not None else []
+        context_ids = start + _ids(encoder, context, where=f"{where}, its context") if context else start or [encoder.eod_id]
         continuation_ids = _ids(encoder, continuation, where=f"{where}, {continuation[:40]!r}")
         if not continuation_ids:
             raise TaskError(f"{where}: the tokenizer ({encoder.name}) turns {continuation!r} into no tokens, so there is nothing to score")

@@ -101,9 +101,14 @@ def from_hf_dir(directory: str, *, precision: str | None = None) -> tuple[ModelS
     eod = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
     if eod is None:
         raise TaskError(f"--hf {directory}: its tokenizer has neither an eos nor a bos token to stand for an empty context")
+    from raytrain_fast.data.tokenizer import added_bos
+
+    def encode(text: str, special: bool = False) -> list[int]:
+        return tokenizer(text, add_special_tokens=special, verbose=False)["input_ids"]
+
     encoder = Encoder(
-        encode=lambda text: tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], eod_id=int(eod),
-        vocab_size=int(config.vocab_size), window=int(window), unknown_id=tokenizer.unk_token_id, name=directory,
+        encode=encode, eod_id=int(eod), vocab_size=int(config.vocab_size), window=int(window),
+        unknown_id=tokenizer.unk_token_id, bos_id=added_bos(encode("a", True), encode("a")), name=directory,
     )
     source = ModelSource(description=f"Hugging Face model {directory}", hf_dir=os.path.abspath(directory), precision=precision or "fp32")
     return source, encoder

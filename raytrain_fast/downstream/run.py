@@ -4,6 +4,8 @@ for the run's model (a tokenizer that cannot encode an item fails there), all be
 
 from __future__ import annotations
 
+import dataclasses
+
 from raytrain_fast.config import Config
 from raytrain_fast.config.model import ModelConfig
 from raytrain_fast.config.storage import StorageConfig
@@ -28,7 +30,7 @@ def encoder_for(spec: TokenizerSpec, model: ModelConfig) -> Encoder:
     """Our tokenizer (byte or a tokenizers file) for a model of ours."""
     return Encoder(
         encode=spec.encode_text, eod_id=spec.info.eod_id, vocab_size=model.vocab_size, window=model.max_seq_len,
-        unknown_id=spec.unknown_id, name=spec.info.name,
+        unknown_id=spec.unknown_id, bos_id=spec.info.bos_id, name=spec.info.name,
     )
 
 
@@ -44,7 +46,7 @@ def manifest_tokenizer(manifest: Manifest, storage: StorageConfig) -> TokenizerS
             f"the data manifest says {recorded.hash[:12]}), so the tasks cannot be encoded as the model reads text: "
             "prepare the data again with it, or restore the file"
         )
-    return spec
+    return dataclasses.replace(spec, info=recorded)  # the manifest says how documents start (bos_id)
 
 
 def encode_run_tasks(tasks: list[Task], config: Config, manifest: Manifest, *, every_steps: int) -> tuple[RunTasks | None, list[str]]:

@@ -76,14 +76,15 @@ def eager_model(config: Config, *, device: torch.device, documents: DocumentMask
 def build_program(
     config: Config, *, device: torch.device, model: GPT | None = None, batch: Batch | None = None,
     documents: DocumentMasking | None = None, engine: Literal["deepspeed", "torch"] = "deepspeed",
-    load_universal: bool = False, say: Callable[[str], None] | None = None,
+    masters: list | None = None, load_universal: bool = False, say: Callable[[str], None] | None = None,
 ) -> WorkerProgram:
     """The model of `config.model` (activation checkpointing included) on `device`, its blocks
     compiled as `engine.compile` says, then the DeepSpeed engine for `batch` (None: the config's own,
     `Config.batch()`) at `config.engine.precision` (resolved).
 
     `model`: the eager model when the caller built it already (`eager_model`: the loop measures it
-    before its blocks compile). `engine="torch"`: torch's optimizer behind a `TorchEngine` instead of DeepSpeed (a
+    before its blocks compile). `masters`: the fp32 values the master weights start from (checkpoint/
+    init_from.py `fp32_values`: a bf16 engine makes them from its bf16 copy otherwise). `engine="torch"`: torch's optimizer behind a `TorchEngine` instead of DeepSpeed (a
     bench's `bare` baseline). `say`: where the compile and DeepSpeed patch startup lines (and a
     patch's warning) go, as they happen; None: not said (a patch's warning is still printed)."""
     if model is None:
@@ -105,7 +106,19 @@ def build_program(
         model, engine=config.engine, optim=config.optim, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
         world_size=batch.world_size, total_steps=config.train.steps, load_universal=load_universal,
     )
+    if masters:  # float8 conversion keeps each layer's Parameter, so they are still the engine's
+        keep_as_master_weights(masters)
     return WorkerProgram(device=device, model=model, compiled=compiled, compile_line=compile_line, engine=deepspeed_engine)
+
+
+def keep_as_master_weights(values: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+    """Each parameter's fp32 master weight (this rank's part of it: ZeRO partitions them) set to the
+    kept value, on the engine built since (DeepSpeed's fragment mapping, `safe_set_full_fp32_param`)."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    with torch.no_grad():
+        for param, value in values:
+            safe_set_full_fp32_param(param, value)
 
 
 def one_process(config: Config, *, micro_batch: int, grad_accum: int, steps: int) -> Config:

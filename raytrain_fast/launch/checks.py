@@ -75,7 +75,7 @@ def raise_config_problems(config: Config) -> None:
     if config.checkpoint.init_from and not any(p.startswith("checkpoint.init_from") for p in problems):
         from raytrain_fast.checkpoint.hf_import import init_from_problems
 
-        problems += init_from_problems(config.checkpoint.init_from, config.model, config.storage)
+        problems += init_from_problems(config)  # a Hugging Face dir: its config.json and tokenizer
     if problems:
         raise ConfigError(problems)
 

@@ -3,7 +3,7 @@ closed in reverse.
 
 `LoopParts.restore` reads the newest checkpoint's state first (state only: the data reader starts
 at its position while the model is built), then `build` makes, in order: the health policy, the
-data reader, the run's coordinator, the eager model and what is measured on it, rank 0's sinks and
+data reader, the run's coordinator, the eager model with its initial weights and what is measured on it, rank 0's sinks and
 stop watcher (W&B starts while the rest is built), the program (engine/program.py: compiled blocks,
 the engine with the restored state), the evaluator, the metrics (last: building them freezes the
 heap for GC control), and the heartbeat (from then on the hang watchdog watches this rank). Leaving the `with` block closes what was built, in
@@ -117,13 +117,14 @@ class LoopParts:
         close(self.coordinator.close)
         documents = document_masking(worker.config.data, eod_id=worker.plan.sources[0].manifest.tokenizer.eod_id)  # None: off
         model = eager_model(worker.config, device=worker.device, documents=documents)
-        self.mfu = measure_eager_model(worker, model, state, self.coordinator, restored=restored)
+        masters = load_init_from(worker, model, restored=restored)
+        self.mfu = measure_eager_model(worker, model, state, self.coordinator)
         self.sinks = start_sinks(worker, state)  # after the measurement: W&B starts while the engine is built
         if self.sinks is not None:
             close(self.sinks.close)  # closed by metrics.close() too, unless setup fails before it
         if worker.rank == 0:
             self.coordinator.watch_for_stop()  # the driver's SIGTERM / Ctrl-C reaches the loop through it
-        self.engine, self.compiled = self._build_program(model, restored)
+        self.engine, self.compiled = self._build_program(model, restored, masters=masters)
         if self.save_checkpoints:  # before the first step: no save allocates its host memory while training runs
             self.checkpointer.reserve_snapshot_memory(self.engine)
         self.evaluator = build_evaluator(worker, self.engine, tasks=worker.plan.tasks, start_step=state.step)
@@ -134,12 +135,15 @@ class LoopParts:
         self.heartbeat = start_heartbeat(worker, self.coordinator, state)  # from here on, the hang watchdog watches this rank
         close(self.heartbeat.close)
 
-    def _build_program(self, model: GPT, restored: TrainState | None) -> tuple[DeepSpeedEngine, bool]:
+    def _build_program(
+        self, model: GPT, restored: TrainState | None, *, masters: list | None,
+    ) -> tuple[DeepSpeedEngine, bool]:
         """The worker's program (engine/program.py) around the eager model, with the restored state in
-        its engine: (the engine, whether its blocks compile in the next step)."""
+        its engine and `masters` (init_from's fp32 values) as its master weights: (the engine, whether
+        its blocks compile in the next step)."""
         worker, config = self.worker, self.worker.config
         program = build_program(
-            config, device=worker.device, model=model, batch=worker.batch, load_universal=self.checkpointer.resized is not None,
+            config, device=worker.device, model=model, batch=worker.batch, masters=masters, load_universal=self.checkpointer.resized is not None,
             say=functools.partial(say, rank=worker.rank),
         )
         if restored is not None:
@@ -175,20 +179,25 @@ def build_health(worker: Worker, checkpointer: Checkpointer, state: TrainState) 
                          vocab_size=config.model.vocab_size, start_step=state.step)
 
 
-def measure_eager_model(
-    worker: Worker, model: GPT, state: TrainState, coordinator: Coordinator, *, restored: TrainState | None,
-) -> MfuInputs:
-    """On the eager model: the initial weights from checkpoint.init_from on a new run, then the
-    values measured once per run (FLOPs per token, the achievable peak: counted before anything
-    else runs beside it, shared through the coordinator actor, kept in checkpoints)."""
-    from raytrain_fast.checkpoint.init_from import load_initial_weights
+def load_init_from(worker: Worker, model: GPT, *, restored: TrainState | None) -> list | None:
+    """On the eager model of a new run: the initial weights from checkpoint.init_from, and in bf16
+    their fp32 values for the master weights (checkpoint/init_from.py)."""
+    from raytrain_fast.checkpoint.init_from import fp32_values, load_initial_weights
 
     config, rank = worker.config, worker.rank
-    if restored is None and config.checkpoint.init_from:
-        source = load_initial_weights(
-            model, config.checkpoint.init_from, storage=config.storage, rank=rank, world_size=worker.world_size
-        )
-        say(f"New run initialised from {config.checkpoint.init_from} ({source}).", rank=rank)
+    if restored is not None or not config.checkpoint.init_from:
+        return None
+    source = load_initial_weights(
+        model, config.checkpoint.init_from, storage=config.storage, rank=rank, world_size=worker.world_size
+    )
+    say(f"New run initialised from {config.checkpoint.init_from} ({source}).", rank=rank)
+    return fp32_values(model) if config.engine.precision == "bf16" else None
+
+
+def measure_eager_model(worker: Worker, model: GPT, state: TrainState, coordinator: Coordinator) -> MfuInputs:
+    """On the eager model: the values measured once per run (FLOPs per token, the achievable peak:
+    counted before anything else runs beside it, shared through the coordinator actor, kept in checkpoints)."""
+    config, rank = worker.config, worker.rank
     if rank == 0 and state.coordinator:
         coordinator.import_state(state.coordinator)
     mfu = mfu_inputs(

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from raytrain_fast.config.model import ModelConfig, kv_heads, llama_mlp_hidden
+from raytrain_fast.config.model import ModelConfig, head_size, kv_heads, llama_mlp_hidden
 from raytrain_fast.model.documents import DocumentLayout, DocumentMasking, attend, document_layout, masked_targets
 from raytrain_fast.model.loss import chunked_cross_entropy
 
@@ -44,27 +44,32 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 class CausalSelfAttention(nn.Module):
     """Causal self-attention, q|k|v in one matrix, with `kv_heads(config)` key/value heads (grouped-query
-    when fewer than num_heads: llama only); rotary positions where the caller passes the tables."""
+    when fewer than num_heads: llama only) of `head_size(config)`; rotary positions where the caller
+    passes the tables."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, kv_heads(config)
-        self.head_dim = config.d_model // config.num_heads
-        self.kv_width = self.num_kv_heads * self.head_dim
-        self.qkv = nn.Linear(config.d_model, config.d_model + 2 * self.kv_width, bias=False)
-        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.head_dim = head_size(config)
+        self.q_width, self.kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv = nn.Linear(config.d_model, self.q_width + 2 * self.kv_width, bias=config.qkv_bias)
+        self.proj = nn.Linear(self.q_width, config.d_model, bias=False)
         self.dropout = config.dropout
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return _apply_rotary(x, cos, sin)
 
+    def _normalize(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k  # (B, T, H, hd): the llama's per-head norms (qk_norm) go here
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, mask: Any = None
     ) -> torch.Tensor:
-        batch, seq, width = x.shape  # (B, T, d)
-        q, k, v = self.qkv(x).split((width, self.kv_width, self.kv_width), dim=-1)
-        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k, v = (t.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))  # (B, Hkv, T, hd)
+        batch, seq, _ = x.shape  # (B, T, d)
+        q, k, v = self.qkv(x).split((self.q_width, self.kv_width, self.kv_width), dim=-1)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))  # (B, T, H or Hkv, hd)
+        q, k = self._normalize(q, k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd), (B, Hkv, T, hd)
         if cos is not None and sin is not None:  # rotary positions: the tables come from GPT.forward
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         if self.num_kv_heads != self.num_heads:
@@ -73,7 +78,7 @@ class CausalSelfAttention(nn.Module):
             group = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = attend(q, k, v, mask, dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, hd); mask: documents
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, self.q_width))
 
 
 class MLP(nn.Module):
@@ -145,7 +150,7 @@ class GPT(nn.Module):
         return nn.LayerNorm(config.d_model)
 
     def _make_rotary_tables(self, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rotary_tables(seq, self.config.d_model // self.config.num_heads, device, self.config.rope_theta)
+        return _rotary_tables(seq, head_size(self.config), device, self.config.rope_theta)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -222,23 +227,26 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
 
     Source: Kaplan et al. 2020 (Scaling Laws, sec. 2.1) and PaLM (Chowdhury et al. 2022, app. B).
     - N_matmul: weights used in matrix products per token: per block 4*d^2 (qkv + out proj)
-      + 2*r*d^2 (MLP) for the GPT, 2*d^2 + 2*d*d_kv + 3*d*h (grouped-query attention, SwiGLU of
-      hidden width h) for llama, plus V*d for the output projection (counted even when tied, since the
-      product is computed; the embedding lookup itself is a gather, 0 FLOPs).
+      + 2*r*d^2 (MLP) for the GPT, 2*d*d_q + 2*d*d_kv + 3*d*h (grouped-query attention with
+      query width d_q = heads * head_dim, SwiGLU of hidden width h) for llama, plus V*d for the output
+      projection (counted even when tied, since the product is computed; the embedding lookup itself
+      is a gather, 0 FLOPs).
     - 6 = 2 FLOPs per multiply-add in the forward pass x 3 (backward costs twice the forward).
-    - 12*L*d*T: attention scores QK^T and the weighted sum AV, 2*T*d FLOPs each per token and
-      layer forward, x3 for backward. Counted for the full T x T square, as FlopCounterMode and
-      the usual MFU convention do, although causal kernels skip half of it.
-    Norms, softmax, GELU, SiLU and rotary are elementwise and left out. FlopCounterMode counts a bit
-    more (+2% on the tiny preset): its attention backward includes recomputing the scores.
+    - 12*L*d_q*T: attention scores QK^T and the weighted sum AV, 2*T*d_q FLOPs each per token and
+      layer forward, x3 for backward (d_q = d but for a llama with head_dim set apart). Counted for
+      the full T x T square, as FlopCounterMode and the usual MFU convention do, although causal
+      kernels skip half of it.
+    Norms, biases, softmax, GELU, SiLU and rotary are elementwise and left out. FlopCounterMode counts
+    a bit more (+2% on the tiny preset): its attention backward includes recomputing the scores.
     """
     d, num_layers = config.d_model, config.num_layers
+    q_width = config.num_heads * head_size(config)
     if config.architecture == "llama":
-        # llama: q and o projections d^2 each, k and v d * kv_width each (grouped-query), and the
-        # SwiGLU MLP's three matrices (gate, up, down) of d * hidden.
-        kv_width = kv_heads(config) * (d // config.num_heads)
-        per_block = 2 * d * d + 2 * d * kv_width + 3 * d * llama_mlp_hidden(config)
+        # llama: q and o projections d * q_width each, k and v d * kv_width each (grouped-query), and
+        # the SwiGLU MLP's three matrices (gate, up, down) of d * hidden.
+        kv_width = kv_heads(config) * head_size(config)
+        per_block = 2 * d * q_width + 2 * d * kv_width + 3 * d * llama_mlp_hidden(config)
     else:
         per_block = (4 + 2 * config.mlp_ratio) * d * d
     n_matmul = num_layers * per_block + config.vocab_size * d
-    return 6.0 * n_matmul + 12.0 * num_layers * d * seq_len
+    return 6.0 * n_matmul + 12.0 * num_layers * q_width * seq_len

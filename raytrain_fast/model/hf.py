@@ -3,9 +3,10 @@
 Pure dictionaries and tensors, no `transformers` import: the export (checkpoint/hf_export.py) and
 `checkpoint.init_from` of a Hugging Face directory (checkpoint/hf_import.py) use them.
 
-- llama <-> LlamaForCausalLM: our fused q|k|v and gate|up matrices are split into (joined from)
-  q_proj, k_proj, v_proj and gate_proj, up_proj; the rest are renames. Exact: the same numerics
-  (model/llama.py) give the same logits.
+- llama <-> the class of its `model.family` (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+  Qwen3ForCausalLM): our fused q|k|v (weights and Qwen2's biases) and gate|up matrices are split into
+  (joined from) q_proj, k_proj, v_proj and gate_proj, up_proj; the rest (Qwen3's q_norm and k_norm
+  too) are renames. Exact: the same numerics (model/llama.py) give the same logits.
 - GPT with learned positions -> GPT2LMHeadModel: GPT-2's Conv1D stores weights as (in, out), so each
   linear is transposed; GPT-2 has biases where we have none, written as zeros (exact). The GPT with
   rotary positions has no GPT-2 counterpart and is refused (see `hf_refusal`).
@@ -17,14 +18,11 @@ from typing import Any
 
 import torch
 
-from raytrain_fast.config.model import ModelConfig, kv_heads, llama_mlp_hidden
+from raytrain_fast.config.model import ModelConfig, head_size, kv_heads, llama_mlp_hidden
 
-_LLAMA_BLOCK = {  # ours (after blocks.<i>.) -> theirs (after model.layers.<i>.), the unfused ones
-    "norm_attn.weight": "input_layernorm.weight",
-    "attn.proj.weight": "self_attn.o_proj.weight",
-    "norm_mlp.weight": "post_attention_layernorm.weight",
-    "mlp.down.weight": "mlp.down_proj.weight",
-}
+FAMILY_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
+"""model.family -> the transformers class its export is (and the config.json model_type it reads)."""
 
 
 def hf_refusal(config: ModelConfig) -> str | None:
@@ -38,27 +36,11 @@ def hf_refusal(config: ModelConfig) -> str | None:
     return None
 
 
-def hf_config(config: ModelConfig, *, eos_token_id: int | None, dtype: str) -> dict[str, Any]:
+def hf_config(config: ModelConfig, *, eos_token_id: int | None, dtype: str, bos_token_id: int | None = None) -> dict[str, Any]:
     """config.json of the Hugging Face model class that holds `config`'s weights (every field
-    LlamaForCausalLM / GPT2LMHeadModel read, so nothing falls back to a class default)."""
+    the family's class / GPT2LMHeadModel read, so nothing falls back to a class default)."""
     if config.architecture == "llama":
-        return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": config.vocab_size, "hidden_size": config.d_model,
-            "intermediate_size": llama_mlp_hidden(config), "num_hidden_layers": config.num_layers,
-            "num_attention_heads": config.num_heads, "num_key_value_heads": kv_heads(config),
-            "head_dim": config.d_model // config.num_heads, "hidden_act": "silu",
-            "max_position_embeddings": config.max_seq_len, "initializer_range": config.init_std,
-            "rms_norm_eps": config.norm_eps, "use_cache": True, "pretraining_tp": 1,
-            # pad = the end-of-document token, as the exported tokenizer's pad_token (the mask hides it).
-            "bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id,
-            "tie_word_embeddings": config.tie_embeddings,
-            # transformers >= 5 reads rope_parameters; older readers (and vLLM's) rope_theta.
-            "rope_theta": float(config.rope_theta),
-            "rope_parameters": {"rope_type": "default", "rope_theta": float(config.rope_theta)},
-            "rope_scaling": None, "attention_bias": False, "attention_dropout": config.dropout,
-            "mlp_bias": False, "torch_dtype": dtype, "dtype": dtype,
-        }
+        return _llama_config(config, bos_token_id=bos_token_id, eos_token_id=eos_token_id, dtype=dtype)
     dropout = config.dropout
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -81,35 +63,79 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dic
     return _to_gpt2(state, config)
 
 
+def _llama_config(config: ModelConfig, *, bos_token_id: int | None, eos_token_id: int | None, dtype: str) -> dict[str, Any]:
+    theta, family = float(config.rope_theta), config.family
+    rope: dict[str, Any] = {"rope_type": config.rope_scaling if config.rope_scaling != "none" else "default", "rope_theta": theta}
+    if config.rope_scaling != "none":
+        rope["factor"] = float(config.rope_factor)
+    if config.rope_scaling == "llama3":
+        rope.update(low_freq_factor=float(config.rope_low_freq_factor), high_freq_factor=float(config.rope_high_freq_factor),
+                    original_max_position_embeddings=config.rope_original_max_seq_len)
+    out = {
+        "architectures": [FAMILY_CLASSES[family]], "model_type": family,
+        "vocab_size": config.vocab_size, "hidden_size": config.d_model,
+        "intermediate_size": llama_mlp_hidden(config), "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": kv_heads(config),
+        "head_dim": head_size(config), "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len, "initializer_range": config.init_std,
+        "rms_norm_eps": config.norm_eps, "use_cache": True,
+        # pad = the end-of-document token, as the exported tokenizer's pad_token (the mask hides it).
+        "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id,
+        "tie_word_embeddings": config.tie_embeddings,
+        # transformers >= 5 reads rope_parameters; older readers (and vLLM's) rope_theta and rope_scaling.
+        "rope_theta": theta, "rope_parameters": rope, "rope_scaling": rope if config.rope_scaling != "none" else None,
+        "attention_dropout": config.dropout, "torch_dtype": dtype, "dtype": dtype,
+    }
+    if family == "llama":
+        out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    elif family == "mistral":
+        out["sliding_window"] = config.sliding_window or None
+    else:
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers,
+                   layer_types=["full_attention"] * config.num_layers, **({"attention_bias": False} if family == "qwen3" else {}))
+    return out
+
+
+def _llama_names(config: ModelConfig) -> dict[str, tuple[list[str], list[int]]]:
+    """Our weight (after blocks.<i>.) -> (the transformers weights it joins, after model.layers.<i>.;
+    the sizes of their first dimensions, [] for a plain rename)."""
+    head = head_size(config)
+    q, kv, hidden = config.num_heads * head, kv_heads(config) * head, llama_mlp_hidden(config)
+    qkv = [f"self_attn.{p}_proj" for p in "qkv"]
+    names = {
+        "norm_attn.weight": (["input_layernorm.weight"], []), "attn.proj.weight": (["self_attn.o_proj.weight"], []),
+        "norm_mlp.weight": (["post_attention_layernorm.weight"], []), "mlp.down.weight": (["mlp.down_proj.weight"], []),
+        "attn.qkv.weight": ([f"{n}.weight" for n in qkv], [q, kv, kv]),
+        "mlp.gate_up.weight": (["mlp.gate_proj.weight", "mlp.up_proj.weight"], [hidden, hidden]),
+    }
+    if config.qkv_bias:
+        names["attn.qkv.bias"] = ([f"{n}.bias" for n in qkv], [q, kv, kv])
+    if config.qk_norm:
+        names.update({f"attn.{n}.weight": ([f"self_attn.{n}.weight"], []) for n in ("q_norm", "k_norm")})
+    return names
+
+
 def _to_llama(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    kv_width = kv_heads(config) * (config.d_model // config.num_heads)
-    hidden = llama_mlp_hidden(config)
     out = {"model.embed_tokens.weight": state["token_emb.weight"], "model.norm.weight": state["norm_out.weight"]}
     if not config.tie_embeddings:
         out["lm_head.weight"] = state["lm_head.weight"]
+    names = _llama_names(config)
     for i in range(config.num_layers):
-        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-        q, k, v = state[ours + "attn.qkv.weight"].split((config.d_model, kv_width, kv_width))
-        gate, up = state[ours + "mlp.gate_up.weight"].split(hidden)
-        out.update({
-            theirs + "self_attn.q_proj.weight": q, theirs + "self_attn.k_proj.weight": k,
-            theirs + "self_attn.v_proj.weight": v, theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
-        })
-        out.update({theirs + name: state[ours + mine] for mine, name in _LLAMA_BLOCK.items()})
+        for mine, (theirs, sizes) in names.items():
+            ours = state[f"blocks.{i}.{mine}"]
+            out.update(zip((f"model.layers.{i}.{name}" for name in theirs), ours.split(sizes) if sizes else [ours]))
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
 def from_hf_llama(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """A LlamaForCausalLM state dict in our Llama's names (the inverse of `to_hf_state_dict`).
-    Raises KeyError naming the first missing Hugging Face weight."""
+    """A state dict of the family's transformers class in our Llama's names (the inverse of
+    `to_hf_state_dict`). Raises KeyError naming the first missing Hugging Face weight."""
     state = {"token_emb.weight": hf_state["model.embed_tokens.weight"], "norm_out.weight": hf_state["model.norm.weight"]}
     state["lm_head.weight"] = state["token_emb.weight"] if config.tie_embeddings else hf_state["lm_head.weight"]
+    names = _llama_names(config)
     for i in range(config.num_layers):
-        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-        attn = [hf_state[f"{theirs}self_attn.{p}_proj.weight"] for p in ("q", "k", "v")]
-        state[ours + "attn.qkv.weight"] = torch.cat(attn)
-        state[ours + "mlp.gate_up.weight"] = torch.cat([hf_state[f"{theirs}mlp.{p}_proj.weight"] for p in ("gate", "up")])
-        state.update({ours + mine: hf_state[theirs + name] for mine, name in _LLAMA_BLOCK.items()})
+        for mine, (theirs, _) in names.items():
+            state[f"blocks.{i}.{mine}"] = torch.cat([hf_state[f"model.layers.{i}.{name}"] for name in theirs])
     return state
 
 
@@ -139,39 +165,100 @@ def _to_gpt2(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, t
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
+_METADATA = frozenset("""
+    architectures model_type transformers_version torch_dtype dtype _name_or_path use_cache initializer_range
+    bos_token_id eos_token_id pad_token_id pretraining_tp is_llama_config transformers.js_config max_window_layers
+    output_attentions output_hidden_states return_dict torchscript use_bfloat16 tie_encoder_decoder is_decoder
+    is_encoder_decoder add_cross_attention chunk_size_feed_forward id2label label2id problem_type tokenizer_class
+    prefix sep_token_id decoder_start_token_id finetuning_task task_specific_params pruned_heads
+""".split())
+"""config.json fields that leave the weights' function alone: who wrote the file, generation and
+tokenizer defaults, the initialisation (pretraining_tp only splits the same matmuls; max_window_layers
+counts only with use_sliding_window, which is refused)."""
+_ROPE_KEYS = {"default": set(), "linear": {"factor"},
+              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
+
+
+_CHECKED = (
+    ("hidden_act", "silu", "the MLP here is SwiGLU with SiLU"),
+    ("attention_bias", False, "biases here are Qwen2's, on q/k/v only"),
+    ("mlp_bias", False, "the MLP here has no biases"),
+    ("attention_dropout", 0.0, "attention here has no dropout of its own"),
+    ("use_sliding_window", False, "attention here is full causal"),
+    ("layer_types", "full_attention", "attention here is full causal in every layer"),
+    ("use_mrope", False, "rotary positions here are 1-D"),
+    ("rope_interleaved", False, "rotary here pairs the two halves of each head"),
+    ("partial_rotary_factor", 1.0, "rotary here turns the whole head"),
+)
+"""config.json fields that must hold the value our model computes alike (for a list: every entry)."""
+_MAPPED = {"model_type", "hidden_size", "num_attention_heads", "vocab_size", "num_hidden_layers", "num_key_value_heads",
+           "head_dim", "intermediate_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+           "sliding_window", "rope_theta", "rope_scaling", "rope_parameters"}
+
+
 def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """Our model.* values that a Llama-family config.json fixes (for `checkpoint.init_from`), or
-    raises ValueError saying why the config is not one we can load."""
-    # qwen2 is left out: its q/k/v projections always have biases, which our llama does not.
-    if hf.get("model_type") not in ("llama", "mistral") or hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError(
-            f"model_type '{hf.get('model_type')}'"
-            + (" with biases" if hf.get("attention_bias") or hf.get("mlp_bias") else "")
-            + " is not a Llama-family model without biases (model_type llama or mistral, no attention or MLP biases)"
-        )
-    if hf.get("sliding_window"):
-        raise ValueError(f"sliding_window {hf['sliding_window']}: our attention is full causal attention")
-    if hf.get("hidden_act", "silu") != "silu" or (hf.get("rope_scaling") or {}).get("rope_type", "default") != "default":
-        raise ValueError("only hidden_act silu and plain rotary (no rope_scaling) are supported")
+    """Our model.* values that the config.json of a Llama-family model (model_type llama, mistral,
+    qwen2, qwen3) fixes, every field read: mapped to one of ours (`_MAPPED`), checked to hold a value
+    our model computes alike (`_CHECKED`), or one of `_METADATA`. Raises ValueError naming every
+    field it cannot map."""
+    family = hf.get("model_type")
+    if family not in FAMILY_CLASSES:
+        raise ValueError(f"model_type {family!r} is not one of the families read ({', '.join(FAMILY_CLASSES)})")
+    problems = [
+        f"{key} {hf[key]!r} ({why})" for key, wanted, why in _CHECKED
+        if hf.get(key) is not None and hf[key] != wanted and not (isinstance(hf[key], list) and all(v == wanted for v in hf[key]))
+        and not (key == "attention_bias" and family == "qwen2")  # Qwen2's q/k/v always have biases, whatever it says
+    ]
+    fields = _rope_fields(hf, problems)
+    if "quantization_config" in hf:
+        problems.append("quantization_config (the weights are quantized: start from the unquantized model)")
+    unknown = sorted(set(hf) - _MAPPED - {key for key, _, _ in _CHECKED} - _METADATA - {"quantization_config"})
+    problems += [f"{key} (a field this package does not map: remove it if it leaves the model as it is)" for key in unknown]
+    if problems:
+        raise ValueError("; ".join(problems))
     width, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    if int(hf.get("head_dim") or width // heads) * heads != width:
-        raise ValueError(f"head_dim {hf.get('head_dim')} x {heads} heads != hidden_size {width}")
-    rope = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
     return {
-        "architecture": "llama", "vocab_size": int(hf["vocab_size"]), "num_layers": int(hf["num_hidden_layers"]),
-        "num_heads": heads, "num_kv_heads": int(hf.get("num_key_value_heads") or heads), "d_model": width,
-        "mlp_hidden": int(hf["intermediate_size"]), "rope_theta": float(rope),
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "architecture": "llama", "family": family, "vocab_size": int(hf["vocab_size"]),
+        "num_layers": int(hf["num_hidden_layers"]), "num_heads": heads, "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "d_model": width, "head_dim": int(hf.get("head_dim") or width // heads), "mlp_hidden": int(hf["intermediate_size"]),
+        "max_seq_len": int(hf["max_position_embeddings"]), "norm_eps": float(hf.get("rms_norm_eps") or 1e-6),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qkv_bias": family == "qwen2",
+        "qk_norm": family == "qwen3", **fields,
+        # Qwen's sliding_window counts only with use_sliding_window, refused above.
+        "sliding_window": int(hf.get("sliding_window") or 0) if family == "mistral" else 0,
     }
+
+
+def _rope_fields(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """model.rope_* from `rope_scaling` (published Llama 3.x files, with `rope_theta` beside it) or
+    `rope_parameters` (transformers 5); transformers reads rope_scaling over rope_parameters."""
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    theta = float(rope.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
+    kind = rope.pop("rope_type", None) or rope.pop("type", "default")
+    rope.pop("type", None)
+    if rope.pop("partial_rotary_factor", 1.0) != 1.0:
+        problems.append("rope_parameters.partial_rotary_factor (rotary here turns the whole head)")
+    if kind not in _ROPE_KEYS:
+        problems.append(f"rope type {kind!r} (read: {', '.join(_ROPE_KEYS)})")
+        return {}
+    problems += [f"rope_parameters.{key} (not part of rope type {kind})" for key in sorted(set(rope) - _ROPE_KEYS[kind])]
+    fields: dict[str, Any] = {"rope_theta": theta, "rope_scaling": "none" if kind == "default" else kind}
+    if kind != "default":
+        fields["rope_factor"] = float(rope.get("factor", 1.0))
+    if kind == "llama3":
+        fields.update(rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                      rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                      rope_original_max_seq_len=int(rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]))
+    return fields
 
 
 def model_differences(config: ModelConfig, fields: dict[str, Any]) -> list[str]:
     """`model.<field>: run <ours>, checkpoint <theirs>` for each field the checkpoint fixes and the
-    run's model differs in (derived values compared as derived: num_kv_heads 0 = num_heads, and
-    mlp_hidden 0 = the hidden width Llama's rule gives)."""
+    run's model differs in (derived values compared as derived: num_kv_heads 0 = num_heads,
+    head_dim 0 = d_model / num_heads, mlp_hidden 0 = the hidden width Llama's rule gives)."""
     ours = {
         **{name: getattr(config, name) for name in fields},
-        "num_kv_heads": kv_heads(config), "mlp_hidden": llama_mlp_hidden(config),
+        "num_kv_heads": kv_heads(config), "mlp_hidden": llama_mlp_hidden(config), "head_dim": head_size(config),
     }
     return [
         f"model.{name}: run {ours[name]!r}, checkpoint {value!r}"
