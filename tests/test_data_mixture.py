@@ -349,7 +349,10 @@ def test_the_report_shows_each_stretch_of_a_mixture_changed_on_resume():
     assert {s.name: round(s.share, 2) for s in after.shares} == {"web": 0.25, "code": 0.0, "papers": 0.75}
     assert sum(s.tokens for s in after.shares) == 100 * global_batch * SEQ_LEN  # exactly the stretch's tokens
     lines = mixture_lines(from_records(records))
-    assert sum("weights changed on resume" in line for line in lines) == 2 and "  papers: weight 75%, realised 75%" in "\n".join(lines)
+    headers = [line for line in lines if line.startswith("Mixture (")]  # the second stretch alone says the weights changed
+    assert [("steps 0-100" in h, "steps 100-200" in h, "weights changed on resume" in h) for h in headers] == [
+        (True, False, False), (False, True, True)]
+    assert "  papers: weight 75%, realised 75%" in "\n".join(lines)
 
 
 def test_a_mixture_trains_through_the_loop_and_logs_tokens_per_source(local_uris, ray_session, tmp_path):

@@ -101,8 +101,9 @@ def mixture_lines(run: RunMetrics) -> list[str]:
     share, worst window), or none."""
     stretches = mixture_stretches(run)
     lines = []
-    for stretch in stretches:
-        changed = f", steps {stretch.first:,}-{stretch.last:,}: weights changed on resume" if len(stretches) > 1 else ""
+    for i, stretch in enumerate(stretches):
+        changed = f", steps {stretch.first:,}-{stretch.last:,}" if len(stretches) > 1 else ""
+        changed += ": weights changed on resume" if i > 0 else ""
         lines.append(f"Mixture (realised to step {stretch.last:,} against data.sources' weights{changed}):")
         for s in stretch.shares:
             window = f"; worst log window {pct(s.worst_window_share)} (step {s.worst_window_step:,})"
