@@ -14,11 +14,11 @@ and torch's compiler switch, each with a fallback and one warning line.
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import inspect
 import logging
 import math
-import glob
 import os
 import re
 import time

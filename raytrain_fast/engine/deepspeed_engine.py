@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -261,10 +262,15 @@ def build_engine(
     world_size: int,
     total_steps: int,
     load_universal: bool = False,
+    say_line: Callable[[str], None] | None = None,
 ):
     """deepspeed.initialize on an already-initialised process group (TorchTrainer made it), with the
-    package's DeepSpeed patches made or undone as `engine.deepspeed_patches` says (deepspeed_compat)."""
-    apply_deepspeed_patches(engine.deepspeed_patches, world_size=world_size)  # the loop printed its line already
+    package's DeepSpeed patches made or undone as `engine.deepspeed_patches` says (deepspeed_compat).
+    `say_line`: where the patches' startup line (and a patch's warning) goes; None: not said (a
+    patch's warning is still printed)."""
+    line = apply_deepspeed_patches(engine.deepspeed_patches, world_size=world_size, warn=say_line or say)
+    if say_line is not None:
+        say_line(line)
     import deepspeed
 
     ds_config = build_deepspeed_config(

@@ -18,15 +18,14 @@ import torch
 from raytrain_fast.config import Config
 from raytrain_fast.config.train import Batch
 from raytrain_fast.engine.compile import compile_blocks
-from raytrain_fast.engine.fp8 import apply_fp8
 from raytrain_fast.engine.deepspeed_engine import (
-    apply_deepspeed_patches,
     build_engine,
     build_optimizer,
     enable_tf32,
     select_accelerator,
     training_device,
 )
+from raytrain_fast.engine.fp8 import apply_fp8
 from raytrain_fast.engine.step import TorchEngine
 
 if TYPE_CHECKING:
@@ -100,11 +99,9 @@ def build_program(
         built = TorchEngine(model, optimizer, precision=config.engine.precision, grad_accum=batch.grad_accum,
                             grad_clip=config.optim.grad_clip)
         return WorkerProgram(device=device, model=model, compiled=compiled, compile_line=compile_line, engine=built)
-    if say is not None:  # its startup line; build_engine makes the patches either way
-        say(apply_deepspeed_patches(config.engine.deepspeed_patches, world_size=batch.world_size, warn=say))
     deepspeed_engine = build_engine(
         model, engine=config.engine, optim=config.optim, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
-        world_size=batch.world_size, total_steps=config.train.steps, load_universal=load_universal,
+        world_size=batch.world_size, total_steps=config.train.steps, load_universal=load_universal, say_line=say,
     )
     if masters:  # float8 conversion keeps each layer's Parameter, so they are still the engine's
         keep_as_master_weights(masters)
