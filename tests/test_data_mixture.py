@@ -330,7 +330,7 @@ def test_the_report_shows_each_stretch_of_a_mixture_changed_on_resume():
     """Weights and sources changed at step 100 (checkpoint.allow_changes=data): the records carry the
     weights in force, and the report compares each stretch with its own weights."""
     from raytrain_fast.report.load import from_records
-    from raytrain_fast.report.mixture import mixture_lines, mixture_stretches
+    from raytrain_fast.report.mixture import mixture_facts, mixture_lines, mixture_stretches
 
     first, second = MixtureSchedule([0.5, 0.3, 0.2]), MixtureSchedule([0.25, 0.75])  # web, code, papers; then web, papers
     global_batch, records = 12, []
@@ -353,6 +353,9 @@ def test_the_report_shows_each_stretch_of_a_mixture_changed_on_resume():
     assert [("steps 0-100" in h, "steps 100-200" in h, "weights changed on resume" in h) for h in headers] == [
         (True, False, False), (False, True, True)]
     assert "  papers: weight 75%, realised 75%" in "\n".join(lines)
+    facts = mixture_facts(from_records(records))  # the report's table: every stretch, not only the last
+    assert facts["mixture: web (steps 0-100)"] == "weight 50%, realised 50%"
+    assert facts["mixture: papers (steps 100-200)"] == "weight 75%, realised 75%"
 
 
 def test_a_mixture_trains_through_the_loop_and_logs_tokens_per_source(local_uris, ray_session, tmp_path):

@@ -124,7 +124,11 @@ def evaluated_sources_note(run: RunMetrics, names: list[str]) -> str | None:
 
 
 def mixture_facts(run: RunMetrics) -> dict[str, Any]:
-    """{source: 'weight W, realised R'} of the run's last stretch, for the report's facts table (empty: not a mixture)."""
+    """{source: 'weight W, realised R'} for the report's facts table (empty: not a mixture); one
+    entry per stretch and source, named by its steps, when a resume changed the weights."""
     stretches = mixture_stretches(run)
-    shares = stretches[-1].shares if stretches else []
-    return {f"mixture: {s.name}": f"weight {pct(s.weight)}, realised {pct(s.share)}" for s in shares}
+    facts = {}
+    for stretch in stretches:
+        steps = f" (steps {stretch.first:,}-{stretch.last:,})" if len(stretches) > 1 else ""
+        facts.update({f"mixture: {s.name}{steps}": f"weight {pct(s.weight)}, realised {pct(s.share)}" for s in stretch.shares})
+    return facts
