@@ -210,23 +210,51 @@ def test_on_a_gpu_flex_attention_gives_each_document_its_logits_alone(shape):
 
 @pytest.mark.ray
 def test_a_real_run_trains_with_masking_on_through_the_loop(ray_session, tmp_path):
+    """From a Qwen3-style Hugging Face directory (its weights and tokenizer): the masked run fails once
+    after step 4, resumes from step 3, and its export loads in transformers as Qwen3 and generates."""
     import json
+    from pathlib import Path
 
+    import transformers
+
+    from raytrain_fast.checkpoint.export import export_checkpoint
+    from raytrain_fast.config import load_config
+    from raytrain_fast.drills import parse_drills
     from raytrain_fast.launch.trainer import run
-    from tests.test_train import by_step, micro_config
+    from raytrain_fast.storage import StorageConfig
+    from tests.families import FAMILIES, RUN_SHAPE, family_model, family_tokenizer
+    from tests.test_train import by_step
 
     # Short documents (one per JSON line, ~70 bytes), so that most 32-token rows hold an end of document.
     lines = [json.dumps({"text": f"doc {i}: " + "the quick brown fox jumps over the lazy dog "[: 20 + i % 40]}) for i in range(3000)]
     (tmp_path / "short.jsonl").write_text("\n".join(lines) + "\n")
-    common = ("resources.num_workers=1", "train.micro_batch=8", "train.steps=6", "train.log_every=3",
-              "checkpoint.every_steps=3", "engine.precision=fp32", f"data.source={tmp_path / 'short.jsonl'}",
-              "data.max_tokens=0", "eval.sequences=8")
+    start = tmp_path / "qwen3-style"
+    family_model("qwen3").save_pretrained(str(start))
+    source = Path(__file__).resolve().parent.parent / "raytrain_fast" / "model"
+    family_tokenizer(start, bos=False, texts=[path.read_text() for path in source.glob("*.py")])
+    common = (*RUN_SHAPE, *FAMILIES["qwen3"][2], f"checkpoint.init_from={start}", f"data.tokenizer={start}",
+              "resources.num_workers=1", "train.micro_batch=8", "train.global_batch=8", "train.steps=6",
+              "train.log_every=3", "checkpoint.every_steps=3", "optim.warmup_steps=3", "optim.lr=0.01",
+              "engine.precision=fp32", f"data.source={tmp_path / 'short.jsonl'}", "data.seq_len=32", "data.max_tokens=0",
+              "eval.sequences=8", "resources.max_failures=1", f"storage.uri={tmp_path / 'runs'}")
     losses = {}
     for masking in (False, True):
-        result = run(micro_config(tmp_path, f"masking-{masking}", *common, f"data.document_masking={masking}"))
+        drills = parse_drills([f"fail_once_at=4:{tmp_path / 'failed-once'}"] if masking else [])
+        result = run(load_config("llama-tiny", [*common, f"data.document_masking={masking}"], name=f"masking-{masking}"),
+                     hooks=drills)
         steps = by_step(result)
         losses[masking] = [steps[s]["train/loss"] for s in (3, 6)]
         assert all(map(math.isfinite, losses[masking])) and math.isfinite(steps[6]["val/loss"])
+    assert steps[6]["start_step"] == 3  # the masked run failed after step 4 and went on from step 3
+    out = tmp_path / "hf"
+    export_checkpoint(storage_uri=str(tmp_path / "runs"), storage=StorageConfig(), name="masking-True", step=None,
+                      out_dir=str(out))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.head_dim == 24
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    tokens = tokenizer("doc 7: the quick brown", return_tensors="pt")["input_ids"]
+    generated = model.generate(tokens, max_new_tokens=8, do_sample=False)
+    assert generated.shape[1] > tokens.shape[1] and tokenizer.decode(generated[0, :tokens.shape[1]]) == "doc 7: the quick brown"
     # Same seed, same data, same weights at step 0: only masking differs. A loop that dropped the setting
     # would train the masked run to the unmasked run's losses.
     assert abs(losses[True][0] - losses[False][0]) > 1e-3, losses
