@@ -65,21 +65,26 @@ def published_spelling(directory: Path) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
-def family_tokenizer(directory: Path, *, bos: bool, texts: list[str], vocab_size: int = 320) -> None:
+def family_tokenizer(directory: Path, *, bos: bool, texts: list[str], vocab_size: int = 320, mistral: bool = False) -> None:
     """A byte-level BPE trained on `texts` into directory/tokenizer.json: Llama 3's special tokens
     and post-processor (`<|begin_of_text|>` before each text) with `bos`, else Qwen's
-    (`<|endoftext|>`, nothing added)."""
+    (`<|endoftext|>`, nothing added); with `mistral`, Mistral's (`<unk>`, `<s>`, `</s>` as ids 0-2,
+    the ids its config.json names, and `<s>` before each text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    specials = ["<|begin_of_text|>", "<|end_of_text|>"] if bos else ["<|endoftext|>", "<|im_start|>"]
+    if mistral:
+        specials, bos_token = ["<unk>", "<s>", "</s>"], "<s>"
+    else:
+        specials = ["<|begin_of_text|>", "<|end_of_text|>"] if bos else ["<|endoftext|>", "<|im_start|>"]
+        bos_token = "<|begin_of_text|>" if bos else None
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(texts, trainer)
-    if bos:
+    if bos_token:
         tokenizer.post_processor = processors.TemplateProcessing(
-            single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", tokenizer.token_to_id("<|begin_of_text|>"))])
+            single=f"{bos_token} $A", special_tokens=[(bos_token, tokenizer.token_to_id(bos_token))])
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))

@@ -210,8 +210,9 @@ def test_on_a_gpu_flex_attention_gives_each_document_its_logits_alone(shape):
 
 @pytest.mark.ray
 def test_a_real_run_trains_with_masking_on_through_the_loop(ray_session, tmp_path):
-    """From a Qwen3-style Hugging Face directory (its weights and tokenizer): the masked run fails once
-    after step 4, resumes from step 3, and its export loads in transformers as Qwen3 and generates."""
+    """From a Qwen3-style Hugging Face directory (its weights and tokenizer), scoring eval.tasks: the
+    masked run fails once after step 4, resumes from step 3, and its export loads in transformers as
+    Qwen3 and generates."""
     import json
     from pathlib import Path
 
@@ -236,7 +237,7 @@ def test_a_real_run_trains_with_masking_on_through_the_loop(ray_session, tmp_pat
               "resources.num_workers=1", "train.micro_batch=8", "train.global_batch=8", "train.steps=6",
               "train.log_every=3", "checkpoint.every_steps=3", "optim.warmup_steps=3", "optim.lr=0.01",
               "engine.precision=fp32", f"data.source={tmp_path / 'short.jsonl'}", "data.seq_len=32", "data.max_tokens=0",
-              "eval.sequences=8", "resources.max_failures=1", f"storage.uri={tmp_path / 'runs'}")
+              "eval.sequences=8", "eval.tasks=[arc_easy]", "eval.task_limit=4", "resources.max_failures=1", f"storage.uri={tmp_path / 'runs'}")
     losses = {}
     for masking in (False, True):
         drills = parse_drills([f"fail_once_at=4:{tmp_path / 'failed-once'}"] if masking else [])
@@ -246,6 +247,7 @@ def test_a_real_run_trains_with_masking_on_through_the_loop(ray_session, tmp_pat
         losses[masking] = [steps[s]["train/loss"] for s in (3, 6)]
         assert all(map(math.isfinite, losses[masking])) and math.isfinite(steps[6]["val/loss"])
     assert steps[6]["start_step"] == 3  # the masked run failed after step 4 and went on from step 3
+    assert steps[6]["eval/arc_easy/items"] == 4
     out = tmp_path / "hf"
     export_checkpoint(storage_uri=str(tmp_path / "runs"), storage=StorageConfig(), name="masking-True", step=None,
                       out_dir=str(out))

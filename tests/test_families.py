@@ -149,12 +149,31 @@ def test_a_weight_with_no_place_is_refused_never_dropped(tmp_path):
 
 
 def test_the_run_tokenizes_with_the_directorys_own_tokenizer(tmp_path):
+    """Checked with the run's sources (check_sources), from the tokenizer they settle: data.tokenizer
+    for text prepared on the fly, the manifest's for a prepared source."""
+    from raytrain_fast.data.mixture import check_sources
+    from raytrain_fast.data.prepare import prepare_data
+    from raytrain_fast.errors import ConfigError
+
     _, directory = saved("qwen2.5", tmp_path / "hf")
     family_tokenizer(tmp_path / "hf", bos=False, texts=["def main(): return 1"] * 20)
-    (problem,) = init_from_problems(run_config("qwen2.5", f"checkpoint.init_from={directory}"))
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("def main(): return 1\n" * 400)
+    on_the_fly = ("data.source=" + str(tmp_path / "texts"), f"checkpoint.init_from={directory}")
+    assert init_from_problems(run_config("qwen2.5", *on_the_fly)) == []  # the model matches; the data is not read here
+    with pytest.raises(ConfigError) as refused:
+        check_sources(run_config("qwen2.5", *on_the_fly))
+    (problem,) = refused.value.problems
     assert f"comes with its own tokenizer (tokenizer.json), but this run's data is tokenized with byte" in problem
     assert problem.endswith(f"set data.tokenizer={directory}")
-    assert init_from_problems(run_config("qwen2.5", f"checkpoint.init_from={directory}", f"data.tokenizer={directory}")) == []
+    assert check_sources(run_config("qwen2.5", *on_the_fly, f"data.tokenizer={directory}")) == []
+
+    prepare_data(inputs=[str(tmp_path / "texts")], output=str(tmp_path / "prepared"), seq_len=128, parallel=False, verbose=False)
+    with pytest.raises(ConfigError) as refused:
+        check_sources(run_config("qwen2.5", f"data.source={tmp_path / 'prepared'}", f"checkpoint.init_from={directory}"))
+    (problem,) = refused.value.problems
+    assert "this run's data is tokenized with byte" in problem
+    assert problem.endswith(f"prepare {tmp_path / 'prepared'} again with `raytrain-fast prepare-data --tokenizer {directory}`")
 
 
 PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920, "smollm2-360m": 361_821_120, "llama3.2-1b": 1_235_814_400}

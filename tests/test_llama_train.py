@@ -1,32 +1,52 @@
-"""The llama keeps what the GPT has in the loop: a 2-worker ZeRO-2 bf16 llama run that fails
-after its step-10 checkpoint resumes on 1 worker (a resize: the universal checkpoint conversion) and
-trains every step on exactly the sequences an uninterrupted run trained on, with its LR and, within the
-resize's stated 2% (tests/test_train.py::test_resize_round_trip_two_one_two_workers says why), its loss.
-Real Ray, real DeepSpeed."""
+"""The llama keeps what the GPT has in the loop, from a Mistral-style Hugging Face directory: a 2-worker
+ZeRO-2 bf16 run continued from the weights and byte-level BPE tokenizer that transformers' Mistral saved
+(`checkpoint.init_from`, `data.tokenizer`), scoring `eval.tasks` at each checkpoint, fails after its
+step-10 checkpoint and resumes on 1 worker (a resize: the universal checkpoint conversion). It trains
+every step on exactly the sequences an uninterrupted run trained on, with its LR and, within the
+resize's stated 2% (tests/test_train.py::test_resize_round_trip_two_one_two_workers says why), its
+loss; its export loads in transformers as MistralForCausalLM and generates. Real Ray, real DeepSpeed."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from raytrain_fast.launch.trainer import run
 from raytrain_fast.drills import LoopHooks, RecordSequences, parse_drills
+from tests.families import FAMILIES, RUN_SHAPE, family_model, family_tokenizer
 from tests.test_train import by_step, micro_config, recorded_sequences
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
-LLAMA = ("model.architecture=llama", "model.num_kv_heads=1", "model.vocab_size=320", "train.steps=20")
+MODEL_SOURCES = Path(__file__).resolve().parent.parent / "raytrain_fast" / "model"
 
 
-def test_a_llama_run_resumes_on_another_worker_count_on_the_same_data_lr_and_loss(ray_session, tmp_path, capfd):
+def mistral_start(directory: Path) -> tuple[str, ...]:
+    """A Mistral-style directory (transformers' own model, random weights, and a byte-level BPE with
+    Mistral's special tokens, `<s>` before each text) and the run settings that continue it."""
+    family_model("mistral").save_pretrained(str(directory))
+    family_tokenizer(directory, bos=True, mistral=True, texts=[path.read_text() for path in MODEL_SOURCES.glob("*.py")])
+    return ("model.architecture=llama", "model.tie_embeddings=false", *RUN_SHAPE, *FAMILIES["mistral"][2], f"checkpoint.init_from={directory}",
+            f"data.tokenizer={directory}", f"data.source={MODEL_SOURCES}", "eval.tasks=[arc_easy]", "eval.task_limit=4", "train.steps=20")
+
+
+def test_a_mistral_run_resumes_on_another_worker_count_on_the_same_data_lr_and_loss(ray_session, tmp_path, capfd):
+    import transformers
+
+    from raytrain_fast.checkpoint.export import export_checkpoint
+    from raytrain_fast.storage import StorageConfig
+
     straight_dir, before, after = tmp_path / "straight", tmp_path / "before", tmp_path / "after"
     for directory in (straight_dir, before, after):
         directory.mkdir()
-    straight = run(micro_config(tmp_path, "llama-straight", *LLAMA), hooks=LoopHooks(RecordSequences(str(straight_dir))))
+    start = mistral_start(tmp_path / "mistral-style")
+    straight = run(micro_config(tmp_path, "mistral-straight", *start), hooks=LoopHooks(RecordSequences(str(straight_dir))))
 
     marker = f"15:{tmp_path / 'failed-once'}:0"
     with pytest.raises(Exception, match="injected failure at step 15"):
-        run(micro_config(tmp_path, "llama-resized", *LLAMA), hooks=parse_drills([f"fail_once_at={marker}", f"record_sequences={before}"]))
-    resumed = run(micro_config(tmp_path, "llama-resized", *LLAMA, "resources.num_workers=1"),
+        run(micro_config(tmp_path, "mistral-resized", *start), hooks=parse_drills([f"fail_once_at={marker}", f"record_sequences={before}"]))
+    resumed = run(micro_config(tmp_path, "mistral-resized", *start, "resources.num_workers=1"),
                   hooks=parse_drills([f"fail_once_at={marker}", f"record_sequences={after}"]))
     assert "Resized at step 10: 2 -> 1 workers" in capfd.readouterr().out
 
@@ -35,6 +55,7 @@ def test_a_llama_run_resumes_on_another_worker_count_on_the_same_data_lr_and_los
     assert final[20]["train/lr"] == pytest.approx(reference[20]["train/lr"], rel=1e-6)
     assert final[20]["train/loss"] == pytest.approx(reference[20]["train/loss"], rel=0.02)
     assert final[20]["train/loss"] < reference[10]["train/loss"]
+    assert final[20]["eval/arc_easy/items"] == 4
     # Every step trained on the uninterrupted run's sequences (ranks pooled: the 1-worker phase reads both ranks' share).
     expected = {s: sorted(i for rank in recorded_sequences(straight_dir).values() for i in rank[s]) for s in range(1, 21)}
     seen: dict[int, list[int]] = {}
@@ -43,3 +64,14 @@ def test_a_llama_run_resumes_on_another_worker_count_on_the_same_data_lr_and_los
             for step in steps:
                 seen.setdefault(step, []).extend(by_rank[step])
     assert {s: sorted(ids) for s, ids in seen.items()} == expected
+
+    out = tmp_path / "hf"
+    export_checkpoint(storage_uri=str(tmp_path / "runs"), storage=StorageConfig(), name="mistral-resized", step=None,
+                      out_dir=str(out))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(model).__name__ == "MistralForCausalLM"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    prompt = "def forward(self, x):"
+    tokens = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    generated = model.generate(tokens, max_new_tokens=8, do_sample=False)
+    assert generated.shape[1] > tokens.shape[1] and tokenizer.decode(generated[0, :tokens.shape[1]], skip_special_tokens=True) == prompt

@@ -1,12 +1,15 @@
 """Crash recovery with checkpoints on a real S3-compatible server (moto, loopback): 2 gloo workers,
 real DeepSpeed ZeRO-2. A worker raises at a random step, or is killed with SIGKILL; FailureConfig
 restarts the worker group from the latest complete checkpoint, and the run must then produce the
-same losses as an uninterrupted run with the same seed."""
+same losses as an uninterrupted run with the same seed. Those runs continue a Qwen2.5-style Hugging Face
+directory (transformers' own model with q/k/v biases and tied embeddings, and a Qwen-style BPE tokenizer)
+and score `eval.tasks`; the resumed run's export, read from S3, loads in transformers as Qwen2 and generates."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import pytest
 
@@ -14,15 +17,27 @@ from raytrain_fast.config import load_config
 from raytrain_fast.launch.trainer import run
 from raytrain_fast.drills import FailOnce, LoopHooks, SlowUpload
 from raytrain_fast.metrics.sinks import read_metrics
+from tests.families import FAMILIES, RUN_SHAPE, family_model, family_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 STEPS, EVERY = 24, 8
+MODEL_SOURCES = Path(__file__).resolve().parent.parent / "raytrain_fast" / "model"
 
 
 @pytest.fixture(scope="module")
 def bucket(s3_server):
     return s3_server.make_bucket("resume-tests")
+
+
+@pytest.fixture(scope="module")
+def qwen_start(tmp_path_factory) -> tuple[str, ...]:
+    """The settings that continue a Qwen2.5-style directory: its weights and tokenizer."""
+    directory = tmp_path_factory.mktemp("qwen2.5-style")
+    family_model("qwen2.5").save_pretrained(str(directory))
+    family_tokenizer(directory, bos=False, texts=[path.read_text() for path in MODEL_SOURCES.glob("*.py")])
+    return ("model.architecture=llama", *RUN_SHAPE, *FAMILIES["qwen2.5"][2], f"checkpoint.init_from={directory}",
+            f"data.tokenizer={directory}", f"data.source={MODEL_SOURCES}", "data.val_fraction=0.25", "eval.tasks=[arc_easy]", "eval.task_limit=4")
 
 
 @pytest.fixture
@@ -53,14 +68,14 @@ def losses(config) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_session, s3_server, bucket):
+def uninterrupted(ray_session, s3_server, bucket, qwen_start):
     with pytest.MonkeyPatch.context() as patch:
         for key, value in s3_server.env.items():
             patch.setenv(key, value)
         # Retention under test too: keep the newest 1 plus the best 1 by the HIGHEST val/loss (the
         # default best_metric while evaluating; every checkpoint carries a fresh one), so not the newest.
         config = s3_config(
-            s3_server, bucket, "straight",
+            s3_server, bucket, "straight", *qwen_start,
             "checkpoint.keep_last=1", "checkpoint.keep_best=1", "checkpoint.best_mode=max",
         )
         result = run(config)
@@ -87,6 +102,7 @@ def test_uninterrupted_run_keeps_exactly_the_expected_checkpoints(uninterrupted,
     assert best != 24 and all("val/loss" in metrics for _, metrics in result.checkpoints)
     assert checkpoint_names(s3_server, bucket, "straight") == {f"checkpoint_{best:08d}", "checkpoint_00000024"}
     assert sum(v for k, v in result.measurements.items() if k.startswith("flops_per_token/")) == 1
+    assert records[STEPS]["eval/arc_easy/items"] == 4
 
 
 @pytest.mark.parametrize("late_rank", [0, 1])
@@ -115,7 +131,7 @@ def test_retention_waits_for_every_rank_upload(late_rank, ray_session, s3_server
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_worker_failure_resumes_from_the_last_complete_checkpoint_with_the_same_losses(
-    how, uninterrupted, ray_session, s3_server, bucket, s3_env, tmp_path
+    how, uninterrupted, qwen_start, ray_session, s3_server, bucket, s3_env, tmp_path
 ):
     _, straight, expected = uninterrupted
     fail_step = random.Random().randint(EVERY + 1, STEPS - 1)  # after the first checkpoint
@@ -124,7 +140,7 @@ def test_worker_failure_resumes_from_the_last_complete_checkpoint_with_the_same_
     # Sync upload: a checkpoint is complete when its report returns, so which one the restart finds
     # does not depend on upload timing (an async one still in flight at the crash is incomplete
     # and rightly skipped; the 2-worker local tests run with async upload).
-    config = s3_config(s3_server, bucket, f"crash-{how}", "resources.max_failures=2", "checkpoint.upload=sync")
+    config = s3_config(s3_server, bucket, f"crash-{how}", *qwen_start, "resources.max_failures=2", "checkpoint.upload=sync")
     result = run(config, hooks=hooks)
 
     assert marker.exists(), "the failure was not injected"
@@ -142,3 +158,21 @@ def test_worker_failure_resumes_from_the_last_complete_checkpoint_with_the_same_
     # FLOPs per token were counted once in this run, not again after the worker group restarted.
     flops_counts = {k: v for k, v in result.measurements.items() if "flops" in k}
     assert flops_counts and all(v == 1 for v in flops_counts.values()), result.measurements
+    if how == "raise":
+        exported_qwen_generates(config, tmp_path / "hf")
+
+
+def exported_qwen_generates(config, out: Path) -> None:
+    """The run's last checkpoint, exported from S3, loads in transformers as Qwen2 and generates."""
+    import transformers
+
+    from raytrain_fast.checkpoint.export import export_checkpoint
+
+    export_checkpoint(storage_uri=config.storage.uri, storage=config.storage, name=config.name, step=None, out_dir=str(out))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.tie_word_embeddings
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    prompt = "def forward(self, x):"
+    tokens = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    generated = model.generate(tokens, max_new_tokens=8, do_sample=False)
+    assert generated.shape[1] > tokens.shape[1] and tokenizer.decode(generated[0, :tokens.shape[1]], skip_special_tokens=True) == prompt

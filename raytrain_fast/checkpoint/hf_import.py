@@ -4,8 +4,9 @@
 
 Told apart from our own checkpoints by its config.json (ours hold config.yaml and manifests). The
 driver reads config.json before any worker starts (`init_from_problems`): every field is mapped or
-named as refused (model/hf.py), a model that differs from the run's is refused with every differing
-field in one message, and so is data tokenized with another tokenizer than the directory's. On the
+named as refused (model/hf.py), and a model that differs from the run's is refused with every differing
+field in one message; data tokenized with another tokenizer than the directory's is refused where the
+run's sources are checked (`init_from_tokenizer_problems`, from data/mixture.py). On the
 workers, rank 0 reads and converts the weights (`read_hf_weights`), then broadcasts them as for our
 checkpoints.
 """
@@ -20,7 +21,7 @@ import pyarrow.fs as pafs
 import torch
 
 from raytrain_fast.config.model import llama_option_problems
-from raytrain_fast.errors import CheckpointError, RaytrainFastError
+from raytrain_fast.errors import CheckpointError
 from raytrain_fast.model import ModelConfig
 from raytrain_fast.model.hf import from_hf_llama, model_differences, model_fields_from_hf, to_hf_state_dict
 
@@ -68,33 +69,29 @@ def init_from_problems(config: Any) -> list[str]:
             f"checkpoint.init_from={uri} holds a model that differs from this run's in {len(differences)} field(s): "
             + "; ".join(differences) + f". Make the model section match: {fix}"
         )
-    return problems + _tokenizer_problems(config, filesystem, path)
+    return problems
 
 
-def _tokenizer_problems(config: Any, filesystem: pafs.FileSystem, path: str) -> list[str]:
-    """The run's data must be tokenized with the directory's own tokenizer.json, if it has one: the
-    model's ids mean that tokenizer's text."""
+def init_from_tokenizer_problems(config: Any, ours: Any, *, fix: str) -> list[str]:
+    """The run's data tokenizer (`ours`, a TokenizerInfo: the one its prepared sources were made with,
+    or data.tokenizer for text prepared on the fly, as data/mixture.py's check_sources settles it)
+    against the tokenizer.json of a Hugging Face checkpoint.init_from: the model's ids mean that
+    tokenizer's text. [] when they are the same, or when init_from holds no tokenizer.json (weights
+    only: the run's tokenizer is the user's choice). `fix` ends the message."""
     import hashlib
 
-    from raytrain_fast.data import load_manifest
-    from raytrain_fast.data.cache import STDLIB, is_prepared
-    from raytrain_fast.data.tokenizer import TOKENIZER_FILE, load_tokenizer
+    from raytrain_fast.data.tokenizer import TOKENIZER_FILE
+    from raytrain_fast.storage import resolve_filesystem
 
-    uri, data = config.checkpoint.init_from, config.data
+    uri = config.checkpoint.init_from
+    if not uri:
+        return []
+    filesystem, path = resolve_filesystem(uri, config.storage)
     try:
         with filesystem.open_input_stream(f"{path.rstrip('/')}/{TOKENIZER_FILE}") as stream:
             theirs = hashlib.sha256(stream.read()).hexdigest()
     except (FileNotFoundError, OSError):
-        return []  # weights only: the run's tokenizer is the user's choice
-    source = data.sources[0].source if data.sources else data.source
-    try:
-        if source != STDLIB and is_prepared(source, config.storage):
-            ours = load_manifest(source, config.storage).tokenizer
-            fix = f"prepare {source} again with `raytrain-fast prepare-data --tokenizer {uri}`"
-        else:
-            ours, fix = load_tokenizer(data.tokenizer, config.storage).info, f"set data.tokenizer={uri}"
-    except (RaytrainFastError, OSError):
-        return []  # the data checks that follow name the problem
+        return []
     if ours.hash == theirs:
         return []
     return [f"checkpoint.init_from={uri} comes with its own tokenizer ({TOKENIZER_FILE}), but this run's data is tokenized "

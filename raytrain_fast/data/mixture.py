@@ -261,6 +261,12 @@ def check_sources(config: Any, *, prepared: list[str] | None = None, loaded: Seq
     sources, load_problems = load_sources(config, prepared or [item.source for item in items], skip=pending, loaded=loaded)
     if pending and not problems:
         problems += _on_the_fly_problems(config, sources)
+    elif prepared is None and sources and not problems:  # every source prepared: their manifests name the tokenizer
+        from raytrain_fast.checkpoint.hf_import import init_from_tokenizer_problems
+
+        others = " (and the other sources)" if len(sources) > 1 else ""
+        problems += init_from_tokenizer_problems(config, sources[0].manifest.tokenizer, fix=(
+            f"prepare {sources[0].manifest.root}{others} again with `raytrain-fast prepare-data --tokenizer {config.checkpoint.init_from}`"))
     if prepared is None and not pending:
         problems += [
             f"data.{key} applies to a source prepared on the fly, but every source is prepared already: run "
@@ -277,7 +283,8 @@ def check_sources(config: Any, *, prepared: list[str] | None = None, loaded: Seq
 
 def _on_the_fly_problems(config: Any, prepared: list[Source]) -> list[str]:
     """A source prepared on the fly is tokenized with data.tokenizer: its vocabulary against
-    model.vocab_size, and against the tokenizer of the sources already prepared."""
+    model.vocab_size, against the tokenizer of the sources already prepared, and against a Hugging
+    Face checkpoint.init_from's own tokenizer."""
     from raytrain_fast.data.tokenizer import load_tokenizer
 
     info = load_tokenizer(config.data.tokenizer, config.storage).info
@@ -294,7 +301,9 @@ def _on_the_fly_problems(config: Any, prepared: list[Source]) -> list[str]:
             f"sources would be tokenized with data.tokenizer={config.data.tokenizer}: a mixture needs one tokenizer; set "
             f"data.tokenizer={different[0].manifest.tokenizer.name}, or prepare every source with the same --tokenizer"
         )
-    return problems
+    from raytrain_fast.checkpoint.hf_import import init_from_tokenizer_problems
+
+    return problems + init_from_tokenizer_problems(config, info, fix=f"set data.tokenizer={config.checkpoint.init_from}")
 
 
 def mixture_problems(sources: list[Source]) -> list[str]:

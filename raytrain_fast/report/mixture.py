@@ -43,6 +43,11 @@ class MixtureStretch:
     last: int
     shares: list[SourceShare]
 
+    @property
+    def steps(self) -> str:
+        """How the report names the stretch: 'steps 1-40'."""
+        return f"steps {self.first:,}-{self.last:,}"
+
 
 def configured_weights(run: RunMetrics, names: list[str]) -> dict[str, float]:
     """Each source's weight from the run's config (data.sources), normalised; 0 for a source it lacks:
@@ -102,7 +107,7 @@ def mixture_lines(run: RunMetrics) -> list[str]:
     stretches = mixture_stretches(run)
     lines = []
     for i, stretch in enumerate(stretches):
-        changed = f", steps {stretch.first:,}-{stretch.last:,}" if len(stretches) > 1 else ""
+        changed = f", {stretch.steps}" if len(stretches) > 1 else ""
         changed += ": weights changed on resume" if i > 0 else ""
         lines.append(f"Mixture (realised to step {stretch.last:,} against data.sources' weights{changed}):")
         for s in stretch.shares:
@@ -129,6 +134,6 @@ def mixture_facts(run: RunMetrics) -> dict[str, Any]:
     stretches = mixture_stretches(run)
     facts = {}
     for stretch in stretches:
-        steps = f" (steps {stretch.first:,}-{stretch.last:,})" if len(stretches) > 1 else ""
+        steps = f" ({stretch.steps})" if len(stretches) > 1 else ""
         facts.update({f"mixture: {s.name}{steps}": f"weight {pct(s.weight)}, realised {pct(s.share)}" for s in stretch.shares})
     return facts
