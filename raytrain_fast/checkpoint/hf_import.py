@@ -6,7 +6,7 @@ Told apart from our own checkpoints by its config.json (ours hold config.yaml an
 driver reads config.json before any worker starts (`init_from_problems`): every field is mapped or
 named as refused (model/hf.py), and a model that differs from the run's is refused with every differing
 field in one message; data tokenized with another tokenizer than the directory's is refused where the
-run's sources are checked (`init_from_tokenizer_problems`, from data/mixture.py). On the
+run's sources are checked (data/mixture.py's `init_from_tokenizer_problems`). On the
 workers, rank 0 reads and converts the weights (`read_hf_weights`), then broadcasts them as for our
 checkpoints.
 """
@@ -70,32 +70,6 @@ def init_from_problems(config: Any) -> list[str]:
             + "; ".join(differences) + f". Make the model section match: {fix}"
         )
     return problems
-
-
-def init_from_tokenizer_problems(config: Any, ours: Any, *, fix: str) -> list[str]:
-    """The run's data tokenizer (`ours`, a TokenizerInfo: the one its prepared sources were made with,
-    or data.tokenizer for text prepared on the fly, as data/mixture.py's check_sources settles it)
-    against the tokenizer.json of a Hugging Face checkpoint.init_from: the model's ids mean that
-    tokenizer's text. [] when they are the same, or when init_from holds no tokenizer.json (weights
-    only: the run's tokenizer is the user's choice). `fix` ends the message."""
-    import hashlib
-
-    from raytrain_fast.data.tokenizer import TOKENIZER_FILE
-    from raytrain_fast.storage import resolve_filesystem
-
-    uri = config.checkpoint.init_from
-    if not uri:
-        return []
-    filesystem, path = resolve_filesystem(uri, config.storage)
-    try:
-        with filesystem.open_input_stream(f"{path.rstrip('/')}/{TOKENIZER_FILE}") as stream:
-            theirs = hashlib.sha256(stream.read()).hexdigest()
-    except (FileNotFoundError, OSError):
-        return []
-    if ours.hash == theirs:
-        return []
-    return [f"checkpoint.init_from={uri} comes with its own tokenizer ({TOKENIZER_FILE}), but this run's data is tokenized "
-            f"with {ours.name}, whose ids mean other text to the model: {fix}"]
 
 
 def read_hf_weights(filesystem: pafs.FileSystem, path: str, config: ModelConfig) -> dict[str, Any]:

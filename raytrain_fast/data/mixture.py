@@ -262,8 +262,6 @@ def check_sources(config: Any, *, prepared: list[str] | None = None, loaded: Seq
     if pending and not problems:
         problems += _on_the_fly_problems(config, sources)
     elif prepared is None and sources and not problems:  # every source prepared: their manifests name the tokenizer
-        from raytrain_fast.checkpoint.hf_import import init_from_tokenizer_problems
-
         others = " (and the other sources)" if len(sources) > 1 else ""
         problems += init_from_tokenizer_problems(config, sources[0].manifest.tokenizer, fix=(
             f"prepare {sources[0].manifest.root}{others} again with `raytrain-fast prepare-data --tokenizer {config.checkpoint.init_from}`"))
@@ -301,9 +299,33 @@ def _on_the_fly_problems(config: Any, prepared: list[Source]) -> list[str]:
             f"sources would be tokenized with data.tokenizer={config.data.tokenizer}: a mixture needs one tokenizer; set "
             f"data.tokenizer={different[0].manifest.tokenizer.name}, or prepare every source with the same --tokenizer"
         )
-    from raytrain_fast.checkpoint.hf_import import init_from_tokenizer_problems
-
     return problems + init_from_tokenizer_problems(config, info, fix=f"set data.tokenizer={config.checkpoint.init_from}")
+
+
+def init_from_tokenizer_problems(config: Any, ours: Any, *, fix: str) -> list[str]:
+    """The run's data tokenizer (`ours`, a TokenizerInfo: the one its prepared sources were made with,
+    or data.tokenizer for text prepared on the fly, as check_sources settles it)
+    against the tokenizer.json of a Hugging Face checkpoint.init_from: the model's ids mean that
+    tokenizer's text. [] when they are the same, or when init_from holds no tokenizer.json (weights
+    only: the run's tokenizer is the user's choice). `fix` ends the message."""
+    import hashlib
+
+    from raytrain_fast.data.tokenizer import TOKENIZER_FILE
+    from raytrain_fast.storage import resolve_filesystem
+
+    uri = config.checkpoint.init_from
+    if not uri:
+        return []
+    filesystem, path = resolve_filesystem(uri, config.storage)
+    try:
+        with filesystem.open_input_stream(f"{path.rstrip('/')}/{TOKENIZER_FILE}") as stream:
+            theirs = hashlib.sha256(stream.read()).hexdigest()
+    except (FileNotFoundError, OSError):
+        return []
+    if ours.hash == theirs:
+        return []
+    return [f"checkpoint.init_from={uri} comes with its own tokenizer ({TOKENIZER_FILE}), but this run's data is tokenized "
+            f"with {ours.name}, whose ids mean other text to the model: {fix}"]
 
 
 def mixture_problems(sources: list[Source]) -> list[str]:
