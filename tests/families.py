@@ -88,3 +88,31 @@ def family_tokenizer(directory: Path, *, bos: bool, texts: list[str], vocab_size
             single=f"{bos_token} $A", special_tokens=[(bos_token, tokenizer.token_to_id(bos_token))])
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
+
+
+MODEL_SOURCES = Path(__file__).resolve().parent.parent / "raytrain_fast" / "model"
+"""The corpus of the family runs on Ray: this package's model sources (53 KB: a BPE tokenizes them in a
+second, where the whole standard library takes minutes)."""
+
+
+def family_start(name: str, directory: Path, *, bos: bool, mistral: bool = False) -> tuple[str, ...]:
+    """transformers' model of family `name` and a family-style tokenizer (family_tokenizer's `bos` and
+    `mistral`) trained on MODEL_SOURCES, saved in `directory`; returns the run settings that continue
+    pretraining from it on MODEL_SOURCES."""
+    family_model(name).save_pretrained(str(directory))
+    family_tokenizer(directory, bos=bos, mistral=mistral, texts=[path.read_text() for path in MODEL_SOURCES.glob("*.py")])
+    return (*RUN_SHAPE, *FAMILIES[name][2], f"checkpoint.init_from={directory}", f"data.tokenizer={directory}",
+            f"data.source={MODEL_SOURCES}")
+
+
+def assert_generates(directory: Path, class_name: str, prompt: str = "def forward(self, x):") -> None:
+    """An exported directory loads in transformers as `class_name`, and generate() goes on from `prompt`
+    (which its tokenizer gives back, special tokens aside)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()
+    assert type(model).__name__ == class_name
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    tokens = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    generated = model.generate(tokens, max_new_tokens=8, do_sample=False)
+    assert generated.shape[1] > tokens.shape[1] and tokenizer.decode(generated[0, :tokens.shape[1]], skip_special_tokens=True) == prompt

@@ -8,39 +8,27 @@ loss; its export loads in transformers as MistralForCausalLM and generates. Real
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from raytrain_fast.launch.trainer import run
 from raytrain_fast.drills import LoopHooks, RecordSequences, parse_drills
-from tests.families import FAMILIES, RUN_SHAPE, family_model, family_tokenizer
+from tests.families import assert_generates, family_start
 from tests.test_train import by_step, micro_config, recorded_sequences
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
-MODEL_SOURCES = Path(__file__).resolve().parent.parent / "raytrain_fast" / "model"
-
-
-def mistral_start(directory: Path) -> tuple[str, ...]:
-    """A Mistral-style directory (transformers' own model, random weights, and a byte-level BPE with
-    Mistral's special tokens, `<s>` before each text) and the run settings that continue it."""
-    family_model("mistral").save_pretrained(str(directory))
-    family_tokenizer(directory, bos=True, mistral=True, texts=[path.read_text() for path in MODEL_SOURCES.glob("*.py")])
-    return ("model.architecture=llama", "model.tie_embeddings=false", *RUN_SHAPE, *FAMILIES["mistral"][2], f"checkpoint.init_from={directory}",
-            f"data.tokenizer={directory}", f"data.source={MODEL_SOURCES}", "eval.tasks=[arc_easy]", "eval.task_limit=4", "train.steps=20")
-
-
 def test_a_mistral_run_resumes_on_another_worker_count_on_the_same_data_lr_and_loss(ray_session, tmp_path, capfd):
-    import transformers
-
     from raytrain_fast.checkpoint.export import export_checkpoint
     from raytrain_fast.storage import StorageConfig
 
     straight_dir, before, after = tmp_path / "straight", tmp_path / "before", tmp_path / "after"
     for directory in (straight_dir, before, after):
         directory.mkdir()
-    start = mistral_start(tmp_path / "mistral-style")
+    # A Mistral-style directory: transformers' own model, random weights, and a byte-level BPE with
+    # Mistral's special tokens, `<s>` before each text.
+    start = ("model.architecture=llama", "model.tie_embeddings=false",
+             *family_start("mistral", tmp_path / "mistral-style", bos=True, mistral=True),
+             "eval.tasks=[arc_easy]", "eval.task_limit=4", "train.steps=20")
     straight = run(micro_config(tmp_path, "mistral-straight", *start), hooks=LoopHooks(RecordSequences(str(straight_dir))))
 
     marker = f"15:{tmp_path / 'failed-once'}:0"
@@ -68,10 +56,4 @@ def test_a_mistral_run_resumes_on_another_worker_count_on_the_same_data_lr_and_l
     out = tmp_path / "hf"
     export_checkpoint(storage_uri=str(tmp_path / "runs"), storage=StorageConfig(), name="mistral-resized", step=None,
                       out_dir=str(out))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    assert type(model).__name__ == "MistralForCausalLM"
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
-    prompt = "def forward(self, x):"
-    tokens = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    generated = model.generate(tokens, max_new_tokens=8, do_sample=False)
-    assert generated.shape[1] > tokens.shape[1] and tokenizer.decode(generated[0, :tokens.shape[1]], skip_special_tokens=True) == prompt
+    assert_generates(out, "MistralForCausalLM")
