@@ -58,7 +58,7 @@ def test_ray_data_execution_summary_stays_off_the_console(ray_session, capfd):
     for found in earlier:  # an earlier test in this process (any training run) installed it already
         executor_logger.removeFilter(found)
     if "execution finished" not in run():  # what a training epoch printed: the test must see it first
-        # After some earlier tests in the same process (test_bench_checkpoint's) Ray Data no longer
+        # After some earlier tests in the same process (a bench's own TorchTrainer runs) Ray Data no longer
         # prints it at all; run on its own, this test sees it. Cause not found yet.
         pytest.skip("Ray Data printed no execution summary in this process: nothing to hide")
     hide_execution_summaries()

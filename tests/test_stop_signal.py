@@ -79,41 +79,35 @@ class _Cli:
         return "".join(self.lines)
 
 
-def test_sigterm_saves_a_checkpoint_and_the_same_command_continues(tmp_path):
-    first = _Cli(tmp_path, "--set", "train.steps=100000")
-    first.wait_for(r"step\s+6/100000", timeout_s=240)
-    first.process.send_signal(signal.SIGTERM)
-    code = first.finish(timeout_s=120)
-    assert code == 128 + signal.SIGTERM, first.output
-    saved = int(first.wait_for(r"saved a checkpoint at step (\d+) and stopped", timeout_s=1).group(1))
-    assert "Stopped by SIGTERM" in first.output
-    assert re.findall(r"Precision: .*", first.output) == ["Precision: fp32 (engine.precision=fp32, set explicitly)"]
-
-    [run] = [r for r in list_runs(str(tmp_path / "runs"), StorageConfig()) if r.name == "stopme"]
-    assert [(c.step, c.complete) for c in run.checkpoints] == [(saved, True)]
-    assert 6 <= saved < 100000
-
-    second = _Cli(tmp_path, "--resume", "must", "--set", f"train.steps={saved + 2}")
-    assert second.finish(timeout_s=240) == 0, second.output
-    assert f"Resumed from checkpoint at step {saved}" in second.output
-    assert re.findall(r"Precision: .*", second.output) == [f"Precision: fp32 (kept from the checkpoint at step {saved})"]
-    assert re.search(rf"step\s+{saved + 2}/{saved + 2}", second.output), second.output
-
-
-def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
+def test_ctrl_c_and_sigterm_each_save_a_checkpoint_the_same_command_continues_from(tmp_path):
     """Ctrl-C as a terminal sends it: SIGINT to the whole foreground process group (the driver and
-    the Ray processes it started). Ray Train's own SIGINT handler would abort the run unsaved."""
-    cli = _Cli(tmp_path, "--set", "train.steps=100000", terminal=True)
-    cli.wait_for(r"step\s+6/100000", timeout_s=240)
-    os.killpg(cli.process.pid, signal.SIGINT)
-    code = cli.finish(timeout_s=120)
-    assert code == 130, cli.output
-    saved = int(cli.wait_for(r"saved a checkpoint at step (\d+) and stopped", timeout_s=1).group(1))
-    assert "Stopped by SIGINT" in cli.output
-    assert re.search(rf"Saved checkpoint at step {saved} \([\d.]+ MB, uploaded in [\d.]+ s\)", cli.output), cli.output
+    the Ray processes it started; Ray Train's own SIGINT handler would abort the run unsaved): exit
+    130 with a checkpoint. The same command continues from it, and a SIGTERM (as `ray job stop`,
+    Kubernetes or Slurm send it) stops that run with a checkpoint too (exit 143)."""
+    first = _Cli(tmp_path, "--set", "train.steps=100000", terminal=True)
+    first.wait_for(r"step\s+6/100000", timeout_s=240)
+    os.killpg(first.process.pid, signal.SIGINT)
+    code = first.finish(timeout_s=120)
+    assert code == 130, first.output
+    interrupted = int(first.wait_for(r"saved a checkpoint at step (\d+) and stopped", timeout_s=1).group(1))
+    assert "Stopped by SIGINT" in first.output
+    assert re.search(rf"Saved checkpoint at step {interrupted} \([\d.]+ MB, uploaded in [\d.]+ s\)", first.output), first.output
+    assert re.findall(r"Precision: .*", first.output) == ["Precision: fp32 (engine.precision=fp32, set explicitly)"]
     [run] = [r for r in list_runs(str(tmp_path / "runs"), StorageConfig()) if r.name == "stopme"]
-    assert [(c.step, c.complete) for c in run.checkpoints] == [(saved, True)]
-    assert 6 <= saved < 100000
+    assert [(c.step, c.complete) for c in run.checkpoints] == [(interrupted, True)]
+    assert 6 <= interrupted < 100000
+
+    second = _Cli(tmp_path, "--resume", "must", "--set", "train.steps=100000")
+    second.wait_for(rf"step\s+{interrupted + 4}/100000", timeout_s=240)
+    second.process.send_signal(signal.SIGTERM)
+    code = second.finish(timeout_s=120)
+    assert code == 128 + signal.SIGTERM, second.output
+    assert f"Resumed from checkpoint at step {interrupted}" in second.output
+    assert re.findall(r"Precision: .*", second.output) == [f"Precision: fp32 (kept from the checkpoint at step {interrupted})"]
+    saved = int(second.wait_for(r"saved a checkpoint at step (\d+) and stopped", timeout_s=1).group(1))
+    assert "Stopped by SIGTERM" in second.output
+    [run] = [r for r in list_runs(str(tmp_path / "runs"), StorageConfig()) if r.name == "stopme"]
+    assert saved > interrupted and (saved, True) in [(c.step, c.complete) for c in run.checkpoints]
 
 
 def _wait_for_line(path: Path, pattern: str, *, timeout_s: float, process: subprocess.Popen) -> re.Match:
