@@ -16,10 +16,6 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # faster repo
 # Ray starts worker processes at niceness 15: on 2 cores, pytest itself, the S3 server or a test's
 # driver would win the CPU from the training workers and swing every timing a test reads.
 os.environ.setdefault("RAY_worker_niceness", "0")
-# Ray ends a task's idle worker process after 1 s, so each run on the shared instance started Ray
-# Data's read tasks in new processes (each importing ray.data again). Kept for 10 minutes, the next
-# run reuses them: a 10-step run 16.5 s instead of 18.9 s, 27 instead of 32 CPU seconds (2-core VM).
-os.environ.setdefault("RAY_idle_worker_killing_time_threshold_ms", "600000")
 # The measured matmul peak is cached per user (metrics/peak.py): the suite keeps its own, removed at
 # the end, so it neither reads a figure from the user's runs nor leaves one in their home.
 _CACHE_DIR = tempfile.mkdtemp(prefix="raytrain-fast-test-cache-")
@@ -110,6 +106,17 @@ def _shared_ray_is_up(request):
     if "ray_session" in request.fixturenames:
         import ray
 
+        if not ray.is_initialized():
+            start_shared_ray()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_ray_is_up_for_the_module(request):
+    """A module fixture that trains on the shared instance (a file's one run) is made before any
+    function fixture, `_shared_ray_is_up` included: when an earlier file set the instance aside (its
+    own cluster), bring it back here, or the run would start a Ray instance of its own."""
+    if any("ray_session" in item.fixturenames for item in request.session.items if item.module is request.module):
+        ray = request.getfixturevalue("ray_session")
         if not ray.is_initialized():
             start_shared_ray()
 

@@ -4,7 +4,11 @@ documented and checks its JSON (`assert_checkpoint_bench`)."""
 
 from __future__ import annotations
 
+import pytest
+
 from raytrain_fast.bench.checkpoint import model_for_checkpoint_mb
+
+pytestmark = pytest.mark.unit
 
 
 def test_model_size_reaches_the_target():
