@@ -9,7 +9,7 @@ import tempfile
 import pytest
 
 from tests.s3_server import S3Server
-from tests.shared_ray import start_shared_ray
+from tests.shared_ray import shared_ray_back, start_shared_ray
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # faster reports in tests
@@ -104,10 +104,7 @@ def ray_session():
 @pytest.fixture(autouse=True)
 def _shared_ray_is_up(request):
     if "ray_session" in request.fixturenames:
-        import ray
-
-        if not ray.is_initialized():
-            start_shared_ray()
+        shared_ray_back()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -116,9 +113,8 @@ def _shared_ray_is_up_for_the_module(request):
     function fixture, `_shared_ray_is_up` included: when an earlier file set the instance aside (its
     own cluster), bring it back here, or the run would start a Ray instance of its own."""
     if any("ray_session" in item.fixturenames for item in request.session.items if item.module is request.module):
-        ray = request.getfixturevalue("ray_session")
-        if not ray.is_initialized():
-            start_shared_ray()
+        request.getfixturevalue("ray_session")  # started once per session; back if set aside since
+        shared_ray_back()
 
 
 @pytest.fixture

@@ -45,6 +45,15 @@ def start_shared_ray() -> None:
     _ENV_SET_BY_RAY_INIT.update({k: v for k, v in os.environ.items() if before.get(k) != v})
 
 
+def shared_ray_back() -> None:
+    """The shared instance up again if a test before set it aside (`without_shared_ray` in a test
+    that held none, or a test's own cluster shut down)."""
+    import ray
+
+    if not ray.is_initialized():
+        start_shared_ray()
+
+
 @contextlib.contextmanager
 def without_shared_ray() -> Iterator[None]:
     """Shut the shared instance down (if this process holds it) and take back the environment
