@@ -6,8 +6,13 @@ tests/test_fresh_shell.py runs every documented command shape this way."""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 MICRO = [
@@ -41,6 +46,81 @@ def shell(line: str, *, cwd: Path, home: Path, timeout: float = 600, env: dict[s
         ["bash", "--noprofile", "--norc", "-c", line], cwd=cwd, env={**fresh_env(home), **(env or {})}, text=True,
         capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL,
     )
+
+
+@dataclass
+class RayHead:
+    """A Ray head node started from a fresh shell, as docs/cluster.md starts one (`ray start --head --block`,
+    `RAY_worker_niceness=0`), with 2 CPUs, a temp dir and ports of its own (other Ray instances share the
+    machine). A command with `env` in its environment joins it (`RAY_ADDRESS`, which docs/configuration.md
+    documents for `pretrain`) instead of starting a local instance of its own: the start-up of Ray's GCS,
+    raylet and dashboard (about 16 s of a micro run on 2 cores, docs/test-time.md) is paid once for a
+    file's commands. tests/test_fresh_shell.py keeps the commands that start their own."""
+
+    env: dict[str, str]
+    """What a shell that joins it adds to its environment."""
+    temp_dir: str
+    process: subprocess.Popen
+
+    def processes(self) -> list[int]:
+        """Live processes of this head node: those whose command line names its temp dir."""
+        alive = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if self.temp_dir.encode() in (entry / "cmdline").read_bytes():
+                        alive.append(int(entry.name))
+                except OSError:
+                    continue
+        return alive
+
+
+def start_ray_head(home: Path, *, timeout: float = 180) -> RayHead:
+    """`ray start --head --block` in a fresh shell (tests/shell.py's environment under `home`); returns
+    once the head has written its address."""
+    from tests.s3_server import free_port
+
+    temp_dir = tempfile.mkdtemp(prefix="rtf-head-", dir="/tmp")  # short: Ray's Unix sockets live under it
+    ports = " ".join(
+        f"--{name} {free_port()}"
+        for name in ("port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
+                     "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port")
+    )
+    line = f"exec ray start --head --block --num-cpus 2 --temp-dir {temp_dir}/ray --disable-usage-stats {ports}"
+    # RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0: the head's processes end at once on SIGTERM (no other effect).
+    env = {**fresh_env(home), "RAY_worker_niceness": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    log = open(Path(temp_dir, "ray-head.log"), "w")
+    process = subprocess.Popen(["bash", "--noprofile", "--norc", "-c", line], cwd=temp_dir, env=env, stdout=log,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    log.close()
+    head = RayHead(env={}, temp_dir=temp_dir, process=process)
+    address_file = Path(temp_dir, "ray", "ray_current_cluster")  # where `ray start` records its GCS address
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        text = Path(temp_dir, "ray-head.log").read_text()
+        if "Ray runtime started" in text and address_file.is_file() and address_file.read_text().strip():
+            head.env["RAY_ADDRESS"] = address_file.read_text().strip()
+            return head
+        time.sleep(0.5)
+    output = Path(temp_dir, "ray-head.log").read_text()
+    stop_ray_head(head)
+    raise RuntimeError(f"`{line}` did not start a head node:\n{output[-3000:]}")
+
+
+def stop_ray_head(head: RayHead) -> None:
+    """docs/cluster.md's `kill` of the head's own process (never `ray stop`, which ends every Ray process on
+    the machine, other people's included); then whatever of it is left, by its process group."""
+    if head.process.poll() is None:
+        head.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while head.processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    try:
+        os.killpg(head.process.pid, signal.SIGKILL)  # the group of the shell that started it: ours alone
+    except ProcessLookupError:
+        pass
+    head.process.wait(timeout=30)
+    shutil.rmtree(head.temp_dir, ignore_errors=True)
 
 
 def package_texts(directory: Path, *packages: str) -> None:
