@@ -117,6 +117,20 @@ def _shared_ray_is_up_for_the_module(request):
         shared_ray_back()
 
 
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A head node started from a fresh shell for one test file, stopped after its last test
+    (tests/shell.py's RayHead): its commands join it with `env=ray_head.env` (RAY_ADDRESS) instead of
+    each starting a local Ray instance of its own."""
+    from tests.shell import start_ray_head, stop_ray_head
+
+    head = start_ray_head(tmp_path_factory.mktemp("head-home"))
+    try:
+        yield head
+    finally:
+        stop_ray_head(head)
+
+
 @pytest.fixture
 def aws_env(s3_server, monkeypatch, tmp_path):
     """The server's credentials in the environment, and no ~/.aws files, instance metadata or

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.shell import SETS, RayHead, fresh_env, package_texts, start_ray_head, stop_ray_head
+from tests.shell import SETS, RayHead, fresh_env, package_texts
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -45,16 +45,6 @@ class Shell:
         return shown
 
 
-@pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    """The head node this file's training commands join (tests/shell.py's RayHead)."""
-    started = start_ray_head(tmp_path_factory.mktemp("head-home"))
-    try:
-        yield started
-    finally:
-        stop_ray_head(started)
-
-
 def printed(text: str, label: str) -> str:
     """The command after `label` on its line (in backticks when the line sets it as code)."""
     match = re.search(rf"{re.escape(label)}\s*`?(raytrain-fast [^`\n]+)`?", text)
@@ -62,8 +52,8 @@ def printed(text: str, label: str) -> str:
     return match.group(1).strip()
 
 
-def test_a_finite_blowup_is_warned_reported_and_its_best_checkpoint_kept(tmp_path, head):
-    shell = Shell(tmp_path, head=head)
+def test_a_finite_blowup_is_warned_reported_and_its_best_checkpoint_kept(tmp_path, ray_head):
+    shell = Shell(tmp_path, head=ray_head)
     # A learning rate far too high for its warm-up, held: the loss climbs and stays finite.
     run = shell(
         "set -o pipefail; raytrain-fast pretrain --name blowup --set optim.lr=1.0 --set optim.warmup_steps=20 "
@@ -94,7 +84,7 @@ SWEEP_MODEL = [  # activations dominate memory (long sequences, a large vocabula
 ]
 
 
-def test_a_sweep_writes_its_table_and_files_and_its_best_config_trains_where_the_quickstart_ran(tmp_path, head):
+def test_a_sweep_writes_its_table_and_files_and_its_best_config_trains_where_the_quickstart_ran(tmp_path, ray_head):
     """A CPU sweep over micro-batches 1, 2, 3 and 8 at a global batch of 8 under a 0.9 GB budget per
     worker (a worker peaks at about 0.7 GB with 1 or 2 sequences of 1024 tokens, 1.1 GB with 8): 3 is
     skipped, 8 fails over the budget in one line, 1 and 2 train; the table, results.csv and
@@ -105,7 +95,7 @@ def test_a_sweep_writes_its_table_and_files_and_its_best_config_trains_where_the
 
     from raytrain_fast.config import load_config
 
-    shell = Shell(tmp_path, head=head)
+    shell = Shell(tmp_path, head=ray_head)
     sets = " ".join(f"--set {item}" for item in SWEEP_MODEL)
     # Run 'tiny', as the quickstart names it: a micro model in bf16, which the best config could not resume.
     shell(f"raytrain-fast pretrain {SETS} --set engine.precision=bf16")
@@ -165,9 +155,9 @@ def _mixed_inputs(directory: Path) -> None:
     (directory / "notes.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents[10:20]))
 
 
-def test_train_tokenizer_then_prepare_data_then_pretrain_run_as_printed(tmp_path, head):
+def test_train_tokenizer_then_prepare_data_then_pretrain_run_as_printed(tmp_path, ray_head):
     pytest.importorskip("tokenizers")
-    shell = Shell(tmp_path, head=head)
+    shell = Shell(tmp_path, head=ray_head)
     _mixed_inputs(tmp_path)
     trained = shell("raytrain-fast train-tokenizer --input texts posts.parquet notes.jsonl --output 'my tok' --vocab-size 400 "
                     "--text-field content,text")
@@ -190,8 +180,8 @@ def test_train_tokenizer_then_prepare_data_then_pretrain_run_as_printed(tmp_path
     shell("raytrain-fast show-config --set data.source=posts.parquet --set data.text_field=content,text")
 
 
-def test_an_empty_corpus_fails_before_ray_and_a_six_sequence_corpus_trains_as_printed(tmp_path, head):
-    shell = Shell(tmp_path, head=head)
+def test_an_empty_corpus_fails_before_ray_and_a_six_sequence_corpus_trains_as_printed(tmp_path, ray_head):
+    shell = Shell(tmp_path, head=ray_head)
     (tmp_path / "empty.txt").write_text("")
     for line in ("raytrain-fast pretrain --name empty --set data.source=empty.txt",
                  "raytrain-fast pretrain --name empty --set 'data.sources=[{source: empty.txt, weight: 1}]'"):
@@ -212,8 +202,8 @@ def test_an_empty_corpus_fails_before_ray_and_a_six_sequence_corpus_trains_as_pr
     assert "Done." in run, run[-3000:]
 
 
-def test_a_rollback_with_no_checkpoint_and_its_report_name_the_settings_that_acted(tmp_path, head):
-    shell = Shell(tmp_path, head=head)
+def test_a_rollback_with_no_checkpoint_and_its_report_name_the_settings_that_acted(tmp_path, ray_head):
+    shell = Shell(tmp_path, head=ray_head)
     package_texts(tmp_path / "texts", "email", "json")
     stopped = shell(f"raytrain-fast pretrain --name early {SETS} --set data.source=texts --set checkpoint.every_steps=100 "
                     "--drill nonfinite=2:0:grad", ok=False)

@@ -25,19 +25,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.shell import SETS, package_texts, shell, start_ray_head, stop_ray_head, without_modules
+from tests.shell import SETS, package_texts, shell, without_modules
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
-
-
-@pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    """The head node this file's commands join."""
-    started = start_ray_head(tmp_path_factory.mktemp("head-home"))
-    try:
-        yield started
-    finally:
-        stop_ray_head(started)
 
 
 def _saved_run_config(runs: Path, name: str) -> dict:
@@ -57,7 +47,7 @@ def _jsonl_zst(path: Path, package: str) -> None:
             out.write((json.dumps({"text": source.read_text()}) + "\n").encode())
 
 
-def test_a_mixture_of_a_relative_prepared_directory_and_a_jsonl_zst_file_trains_from_the_project_directory(tmp_path, head):
+def test_a_mixture_of_a_relative_prepared_directory_and_a_jsonl_zst_file_trains_from_the_project_directory(tmp_path, ray_head):
     """Both kinds of source in one mixture, named relative to the project directory: a dataset made by
     prepare-data and a `.jsonl.zst` file prepared on the fly into a relative data.cache_dir."""
     project, home = tmp_path / "project", tmp_path / "home"
@@ -68,7 +58,7 @@ def test_a_mixture_of_a_relative_prepared_directory_and_a_jsonl_zst_file_trains_
     done = shell(
         f"raytrain-fast pretrain --name mix {SETS} --set storage.uri=runs --set data.cache_dir=cache "
         "--set 'data.sources=[{source: ./data/code, weight: 0.7}, {source: corpora/docs.jsonl.zst, weight: 0.3}]'",
-        cwd=project, home=home, env=head.env,
+        cwd=project, home=home, env=ray_head.env,
     )
     shown = done.stdout + done.stderr
     assert done.returncode == 0, shown
@@ -85,12 +75,12 @@ def test_a_mixture_of_a_relative_prepared_directory_and_a_jsonl_zst_file_trains_
     anneal = (f"raytrain-fast pretrain --name mix {SETS} --set storage.uri=runs --set data.cache_dir=cache --set train.steps=8 "
               "--set 'data.sources=[{source: ./data/code, weight: 0.3}, {source: corpora/docs.jsonl.zst, weight: 0.7}]'")
     started = time.monotonic()
-    refused = shell(anneal, cwd=project, home=home, env=head.env)
+    refused = shell(anneal, cwd=project, home=home, env=ray_head.env)
     seconds, shown = time.monotonic() - started, refused.stdout + refused.stderr
     assert refused.returncode == 2 and seconds < 30, (seconds, shown)  # before Ray starts or a checkpoint downloads
     assert "data.sources: code 0.7, docs.jsonl.zst 0.3 -> code 0.3, docs.jsonl.zst 0.7" in refused.stderr, shown
     assert "--set checkpoint.allow_changes=data" in refused.stderr and "Resumed from checkpoint" not in shown, shown
-    done = shell(f"{anneal} --set checkpoint.allow_changes=data", cwd=project, home=home, env=head.env)
+    done = shell(f"{anneal} --set checkpoint.allow_changes=data", cwd=project, home=home, env=ray_head.env)
     shown = done.stdout + done.stderr
     assert done.returncode == 0 and "The mixture changes at step 4" in shown and "Done. Run directory:" in shown, shown
     report = shell("raytrain-fast report --storage runs --name mix", cwd=project, home=home)
@@ -106,14 +96,14 @@ def _damage_the_only_shard(data: Path) -> Path:
     return shard
 
 
-def test_a_damaged_shard_ends_the_run_in_one_attempt_with_exit_2(tmp_path, head):
+def test_a_damaged_shard_ends_the_run_in_one_attempt_with_exit_2(tmp_path, ray_head):
     project, home = tmp_path / "project", tmp_path / "home"
     package_texts(project / "texts", "email")
     prepared = shell("raytrain-fast prepare-data --input texts --output data --seq-len 32", cwd=project, home=home)
     assert prepared.returncode == 0, prepared.stdout + prepared.stderr
     shard = _damage_the_only_shard(project / "data")
     done = shell(f"raytrain-fast pretrain --name damaged {SETS} --set resources.max_failures=3 "
-                 "--set data.source=data --set storage.uri=runs", cwd=project, home=home, env=head.env)
+                 "--set data.source=data --set storage.uri=runs", cwd=project, home=home, env=ray_head.env)
     shown = done.stdout + done.stderr
     assert done.returncode == 2, shown
     last = done.stderr.strip().splitlines()[-1]
@@ -128,11 +118,11 @@ def _leftovers(project: Path) -> list[str]:
     return sorted(p.name for p in project.iterdir() if "export" in p.name)
 
 
-def test_an_hf_export_without_the_tokenizers_extra_loads_in_transformers_and_pads_a_batch(tmp_path, head):
+def test_an_hf_export_without_the_tokenizers_extra_loads_in_transformers_and_pads_a_batch(tmp_path, ray_head):
     project, home = tmp_path / "project", tmp_path / "home"
     project.mkdir()
     trained = shell(f"raytrain-fast pretrain --config llama-tiny --name lt {SETS} --set storage.uri=runs", cwd=project, home=home,
-                    env=head.env)
+                    env=ray_head.env)
     assert trained.returncode == 0, trained.stdout + trained.stderr
     export = "raytrain-fast export --storage runs --name lt --out exported --format hf"
 
