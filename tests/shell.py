@@ -89,6 +89,8 @@ def start_ray_head(home: Path, *, timeout: float = 180) -> RayHead:
     line = f"exec ray start --head --block --num-cpus 2 --temp-dir {temp_dir}/ray --disable-usage-stats {ports}"
     # RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0: the head's processes end at once on SIGTERM (no other effect).
     env = {**fresh_env(home), "RAY_worker_niceness": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    if "PYTHONPATH" in os.environ:  # another source tree under test: its workers import what the drivers import
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     log = open(Path(temp_dir, "ray-head.log"), "w")
     process = subprocess.Popen(["bash", "--noprofile", "--norc", "-c", line], cwd=temp_dir, env=env, stdout=log,
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
