@@ -121,6 +121,11 @@ def stop_ray_head(head: RayHead) -> None:
         os.killpg(head.process.pid, signal.SIGKILL)  # the group of the shell that started it: ours alone
     except ProcessLookupError:
         pass
+    for pid in head.processes():  # one that left the group: its command line names this head's temp dir
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     head.process.wait(timeout=30)
     shutil.rmtree(head.temp_dir, ignore_errors=True)
 
