@@ -15,7 +15,18 @@ import os
 from collections.abc import Iterator
 
 _ENV_SET_BY_RAY_INIT: dict[str, str] = {}
-_IDLE_WORKER_TIMEOUT = "RAY_idle_worker_killing_time_threshold_ms"
+_SHARED_INSTANCE_ENV = {
+    # Ray ends a task's idle worker process after 1 s, so each run on this instance started Ray Data's
+    # read tasks in new processes (each importing ray.data again). Kept for 10 minutes, the next run
+    # reuses them: a 10-step run 16.5 s instead of 18.9 s, 27 instead of 32 CPU seconds (2-core VM).
+    "RAY_idle_worker_killing_time_threshold_ms": "600000",
+    # Ray Train's preemption watcher is an actor process per run (Ray imported, then idle, polling every
+    # 5 s for a drained node). No node of this one-node instance is ever drained: the drills that
+    # drain one (tests/test_elastic.py) run on a cluster of their own, with the watcher on.
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+}
+"""Read by the raylet that ray.init starts, and by the processes it starts: this instance only, not
+the tests' own clusters nor the CLI's instances."""
 
 
 def start_shared_ray() -> None:
@@ -32,16 +43,14 @@ def start_shared_ray() -> None:
         if os.environ.get(key) == value:
             del os.environ[key]
     before = dict(os.environ)
-    # Ray ends a task's idle worker process after 1 s, so each run on this instance started Ray Data's
-    # read tasks in new processes (each importing ray.data again). Kept for 10 minutes, the next run
-    # reuses them: a 10-step run 16.5 s instead of 18.9 s, 27 instead of 32 CPU seconds (2-core VM).
-    # Read by the raylet that ray.init starts: this instance only, not the tests' own clusters.
-    os.environ.setdefault(_IDLE_WORKER_TIMEOUT, "600000")
+    for key, value in _SHARED_INSTANCE_ENV.items():
+        os.environ.setdefault(key, value)
     try:
         ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=True)
     finally:
-        if before.get(_IDLE_WORKER_TIMEOUT) is None:
-            os.environ.pop(_IDLE_WORKER_TIMEOUT, None)
+        for key in _SHARED_INSTANCE_ENV:
+            if before.get(key) is None:
+                os.environ.pop(key, None)
     _ENV_SET_BY_RAY_INIT.update({k: v for k, v in os.environ.items() if before.get(k) != v})
 
 
