@@ -283,6 +283,9 @@ def test_auto_under_a_small_budget_fits_keeps_the_global_batch_and_is_cached(ray
     assert chosen["tokens_per_sec"] == max(p["tokens_per_sec"] for p in probes.values() if p["status"] == "ok")
     assert sorted(probes) in ([1, 2, 4], [1, 2]) and record["micro_batch"] * record["grad_accum"] == 4
     assert f"micro_batch=auto -> micro_batch={record['micro_batch']}, grad_accum={record['grad_accum']}" in out
+    # engine.compile=auto is off on CPUs: the probe built the eager program the run trains, and the run compiled nothing.
+    assert record["key_inputs"]["compile"] == "auto" and chosen["compiled"] is False, record
+    assert "Compile: on" not in out and not any("time/compile_s" in r for r in read_metrics(result.run_dir))
 
     # The run trained at the global batch asked for, and its memory share is measured against the budget.
     assert result.metrics["step"] == 3 and result.metrics["tokens"] == 3 * 4 * 2048
@@ -359,7 +362,8 @@ def test_a_program_of_another_shape_is_a_new_question_for_the_cache(tmp_path):
 @pytest.mark.slow
 def test_the_probe_compiles_the_blocks_when_the_run_does(ray_session, tmp_path, capfd):
     """micro_batch=auto's probe builds the program the run trains (engine/program.py): with
-    engine.compile=on its blocks are compiled as the run's are; with auto (off on CPUs) neither is."""
+    engine.compile=on its blocks are compiled as the run's are (with auto, off on CPUs, neither is:
+    test_auto_under_a_small_budget_fits_keeps_the_global_batch_and_is_cached)."""
     from raytrain_fast.launch.trainer import run
     from raytrain_fast.metrics import read_metrics
 
@@ -371,13 +375,12 @@ def test_the_probe_compiles_the_blocks_when_the_run_does(ray_session, tmp_path, 
             "resources.memory_budget_gb=8", f"engine.compile={setting}", name=name,
         )
 
-    for name, setting, compiled in (("compiled", "on", True), ("eager", "auto", False)):
-        result = run(config(name, setting))
-        out = capfd.readouterr().out
-        (probe,) = next(r for r in _cache_records(tmp_path) if r["key_inputs"]["compile"] == setting)["probes"]
-        assert probe["status"] == "ok" and probe["compiled"] is compiled, probe
-        assert ("Compile: on, 2 blocks compiled on their first step" in out) is compiled, out[-2000:]
-        assert any("time/compile_s" in r for r in read_metrics(result.run_dir)) is compiled
+    result = run(config("compiled", "on"))
+    out = capfd.readouterr().out
+    (probe,) = next(r for r in _cache_records(tmp_path) if r["key_inputs"]["compile"] == "on")["probes"]
+    assert probe["status"] == "ok" and probe["compiled"] is True, probe
+    assert "Compile: on, 2 blocks compiled on their first step" in out, out[-2000:]
+    assert any("time/compile_s" in r for r in read_metrics(result.run_dir))
 
 
 def _cache_records(tmp_path: Path) -> list[dict]:
