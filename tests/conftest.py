@@ -101,6 +101,22 @@ def ray_session():
         ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def micro_run_uninterrupted(ray_session, tmp_path_factory):
+    """tests/test_train.py's micro run (2 workers, ZeRO-2 in bf16, 30 steps, eval and a checkpoint every
+    10) trained once for the session, with `sequences`: what each rank trained on at each step. The
+    clean baseline that test_train.py's resumes and test_health.py's planted divergence compare with."""
+    from raytrain_fast.drills import LoopHooks, RecordSequences
+    from raytrain_fast.launch.trainer import run
+    from tests.test_train import micro_config, recorded_sequences
+
+    shared_ray_back()
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    result = run(micro_config(tmp_path, "straight"), hooks=LoopHooks(RecordSequences(str(tmp_path))))
+    result.sequences = recorded_sequences(tmp_path)
+    return result
+
+
 @pytest.fixture(autouse=True)
 def _shared_ray_is_up(request):
     if "ray_session" in request.fixturenames:

@@ -60,8 +60,9 @@ def written_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in run_dir.glob("checkpoint_*") if p.is_dir())
 
 
-def test_a_planted_nan_gradient_rolls_back_skips_and_finishes_like_a_clean_run(ray_session, tmp_path):
-    clean = run(micro_config(tmp_path, "clean"))
+def test_a_planted_nan_gradient_rolls_back_skips_and_finishes_like_a_clean_run(micro_run_uninterrupted, ray_session, tmp_path):
+    clean = micro_run_uninterrupted  # test_train's micro run without the NaN (and with eval, which changes no step)
+    clean_dir = Path(clean.run_dir)
     # Rank 1's gradient (not its loss) is NaN in step 12: the all-reduced gradient norm of both ranks
     # is NaN, the update is skipped on the device, and the drain at step 15 rolls back to step 10.
     planted = run(micro_config(tmp_path, "planted"), hooks=LoopHooks(Nonfinite(12, rank=1, what="grad")))
@@ -80,14 +81,14 @@ def test_a_planted_nan_gradient_rolls_back_skips_and_finishes_like_a_clean_run(r
     final = json.loads((checkpoints[-1] / "train_state.json").read_text())
     assert final["health"]["rollbacks"][0]["to_step"] == 10  # the skip travels in the train state too
     assert final["data_position"]["consumed"] == 30 * 8 + 40  # 30 steps trained, 40 sequences skipped
-    clean_records = "".join(p.read_text() for p in (tmp_path / "runs" / "clean" / "metrics").rglob("*") if p.is_file())
+    clean_records = "".join(p.read_text() for p in (clean_dir / "metrics").rglob("*") if p.is_file())
     assert "train/loss" in clean_records and "health/" not in clean_records  # no rollback, no spike on a clean run
     planted_records = "".join(p.read_text() for p in (run_dir / "metrics").rglob("*") if p.is_file())
     assert "health/nonfinite" in planted_records and "health/rollback" in planted_records
     clean_loss, planted_loss = clean.metrics["train/loss"], planted.metrics["train/loss"]
     assert math.isfinite(planted_loss) and abs(planted_loss - clean_loss) <= 0.1 * clean_loss
     # The report names the divergence, the checkpoint it went back to and the data it skipped; the clean run has none.
-    assert not {"divergence", "spike"} & set(diagnose(load_run(str(tmp_path / "runs"), "clean")).keys())
+    assert not {"divergence", "spike"} & set(diagnose(load_run(str(clean_dir.parent), clean_dir.name)).keys())
     found = [f for f in diagnose(load_run(str(tmp_path / "runs"), "planted")).findings if f.key == "divergence"]
     assert [(f.numbers["step"], f.numbers["to_step"], f.numbers["skipped_sequences"]) for f in found] == [(15, 10, 40)]
     assert "Divergence at step 15: rolled back to step 10" == found[0].title

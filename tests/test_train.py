@@ -46,12 +46,10 @@ def recorded_sequences(directory: Path) -> dict[int, dict[int, list[int]]]:
     return seen
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(ray_session, tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("uninterrupted")
-    result = run(micro_config(tmp_path, "straight"), hooks=LoopHooks(RecordSequences(str(tmp_path))))
-    result.sequences = recorded_sequences(tmp_path)
-    return result
+@pytest.fixture
+def uninterrupted(micro_run_uninterrupted):
+    """micro_config's run, trained once for the session (tests/conftest.py)."""
+    return micro_run_uninterrupted
 
 
 def test_two_worker_zero2_bf16_loss_falls_and_checkpoint_has_both_shards(uninterrupted):
