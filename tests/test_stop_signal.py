@@ -82,8 +82,9 @@ class _Cli:
 def test_ctrl_c_and_sigterm_each_save_a_checkpoint_the_same_command_continues_from(tmp_path):
     """Ctrl-C as a terminal sends it: SIGINT to the whole foreground process group (the driver and
     the Ray processes it started; Ray Train's own SIGINT handler would abort the run unsaved): exit
-    130 with a checkpoint. The same command continues from it, and a SIGTERM (as `ray job stop`,
-    Kubernetes or Slurm send it) stops that run with a checkpoint too (exit 143)."""
+    130 with a checkpoint. The same command continues from it, its output piped to tee, and a SIGTERM
+    (as `ray job stop`, Kubernetes or Slurm send it) to tee and then to the run stops that run with a
+    checkpoint too (exit 143)."""
     first = _Cli(tmp_path, "--set", "train.steps=100000", terminal=True)
     first.wait_for(r"step\s+6/100000", timeout_s=240)
     os.killpg(first.process.pid, signal.SIGINT)
@@ -97,17 +98,21 @@ def test_ctrl_c_and_sigterm_each_save_a_checkpoint_the_same_command_continues_fr
     assert [(c.step, c.complete) for c in run.checkpoints] == [(interrupted, True)]
     assert 6 <= interrupted < 100000
 
-    second = _Cli(tmp_path, "--resume", "must", "--set", "train.steps=100000")
-    second.wait_for(rf"step\s+{interrupted + 4}/100000", timeout_s=240)
-    second.process.send_signal(signal.SIGTERM)
-    code = second.finish(timeout_s=120)
-    assert code == 128 + signal.SIGTERM, second.output
-    assert f"Resumed from checkpoint at step {interrupted}" in second.output
-    assert re.findall(r"Precision: .*", second.output) == [f"Precision: fp32 (kept from the checkpoint at step {interrupted})"]
-    saved = int(second.wait_for(r"saved a checkpoint at step (\d+) and stopped", timeout_s=1).group(1))
-    assert "Stopped by SIGTERM" in second.output
-    [run] = [r for r in list_runs(str(tmp_path / "runs"), StorageConfig()) if r.name == "stopme"]
-    assert saved > interrupted and (saved, True) in [(c.step, c.complete) for c in run.checkpoints]
+    # The same command again, its output piped to tee as `... 2>&1 | tee run.log`; SIGTERM to tee, then to
+    # the run: the pipe closes under the run, which still saves and exits 143.
+    run, tee = _piped_to_tee(tmp_path, "--resume", "must", "--set", "train.steps=100000")
+    try:
+        _wait_for_line(tmp_path / "run.log", rf"step\s+{interrupted + 4}/100000", timeout_s=240, process=run)
+        code = _stop_through_tee(run, tee, signal.SIGTERM)
+    finally:
+        _end(run, tee)
+    log = (tmp_path / "run.log").read_text(errors="replace")
+    assert code == 128 + signal.SIGTERM, log
+    assert f"Resumed from checkpoint at step {interrupted}" in log
+    assert re.findall(r"Precision: .*", log) == [f"Precision: fp32 (kept from the checkpoint at step {interrupted})"]
+    [found] = [r for r in list_runs(str(tmp_path / "runs"), StorageConfig()) if r.name == "stopme"]
+    newest = max(found.checkpoints, key=lambda c: c.step)
+    assert newest.complete and newest.step > interrupted, log  # the SIGTERM's, past the Ctrl-C's
 
 
 def _wait_for_line(path: Path, pattern: str, *, timeout_s: float, process: subprocess.Popen) -> re.Match:
@@ -122,17 +127,14 @@ def _wait_for_line(path: Path, pattern: str, *, timeout_s: float, process: subpr
     raise AssertionError(f"no line matching {pattern!r} within {timeout_s}s; {path.name}:\n{text}")
 
 
-@pytest.mark.parametrize("notice", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
-def test_a_stop_notice_with_the_output_piped_to_tee_saves_a_checkpoint(tmp_path, notice):
-    """`raytrain-fast pretrain ... 2>&1 | tee run.log`, then Ctrl-C (the terminal sends SIGINT to the
-    whole job: tee exits on it) or SIGTERM to tee and then to the run: the pipe closes under the run,
-    which still saves and exits 128 + the signal (130, 143). (A SIGTERM to the whole process group
-    also reaches the local Ray instance's own processes, which end on it.)"""
+def _piped_to_tee(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """`raytrain-fast pretrain ... 2>&1 | tee run.log` as a shell starts the job: both in the job's own
+    process group, Ctrl-C at its default."""
     program = str(Path(sys.executable).parent / "raytrain-fast")
     env = {**os.environ, "RAY_ADDRESS": "local"}
     default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731 - as a terminal's job starts
     run = subprocess.Popen(
-        [program, "pretrain", "--config", "tiny", "--name", "stopme", "--set", "train.steps=100000",
+        [program, "pretrain", "--config", "tiny", "--name", "stopme", *args,
          *[item for value in MICRO for item in ("--set", value)], "--set", f"storage.uri={tmp_path / 'runs'}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=tmp_path,
         process_group=0, preexec_fn=default_sigint,  # the job's own process group, as a shell makes one
@@ -141,23 +143,41 @@ def test_a_stop_notice_with_the_output_piped_to_tee_saves_a_checkpoint(tmp_path,
                            process_group=run.pid, preexec_fn=default_sigint)
     assert run.stdout is not None
     run.stdout.close()  # tee alone reads the pipe, as in a shell
+    return run, tee
+
+
+def _stop_through_tee(run: subprocess.Popen, tee: subprocess.Popen, notice: int) -> int:
+    """Ctrl-C (the terminal sends SIGINT to the whole job: tee exits on it) or SIGTERM to tee and then to
+    the run; the run's exit status."""
+    if notice == signal.SIGINT:
+        os.killpg(run.pid, notice)
+    else:
+        tee.send_signal(notice)
+    assert tee.wait(timeout=30) == -notice  # the pipe's reader is gone
+    if notice == signal.SIGTERM:
+        run.send_signal(notice)
+    return run.wait(timeout=180)
+
+
+def _end(*processes: subprocess.Popen) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_ctrl_c_with_the_output_piped_to_tee_saves_a_checkpoint(tmp_path):
+    """`raytrain-fast pretrain ... 2>&1 | tee run.log`, then Ctrl-C: the pipe closes under the run, which
+    still saves and exits 130 (SIGTERM through tee: the resumed run of the test above). (A SIGTERM to
+    the whole process group also reaches the local Ray instance's own processes, which end on it.)"""
+    run, tee = _piped_to_tee(tmp_path, "--set", "train.steps=100000")
     try:
         _wait_for_line(tmp_path / "run.log", r"step\s+6/100000", timeout_s=240, process=run)
-        if notice == signal.SIGINT:
-            os.killpg(run.pid, notice)
-        else:
-            tee.send_signal(notice)
-        assert tee.wait(timeout=30) == -notice  # the pipe's reader is gone
-        if notice == signal.SIGTERM:
-            run.send_signal(notice)
-        code = run.wait(timeout=180)
+        code = _stop_through_tee(run, tee, signal.SIGINT)
     finally:
-        for process in (run, tee):
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        _end(run, tee)
     log = (tmp_path / "run.log").read_text(errors="replace")
-    assert code == 128 + notice, log
+    assert code == 128 + signal.SIGINT, log
     [found] = [r for r in list_runs(str(tmp_path / "runs"), StorageConfig()) if r.name == "stopme"]
     assert [c.complete for c in found.checkpoints] == [True], log
     assert 6 <= found.checkpoints[0].step < 100000
