@@ -64,15 +64,26 @@ class RayHead:
 
     def processes(self) -> list[int]:
         """Live processes of this head node: those whose command line names its temp dir."""
-        alive = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    if self.temp_dir.encode() in (entry / "cmdline").read_bytes():
-                        alive.append(int(entry.name))
-                except OSError:
-                    continue
-        return alive
+        return processes_naming(self.temp_dir)
+
+
+HEAD_PORTS = ("port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
+              "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port")
+"""The `ray start --head` options that name a port: a test's head takes free ones for all of them, as
+other Ray instances share the machine."""
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains `text` (a head node's temp dir names all of its own)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    alive.append(int(entry.name))
+            except OSError:
+                continue
+    return alive
 
 
 def start_ray_head(home: Path, *, timeout: float = 180) -> RayHead:
@@ -81,11 +92,7 @@ def start_ray_head(home: Path, *, timeout: float = 180) -> RayHead:
     from tests.s3_server import free_port
 
     temp_dir = tempfile.mkdtemp(prefix="rtf-head-", dir="/tmp")  # short: Ray's Unix sockets live under it
-    ports = " ".join(
-        f"--{name} {free_port()}"
-        for name in ("port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
-                     "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port")
-    )
+    ports = " ".join(f"--{name} {free_port()}" for name in HEAD_PORTS)
     line = f"exec ray start --head --block --num-cpus 2 --temp-dir {temp_dir}/ray --disable-usage-stats {ports}"
     # RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0: the head's processes end at once on SIGTERM (no other effect).
     env = {**fresh_env(home), "RAY_worker_niceness": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 from tests.s3_server import free_port
+from tests.shell import HEAD_PORTS, processes_naming
 from tests.test_cluster import commands, doc_section
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -85,15 +86,7 @@ class Head:
 
     def processes(self) -> list[int]:
         """Live processes of this head node: those whose command line names its temp dir."""
-        alive = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    if self.temp_dir.encode() in (entry / "cmdline").read_bytes():
-                        alive.append(int(entry.name))
-                except OSError:
-                    continue
-        return alive
+        return processes_naming(self.temp_dir)
 
 
 def user_env(home: Path) -> dict[str, str]:
@@ -111,11 +104,7 @@ def start_head(home: Path) -> Head:
     """The page's lines up to the first `ray job` command, in a working directory of their own, with
     this test's ports and temp dir added to `ray start --head` (other Ray instances share the machine)."""
     temp_dir = tempfile.mkdtemp(prefix="rtf-job-", dir="/tmp")  # short: Ray's Unix sockets live under it
-    ports = {
-        name: free_port()
-        for name in ("port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
-                     "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port")
-    }
+    ports = {name: free_port() for name in HEAD_PORTS}
     ours = " ".join([f"--num-cpus 2 --temp-dir {temp_dir}/ray --disable-usage-stats",
                      *(f"--{name} {port}" for name, port in ports.items())])
     lines = documented()
