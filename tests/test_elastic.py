@@ -374,7 +374,7 @@ def test_an_elastic_run_goes_on_with_one_worker_when_a_node_goes_and_grows_back(
         # Two workers train on from there: a logged step past the regrowth, then a stop notice. Running on to step
         # 300 showed nothing more (the drained-node test runs an elastic restart to its end).
         cli.wait_for(r"step\s+(\d+)/300", timeout_s=150, after=cli.lines[-1][0],
-                                 accept=lambda m: int(m[1]) >= int(grown[1]) + 2)
+                     accept=lambda m: int(m[1]) >= int(grown[1]) + 2)
         cli.process.send_signal(signal.SIGTERM)
         assert cli.finish(timeout_s=240) == 128 + signal.SIGTERM, cli.output
     finally:

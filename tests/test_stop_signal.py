@@ -100,13 +100,8 @@ def test_ctrl_c_and_sigterm_each_save_a_checkpoint_the_same_command_continues_fr
 
     # The same command again, its output piped to tee as `... 2>&1 | tee run.log`; SIGTERM to tee, then to
     # the run: the pipe closes under the run, which still saves and exits 143.
-    run, tee = _piped_to_tee(tmp_path, "--resume", "must", "--set", "train.steps=100000")
-    try:
-        _wait_for_line(tmp_path / "run.log", rf"step\s+{interrupted + 4}/100000", timeout_s=240, process=run)
-        code = _stop_through_tee(run, tee, signal.SIGTERM)
-    finally:
-        _end(run, tee)
-    log = (tmp_path / "run.log").read_text(errors="replace")
+    code, log = _stopped_through_tee(tmp_path, "--resume", "must", "--set", "train.steps=100000",
+                                     at=rf"step\s+{interrupted + 4}/100000", notice=signal.SIGTERM)
     assert code == 128 + signal.SIGTERM, log
     assert f"Resumed from checkpoint at step {interrupted}" in log
     assert re.findall(r"Precision: .*", log) == [f"Precision: fp32 (kept from the checkpoint at step {interrupted})"]
@@ -146,37 +141,33 @@ def _piped_to_tee(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, subproc
     return run, tee
 
 
-def _stop_through_tee(run: subprocess.Popen, tee: subprocess.Popen, notice: int) -> int:
-    """Ctrl-C (the terminal sends SIGINT to the whole job: tee exits on it) or SIGTERM to tee and then to
-    the run; the run's exit status."""
-    if notice == signal.SIGINT:
-        os.killpg(run.pid, notice)
-    else:
-        tee.send_signal(notice)
-    assert tee.wait(timeout=30) == -notice  # the pipe's reader is gone
-    if notice == signal.SIGTERM:
-        run.send_signal(notice)
-    return run.wait(timeout=180)
-
-
-def _end(*processes: subprocess.Popen) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+def _stopped_through_tee(tmp_path: Path, *args: str, at: str, notice: int) -> tuple[int, str]:
+    """The run piped to tee, stopped once run.log shows `at`: Ctrl-C (the terminal sends SIGINT to the
+    whole job: tee exits on it) or SIGTERM to tee and then to the run. The run's exit status and run.log."""
+    run, tee = _piped_to_tee(tmp_path, *args)
+    try:
+        _wait_for_line(tmp_path / "run.log", at, timeout_s=240, process=run)
+        if notice == signal.SIGINT:
+            os.killpg(run.pid, notice)
+        else:
+            tee.send_signal(notice)
+        assert tee.wait(timeout=30) == -notice  # the pipe's reader is gone
+        if notice == signal.SIGTERM:
+            run.send_signal(notice)
+        code = run.wait(timeout=180)
+    finally:
+        for process in (run, tee):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return code, (tmp_path / "run.log").read_text(errors="replace")
 
 
 def test_a_ctrl_c_with_the_output_piped_to_tee_saves_a_checkpoint(tmp_path):
     """`raytrain-fast pretrain ... 2>&1 | tee run.log`, then Ctrl-C: the pipe closes under the run, which
     still saves and exits 130 (SIGTERM through tee: the resumed run of the test above). (A SIGTERM to
     the whole process group also reaches the local Ray instance's own processes, which end on it.)"""
-    run, tee = _piped_to_tee(tmp_path, "--set", "train.steps=100000")
-    try:
-        _wait_for_line(tmp_path / "run.log", r"step\s+6/100000", timeout_s=240, process=run)
-        code = _stop_through_tee(run, tee, signal.SIGINT)
-    finally:
-        _end(run, tee)
-    log = (tmp_path / "run.log").read_text(errors="replace")
+    code, log = _stopped_through_tee(tmp_path, "--set", "train.steps=100000", at=r"step\s+6/100000", notice=signal.SIGINT)
     assert code == 128 + signal.SIGINT, log
     [found] = [r for r in list_runs(str(tmp_path / "runs"), StorageConfig()) if r.name == "stopme"]
     assert [c.complete for c in found.checkpoints] == [True], log
