@@ -131,7 +131,6 @@ def bench_data(
     seq_len: int = 128,
     prefetch_batches: int = 2,
     seed: int = 0,
-    threads: int | None = None,
     cache_dir: str = DEFAULT_CACHE_DIR,
     source: str = "stdlib",
     verbose: bool = True,
@@ -146,7 +145,7 @@ def bench_data(
 
     from raytrain_fast.data import ensure_prepared_corpus, load_manifest
 
-    threads = threads or min(2, os.cpu_count() or 1)
+    threads = min(2, os.cpu_count() or 1)
     torch.set_num_threads(threads)
     started = time.perf_counter()
     uri = ensure_prepared_corpus(source, seq_len=seq_len, cache_dir=cache_dir, verbose=verbose)

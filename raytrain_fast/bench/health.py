@@ -16,8 +16,11 @@ from raytrain_fast.console import say
 
 def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmup_steps: int = 5,
                  precision: str = "auto", threads: int = 0, ops_calls: int = 5000) -> dict[str, Any]:
+    import torch
+
     from raytrain_fast.bench.overhead_setup import OverheadSetup
     from raytrain_fast.engine.program import prepare_process
+    from raytrain_fast.metrics.peak import cpu_model_name
 
     if steps < 1 or rounds < 2 or warmup_steps < 0 or ops_calls < 1:
         raise ConfigError(f"bench health needs --steps >= 1, --rounds >= 2 (a ratio per round, the median of them), --warmup-steps "
@@ -41,8 +44,21 @@ def bench_health(*, size: str = "tiny", steps: int = 20, rounds: int = 10, warmu
             f"with {seconds['with'] * 1e3:.1f} ms/step", stderr=True)  # progress on stderr: stdout is the JSON alone
 
     ops = _ops_cost(bare.optimizer, device, calls=ops_calls, rounds=rounds)
-    return _report(size=size, setup=setup, device=device, optimizer=bare.optimizer, per_step=per_step, ratios=ratios,
-                   orders=orders, steps=steps, rounds=rounds, ops=ops)
+    without, with_checks = statistics.median(per_step["without"]), statistics.median(per_step["with"])
+    return {
+        "bench": "health",
+        "what": "one bare training step with the divergence checks (found_inf for the fused AdamW, a where on the "
+                "norm) vs without them; median over interleaved rounds",
+        "model": size, "d_model": setup.d_model, "layers": setup.num_layers, "micro_batch": setup.micro_batch,
+        "seq_len": setup.seq_len, "precision": setup.precision, "threads": torch.get_num_threads(),
+        "fused_adamw": bool(bare.optimizer.defaults.get("fused")), "device": str(device),
+        "cpu": cpu_model_name(), "cpu_cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+        "steps_per_round": steps, "rounds": rounds, "order": orders,
+        "step_ms_without": without * 1e3, "step_ms_with": with_checks * 1e3,
+        "ratio_with_over_without": statistics.median(ratios),
+        "ratio_min": min(ratios), "ratio_max": max(ratios),
+        **ops,
+    }
 
 
 class _BareStep:
@@ -107,29 +123,6 @@ class _PlainSums:
 
     def add_grad_norm(self, grad_norm: Any) -> None:
         self.sums[1].add_(grad_norm.detach())
-
-
-def _report(*, size: str, setup: Any, device: Any, optimizer: Any, per_step: dict[str, list[float]], ratios: list[float],
-            orders: list[list[str]], steps: int, rounds: int, ops: dict[str, float]) -> dict[str, Any]:
-    import torch
-
-    from raytrain_fast.metrics.peak import cpu_model_name
-
-    without, with_checks = statistics.median(per_step["without"]), statistics.median(per_step["with"])
-    return {
-        "bench": "health",
-        "what": "one bare training step with the divergence checks (found_inf for the fused AdamW, a where on the "
-                "norm) vs without them; median over interleaved rounds",
-        "model": size, "d_model": setup.d_model, "layers": setup.num_layers, "micro_batch": setup.micro_batch,
-        "seq_len": setup.seq_len, "precision": setup.precision, "threads": torch.get_num_threads(),
-        "fused_adamw": bool(optimizer.defaults.get("fused")), "device": str(device),
-        "cpu": cpu_model_name(), "cpu_cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
-        "steps_per_round": steps, "rounds": rounds, "order": orders,
-        "step_ms_without": without * 1e3, "step_ms_with": with_checks * 1e3,
-        "ratio_with_over_without": statistics.median(ratios),
-        "ratio_min": min(ratios), "ratio_max": max(ratios),
-        **ops,
-    }
 
 
 def _ops_cost(optimizer: Any, device: Any, *, calls: int, rounds: int) -> dict[str, float]:

@@ -23,7 +23,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from raytrain_fast.loop.hooks import StepHooks
@@ -46,8 +46,22 @@ class ClockHooks(StepHooks):
     memory_batches: tuple[int, int, int] | None = None
     """(micro_batch, seq_len, seed): train on in-memory random batches instead of the run's data."""
 
+    rank: int = field(default=0, repr=False)
+    """The worker this copy runs on (set by `for_rank`; not in the run's notice of its hooks): only rank 0
+    keeps the clock."""
+
     def for_rank(self, rank: int) -> StepHooks:
-        return _ClockRank(self, rank)
+        return replace(self, rank=rank)
+
+    def batches(self, data: Iterator[Any], *, current_step: Callable[[], int]) -> Iterator[Any]:
+        source: Iterator[Any] = data
+        if self.memory_batches is not None:
+            micro_batch, seq_len, seed = self.memory_batches
+            source = in_memory_batches(micro_batch=micro_batch, seq_len=seq_len, seed=seed, device=getattr(data, "device", "cpu"))
+            getattr(data, "close", lambda: None)()  # the Ray Data pipeline stops: nothing of it runs during the steps
+        if self.rank != 0 or not self.timing_file:
+            return source
+        return _clocked(source, current_step, self)
 
 
 def in_memory_batches(*, micro_batch: int, seq_len: int, seed: int, device: Any = "cpu") -> Iterator[tuple[Any, Any]]:
@@ -59,24 +73,6 @@ def in_memory_batches(*, micro_batch: int, seq_len: int, seed: int, device: Any 
     seq_ids = torch.arange(micro_batch, dtype=torch.int64)
     for tokens in itertools.cycle(token_batches(micro_batch, seq_len, seed, device)):
         yield tokens, seq_ids
-
-
-class _ClockRank(StepHooks):
-    order = -1
-
-    def __init__(self, hooks: ClockHooks, rank: int) -> None:
-        self._clock, self.rank = hooks, rank
-
-    def batches(self, data: Iterator[Any], *, current_step: Callable[[], int]) -> Iterator[Any]:
-        clock = self._clock
-        source: Iterator[Any] = data
-        if clock.memory_batches is not None:
-            micro_batch, seq_len, seed = clock.memory_batches
-            source = in_memory_batches(micro_batch=micro_batch, seq_len=seq_len, seed=seed, device=getattr(data, "device", "cpu"))
-            getattr(data, "close", lambda: None)()  # the Ray Data pipeline stops: nothing of it runs during the steps
-        if self.rank != 0 or not clock.timing_file:
-            return source
-        return _clocked(source, current_step, clock)
 
 
 def _clocked(source: Iterator[Any], current_step: Callable[[], int], clock: ClockHooks) -> Iterator[Any]:

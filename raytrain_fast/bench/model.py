@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import multiprocessing
 import os
 import sys
@@ -145,6 +144,7 @@ def _mfu_inputs(config: Any, *, precision: str, seq_len: int, seed: int, peak_se
     """FLOPs per token (counted on the eager model, no recomputation) and the measured peak, here."""
     import torch
 
+    from raytrain_fast.bench.model_worker import release_cached_memory
     from raytrain_fast.engine import training_device
     from raytrain_fast.metrics.setup import mfu_inputs
     from raytrain_fast.model import build_model
@@ -157,9 +157,7 @@ def _mfu_inputs(config: Any, *, precision: str, seq_len: int, seed: int, peak_se
     inputs = mfu_inputs(_LocalCoordinator(), metrics, rank=0, model=model, sample_tokens=sample, device=device,
                         precision=precision, measure_peak=True)
     del model, sample
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_cached_memory(device)
     return inputs
 
 
@@ -178,6 +176,8 @@ def _machine() -> dict[str, Any]:
 
 def bench_model(setup: ModelBenchSetup) -> dict[str, Any]:
     """Run the bench; returns the report (see the module docstring). Progress goes to stderr."""
+    import torch
+
     variants = parse_variants(setup.variants)
     problems = setup.problems()
     if problems:
@@ -195,9 +195,21 @@ def bench_model(setup: ModelBenchSetup) -> dict[str, Any]:
         jobs = _jobs(setup, variants, config=config, precision=precision, threads=threads, seed=seed)
         with _cold_compile_caches(jobs):
             measured = _measure(setup, jobs)
-    report = _report(setup, variants, measured, mfu=mfu, precision=precision, why=why, threads=threads)
-    report["wall_s"] = time.perf_counter() - started
-    return report
+    per_variant = {name: _variant_report(name, measured[name], mfu=mfu) for name in variants}
+    bare = per_variant.get("bare")
+    for entry in per_variant.values():
+        entry["ratio_vs_bare"] = entry["tokens_per_sec"] / bare["tokens_per_sec"] if bare else None
+    return {
+        "device": "cuda" if torch.cuda.is_available() else "cpu", "device_name": mfu.device_name,
+        "machine": _machine(), "preset": setup.preset, "seq_len": setup.seq_len, "micro_batch": setup.micro_batch,
+        "grad_accum": setup.grad_accum, "precision": precision, "precision_reason": why, "threads": threads, "steps": setup.steps,
+        "steps_per_round": setup.steps_per_round(), "rounds": setup.rounds, "warmup_steps": setup.warmup_steps,
+        "order": measured["_order"]["order"], "load_avg_1m": measured["_order"]["load_avg_1m"],
+        "peak_tflops": peak / 1e12 if peak else None, "peak_dtype": mfu.dtype,
+        "datasheet_peak_tflops": mfu.datasheet_peak_flops / 1e12 if mfu.datasheet_peak_flops else None,
+        "flops_per_token": mfu.flops_per_token, "counted_flops_per_token": mfu.counted_flops_per_token,
+        "variants": per_variant, "ac_memory_cut": _ac_cut(per_variant), "wall_s": time.perf_counter() - started,
+    }
 
 
 def _jobs(setup: ModelBenchSetup, variants: list[str], *, config: Any, precision: str, threads: int, seed: int) -> list[dict[str, Any]]:
@@ -335,28 +347,6 @@ def _ac_cut(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "step_time_cost": b["tokens_per_sec"] / a["tokens_per_sec"] - 1,
         }
     return cuts
-
-
-def _report(setup: ModelBenchSetup, variants: list[str], measured: dict[str, dict[str, Any]], *, mfu: Any,
-            precision: str, why: str, threads: int) -> dict[str, Any]:
-    import torch
-
-    per_variant = {name: _variant_report(name, measured[name], mfu=mfu) for name in variants}
-    bare = per_variant.get("bare")
-    for entry in per_variant.values():
-        entry["ratio_vs_bare"] = entry["tokens_per_sec"] / bare["tokens_per_sec"] if bare else None
-    peak = mfu.measured_peak_flops
-    return {
-        "device": "cuda" if torch.cuda.is_available() else "cpu", "device_name": mfu.device_name,
-        "machine": _machine(), "preset": setup.preset, "seq_len": setup.seq_len, "micro_batch": setup.micro_batch,
-        "grad_accum": setup.grad_accum, "precision": precision, "precision_reason": why, "threads": threads, "steps": setup.steps,
-        "steps_per_round": setup.steps_per_round(), "rounds": setup.rounds, "warmup_steps": setup.warmup_steps,
-        "order": measured["_order"]["order"], "load_avg_1m": measured["_order"]["load_avg_1m"],
-        "peak_tflops": peak / 1e12 if peak else None, "peak_dtype": mfu.dtype,
-        "datasheet_peak_tflops": mfu.datasheet_peak_flops / 1e12 if mfu.datasheet_peak_flops else None,
-        "flops_per_token": mfu.flops_per_token, "counted_flops_per_token": mfu.counted_flops_per_token,
-        "variants": per_variant, "ac_memory_cut": _ac_cut(per_variant),
-    }
 
 
 def add_arguments(parser: Any) -> None:

@@ -18,7 +18,7 @@ from raytrain_fast.errors import RaytrainFastError
 COMPILED_VARIANTS = {"engine_compiled", "engine_compiled_ac"}
 
 
-def _release_cached_memory(device: Any) -> None:
+def release_cached_memory(device: Any) -> None:
     """Hand the memory the allocator keeps free for reuse back to the system, so the memory in use
     read next is what the process holds live: glibc's malloc keeps freed heap pages (a step's
     activations, mostly) in the RSS, CUDA's caching allocator keeps freed blocks reserved."""
@@ -58,7 +58,7 @@ class _Variant:
         tokens = torch.randint(0, config.model.vocab_size, (self.micro_batch, self.seq_len + 1), generator=generator)
         self.tokens = tokens.to(device)
         self._build(config)
-        _release_cached_memory(device)
+        release_cached_memory(device)
         self.setup_s = time.perf_counter() - started
         self.built_gb = memory_in_use_gb(device)
         reset_peak_memory(device)
@@ -113,7 +113,7 @@ class _Variant:
             self._sync()
             step_s.append(time.perf_counter() - start)
         warmup_peak_gb = peak_memory_gb(self.device)
-        _release_cached_memory(self.device)
+        release_cached_memory(self.device)
         result = {"step_s": step_s, "warmup_peak_gb": warmup_peak_gb, "setup_gb": memory_in_use_gb(self.device)}
         reset_peak_memory(self.device)
         return result

@@ -14,7 +14,6 @@ from typing import Any, Iterable, TypeVar
 from raytrain_fast.errors import RaytrainFastError
 
 OK, OVER_BUDGET, OOM, FAILED = "ok", "over_budget", "oom", "failed"
-_GB = 1e9
 _REASON_CHARS = 200
 
 _OOM_ERRORS = frozenset({"OutOfMemoryError"})
