@@ -87,19 +87,15 @@ def find_resumable_checkpoint(
     """
     skipped: list[tuple[str, str]] = []
     for _, path in list_checkpoint_dirs(filesystem, run_path):
-        unhealthy = checkpoint_health(filesystem, path)
-        if unhealthy:
-            skipped.append((path, unhealthy))
-            continue
-        if download_to is not None:
+        reason = checkpoint_health(filesystem, path)
+        if not reason and download_to is None:
+            reason = verify_checkpoint(filesystem, path)[1]
+        elif not reason:
             try:
                 download_checkpoint(filesystem, path, download_to)
-                return path, skipped
             except IncompleteCheckpointError as error:
-                skipped.append((path, error.reason))
-                continue
-        ok, reason = verify_checkpoint(filesystem, path)
-        if ok:
+                reason = error.reason
+        if not reason:
             return path, skipped
         skipped.append((path, reason))
     return None, skipped

@@ -177,8 +177,12 @@ def _checkpoint_model(local_dir: str, config: ModelConfig, *, dtype: str) -> tup
 
 
 def read_run_config(local_dir: str) -> dict[str, Any]:
+    """The config.yaml in `local_dir` (a checkpoint's or an export's) as a dict ({} when it has none)."""
     path = Path(local_dir, CONFIG_FILE)
-    data = yaml.safe_load(path.read_text()) if path.exists() else None
+    try:
+        data = yaml.safe_load(path.read_text()) if path.exists() else None
+    except (OSError, yaml.YAMLError):
+        return {}
     return data if isinstance(data, dict) else {}
 
 
@@ -191,12 +195,7 @@ def _run_tasks(run_config: dict[str, Any]) -> dict[str, Any]:
 
 def exported_eval_section(out_dir: str) -> dict[str, Any]:
     """The run's eval.tasks and task_limit from an export's config.yaml ({} when it has none)."""
-    path = Path(out_dir, CONFIG_FILE)
-    try:
-        data = yaml.safe_load(path.read_text()) if path.exists() else None
-    except (OSError, yaml.YAMLError):
-        return {}
-    section = ((data or {}).get("export") or {}).get("eval") if isinstance(data, dict) else None
+    section = (read_run_config(out_dir).get("export") or {}).get("eval")
     return section if isinstance(section, dict) else {}
 
 
