@@ -15,6 +15,7 @@ the copies itself. On a CPU the copies are done when `save` returns.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import queue
@@ -92,9 +93,7 @@ class HostBuffers:
         """Free buffers for every tensor of `tensors` that the pool cannot already serve, allocated
         now (pinned if any tensor is on a GPU); returns the bytes allocated."""
         pinned = any(t.is_cuda for t in tensors)
-        wanted: dict[tuple[torch.dtype, tuple[int, ...]], int] = {}
-        for t in {_same(t): t for t in tensors}.values():
-            wanted[_key(t)] = wanted.get(_key(t), 0) + 1
+        wanted = collections.Counter(_key(t) for t in {_same(t): t for t in tensors}.values())
         added = 0
         for (dtype, shape), count in wanted.items():
             with self._lock:
