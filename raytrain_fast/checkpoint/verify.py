@@ -33,12 +33,12 @@ _CHECKPOINT_DIR_RE = re.compile(r"^checkpoint_(\d+)$")
 class CheckpointStatus:
     path: str
     step: int | None
-    world_size: int | None
-    ranks_found: list[int]
-    num_bytes: int
+    world_size: int | None = None
+    ranks_found: list[int] = field(default_factory=list)
+    num_bytes: int = 0
     """Bytes of all files in the checkpoint directory."""
-    complete: bool
-    reason: str
+    complete: bool = False
+    reason: str = ""
     """Why it is not complete ('' when complete)."""
     manifests: list[RankManifest] = field(default_factory=list, repr=False)
 
@@ -68,10 +68,7 @@ def inspect_checkpoint(filesystem: pafs.FileSystem, path: str, *, checksums: boo
     cheap enough for listing runs. checksums=True also reads every listed file.
     """
     path = path.rstrip("/")
-    status = CheckpointStatus(
-        path=path, step=step_from_name(path), world_size=None, ranks_found=[], num_bytes=0,
-        complete=False, reason="",
-    )
+    status = CheckpointStatus(path=path, step=step_from_name(path))
     status.reason = _inspect(filesystem, path, status, checksums=checksums)
     status.complete = not status.reason
     return status
