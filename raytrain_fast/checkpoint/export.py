@@ -26,9 +26,9 @@ from typing import Any, Literal
 
 import yaml
 
-from raytrain_fast.checkpoint.layout import CONFIG_FILE, DEEPSPEED_TAG, STATE_FILE
+from raytrain_fast.checkpoint.layout import CONFIG_FILE, DEEPSPEED_TAG
 from raytrain_fast.checkpoint.download import download_checkpoint, find_resumable_checkpoint
-from raytrain_fast.checkpoint.verify import list_checkpoint_dirs
+from raytrain_fast.checkpoint.verify import list_checkpoint_dirs, saved_state
 from raytrain_fast.console import say
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.model import GPT, ModelConfig, model_class
@@ -201,13 +201,9 @@ def exported_eval_section(out_dir: str) -> dict[str, Any]:
 
 def _losses_at_save(local_dir: str) -> dict[str, float]:
     """The exported step's val/loss and train/loss as saved with the checkpoint (those it has)."""
-    import json
+    import pyarrow.fs as pafs
 
-    path = Path(local_dir, STATE_FILE)
-    try:
-        metrics = json.loads(path.read_text()).get("metrics") or {}
-    except (OSError, ValueError):
-        return {}
+    metrics = saved_state(pafs.LocalFileSystem(), local_dir).get("metrics") or {}
     return {name.replace("/", "_"): float(metrics[name]) for name in ("val/loss", "train/loss") if name in metrics}
 
 

@@ -100,12 +100,8 @@ class RankManifest:
 
 
 def write_rank_manifest(local_dir: str, *, rank: int, world_size: int, step: int) -> RankManifest:
-    """List, size and checksum every file this rank wrote into `local_dir`; write the manifest last.
-
-    Call after every other file of this rank's checkpoint is written (DeepSpeed's save, the train
-    state, the config) and before `ray.train.report`. Costs one read of the rank's files, normally
-    from the page cache.
-    """
+    """List, size and checksum every file this rank wrote into `local_dir`; write the manifest last,
+    once every other file of the rank's checkpoint is written (one read of them, normally from the page cache)."""
     algorithm = DEFAULT_ALGORITHM
     root = Path(local_dir)
     entries: list[FileEntry] = []
