@@ -24,7 +24,7 @@ from raytrain_fast.checkpoint.rank_manifest import write_rank_manifest
 from raytrain_fast.checkpoint.restore import Restorer
 from raytrain_fast.checkpoint.retention import Retention
 from raytrain_fast.checkpoint.snapshot import SnapshotWriter, optimizer_state_as_after_a_step, training_optimizer
-from raytrain_fast.checkpoint.state import TrainState, barrier, checkpoint_dir_name, rng_states
+from raytrain_fast.checkpoint.state import TrainState, barrier, checkpoint_dir_name, rng_states, set_rng_states
 from raytrain_fast.checkpoint.upload import Uploader
 from raytrain_fast.config.checkpoint import CheckpointConfig
 from raytrain_fast.console import say
