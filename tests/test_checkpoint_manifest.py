@@ -144,7 +144,7 @@ def test_list_runs_shows_steps_and_completeness(bucket_storage, tmp_path):
     alpha, beta = runs
     assert [(c.step, c.complete) for c in alpha.checkpoints] == [(40, False), (30, False), (20, True), (10, True)]
     assert alpha.latest_complete.step == 20  # sizes only: the altered step 20 looks complete without checksums
-    assert [(c.step, c.complete, c.num_ranks_found, c.world_size) for c in beta.checkpoints] == [(5, True, 2, 2)]
+    assert [(c.step, c.complete, len(c.ranks_found), c.world_size) for c in beta.checkpoints] == [(5, True, 2, 2)]
 
     deep = list_runs(f"{storage.uri}/alpha", storage, checksums=True)  # a run's own URI; every byte read
     assert [(c.step, c.complete) for c in deep[0].checkpoints] == [(40, False), (30, False), (20, False), (10, True)]

@@ -87,14 +87,8 @@ class Checkpointer:
 
     @property
     def resized(self) -> dict[str, Any] | None:
-        """Set by `restore_state` when the checkpoint was written by another worker count:
-        old and new worker count, conversion seconds (None: the cached conversion), the cache's URI."""
+        """Set by `restore_state` when the checkpoint was written by another worker count (`Restorer.resized`)."""
         return self.restorer.resized
-
-    @property
-    def restore_download_bytes(self) -> list[int]:
-        """Bytes each rank read from storage when this attempt resumed (empty on a fresh start)."""
-        return self.restorer.download_bytes
 
     # ------------------------------------------------------------------ cadence
     def due_by_steps(self, step: int, total_steps: int) -> bool:
@@ -165,7 +159,7 @@ class Checkpointer:
 
     def _with_restore_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """Rank 0 adds what each rank downloaded when this attempt resumed (nothing on a fresh start)."""
-        downloaded = self.restore_download_bytes
+        downloaded = self.restorer.download_bytes
         if self.rank != 0 or not downloaded:
             return metrics
         return {**metrics, "checkpoint/restore_download_bytes_max": max(downloaded),

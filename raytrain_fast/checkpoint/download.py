@@ -39,7 +39,8 @@ class IncompleteCheckpointError(CheckpointError):
 def _download_verified(
     filesystem: pafs.FileSystem, path: str, relative: str, target: Path, *, algorithm: str, entry: FileEntry | None
 ) -> tuple[int, str]:
-    """Stream `path/relative` into `target`, hashing as it goes: (bytes read, "" or the problem)."""
+    """Stream `path/relative` into `target` (its folder made), hashing as it goes: (bytes read, "" or the problem)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
     with filesystem.open_input_stream(f"{path}/{relative}") as stream, open(target, "wb") as sink:
         size, checksum = hash_stream(stream.read, algorithm=algorithm, chunk_bytes=REMOTE_CHUNK_BYTES, sink=sink)
     if entry is not None and (size != entry.size or checksum != entry.checksum):
@@ -65,7 +66,6 @@ def download_checkpoint(filesystem: pafs.FileSystem, path: str, local_dir: str) 
     def fetch(item: tuple[str, tuple[str, FileEntry | None]]) -> str:
         relative, (algorithm, entry) = item
         target = Path(local_dir, relative)
-        target.parent.mkdir(parents=True, exist_ok=True)
         return _download_verified(filesystem, path, relative, target, algorithm=algorithm, entry=entry)[1]
 
     problem = first_problem(fetch, jobs)
@@ -87,19 +87,15 @@ def find_resumable_checkpoint(
     """
     skipped: list[tuple[str, str]] = []
     for _, path in list_checkpoint_dirs(filesystem, run_path):
-        unhealthy = checkpoint_health(filesystem, path)
-        if unhealthy:
-            skipped.append((path, unhealthy))
-            continue
-        if download_to is not None:
+        reason = checkpoint_health(filesystem, path)
+        if not reason and download_to is None:
+            reason = verify_checkpoint(filesystem, path)[1]
+        elif not reason:
             try:
                 download_checkpoint(filesystem, path, download_to)
-                return path, skipped
             except IncompleteCheckpointError as error:
-                skipped.append((path, error.reason))
-                continue
-        ok, reason = verify_checkpoint(filesystem, path)
-        if ok:
+                reason = error.reason
+        if not reason:
             return path, skipped
         skipped.append((path, reason))
     return None, skipped
@@ -176,7 +172,6 @@ def _fetch_once_per_node(
         try:
             if target.exists():  # another rank of the node fetched it while this one waited
                 return 0, ""
-            target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
             try:
                 size, problem = _download_verified(filesystem, path, relative, partial, algorithm=algorithm, entry=entry)

@@ -26,9 +26,9 @@ from typing import Any, Literal
 
 import yaml
 
-from raytrain_fast.checkpoint.layout import CONFIG_FILE, DEEPSPEED_TAG, STATE_FILE
+from raytrain_fast.checkpoint.layout import CONFIG_FILE, DEEPSPEED_TAG
 from raytrain_fast.checkpoint.download import download_checkpoint, find_resumable_checkpoint
-from raytrain_fast.checkpoint.verify import list_checkpoint_dirs
+from raytrain_fast.checkpoint.verify import list_checkpoint_dirs, saved_state
 from raytrain_fast.console import say
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.model import GPT, ModelConfig, model_class
@@ -177,8 +177,12 @@ def _checkpoint_model(local_dir: str, config: ModelConfig, *, dtype: str) -> tup
 
 
 def read_run_config(local_dir: str) -> dict[str, Any]:
+    """The config.yaml in `local_dir` (a checkpoint's or an export's) as a dict ({} when it has none)."""
     path = Path(local_dir, CONFIG_FILE)
-    data = yaml.safe_load(path.read_text()) if path.exists() else None
+    try:
+        data = yaml.safe_load(path.read_text()) if path.exists() else None
+    except (OSError, yaml.YAMLError):
+        return {}
     return data if isinstance(data, dict) else {}
 
 
@@ -191,24 +195,15 @@ def _run_tasks(run_config: dict[str, Any]) -> dict[str, Any]:
 
 def exported_eval_section(out_dir: str) -> dict[str, Any]:
     """The run's eval.tasks and task_limit from an export's config.yaml ({} when it has none)."""
-    path = Path(out_dir, CONFIG_FILE)
-    try:
-        data = yaml.safe_load(path.read_text()) if path.exists() else None
-    except (OSError, yaml.YAMLError):
-        return {}
-    section = ((data or {}).get("export") or {}).get("eval") if isinstance(data, dict) else None
+    section = (read_run_config(out_dir).get("export") or {}).get("eval")
     return section if isinstance(section, dict) else {}
 
 
 def _losses_at_save(local_dir: str) -> dict[str, float]:
     """The exported step's val/loss and train/loss as saved with the checkpoint (those it has)."""
-    import json
+    import pyarrow.fs as pafs
 
-    path = Path(local_dir, STATE_FILE)
-    try:
-        metrics = json.loads(path.read_text()).get("metrics") or {}
-    except (OSError, ValueError):
-        return {}
+    metrics = saved_state(pafs.LocalFileSystem(), local_dir).get("metrics") or {}
     return {name.replace("/", "_"): float(metrics[name]) for name in ("val/loss", "train/loss") if name in metrics}
 
 

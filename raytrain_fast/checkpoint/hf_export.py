@@ -95,18 +95,13 @@ def _write_weights(tensors: dict[str, torch.Tensor], out_dir: str, max_shard_byt
             size = 0
         shards[-1][name] = tensor
         size += nbytes
-    metadata = {"format": "pt"}  # transformers refuses safetensors files without it
-    if len(shards) == 1:
-        save_file(shards[0], str(Path(out_dir, "model.safetensors")), metadata=metadata)
-        names = ["model.safetensors"]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        weight_map: dict[str, str] = {}
-        for shard, name in zip(shards, names):
-            save_file(shard, str(Path(out_dir, name)), metadata=metadata)
-            weight_map.update(dict.fromkeys(shard, name))
+    count = len(shards)
+    names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" if count > 1 else "model.safetensors" for i in range(count)]
+    for shard, name in zip(shards, names):
+        save_file(shard, str(Path(out_dir, name)), metadata={"format": "pt"})  # transformers refuses files without it
+    if count > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": total}, "weight_map": {key: n for s, n in zip(shards, names) for key in s}}
         Path(out_dir, "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         names.append("model.safetensors.index.json")
     return names

@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import torch
 
+from raytrain_fast.checkpoint.verify import read_file
 from raytrain_fast.config.model import llama_option_problems
 from raytrain_fast.errors import CheckpointError
 from raytrain_fast.model import ModelConfig
@@ -34,11 +35,10 @@ def read_hf_config(filesystem: pafs.FileSystem, path: str) -> dict[str, Any] | N
     target = f"{path.rstrip('/')}/{HF_CONFIG}"
     if filesystem.get_file_info(target).type != pafs.FileType.File:
         return None
-    with filesystem.open_input_stream(target) as stream:
-        try:
-            data = json.loads(stream.read())
-        except ValueError as error:
-            raise CheckpointError(f"{target} is not valid JSON: {error}") from None
+    try:
+        data = json.loads(read_file(filesystem, target))
+    except ValueError as error:
+        raise CheckpointError(f"{target} is not valid JSON: {error}") from None
     return data if isinstance(data, dict) else None
 
 
@@ -77,18 +77,13 @@ def read_hf_weights(filesystem: pafs.FileSystem, path: str, config: ModelConfig)
     from safetensors.torch import load
 
     path = path.rstrip("/")
-
-    def read(name: str) -> bytes:
-        with filesystem.open_input_stream(f"{path}/{name}") as stream:
-            return stream.read()
-
     names = ["model.safetensors"]
     if filesystem.get_file_info(f"{path}/{HF_INDEX}").type == pafs.FileType.File:
-        names = sorted(set(json.loads(read(HF_INDEX))["weight_map"].values()))
+        names = sorted(set(json.loads(read_file(filesystem, f"{path}/{HF_INDEX}"))["weight_map"].values()))
     hf_state: dict[str, Any] = {}
     for name in names:
         try:
-            hf_state.update(load(read(name)))
+            hf_state.update(load(read_file(filesystem, f"{path}/{name}")))
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint.init_from={path}: {name} is missing (only safetensors weights are read)") from None
     try:

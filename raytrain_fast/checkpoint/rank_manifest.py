@@ -16,12 +16,18 @@ from pathlib import Path
 
 from raytrain_fast.errors import CheckpointError
 
+try:
+    import xxhash
+except ImportError:
+    xxhash = None
 
 MANIFEST_FORMAT = 1
 LOCAL_CHUNK_BYTES = 1 << 20  # page-cache reads at save time
 REMOTE_CHUNK_BYTES = 16 << 20  # one ranged GET per chunk from S3: fewer, larger requests
 NUM_IO_THREADS = 4
 MANIFEST_RE = re.compile(r"^manifest\.rank(\d+)\.json$")
+DEFAULT_ALGORITHM = "crc32" if xxhash is None else "xxh3_64"
+AVAILABLE_ALGORITHMS = {"crc32", DEFAULT_ALGORITHM}
 
 
 def manifest_name(rank: int) -> str:
@@ -40,25 +46,11 @@ class _Crc32:
 
 
 def _new_hasher(algorithm: str):
-    if algorithm == "xxh3_64":
-        import xxhash
-
+    if algorithm == "xxh3_64" and xxhash is not None:
         return xxhash.xxh3_64()
     if algorithm == "crc32":
         return _Crc32()
     raise CheckpointError(f"unknown checksum algorithm '{algorithm}' in a checkpoint manifest")
-
-
-def available_algorithms() -> set[str]:
-    return {"crc32", default_algorithm()}
-
-
-def default_algorithm() -> str:
-    try:
-        import xxhash  # noqa: F401
-    except ImportError:
-        return "crc32"
-    return "xxh3_64"
 
 
 def hash_stream(read: Callable[[int], bytes], *, algorithm: str, chunk_bytes: int, sink=None) -> tuple[int, str]:
@@ -90,10 +82,6 @@ class RankManifest:
     format: int = MANIFEST_FORMAT
     created_unix: float = 0.0
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
@@ -112,13 +100,9 @@ class RankManifest:
 
 
 def write_rank_manifest(local_dir: str, *, rank: int, world_size: int, step: int) -> RankManifest:
-    """List, size and checksum every file this rank wrote into `local_dir`; write the manifest last.
-
-    Call after every other file of this rank's checkpoint is written (DeepSpeed's save, the train
-    state, the config) and before `ray.train.report`. Costs one read of the rank's files, normally
-    from the page cache.
-    """
-    algorithm = default_algorithm()
+    """List, size and checksum every file this rank wrote into `local_dir`; write the manifest last,
+    once every other file of the rank's checkpoint is written (one read of them, normally from the page cache)."""
+    algorithm = DEFAULT_ALGORITHM
     root = Path(local_dir)
     entries: list[FileEntry] = []
     for directory, subdirs, names in os.walk(root):

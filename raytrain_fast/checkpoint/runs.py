@@ -20,10 +20,6 @@ class CheckpointInfo(CheckpointStatus):
     val_loss: float | None = None
     """val/loss saved with the checkpoint (None: no evaluation at that step, or incomplete)."""
 
-    @property
-    def num_ranks_found(self) -> int:
-        return len(self.ranks_found)
-
 
 @dataclass(kw_only=True)
 class RunInfo:
@@ -94,7 +90,7 @@ def format_runs_table(runs: list[RunInfo], *, storage_uri: str | None = None) ->
         if not run.checkpoints:
             rows.append((run.name, "-", "-", "-", "-", "-", "no checkpoints yet"))
         for index, checkpoint in enumerate(run.checkpoints):
-            ranks = f"{checkpoint.num_ranks_found}/{checkpoint.world_size}" if checkpoint.world_size else f"{checkpoint.num_ranks_found}/?"
+            ranks = f"{len(checkpoint.ranks_found)}/{checkpoint.world_size or '?'}"
             status = "complete" if checkpoint.complete else f"INCOMPLETE: {checkpoint.reason}"
             if checkpoint.complete and checkpoint is run.latest_complete:
                 status += " (newest complete)"

@@ -15,6 +15,7 @@ the copies itself. On a CPU the copies are done when `save` returns.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import queue
@@ -83,8 +84,6 @@ class HostBuffers:
     def __init__(self) -> None:
         self._free: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
-        self.reserved_bytes = 0
-        """Bytes allocated by `reserve`."""
         self.allocated_bytes = 0
         """Bytes of every buffer ever allocated: reserved, and allocated by saves that missed."""
         self.missed_bytes = 0
@@ -94,9 +93,7 @@ class HostBuffers:
         """Free buffers for every tensor of `tensors` that the pool cannot already serve, allocated
         now (pinned if any tensor is on a GPU); returns the bytes allocated."""
         pinned = any(t.is_cuda for t in tensors)
-        wanted: dict[tuple[torch.dtype, tuple[int, ...]], int] = {}
-        for t in {_same(t): t for t in tensors}.values():
-            wanted[_key(t)] = wanted.get(_key(t), 0) + 1
+        wanted = collections.Counter(_key(t) for t in {_same(t): t for t in tensors}.values())
         added = 0
         for (dtype, shape), count in wanted.items():
             with self._lock:
@@ -105,7 +102,6 @@ class HostBuffers:
                 buffer = self._allocate(dtype, shape, pinned=pinned)
                 added += buffer.numel() * buffer.element_size()
                 self.give_back([buffer])
-        self.reserved_bytes += added
         return added
 
     def take(self, like: torch.Tensor, *, pinned: bool) -> torch.Tensor:
@@ -205,10 +201,9 @@ class SnapshotWriter:
         wait for them. Returns whether saves are asynchronous from now on."""
         if optimizer is self._guarded:
             return optimizer is not None
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            self._unguard()
-            return False
         self._unguard()
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return False
         self._hook = optimizer.register_step_pre_hook(lambda *_: self.fence())
         self._guarded = optimizer
         return True
@@ -237,23 +232,21 @@ class SnapshotWriter:
                 copied.synchronize()  # a deliberate host wait: nothing else keeps training off the tensors
                 copied = None
             where = "pinned_host" if copied is None else "pinned_host_async"
-        else:
-            snapshot, where = self._to_host(state_dict), "host"
+        else:  # on the CPU: copied into host buffers before `save` returns
+            snapshot, where = _map(state_dict, lambda t: self.buffers.take(t, pinned=False).copy_(t.detach())), "host"
         self.last_snapshot = where
         with self._done:
             self._pending += 1
         self._start()
         self._jobs.put((snapshot, path, copied))
 
-    def _to_host(self, state_dict: Any) -> Any:
-        """Copies of a state on the CPU into host buffers."""
-        return _map(state_dict, lambda t: self.buffers.take(t, pinned=False).copy_(t.detach()))
-
     def _to_pinned_host(self, state_dict: Any) -> tuple[Any, Any]:
         """Copies into pinned host buffers queued on a side stream after what training queued so far;
         returns the snapshot and the event that marks them done."""
         device = next(t.device for t in _tensors(state_dict) if t.is_cuda)
-        stream = self._side_stream(device)
+        if device not in self._streams:  # the device's side stream: the copies overlap training's kernels
+            self._streams[device] = torch.cuda.Stream(device=device)
+        stream = self._streams[device]
         stream.wait_stream(torch.cuda.current_stream(device))
 
         def copy(t: torch.Tensor) -> torch.Tensor:
@@ -291,12 +284,6 @@ class SnapshotWriter:
             self._thread = None
 
     # ------------------------------------------------------------------ writer thread
-    def _side_stream(self, device: torch.device) -> Any:
-        """A CUDA stream of `device` for the copies to the host (they overlap training's kernels)."""
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device=device)
-        return self._streams[device]
-
     def _start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._write_loop, name="raytrain-fast-ckpt-writer", daemon=True)

@@ -38,8 +38,7 @@ class TrainState:
     @classmethod
     def from_json(cls, text: str) -> TrainState:
         data = json.loads(text)
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
 def rng_states(device: Any) -> dict[str, torch.Tensor]:

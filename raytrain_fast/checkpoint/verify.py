@@ -16,12 +16,12 @@ import pyarrow.fs as pafs
 
 from raytrain_fast.checkpoint.layout import STATE_FILE
 from raytrain_fast.checkpoint.rank_manifest import (
+    AVAILABLE_ALGORITHMS,
     FileEntry,
     MANIFEST_RE,
     NUM_IO_THREADS,
     REMOTE_CHUNK_BYTES,
     RankManifest,
-    available_algorithms,
     hash_stream,
 )
 
@@ -33,12 +33,12 @@ _CHECKPOINT_DIR_RE = re.compile(r"^checkpoint_(\d+)$")
 class CheckpointStatus:
     path: str
     step: int | None
-    world_size: int | None
-    ranks_found: list[int]
-    num_bytes: int
+    world_size: int | None = None
+    ranks_found: list[int] = field(default_factory=list)
+    num_bytes: int = 0
     """Bytes of all files in the checkpoint directory."""
-    complete: bool
-    reason: str
+    complete: bool = False
+    reason: str = ""
     """Why it is not complete ('' when complete)."""
     manifests: list[RankManifest] = field(default_factory=list, repr=False)
 
@@ -50,7 +50,8 @@ def _listing(filesystem: pafs.FileSystem, path: str) -> dict[str, int]:
     return {info.path[len(prefix):]: info.size for info in infos if info.type == pafs.FileType.File and info.path.startswith(prefix)}
 
 
-def _read_small(filesystem: pafs.FileSystem, path: str) -> bytes:
+def read_file(filesystem: pafs.FileSystem, path: str) -> bytes:
+    """The whole file at `path`, in one read."""
     with filesystem.open_input_stream(path) as stream:
         return stream.read()
 
@@ -67,10 +68,7 @@ def inspect_checkpoint(filesystem: pafs.FileSystem, path: str, *, checksums: boo
     cheap enough for listing runs. checksums=True also reads every listed file.
     """
     path = path.rstrip("/")
-    status = CheckpointStatus(
-        path=path, step=step_from_name(path), world_size=None, ranks_found=[], num_bytes=0,
-        complete=False, reason="",
-    )
+    status = CheckpointStatus(path=path, step=step_from_name(path))
     status.reason = _inspect(filesystem, path, status, checksums=checksums)
     status.complete = not status.reason
     return status
@@ -109,14 +107,14 @@ def _read_rank_manifests(filesystem: pafs.FileSystem, path: str, files: dict[str
     for rank, name in manifest_names:
         raw = b""
         try:
-            raw = _read_small(filesystem, f"{path}/{name}")
+            raw = read_file(filesystem, f"{path}/{name}")
             manifest = RankManifest.from_json(raw)
         except (OSError, ValueError) as error:
             from raytrain_fast.storage import store_corruption_hint
 
             hint = f". {store_corruption_hint(raw)}" if isinstance(error, ValueError) else ""
             return [], f"{name} is unreadable: {error}{hint}"
-        if manifest.algorithm not in available_algorithms():
+        if manifest.algorithm not in AVAILABLE_ALGORITHMS:
             return [], f"{name} uses checksum '{manifest.algorithm}', not available here (pip install xxhash)"
         if manifest.rank != rank:
             return [], f"{name} says it belongs to rank {manifest.rank}"
@@ -225,7 +223,7 @@ def state_health(state: Mapping[str, Any]) -> str:
 def saved_state(filesystem: pafs.FileSystem, path: str) -> dict[str, Any]:
     """The train_state.json of the checkpoint at `path` as a dict ({} when it cannot be read). One small read."""
     try:
-        state = json.loads(_read_small(filesystem, f"{path.rstrip('/')}/{STATE_FILE}"))
+        state = json.loads(read_file(filesystem, f"{path.rstrip('/')}/{STATE_FILE}"))
     except (OSError, ValueError):
         return {}
     return state if isinstance(state, dict) else {}
