@@ -208,15 +208,13 @@ def _auto_micro_batch(storage_uri: str, storage: StorageConfig, config: dict[str
         "cpus_per_worker": section("resources").get("cpus_per_worker"),
     }
     model = {k: v for k, v in section("model").items() if k != "activation_checkpointing"}
-    try:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # an unreadable cache: no claim either way
         filesystem, root = resolve_filesystem(storage_uri, storage)
         for cached in _json_files(filesystem, f"{root.rstrip('/')}/{CACHE_DIR}"):
             inputs = cached.get("key_inputs") or {}
             cached_model = {k: v for k, v in (inputs.get("model") or {}).items() if k != "activation_checkpointing"}
             if cached_model == model and all(inputs.get(k) == v for k, v in wanted.items()):
                 return int(cached["micro_batch"])
-    except (OSError, ValueError, KeyError, TypeError):  # an unreadable cache: no claim either way
-        return None
     return None
 
 
@@ -259,18 +257,16 @@ def newest_config(run_uri: str, storage: StorageConfig) -> dict[str, Any] | None
     from raytrain_fast.checkpoint.verify import list_checkpoint_dirs
     from raytrain_fast.storage import resolve_filesystem
 
-    try:
+    with contextlib.suppress(OSError):
         filesystem, path = resolve_filesystem(run_uri, storage)
         for _, directory in list_checkpoint_dirs(filesystem, path):
             try:
                 with filesystem.open_input_stream(f"{directory}/{CONFIG_FILE}") as stream:
                     loaded = yaml.safe_load(stream.read())
-            except (FileNotFoundError, OSError):
+            except OSError:  # FileNotFoundError included: a checkpoint without one
                 continue
             if isinstance(loaded, dict):
                 return loaded
-    except (FileNotFoundError, OSError):
-        pass
     return None
 
 
