@@ -122,9 +122,6 @@ class HostSampler:
         self.compute_threads = max(1, compute_threads)
         """Threads that compute on this process: torch's threads on a CPU, 1 (the launching thread) on a GPU."""
         self._cpu_count = os.cpu_count() or 1
-        self._start()
-
-    def _start(self) -> None:
         self._wall = time.perf_counter()
         self._cpu = time.process_time()
         self._threads = _thread_times_s()
