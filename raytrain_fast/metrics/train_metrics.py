@@ -142,7 +142,7 @@ class TrainMetrics:
         self._window_start += seconds
 
     def emit(self, step: int, values: dict[str, float]) -> None:
-        """Hand values measured outside the window (an evaluation's) to rank 0's sinks as a record of `step`."""
+        """Hand values to rank 0's sinks as a record of `step`: the window's, or an evaluation's measured outside it."""
         if self._writer is not None:
             self._writer.log(values, step)
 
@@ -184,8 +184,9 @@ class TrainMetrics:
         if epoch is not None:  # from the data position: host arithmetic, no sync
             metrics["train/epoch"] = epoch
         self._start_window(step, now)
-        if self._is_logger:
-            self._emit(step, metrics)
+        self.emit(step, metrics)  # rank 0's sinks only
+        if self._print:
+            say(progress_line(step, self.steps.total_steps, metrics, self.health_marks))
         return metrics
 
     def _compute(self, step: int, sums: list[float], ranks: list[list[float]], *, now: float, lr: float | None) -> dict[str, float]:
@@ -304,12 +305,6 @@ class TrainMetrics:
         self._window_start_step = step
         self._window_start = now  # logging and sink hand-off below count in the next window
         self._gc_at_window_start = (self._gc.collect_s, self._gc.num_collections)
-
-    def _emit(self, step: int, metrics: dict[str, float]) -> None:
-        if self._writer is not None:
-            self._writer.log(metrics, step)
-        if self._print:
-            say(progress_line(step, self.steps.total_steps, metrics, self.health_marks))
 
     # --- end -----------------------------------------------------------------------------------
 
