@@ -11,6 +11,7 @@ puts the training process back at niceness 0; `HostSampler` measures what the pr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -141,16 +142,12 @@ class HostSampler:
     def machine(self) -> dict[str, float]:
         """host/load_per_cpu, host/memory_used_frac and host/swap_used_gb of this node."""
         out: dict[str, float] = {}
-        try:
+        with contextlib.suppress(OSError):
             out["host/load_per_cpu"] = os.getloadavg()[0] / self._cpu_count
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(ImportError, OSError):
             import psutil  # ships with Ray
 
             memory, swap = psutil.virtual_memory(), psutil.swap_memory()
             out["host/memory_used_frac"] = (memory.total - memory.available) / memory.total
             out["host/swap_used_gb"] = swap.used / 1e9
-        except (ImportError, OSError):
-            pass
         return out
