@@ -11,6 +11,7 @@ puts the training process back at niceness 0; `HostSampler` measures what the pr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -122,9 +123,6 @@ class HostSampler:
         self.compute_threads = max(1, compute_threads)
         """Threads that compute on this process: torch's threads on a CPU, 1 (the launching thread) on a GPU."""
         self._cpu_count = os.cpu_count() or 1
-        self._start()
-
-    def _start(self) -> None:
         self._wall = time.perf_counter()
         self._cpu = time.process_time()
         self._threads = _thread_times_s()
@@ -144,16 +142,12 @@ class HostSampler:
     def machine(self) -> dict[str, float]:
         """host/load_per_cpu, host/memory_used_frac and host/swap_used_gb of this node."""
         out: dict[str, float] = {}
-        try:
+        with contextlib.suppress(OSError):
             out["host/load_per_cpu"] = os.getloadavg()[0] / self._cpu_count
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(ImportError, OSError):
             import psutil  # ships with Ray
 
             memory, swap = psutil.virtual_memory(), psutil.swap_memory()
             out["host/memory_used_frac"] = (memory.total - memory.available) / memory.total
             out["host/swap_used_gb"] = swap.used / 1e9
-        except (ImportError, OSError):
-            pass
         return out

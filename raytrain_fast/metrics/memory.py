@@ -4,6 +4,7 @@ the process's peak RSS, both since `reset_peak_memory` (called once setup is don
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 from typing import Any
@@ -38,11 +39,9 @@ def reset_peak_memory(device: Any = "cpu") -> None:
     if _is_cuda(device):
         torch.cuda.reset_peak_memory_stats(device)
         return
-    try:
+    with contextlib.suppress(OSError):  # elsewhere the peak keeps setup in it
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")  # resets VmHWM to the current RSS (Linux 4.0+)
-    except OSError:
-        pass  # elsewhere the peak keeps setup in it
 
 
 def peak_memory_gb(device: Any = "cpu") -> float:

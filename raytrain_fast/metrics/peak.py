@@ -8,6 +8,7 @@ CPUs included, and shows how close the loop gets to what this device really sust
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
@@ -108,13 +109,11 @@ def matmul_dtype(precision: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def cpu_model_name() -> str:
-    try:
+    with contextlib.suppress(OSError):
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
             for line in cpuinfo:
                 if line.lower().startswith("model name"):
                     return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine() or "unknown"
 
 

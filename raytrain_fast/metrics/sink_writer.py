@@ -5,6 +5,7 @@ oldest record is dropped and counted (`sink/dropped`)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -66,11 +67,9 @@ class SinkWriter:
     def cpu_s(self) -> float:
         """CPU time the sink thread has used so far (time it may have taken from training)."""
         if self._clock_id is not None and self._thread.is_alive():
-            try:
+            with contextlib.suppress(OSError):
                 self._last_cpu_s = time.clock_gettime(self._clock_id)
                 return self._last_cpu_s
-            except OSError:
-                pass
         return max(self._last_cpu_s, self._cpu_in_calls)
 
     @property

@@ -234,16 +234,13 @@ class LocalDirSync:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         pass
 
-    def flush(self) -> None:
-        self.sync()
-
     def close(self) -> None:
         import shutil
 
-        self.sync()  # raises on a failed copy: the local files stay
+        self.flush()  # raises on a failed copy: the local files stay
         shutil.rmtree(self.local_dir, ignore_errors=True)
 
-    def sync(self) -> None:
+    def flush(self) -> None:
         """Copy what changed."""
         import stat
 

@@ -127,12 +127,8 @@ class SlowdownDetector:
         rolling median step time, the statistic `ratio` and the sentence use, as the baseline does."""
         base = self.baseline
         assert base is not None
-        excess = current.step_s - base.step_s
-        grew = _grew(current, base, ("data_wait", "gc", "checkpoint", "sink"))
-        cause = (
-            largest_cause(grew, excess) or largest_cause(_cpu_growth(current, base), excess)
-            or _unmeasured_cause(current, base, dropped=dropped)
-        )
+        measured = _measured_cause(current, base, ("data_wait", "gc", "checkpoint", "sink"))
+        cause = measured or _unmeasured_cause(current, base, dropped=dropped)
         details = {
             "data_wait": f"data wait {base.data_wait_s * 1e3:.1f} -> {current.data_wait_s * 1e3:.1f} ms/step",
             "gc": f"GC {base.gc_s * 1e3:.1f} -> {current.gc_s * 1e3:.1f} ms/step",
@@ -165,12 +161,24 @@ def _unmeasured_cause(current: Window, base: Window, *, dropped: int) -> str:
     return "memory" if memory_growth > _MEMORY_GROWTH else "unexplained"
 
 
-_SECONDS_OF = {"data_wait": "data_wait_s", "gc": "gc_s", "checkpoint": "checkpoint_s", "sink": "sink_cpu_s"}
+def signal_s(window: Window) -> dict[str, float | None]:
+    """Seconds per step of each signal a cause is read from; cpu: how long the most starved compute
+    thread waited for a core (None where not measured)."""
+    return {
+        "data_wait": window.data_wait_s, "gc": window.gc_s, "checkpoint": window.checkpoint_s,
+        "sink": window.sink_cpu_s,
+        "cpu": None if window.cpu_wait_frac is None else window.cpu_wait_frac * window.step_s,
+    }
 
 
-def _grew(current: Window, base: Window, causes: tuple[str, ...]) -> dict[str, float]:
-    """How many more seconds per step each of `causes` took in `current` than in `base`."""
-    return {cause: getattr(current, _SECONDS_OF[cause]) - getattr(base, _SECONDS_OF[cause]) for cause in causes}
+def _measured_cause(current: Window, base: Window, causes: tuple[str, ...]) -> str | None:
+    """The one of `causes` whose seconds per step grew most from `base` (largest_cause), else the CPU wait
+    by the same rule. The CPU wait is asked after the signals inside the process: a busy thread of the
+    process itself, like a CPU-hungry sink, also makes the training thread wait for a core, and it is
+    the better name for the cause."""
+    now, then, excess = signal_s(current), signal_s(base), current.step_s - base.step_s
+    grew = lambda of: {n: now[n] - then[n] for n in of if now[n] is not None and then[n] is not None}  # noqa: E731
+    return largest_cause(grew(causes), excess) or largest_cause(grew(("cpu",)), excess)
 
 
 def largest_cause(grew: dict[str, float], excess_s: float) -> str | None:
@@ -180,16 +188,6 @@ def largest_cause(grew: dict[str, float], excess_s: float) -> str | None:
         return None
     top = max(grew, key=lambda k: grew[k])
     return top if grew[top] >= _MIN_EXPLAINED * excess_s else None
-
-
-def _cpu_growth(current: Window, base: Window) -> dict[str, float]:
-    """{"cpu": how many more seconds per step the most starved compute thread waited for a core} where measured,
-    in the same unit as the other causes. Asked after the signals inside the process (data wait, GC,
-    checkpoint, sink CPU): a busy thread of the process itself, like a CPU-hungry sink, also makes
-    the training thread wait for a core, and it is the better name for the cause."""
-    if current.cpu_wait_frac is None or base.cpu_wait_frac is None:
-        return {}
-    return {"cpu": current.cpu_wait_frac * current.step_s - base.cpu_wait_frac * base.step_s}
 
 
 _SECONDS = ("step_s", "data_wait_s", "gc_s", "checkpoint_s", "sink_cpu_s")
@@ -302,6 +300,4 @@ class StallDetector:
 
 
 def stall_cause(window: Window, base: Window) -> str:
-    grew = _grew(window, base, ("data_wait", "checkpoint", "gc"))
-    excess = window.step_s - base.step_s
-    return largest_cause(grew, excess) or largest_cause(_cpu_growth(window, base), excess) or "unknown"
+    return _measured_cause(window, base, ("data_wait", "checkpoint", "gc")) or "unknown"

@@ -66,6 +66,7 @@ class TrainMetrics:
         sinks: SinkWriter | None = None, print_progress: bool = True,
     ) -> None:
         self.steps, self.world_size = steps, world_size
+        self.is_log_step = steps.is_log_step
         self.flops_per_token = mfu.flops_per_token if mfu is not None else None
         self.peaks = {"throughput/mfu": mfu.datasheet_peak_flops if mfu is not None else None,
                       "throughput/mfu_measured_peak": mfu.measured_peak_flops if mfu is not None else None}
@@ -77,6 +78,9 @@ class TrainMetrics:
             torch.cuda.get_device_properties(self.device).total_memory / GB if self._cuda else memory_budget_gb
         )
         self._acc = StepAccumulators(device=self.device, profile_every=config.profile_every, start_step=steps.start_step)
+        # The hot path (engine/step.py's StepRecorder) calls the accumulators' own methods: no wrapper per call.
+        self.begin_step, self.lap = self._acc.begin_step, self._acc.lap
+        self.add_loss, self.add_grad_norm = self._acc.add_loss, self._acc.add_grad_norm
         self._agreement = StepAgreement(world_size=world_size, device=self.device, host_floats=_HOST_FLOATS)
         # Threads that compute: torch's on a CPU, the one that launches kernels on a GPU.
         self._host = HostSampler(compute_threads=1 if self._cuda else torch.get_num_threads())
@@ -100,25 +104,10 @@ class TrainMetrics:
 
     # --- hot path (metrics/accumulators.py) ------------------------------------------------------
 
-    def begin_step(self) -> None:
-        self._acc.begin_step()
-
-    def lap(self, phase: str) -> None:
-        self._acc.lap(phase)
-
-    def add_loss(self, loss: torch.Tensor) -> None:
-        self._acc.add_loss(loss)
-
-    def add_grad_norm(self, grad_norm: torch.Tensor | float | None) -> None:
-        self._acc.add_grad_norm(grad_norm)
-
     def end_step(self, step: int) -> None:
         """Step `step` is done (optimizer applied). GC runs its timed collection here on its cadence."""
         self._acc.end_step(step)
         self._gc.step(step)
-
-    def is_log_step(self, step: int) -> bool:
-        return self.steps.is_log_step(step)
 
     @property
     def agreed_flags(self) -> int:
@@ -153,7 +142,7 @@ class TrainMetrics:
         self._window_start += seconds
 
     def emit(self, step: int, values: dict[str, float]) -> None:
-        """Hand values measured outside the window (an evaluation's) to rank 0's sinks as a record of `step`."""
+        """Hand values to rank 0's sinks as a record of `step`: the window's, or an evaluation's measured outside it."""
         if self._writer is not None:
             self._writer.log(values, step)
 
@@ -195,8 +184,9 @@ class TrainMetrics:
         if epoch is not None:  # from the data position: host arithmetic, no sync
             metrics["train/epoch"] = epoch
         self._start_window(step, now)
-        if self._is_logger:
-            self._emit(step, metrics)
+        self.emit(step, metrics)  # rank 0's sinks only
+        if self._print:
+            say(progress_line(step, self.steps.total_steps, metrics, self.health_marks))
         return metrics
 
     def _compute(self, step: int, sums: list[float], ranks: list[list[float]], *, now: float, lr: float | None) -> dict[str, float]:
@@ -315,12 +305,6 @@ class TrainMetrics:
         self._window_start_step = step
         self._window_start = now  # logging and sink hand-off below count in the next window
         self._gc_at_window_start = (self._gc.collect_s, self._gc.num_collections)
-
-    def _emit(self, step: int, metrics: dict[str, float]) -> None:
-        if self._writer is not None:
-            self._writer.log(metrics, step)
-        if self._print:
-            say(progress_line(step, self.steps.total_steps, metrics, self.health_marks))
 
     # --- end -----------------------------------------------------------------------------------
 

@@ -40,11 +40,6 @@ def _table(rows: dict[str, str]) -> list[str]:
     return ["<table>", *(f"<tr><th>{inline(label)}</th><td>{inline(value)}</td></tr>" for label, value in rows.items()), "</table>"]
 
 
-def _data_uri(path: str) -> str:
-    with open(path, "rb") as png:
-        return "data:image/png;base64," + base64.b64encode(png.read()).decode("ascii")
-
-
 def render_html(run: RunMetrics, diagnosis: Diagnosis, plots: PlotResult, *, out_dir: str) -> str:
     """The page; the PNGs are read from `out_dir` and embedded."""
     parts = [
@@ -78,8 +73,10 @@ def render_html(run: RunMetrics, diagnosis: Diagnosis, plots: PlotResult, *, out
 
     parts.append("<h2>Plots</h2>")
     for plot in plots.plots:
+        with open(os.path.join(out_dir, plot.file), "rb") as png:
+            data_uri = "data:image/png;base64," + base64.b64encode(png.read()).decode("ascii")
         parts.append(
-            f'<figure id="{escape(plot.file)}"><img src="{_data_uri(os.path.join(out_dir, plot.file))}" alt="{escape(plot.title)}">'
+            f'<figure id="{escape(plot.file)}"><img src="{data_uri}" alt="{escape(plot.title)}">'
             f"<figcaption>{inline(plot.caption)}</figcaption></figure>"
         )
     if plots.skipped:

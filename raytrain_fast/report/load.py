@@ -8,6 +8,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from raytrain_fast.config.metrics import MetricsConfig
 from raytrain_fast.errors import RaytrainFastError
 
 if TYPE_CHECKING:
@@ -15,10 +16,8 @@ if TYPE_CHECKING:
 
     from raytrain_fast.storage import StorageConfig
 
-# Steps the report leaves out as warm-up when the run's config does not say (the loop's default
-# metrics.slowdown_warmup_steps): allocator, data pipeline and first-call compilation settle here.
-DEFAULT_WARMUP_STEPS = 50
-# ... but never more than this share of the run's windows, so a short run still has some to judge.
+# Warm-up (metrics.slowdown_warmup_steps) is never more than this share of the run's windows, so a
+# short run still has some to judge.
 MAX_WARMUP_SHARE = 0.3
 # A gap between two records this much longer than their steps could take means the run stopped and
 # was resumed: the first window after it is a warm-up again (restore, new workers, cold data).
@@ -208,15 +207,13 @@ def _auto_micro_batch(storage_uri: str, storage: StorageConfig, config: dict[str
         "cpus_per_worker": section("resources").get("cpus_per_worker"),
     }
     model = {k: v for k, v in section("model").items() if k != "activation_checkpointing"}
-    try:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # an unreadable cache: no claim either way
         filesystem, root = resolve_filesystem(storage_uri, storage)
         for cached in _json_files(filesystem, f"{root.rstrip('/')}/{CACHE_DIR}"):
             inputs = cached.get("key_inputs") or {}
             cached_model = {k: v for k, v in (inputs.get("model") or {}).items() if k != "activation_checkpointing"}
             if cached_model == model and all(inputs.get(k) == v for k, v in wanted.items()):
                 return int(cached["micro_batch"])
-    except (OSError, ValueError, KeyError, TypeError):  # an unreadable cache: no claim either way
-        return None
     return None
 
 
@@ -224,7 +221,7 @@ def from_records(records: list[dict[str, Any]], *, name: str = "run", uri: str =
     """A RunMetrics from records already in memory (tests, notebooks); warm-up and resumes are found here."""
     records = sorted(records, key=lambda r: r["step"])
     run = RunMetrics(name=name, uri=uri, records=records, config=config)
-    configured = run.setting("metrics", "slowdown_warmup_steps", DEFAULT_WARMUP_STEPS)
+    configured = run.setting("metrics", "slowdown_warmup_steps", MetricsConfig.slowdown_warmup_steps)
     run.warmup_steps = _warmup_step(records, configured)
     run.restart_steps = _restart_steps(records)
     return run
@@ -259,18 +256,16 @@ def newest_config(run_uri: str, storage: StorageConfig) -> dict[str, Any] | None
     from raytrain_fast.checkpoint.verify import list_checkpoint_dirs
     from raytrain_fast.storage import resolve_filesystem
 
-    try:
+    with contextlib.suppress(OSError):
         filesystem, path = resolve_filesystem(run_uri, storage)
         for _, directory in list_checkpoint_dirs(filesystem, path):
             try:
                 with filesystem.open_input_stream(f"{directory}/{CONFIG_FILE}") as stream:
                     loaded = yaml.safe_load(stream.read())
-            except (FileNotFoundError, OSError):
+            except OSError:  # FileNotFoundError included: a checkpoint without one
                 continue
             if isinstance(loaded, dict):
                 return loaded
-    except (FileNotFoundError, OSError):
-        pass
     return None
 
 

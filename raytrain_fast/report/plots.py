@@ -240,11 +240,10 @@ def _step_time(run: RunMetrics, axis) -> str | None:
             )
     else:
         axis.set_ylim(bottom=0)
-    stalled_in_scale = [s for s in stalls if s in by_step and by_step[s] <= top]
-    if stalled_in_scale:
-        axis.scatter(stalled_in_scale, [by_step[s] for s in stalled_in_scale], marker="^", s=60, zorder=4, color="tab:purple")
-    if stalls:
-        axis.scatter([], [], marker="^", s=60, color="tab:purple", label="stall (value at the top when off the scale)")
+    if stalls:  # those off the scale are drawn at its top above; the label stands for both
+        in_scale = [s for s in stalls if s in by_step and by_step[s] <= top]
+        axis.scatter(in_scale, [by_step[s] for s in in_scale], marker="^", s=60, zorder=4, color="tab:purple",
+                     label="stall (value at the top when off the scale)")
     return None
 
 

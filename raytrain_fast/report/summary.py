@@ -43,17 +43,6 @@ def run_facts(run: RunMetrics) -> dict[str, str]:
     return facts
 
 
-def _saves_timed(run: RunMetrics, num_windows: int) -> str:
-    """How many of the run's saves the blocked times cover: a final save (or one on a stop signal)
-    comes after the last record, so no window times it."""
-    saves = run.planned_saves()
-    untimed = [s for s in saves if s >= run.last_step]
-    timed = f"{num_windows} window(s) timing a save"
-    if not saves:
-        return timed
-    return f"{len(saves)} saves; {timed}" + (f"; the save at step {untimed[0]} is after the last record" if untimed else "")
-
-
 def summarize(run: RunMetrics) -> dict[str, str]:
     """Headline numbers: medians over the steady windows (all windows when none is steady)."""
     steady = bool(run.steady)
@@ -80,7 +69,15 @@ def summarize(run: RunMetrics) -> dict[str, str]:
     add("data wait (median)", "time/data_wait_frac", pct)
     _, blocked = run.series("checkpoint/blocked_s")
     if blocked:
-        summary["checkpoint blocked"] = f"median {duration(median(blocked))}, worst {duration(max(blocked))} ({_saves_timed(run, len(blocked))})"
+        # How many of the run's saves those times cover: a final save (or one on a stop signal) comes
+        # after the last record, so no window times it.
+        saves = run.planned_saves()
+        untimed = [s for s in saves if s >= run.last_step]
+        timed = f"{len(blocked)} window(s) timing a save"
+        if saves:
+            after = f"; the save at step {untimed[0]} is after the last record" if untimed else ""
+            timed = f"{len(saves)} saves; {timed}{after}"
+        summary["checkpoint blocked"] = f"median {duration(median(blocked))}, worst {duration(max(blocked))} ({timed})"
     add("peak memory", "memory/peak_gb", lambda v: f"{v:.2f} GB", of=max)
     _, fracs = run.series("memory/peak_frac")
     if "peak memory" in summary and fracs:

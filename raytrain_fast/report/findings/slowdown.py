@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from raytrain_fast.metrics.slowdown import SlowdownDetector, Window, largest_cause
+from raytrain_fast.metrics.slowdown import SlowdownDetector, Window, largest_cause, signal_s
 from raytrain_fast.report.finding import Finding, ms
 from raytrain_fast.report.findings.stall import record_window
 from raytrain_fast.report.load import RunMetrics, median
@@ -156,19 +156,13 @@ def _slowdown_finding(
     )
 
 
-_SIGNALS = {  # seconds per step of each measured signal in a window, None where it was not measured
-    "data_wait": lambda w: w.data_wait_s, "checkpoint": lambda w: w.checkpoint_s, "gc": lambda w: w.gc_s,
-    "cpu": lambda w: None if w.cpu_wait_frac is None else w.cpu_wait_frac * w.step_s,
-}
-
-
 def _growth(run: RunMetrics, before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, tuple[float, float, float]]:
     """Per-step seconds of each measured signal before and after: key -> (before, after, growth)."""
     windows = run.window_steps()
-    before_w, after_w = ([record_window(r, windows[r["step"]]) for r in records] for records in (before, after))
+    before_s, after_s = ([signal_s(record_window(r, windows[r["step"]])) for r in rs] for rs in (before, after))
     result = {}
-    for signal, seconds in _SIGNALS.items():
-        old, new = (median([v for w in ws if (v := seconds(w)) is not None]) for ws in (before_w, after_w))
+    for signal in ("data_wait", "checkpoint", "gc", "cpu"):  # the records hold no sink-thread CPU
+        old, new = (median([v for s in signals if (v := s[signal]) is not None]) for signals in (before_s, after_s))
         if not math.isnan(old + new) and (old > 0 or new > 0):  # NaN: not measured before or after
             result[signal] = (old, new, new - old)
     return result

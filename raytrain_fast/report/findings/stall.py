@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from raytrain_fast.config.metrics import MetricsConfig
 from raytrain_fast.metrics.slowdown import STALL_CAUSES, Stall, StallDetector, Window
 from raytrain_fast.report.finding import Finding, duration, ms, pct
 from raytrain_fast.report.load import RunMetrics
@@ -14,7 +15,6 @@ from raytrain_fast.report.load import RunMetrics
 # one of them lost a minute: a blip in a week-long run is left to the live alert.
 STALL_MIN_SHARE = 0.01
 STALL_MIN_LOST_S = 60.0
-DEFAULT_STALL_FACTOR = 2.5
 
 
 def record_window(record: dict[str, Any], steps: int) -> Window:
@@ -87,4 +87,4 @@ def find(run: RunMetrics) -> Finding | str | None:
 
 
 def stall_factor(run: RunMetrics) -> float:
-    return float(run.setting("metrics", "stall_factor", DEFAULT_STALL_FACTOR))
+    return float(run.setting("metrics", "stall_factor", MetricsConfig.stall_factor))
