@@ -150,10 +150,8 @@ def on_the_cluster(config: Config, *, announce_precision: bool = True) -> tuple[
     if resources.use_gpu == "auto" and 0 < gpus < needed:
         lines.append(f"Warning: the cluster has {gpus:g} GPUs for {needed} workers, so resources.use_gpu=auto trains on CPUs. "
                      "Lower resources.num_workers to use the GPUs.")
-    cpus_per_worker = resources.cpus_per_worker
-    if cpus_per_worker == 0:
-        cpus_per_worker = 4 if use_gpu else max(1, int(cpus // resources.num_workers))
-        cpus_per_worker = min(cpus_per_worker, max(1, int(cpus // resources.num_workers)))
+    share = max(1, int(cpus // resources.num_workers))  # cpus_per_worker 0: an even share of the cluster, at most 4 on GPUs
+    cpus_per_worker = resources.cpus_per_worker or (min(4, share) if use_gpu else share)
     precision = config.engine.precision
     if precision in ("auto", "fp8"):  # measured (fp8: checked) where the workers run: the driver may have no GPU, or another CPU
         precision, reason = resolve_precision_on_a_worker(precision, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker)
