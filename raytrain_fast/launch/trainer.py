@@ -141,15 +141,8 @@ def drop_ray_run_snapshot(plan: RunPlan) -> None:
 def run_result(snapshot: RunSnapshot, *, name: str, metrics: dict, measurements: dict, stopped_by: str | None = None) -> RunResult:
     """The run as storage holds it after retention (what a rerun resumes from): every complete
     checkpoint, oldest first, with its metrics at save time; `metrics` where the run kept none."""
-    from raytrain_fast.checkpoint.checkpointing import TrainState
-    from raytrain_fast.checkpoint.layout import STATE_FILE
-    from raytrain_fast.checkpoint.verify import list_checkpoint_dirs, verify_checkpoint
-
-    filesystem, kept = snapshot.filesystem, []
-    for _, path in reversed(list_checkpoint_dirs(filesystem, snapshot.run_path)):
-        if verify_checkpoint(filesystem, path, checksums=False)[0]:
-            with filesystem.open_input_stream(f"{path}/{STATE_FILE}") as stream:
-                kept.append((uri_of(path, like=snapshot.run_uri), TrainState.from_json(stream.read().decode()).metrics))
+    now = RunSnapshot.of(snapshot.filesystem, snapshot.run_path, run_uri=snapshot.run_uri)
+    kept = [(uri_of(path, like=snapshot.run_uri), now.state(path).metrics) for _, path in reversed(now.complete)]
     return RunResult(
         name=name, run_dir=snapshot.run_uri, checkpoint=kept[-1][0] if kept else None,
         metrics=dict(kept[-1][1] if kept else metrics), checkpoints=kept, measurements=measurements, stopped_by=stopped_by,
