@@ -62,7 +62,7 @@ def coerce(tp: Any, value: Any, *, path: str, problems: list[str]) -> Any:
         if not isinstance(value, (list, tuple)):
             problems.append(f"{path}: expected a list, got {value!r}")
             return value
-        (item_type, *rest) = get_args(tp) or (Any,)
+        item_type = (get_args(tp) or (Any,))[0]
         items = [coerce(item_type, v, path=f"{path}[{i}]", problems=problems) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict or tp is dict:

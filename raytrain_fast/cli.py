@@ -435,9 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere, also after the subcommand
     argv = [a for a in argv if a != "--debug"]
-    from raytrain_fast.console import wrap_std_streams
+    from raytrain_fast.console import ConsoleStream
 
-    streams = wrap_std_streams()  # every printout below is redacted; colour only on a terminal
+    streams = sys.stdout, sys.stderr  # every printout below is redacted; colour only on a terminal
+    sys.stdout, sys.stderr = ConsoleStream(sys.stdout), ConsoleStream(sys.stderr)
     try:
         code = _run(argv, debug=debug)
     finally:

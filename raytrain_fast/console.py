@@ -189,13 +189,6 @@ def configure_console() -> None:
         no_worker_colour_prefix()
 
 
-def wrap_std_streams() -> tuple:
-    """Replace sys.stdout / sys.stderr with ConsoleStreams; returns the originals to restore."""
-    originals = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = ConsoleStream(sys.stdout), ConsoleStream(sys.stderr)
-    return originals
-
-
 def say(line: str, *, rank: int | None = None, per_rank: bool = False, stderr: bool = False) -> None:
     """Write one line, redacted and flushed, to stdout (`stderr`: to stderr, where a command whose stdout
     is its result puts progress and warnings). `rank` is a training worker's world rank: a worker's line

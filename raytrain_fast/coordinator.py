@@ -127,11 +127,9 @@ class _CoordinatorActor:
         return adopted
 
     async def measurements(self) -> dict[str, int]:
-        """How many times each value was measured and posted during this actor's life."""
         return dict(self._measured)
 
     async def request_stop(self, reason: str) -> None:
-        """The driver got a stop notice (SIGTERM, Ctrl-C): the workers save and stop."""
         if self._stop_reason is None:
             self._stop_reason = reason
         self._events["__stop__"].set()
@@ -163,7 +161,6 @@ class _CoordinatorActor:
             self._watchdog.watch.end(rank=rank, pid=pid)
 
     async def swap_group_size(self, world_size: int) -> int | None:
-        """The size of this job's previous worker group (None for the first), and this one's kept."""
         previous, self._group_size = self._group_size, world_size
         return previous
 
@@ -411,7 +408,8 @@ class Coordinator:
     # --- the stop notice (the driver's side; the workers': watch_for_stop above) -----------------
 
     def request_stop(self, reason: str) -> None:
-        """The driver got a stop notice: the workers save and stop. Not waited for (a signal's thread sends it)."""
+        """The driver got a stop notice (SIGTERM, Ctrl-C): the workers save and stop. Not waited for (a signal's
+        thread sends it)."""
         self.actor.request_stop.remote(reason)
 
     # --- the hang watchdog ----------------------------------------------------------------------
@@ -436,7 +434,7 @@ class Coordinator:
     # --- the worker group's size, the divergence verdict ----------------------------------------
 
     def swap_group_size(self, world_size: int) -> int | None:
-        """Rank 0 of each worker group: the previous group's size in this job (None for the first)."""
+        """Rank 0 of each worker group: the previous group's size in this job (None for the first); this one's is kept."""
         return self._call("swap_group_size", world_size)
 
     def report_divergence(self, message: str) -> None:

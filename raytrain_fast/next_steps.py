@@ -28,13 +28,13 @@ def run_name_for(output: str) -> str:
     return f"{name}-run"
 
 
-def train_command(*, data: str, seq_len: int, vocab_size: int, num_sequences: int | None = None, preset: str = DEFAULT_PRESET,
+def train_command(*, data: str, seq_len: int, vocab_size: int, num_sequences: int | None = None,
                   storage: dict[str, str | None] | None = None) -> str:
     """`raytrain-fast pretrain ...` on prepared data (`data`, its `seq_len`, tokenizer vocabulary and
-    training sequences): the preset's model with what the data needs changed (a smaller micro-batch
+    training sequences): the default preset's model with what the data needs changed (a smaller micro-batch
     for fewer sequences than one per worker), under a run name of its own. `storage`: the S3 settings
     (endpoint_url, region, profile) the data was written with, for data in a bucket."""
-    config = load_config(preset)
+    config = load_config(DEFAULT_PRESET)
     model, train, workers = config.model, config.train, config.resources.num_workers
     sets = [f"data.source={data}", f"data.seq_len={seq_len}"]
     per_worker = (num_sequences or 0) // workers if isinstance(workers, int) else 0
@@ -51,10 +51,9 @@ def train_command(*, data: str, seq_len: int, vocab_size: int, num_sequences: in
     return shlex.join(["raytrain-fast", "pretrain", "--name", run_name_for(data), *(word for s in sets for word in ("--set", s))])
 
 
-def prepare_command(*, inputs: list[str], output: str, tokenizer: str, text_field: str = DEFAULT_TEXT_FIELD,
-                    preset: str = DEFAULT_PRESET) -> str:
-    """`raytrain-fast prepare-data ...` of `inputs` with a trained tokenizer, at the preset's window."""
-    seq_len = load_config(preset).data.seq_len
+def prepare_command(*, inputs: list[str], output: str, tokenizer: str, text_field: str = DEFAULT_TEXT_FIELD) -> str:
+    """`raytrain-fast prepare-data ...` of `inputs` with a trained tokenizer, at the default preset's window."""
+    seq_len = load_config(DEFAULT_PRESET).data.seq_len
     words = ["raytrain-fast", "prepare-data", "--input", *inputs, "--output", output, "--seq-len", str(seq_len),
              "--tokenizer", tokenizer]
     if text_field != DEFAULT_TEXT_FIELD:

@@ -5,15 +5,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
-
-
-def parse_worker_range(value: int | str) -> tuple[int, int] | None:
-    """`resources.num_workers` as (min, max): an int is a fixed size, "MIN-MAX" an elastic range.
-    None when `value` is neither (validation names the problem)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value, value
-    match = _RANGE.match(value) if isinstance(value, str) else None
-    return (int(match[1]), int(match[2])) if match else None
+"""resources.num_workers as an elastic range "MIN-MAX"."""
 
 
 @dataclass(kw_only=True)
@@ -45,8 +37,8 @@ class ResourcesConfig:
         # "MIN-MAX" becomes num_workers=MAX (what every batch and resource check counts with: the
         # size the run starts at when the cluster has room) and min_workers=MIN. A malformed value
         # stays as given for `validate` to report.
-        if isinstance(self.num_workers, str) and (parsed := parse_worker_range(self.num_workers)):
-            self.min_workers, self.num_workers = parsed
+        if isinstance(self.num_workers, str) and (match := _RANGE.match(self.num_workers)):
+            self.min_workers, self.num_workers = int(match[1]), int(match[2])
             if self.min_workers == self.num_workers:
                 self.min_workers = None
 

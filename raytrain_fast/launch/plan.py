@@ -39,11 +39,13 @@ def plan_run(checked: Checked) -> RunPlan:
     sources = check_sources(config, prepared=prepare_sources(config, cache_dir=cache_dir), loaded=checked.sources)
     config, eval_lines = resolve_eval(config, sources)
     tasks, task_lines = encode_run_tasks(checked.tasks, config, sources[0].manifest, every_steps=config.eval.every_steps)
-    snapshot = checked.snapshot
+    snapshot, r = checked.snapshot, config.resources
+    workers = f"{r.min_workers}-{r.num_workers} workers (elastic)" if r.elastic else f"{r.num_workers} worker(s)"
     return RunPlan(
         config=config, run_uri=snapshot.run_uri, filesystem=snapshot.filesystem, run_path=snapshot.run_path, batches=batches,
         sources=sources, tasks=tasks, resume_step=checked.state.step if checked.state else None,
-        summary=run_line(config, full, snapshot.run_uri),
+        summary=f"Run '{config.name}': {workers}, micro_batch {full.micro_batch} x grad_accum {full.grad_accum} "
+                f"per worker (global batch {full.global_batch} sequences), storage {snapshot.run_uri}",
         lines=(*checked.lines, *lines, *data_lines(config, sources, full), *eval_lines, *task_lines),
     )
 
@@ -63,13 +65,6 @@ def with_batches(config: Config) -> tuple[Config, dict[int, Batch]]:
     full = table[config.resources.num_workers]
     train = dataclasses.replace(config.train, micro_batch=full.micro_batch, grad_accum=full.grad_accum)
     return dataclasses.replace(config, train=train), table
-
-
-def run_line(config: Config, batch: Batch, run_uri: str) -> str:
-    r = config.resources
-    workers = f"{r.min_workers}-{r.num_workers} workers (elastic)" if r.elastic else f"{r.num_workers} worker(s)"
-    return (f"Run '{config.name}': {workers}, micro_batch {batch.micro_batch} x grad_accum {batch.grad_accum} per worker "
-            f"(global batch {batch.global_batch} sequences), storage {run_uri}")
 
 
 def data_lines(config: Config, sources: list, batch: Batch) -> list[str]:
@@ -150,10 +145,8 @@ def on_the_cluster(config: Config, *, announce_precision: bool = True) -> tuple[
     if resources.use_gpu == "auto" and 0 < gpus < needed:
         lines.append(f"Warning: the cluster has {gpus:g} GPUs for {needed} workers, so resources.use_gpu=auto trains on CPUs. "
                      "Lower resources.num_workers to use the GPUs.")
-    cpus_per_worker = resources.cpus_per_worker
-    if cpus_per_worker == 0:
-        cpus_per_worker = 4 if use_gpu else max(1, int(cpus // resources.num_workers))
-        cpus_per_worker = min(cpus_per_worker, max(1, int(cpus // resources.num_workers)))
+    share = max(1, int(cpus // resources.num_workers))  # cpus_per_worker 0: an even share of the cluster, at most 4 on GPUs
+    cpus_per_worker = resources.cpus_per_worker or (min(4, share) if use_gpu else share)
     precision = config.engine.precision
     if precision in ("auto", "fp8"):  # measured (fp8: checked) where the workers run: the driver may have no GPU, or another CPU
         precision, reason = resolve_precision_on_a_worker(precision, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker)

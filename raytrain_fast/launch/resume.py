@@ -44,14 +44,18 @@ class RunSnapshot:
 
     @classmethod
     def read(cls, config: Config) -> RunSnapshot:
-        from raytrain_fast.checkpoint.verify import list_checkpoint_dirs, verify_checkpoint
-
         filesystem, root = resolve_filesystem(storage_path(config.storage.uri), config.storage)
         run_path = f"{root.rstrip('/')}/{config.name}"
+        return cls.of(filesystem, run_path, run_uri=uri_of(run_path, like=config.storage.uri))
+
+    @classmethod
+    def of(cls, filesystem: Any, run_path: str, *, run_uri: str) -> RunSnapshot:
+        """The checkpoints under `run_path` as storage holds them now."""
+        from raytrain_fast.checkpoint.verify import list_checkpoint_dirs, verify_checkpoint
+
         listed = list_checkpoint_dirs(filesystem, run_path)
         complete = [(step, path) for step, path in listed if verify_checkpoint(filesystem, path, checksums=False)[0]]
-        return cls(filesystem=filesystem, run_path=run_path, run_uri=uri_of(run_path, like=config.storage.uri),
-                   complete=complete, listed=listed)
+        return cls(filesystem=filesystem, run_path=run_path, run_uri=run_uri, complete=complete, listed=listed)
 
     def candidates(self, resume: Any) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
         """(the complete checkpoints this run may resume from, the later ones checkpoint.resume=<step>

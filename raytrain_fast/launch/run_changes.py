@@ -29,11 +29,6 @@ NOT_COMPARED = {"model.activation_checkpointing", "model.activation_checkpointin
 """How the model is computed, not what it is: free to change on a resume."""
 
 
-def _get(config: dict[str, Any], key: str) -> Any:
-    section, _, name = key.partition(".")
-    return (config.get(section) or {}).get(name)
-
-
 def _keys(group: str, saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     keys = []
     for pattern in GROUPS[group]:
@@ -79,10 +74,10 @@ def run_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, lis
     changes: dict[str, list[tuple[str, Any, Any]]] = {}
     for group in GROUPS:
         for key in _keys(group, saved, current):
-            section = saved.get(key.partition(".")[0]) or {}
-            if key.partition(".")[2] not in section:
+            section, _, name = key.partition(".")
+            if name not in (saved.get(section) or {}):
                 continue
-            old, new = _get(saved, key), _get(current, key)
+            old, new = saved[section][name], (current.get(section) or {}).get(name)
             if not _same(key, old, new):
                 changes.setdefault(group, []).append((key, old, new))
     return changes

@@ -80,22 +80,17 @@ def build_trainer(
             ),
             # Retention (keep_last + keep_best) is ours: Ray's can do one or the other.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
-            worker_runtime_env={"env_vars": worker_env(config)},
+            worker_runtime_env={"env_vars": {  # every training worker's environment
+                "DS_ACCELERATOR": "cuda" if resources.use_gpu else "cpu",
+                "OMP_NUM_THREADS": str(resources.cpus_per_worker),
+                **worker_env_flags(),  # Ray's own: its print patch off (every line would come twice)
+                **checksum_env(config.storage),  # S3 clients built in the workers upload as the driver's do
+            }},
             callbacks=callbacks,
             # Ray Train's own INFO lines (start-up, each report) stay in its log files, off the console.
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
     )
-
-
-def worker_env(config: Config) -> dict[str, str]:
-    """The environment of every training worker."""
-    return {
-        "DS_ACCELERATOR": "cuda" if config.resources.use_gpu else "cpu",
-        "OMP_NUM_THREADS": str(config.resources.cpus_per_worker),
-        **worker_env_flags(),  # Ray's own: its print patch off (every line would come twice)
-        **checksum_env(config.storage),  # S3 clients built in the workers upload as the driver's do
-    }
 
 
 def will_repeat(error: BaseException) -> bool:
@@ -141,15 +136,8 @@ def drop_ray_run_snapshot(plan: RunPlan) -> None:
 def run_result(snapshot: RunSnapshot, *, name: str, metrics: dict, measurements: dict, stopped_by: str | None = None) -> RunResult:
     """The run as storage holds it after retention (what a rerun resumes from): every complete
     checkpoint, oldest first, with its metrics at save time; `metrics` where the run kept none."""
-    from raytrain_fast.checkpoint.checkpointing import TrainState
-    from raytrain_fast.checkpoint.layout import STATE_FILE
-    from raytrain_fast.checkpoint.verify import list_checkpoint_dirs, verify_checkpoint
-
-    filesystem, kept = snapshot.filesystem, []
-    for _, path in reversed(list_checkpoint_dirs(filesystem, snapshot.run_path)):
-        if verify_checkpoint(filesystem, path, checksums=False)[0]:
-            with filesystem.open_input_stream(f"{path}/{STATE_FILE}") as stream:
-                kept.append((uri_of(path, like=snapshot.run_uri), TrainState.from_json(stream.read().decode()).metrics))
+    now = RunSnapshot.of(snapshot.filesystem, snapshot.run_path, run_uri=snapshot.run_uri)
+    kept = [(uri_of(path, like=snapshot.run_uri), now.state(path).metrics) for _, path in reversed(now.complete)]
     return RunResult(
         name=name, run_dir=snapshot.run_uri, checkpoint=kept[-1][0] if kept else None,
         metrics=dict(kept[-1][1] if kept else metrics), checkpoints=kept, measurements=measurements, stopped_by=stopped_by,
@@ -209,7 +197,12 @@ def fit_run(
     # One named actor per run, owned by this driver (coordinator.py); kept referenced until fit() returns.
     coordinator = Coordinator.start(plan.config.name or "run")
     try:
-        start_watchdog(plan, coordinator)
+        watchdog = plan.config.watchdog  # held by the actor (it outlives group restarts); stacks to <run>/hangs/
+        if watchdog.enabled:
+            coordinator.start_watchdog(
+                timeout_s=watchdog.hang_timeout_s, min_timeout_s=watchdog.min_timeout_s,
+                beat_interval_s=watchdog.beat_interval_s(), filesystem=plan.filesystem, run_path=plan.run_path,
+            )
         trainer = build_trainer(plan, hooks=hooks, on_window=on_window, save_checkpoints=save_checkpoints, callbacks=callbacks)
         with _StopOnSignal(coordinator) as stop, controller_poll_interval(controller_poll_s):
             result = fit(trainer, coordinator, plan)
@@ -250,18 +243,6 @@ def hang_summary(record: dict, *, plan: RunPlan) -> str:
         f"step for {record['stuck_s']:.0f} s (top of stack: {tops}); the hang watchdog ended the workers and no restart "
         f"was left (resources.max_failures={plan.config.resources.max_failures}). All stacks: "
         f"{plan.run_uri}/{record['stacks_file']}"
-    )
-
-
-def start_watchdog(plan: RunPlan, coordinator) -> None:
-    """The hang watchdog runs in the run's coordinator actor (it outlives worker-group restarts);
-    the stacks of a hang go to `<run>/hangs/` in the run's storage (watchdog/stacks.py)."""
-    watchdog = plan.config.watchdog
-    if not watchdog.enabled:
-        return
-    coordinator.start_watchdog(
-        timeout_s=watchdog.hang_timeout_s, min_timeout_s=watchdog.min_timeout_s,
-        beat_interval_s=watchdog.beat_interval_s(), filesystem=plan.filesystem, run_path=plan.run_path,
     )
 
 

@@ -65,14 +65,6 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _quartiles(values: list[float]) -> tuple[float | None, float | None]:
-    """(lower, upper) quartile; (None, None) with fewer than 2 values."""
-    if len(values) < 2:
-        return None, None
-    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
-    return low, high
-
-
 def row_from_reports(*, micro_batch: int, grad_accum: int, reports: list[dict[str, Any]], steps: int,
                      error: str | None, run_name: str = "", activation_checkpointing: str = "") -> SweepRow:
     """Summarise a trial's reported log windows (first window = warm-up, left out of the speed)."""
@@ -82,7 +74,7 @@ def row_from_reports(*, micro_batch: int, grad_accum: int, reports: list[dict[st
         return [float(r[name]) for r in windows if r.get(name) is not None and r[name] == r[name]]  # not NaN
 
     speeds = series("throughput/tokens_per_sec", steady)
-    low, high = _quartiles(speeds)
+    low, _, high = statistics.quantiles(speeds, n=4, method="inclusive") if len(speeds) > 1 else (None, None, None)
     peaks = series("memory/peak_gb", reports)
     fracs = series("memory/peak_frac", reports)
     losses = series("train/loss", reports)
@@ -137,20 +129,14 @@ def resolution(rows: list[SweepRow], *, objective: str) -> str:
         return (f"not resolved: {_label(first)} leads {_label(second)} by {gap:,.0f} tokens/s, less than the {spread:,.0f} "
                 "tokens/s that the middle half of one trial's own windows spreads over; rerun with more --steps, on a "
                 "quieter machine, before trusting the order")
-    load_ratio = _load_advantage(first, second)
-    if load_ratio is not None and first.tokens_per_sec <= load_ratio * second.tokens_per_sec:
+    if first.load_per_cpu is None or second.load_per_cpu is None:
+        return ""
+    load_ratio = max(1.0, second.load_per_cpu) / max(1.0, first.load_per_cpu)  # the ratio of their CPU shares
+    if first.tokens_per_sec <= load_ratio * second.tokens_per_sec:
         return (f"not resolved: {_label(first)} leads {_label(second)} by {first.tokens_per_sec / second.tokens_per_sec:.2f}x, "
                 f"but it ran at a load per CPU of {first.load_per_cpu:.2f} against {second.load_per_cpu:.2f}: the load alone "
                 f"can make a {load_ratio:.2f}x difference; rerun on a quieter machine before trusting the order")
     return ""
-
-
-def _load_advantage(first: SweepRow, second: SweepRow) -> float | None:
-    """How many times faster `first` could run than `second` from the machine's load alone: the ratio
-    of their CPU shares, 1 / max(1, load per CPU) each; None when a load was not recorded."""
-    if first.load_per_cpu is None or second.load_per_cpu is None:
-        return None
-    return max(1.0, second.load_per_cpu) / max(1.0, first.load_per_cpu)
 
 
 def load_note(rows: list[SweepRow]) -> str:
@@ -233,13 +219,6 @@ def to_json(rows: list[SweepRow], *, summary: dict[str, Any]) -> str:
     return json.dumps({**summary, "trials": [dataclasses.asdict(r) for r in sorted(rows, key=_order)]}, indent=2)
 
 
-def best_run_name(config: Config, best: SweepRow) -> str:
-    """The best config's own run name (under the sweep's base name it would resume that run, whose
-    checkpoints may hold another precision or batch split)."""
-    checkpointing = f"-ac-{best.activation_checkpointing}" if best.activation_checkpointing not in ("", config.model.activation_checkpointing) else ""
-    return f"{config.name or 'run'}-mb{best.micro_batch}{checkpointing}"
-
-
 def changed_settings(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """The keys of `values` (a config's dict) that differ from `defaults`, section by section."""
     out: dict[str, Any] = {}
@@ -256,18 +235,17 @@ def changed_settings(values: dict[str, Any], defaults: dict[str, Any]) -> dict[s
 def best_config_yaml(config: Config, best: SweepRow, *, sweep_name: str, objective: str) -> str:
     """The user's config (the preset or file, and their --set values) with the winning micro-batch
     and accumulation (global batch unchanged), its activation checkpointing where that is not the
-    config's own, and a run name of its own; written as the keys that differ from the defaults, so
-    nothing the sweep set for its trials alone (their steps, logging, evaluation) is in it."""
+    config's own, and a run name of its own (under the sweep's base name it would resume that run, whose
+    checkpoints may hold another precision or batch split); written as the keys that differ from the
+    defaults, so nothing the sweep set for its trials alone (their steps, logging, evaluation) is in it."""
+    setting = best.activation_checkpointing
+    own = not setting or setting == config.model.activation_checkpointing
     chosen = dataclasses.replace(
-        config, name=best_run_name(config, best),
+        config, name=f"{config.name or 'run'}-mb{best.micro_batch}{'' if own else f'-ac-{setting}'}",
         train=dataclasses.replace(config.train, micro_batch=best.micro_batch, grad_accum=best.grad_accum),
+        model=config.model if own else dataclasses.replace(config.model, activation_checkpointing=setting),
     )
-    checkpointing = ""
-    if best.activation_checkpointing and best.activation_checkpointing != config.model.activation_checkpointing:
-        chosen = dataclasses.replace(
-            chosen, model=dataclasses.replace(config.model, activation_checkpointing=best.activation_checkpointing)
-        )
-        checkpointing = f", model.activation_checkpointing={best.activation_checkpointing}"
+    checkpointing = "" if own else f", model.activation_checkpointing={setting}"
     if objective == "tokens_per_sec" and best.tokens_per_sec:
         what = f"{best.tokens_per_sec:,.0f} tokens/s"
     elif objective == "val_loss" and best.final_val_loss is not None:

@@ -29,18 +29,12 @@ class NoiseAwareStopper(FIFOScheduler):
     """Tune scheduler: stop a trial whose median objective over its windows after the first is more
     than `margin` behind the best trial's at the same window, once it has run `grace` windows."""
 
-    def __init__(self, *, metric: str, mode: Literal["max", "min"], grace: int, margin: float = NOISE_MARGIN) -> None:
+    def __init__(self, *, metric: str, mode: Literal["max", "min"], grace: int) -> None:
         super().__init__()
-        self._objective, self._direction, self.grace, self.margin = metric, mode, grace, margin
+        self._objective, self._direction, self.grace, self.margin = metric, mode, grace, NOISE_MARGIN
         self._windows: dict[str, list[float]] = {}
         self._best: dict[int, float] = {}
         """Best score seen at each window (training_iteration) over all trials so far."""
-
-    def behind(self, score: float, best: float) -> bool:
-        """True when `score` is more than the margin worse than `best`."""
-        if self._direction == "max":
-            return score < best * (1 - self.margin)
-        return score > best * (1 + self.margin)
 
     def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
         value, window = result.get(self._objective), result.get("training_iteration")
@@ -51,11 +45,12 @@ class NoiseAwareStopper(FIFOScheduler):
         if window < self.grace:
             return TrialScheduler.CONTINUE
         score = statistics.median(windows[1:])  # the first window is warm-up, as in the results table
-        best = self._best.get(window)
-        better = best is None or (score > best if self._direction == "max" else score < best)
-        if better:
+        best, higher = self._best.get(window), self._direction == "max"
+        if best is None or (score > best if higher else score < best):
             self._best[window] = score
-        return TrialScheduler.STOP if best is not None and self.behind(score, best) else TrialScheduler.CONTINUE
+            return TrialScheduler.CONTINUE
+        behind = score < best * (1 - self.margin) if higher else score > best * (1 + self.margin)
+        return TrialScheduler.STOP if behind else TrialScheduler.CONTINUE
 
     def debug_string(self) -> str:
         return f"NoiseAwareStopper: grace {self.grace} windows, margin {self.margin:.0%}"
