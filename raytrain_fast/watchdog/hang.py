@@ -95,14 +95,10 @@ class HangWatch:
             del self.ranks[rank]
             self._retired.add(pid)
 
-    def step_time_s(self) -> float | None:
-        """The median time per step seen in the heartbeats (None before any)."""
-        return statistics.median(self._step_s) if self._step_s else None
-
     def timeout_s(self) -> float:
         if self.setting != "auto":
             return float(self.setting)
-        step_s = self.step_time_s()
+        step_s = statistics.median(self._step_s) if self._step_s else None  # per step, as the heartbeats saw it
         return min(AUTO_MAX_S, max(self.min_timeout_s, AUTO_STEPS * step_s if step_s else self.min_timeout_s))
 
     def armed(self, now: float) -> bool:
@@ -162,10 +158,6 @@ def training_thread(threads: list[Thread]) -> Thread | None:
     return next((t for t in threads if any(name in frame for frame in t.frames for name in _LOOP_FRAMES)), None)
 
 
-def in_collective(thread: Thread) -> bool:
-    return any(path in frame for frame in thread.frames for path in _COLLECTIVE_FILES)
-
-
 def top_frame(thread: Thread | None) -> str:
     """The innermost frame that is not a pass-through wrapper (the line a reader looks at first):
     a rank frozen while DeepSpeed's NVTX decorator calls into C shows the DeepSpeed function it wraps."""
@@ -192,7 +184,7 @@ class RankStack:
     def waiting(self) -> bool:
         """In a collective: waiting for the others, not the cause."""
         thread = self.thread
-        return thread is not None and in_collective(thread)
+        return thread is not None and any(path in frame for frame in thread.frames for path in _COLLECTIVE_FILES)
 
 
 def stuck_ranks(stacks: list[RankStack], *, beat_interval_s: float) -> list[int]:
