@@ -137,7 +137,6 @@ class HangWatch:
 
 @dataclass(kw_only=True)
 class Thread:
-    header: str
     frames: list[str] = field(default_factory=list)
     """Innermost first, as py-spy prints them: `function (file:line)`."""
 
@@ -147,7 +146,7 @@ def parse_py_spy(text: str) -> list[Thread]:
     threads: list[Thread] = []
     for line in text.splitlines():
         if line.startswith("Thread "):
-            threads.append(Thread(header=line.strip()))
+            threads.append(Thread())
         elif threads and line.startswith(" ") and line.strip():
             threads[-1].frames.append(line.strip())
     return threads
