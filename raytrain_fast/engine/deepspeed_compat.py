@@ -201,7 +201,8 @@ def _no_all_reduce_over_one_rank(original: Callable[..., Any]) -> Callable[..., 
             and getattr(self, "sequence_parallel_size", 1) == 1
             and not getattr(stage_1_and_2, "pg_correctness_test", True)
             and (output_bucket is None or all(output is None for output in output_bucket))
-            and all(torch.promote_types(t.dtype, communication_data_type) == communication_data_type for t in small_bucket)
+            and all(torch.promote_types(t.dtype, communication_data_type) == communication_data_type
+                    for t in small_bucket)
         ):
             return None
         return original(self, small_bucket, communication_data_type, rank=rank, log=log, divide=divide,
