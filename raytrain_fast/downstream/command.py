@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from raytrain_fast.console import say
-from raytrain_fast.downstream.encode import Encoder, encode_tasks, skipped_note
-from raytrain_fast.downstream.tasks import STANDARD_TASKS, Task, TaskError, load_tasks
+from raytrain_fast.downstream.encode import encode_tasks, skipped_note
+from raytrain_fast.downstream.tasks import STANDARD_TASKS, TaskError, load_tasks
 
 DEFAULT_MICRO_BATCH = 16
 """Sequences per forward pass where the model has no run of its own to take it from (--hf)."""
@@ -65,12 +65,24 @@ def _task_specs(args: argparse.Namespace, run_eval: dict[str, Any]) -> tuple[lis
 def run_evaluate(args: argparse.Namespace, *, storage: Any, connect_ray: Callable[[], None]) -> str:
     """Evaluate as `args` asks; returns the results for the CLI to print (the table, or the JSON with --json)."""
     from raytrain_fast.downstream.evaluate import evaluate
+    from raytrain_fast.downstream.models import from_checkpoint, from_hf_dir
 
     _checked(args)
     specs, limit = _task_specs(args, _run_eval_section(args, storage))
     tasks = load_tasks(specs, limit=limit)  # unknown names, missing or malformed files: before anything is loaded
-    source, encoder, step = _model(args, storage)
-    encoded = _encoded(tasks, encoder)
+    if args.hf:
+        (source, encoder), step = from_hf_dir(args.hf, precision=args.precision), None
+    else:
+        source, encoder, step = from_checkpoint(
+            storage_uri=args.storage, storage=storage, name=args.name, step=args.step, tokenizer=args.tokenizer,
+            precision=args.precision,
+        )
+    encoded = encode_tasks(tasks, encoder)
+    empty = [t.name for t in encoded if t.num_items == 0]
+    if empty:
+        raise TaskError(
+            f"no item of {', '.join(empty)} fits the model's window of {encoder.window} tokens: leave the task out"
+        )
     for note in skipped_note(encoded, encoder.window):
         say(note, stderr=args.json)  # with --json, stdout holds the JSON alone
     where = f"on {args.workers} Ray workers" if args.workers > 1 else "in this process"
@@ -102,22 +114,3 @@ def _run_eval_section(args: argparse.Namespace, storage: Any) -> dict[str, Any]:
     config = newest_config(f"{args.storage.rstrip('/')}/{args.name}", storage) or {}
     section = config.get("eval")
     return section if isinstance(section, dict) else {}
-
-
-def _model(args: argparse.Namespace, storage: Any):
-    from raytrain_fast.downstream.models import from_checkpoint, from_hf_dir
-
-    if args.hf:
-        source, encoder = from_hf_dir(args.hf, precision=args.precision)
-        return source, encoder, None
-    return from_checkpoint(
-        storage_uri=args.storage, storage=storage, name=args.name, step=args.step, tokenizer=args.tokenizer, precision=args.precision,
-    )
-
-
-def _encoded(tasks: list[Task], encoder: Encoder):
-    encoded = encode_tasks(tasks, encoder)
-    empty = [t.name for t in encoded if t.num_items == 0]
-    if empty:
-        raise TaskError(f"no item of {', '.join(empty)} fits the model's window of {encoder.window} tokens: leave the task out")
-    return encoded

@@ -77,9 +77,6 @@ class EncodedTask:
     def num_items(self) -> int:
         return len(self.gold)
 
-    def choices(self) -> np.ndarray:
-        return np.bincount(self.request_item, minlength=self.num_items)
-
 
 def encode_tasks(tasks: list[Task], encoder: Encoder) -> list[EncodedTask]:
     return [encode_task(task, encoder) for task in tasks]

@@ -42,14 +42,14 @@ class RankTasks:
         self.tasks, self.plan = tasks, plan
         self.size = plan.num_requests
         """Length of the log-likelihoods tensor."""
-        self._timer = DeviceTimer(plan.device)
+        self._marks: tuple[Any, Any] = (None, None)
 
     def score(self, engine: Any) -> torch.Tensor:
         """This rank's log-likelihoods (device tensor, 0 for other ranks' requests); the caller has the
         model in eval mode under no_grad."""
-        self._timer.start()
+        start = _mark(self.plan.device)
         loglikelihoods = self.plan.loglikelihoods(engine)  # engine(tokens) -> logits
-        self._timer.stop()
+        self._marks = (start, _mark(self.plan.device))
         return loglikelihoods
 
     def values(self, loglikelihoods: list[float], *, tokens: int | None) -> dict[str, float]:
@@ -60,7 +60,12 @@ class RankTasks:
             values.update({f"eval/{task.name}/{key}": value for key, value in figures.items()})
             values[f"eval/{task.name}/chance"] = task.chance
         scored = sum(task.num_items for task in self.tasks)
-        seconds = self._timer.seconds()
+        start, stop = self._marks
+        if isinstance(stop, float):
+            seconds = stop - start
+        else:
+            stop.synchronize()  # already complete: the counts were read after it
+            seconds = start.elapsed_time(stop) / 1e3
         values["time/eval_tasks_s"] = seconds
         values["time/eval_tasks_ms_per_item"] = 1e3 * seconds / max(scored, 1.0)
         if tokens is not None:
@@ -72,30 +77,11 @@ class RankTasks:
         return "  ".join(f"{task.name} {values[f'eval/{task.name}/acc']:.3f}" for task in self.tasks)
 
 
-class DeviceTimer:
-    """Seconds between start() and stop() of the work queued on the device: CUDA events on a GPU (read
-    after the evaluation's host read, so no sync of its own), the host clock on a CPU (ops run as called)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._start: Any = None
-        self._stop: Any = None
-
-    def _mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def start(self) -> None:
-        self._start = self._mark()
-
-    def stop(self) -> None:
-        self._stop = self._mark()
-
-    def seconds(self) -> float:
-        if self.cuda:
-            self._stop.synchronize()  # already complete: the counts were read after it
-            return self._start.elapsed_time(self._stop) / 1e3
-        return self._stop - self._start
+def _mark(device: torch.device) -> Any:
+    """The end of the work queued on `device` so far: a recorded CUDA event on a GPU (read after the
+    evaluation's host read, so no sync of its own), the host clock on a CPU (ops run as called)."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

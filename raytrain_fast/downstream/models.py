@@ -28,10 +28,6 @@ Forward = Callable[[torch.Tensor], torch.Tensor]
 """(B, T) token ids -> (B, T, V) logits."""
 
 
-class MissingExtraError(RaytrainFastError):
-    """An optional dependency is not installed; the message gives the pip command."""
-
-
 @dataclass(kw_only=True)
 class ModelSource:
     """What a worker needs to build the model: our weights and model config, or a Hugging Face directory."""
@@ -74,7 +70,7 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise MissingExtraError(
+        raise RaytrainFastError(
             f"evaluate --hf loads the model with transformers, which is not installed: {EVAL_EXTRA} "
             "(or pip install transformers)"
         ) from None

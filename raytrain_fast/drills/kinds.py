@@ -60,8 +60,6 @@ class RecordSequences(StepHooks):
 
 
 class _SequenceRecorder(StepHooks):
-    order = 0
-
     def __init__(self, path: str) -> None:
         self.path, self._ids = path, []
 

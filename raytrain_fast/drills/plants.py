@@ -50,19 +50,15 @@ def hang_data(batches: Iterator[T], spec: tuple[int, str, int, float | None], *,
     records that it happened, so the restarted run goes through. SIGSTOP stops every thread (the
     heartbeat too), as a wedged driver or a stuck kernel does; with seconds, only this thread sleeps."""
     step, marker, _, seconds = spec
-
-    def frozen() -> Iterator[T]:
-        for batch in batches:
-            if current_step() + 1 == step and not os.path.exists(marker):
-                with open(marker, "w") as out:
-                    out.write(f"{time.time()}\n")  # when it froze: the test measures the watchdog from here
-                if seconds is None:
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                else:
-                    time.sleep(seconds)
-            yield batch
-
-    return frozen()
+    for batch in batches:
+        if current_step() + 1 == step and not os.path.exists(marker):
+            with open(marker, "w") as out:
+                out.write(f"{time.time()}\n")  # when it froze: the test measures the watchdog from here
+            if seconds is None:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                time.sleep(seconds)
+        yield batch
 
 
 class _SlowSink:

@@ -48,13 +48,6 @@ def _slow_upload(text: str) -> list[StepHooks]:
     return drills
 
 
-def _nonfinite(kind: str) -> Callable[[str], list[StepHooks]]:
-    def parse(text: str) -> list[StepHooks]:
-        step, rank, what = plants.nonfinite_spec(text, kind=kind)
-        return [Nonfinite(step, rank, what)]
-    return parse
-
-
 PARSERS: dict[str, Callable[[str], list[StepHooks]]] = {
     "fail_once_at": _fail_once,
     "record_sequences": lambda text: [RecordSequences(text)],
@@ -65,8 +58,8 @@ PARSERS: dict[str, Callable[[str], list[StepHooks]]] = {
     "cpu_burn": lambda text: [CpuBurn(*plants.cpu_burn_range(text))],
     "hold_memory": lambda text: [HoldMemory(*plants.hold_memory_spec(text))],
     "hang": lambda text: [Hang(*plants.hang_spec(text))],
-    "nonfinite": _nonfinite(""),
-    "spike": _nonfinite("spike"),
+    "nonfinite": lambda text: [Nonfinite(*plants.nonfinite_spec(text))],  # (step, rank, what)
+    "spike": lambda text: [Nonfinite(*plants.nonfinite_spec(text, kind="spike"))],
 }
 
 

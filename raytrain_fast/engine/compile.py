@@ -9,11 +9,7 @@ written with compile on loads with it off and the other way round.
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-logger = logging.getLogger("raytrain_fast.engine")
 
 CPU_COMPILE_NOTE = "off on CPUs (compiled blocks measured 0.96x eager on 2 cores, after a 20 s compile)"
 

@@ -183,13 +183,6 @@ def _fp32_grads_in_a_kept_buffer(original: Callable[..., Any]) -> Callable[..., 
     return _get_preflattened_grad_partition
 
 
-_WIDER_OR_SAME = {
-    torch.bfloat16: (torch.bfloat16, torch.float32, torch.float64),
-    torch.float16: (torch.float16, torch.float32, torch.float64),
-    torch.float32: (torch.float32, torch.float64),
-}
-
-
 def _no_all_reduce_over_one_rank(original: Callable[..., Any]) -> Callable[..., Any]:
     """With one worker, DeepSpeed 0.19's ZeRO-2 still "reduces" the gradients after each backward
     (`allreduce_and_copy`, without contiguous gradients): it flattens every gradient into a new
@@ -208,7 +201,8 @@ def _no_all_reduce_over_one_rank(original: Callable[..., Any]) -> Callable[..., 
             and getattr(self, "sequence_parallel_size", 1) == 1
             and not getattr(stage_1_and_2, "pg_correctness_test", True)
             and (output_bucket is None or all(output is None for output in output_bucket))
-            and all(communication_data_type in _WIDER_OR_SAME.get(t.dtype, ()) for t in small_bucket)
+            and all(torch.promote_types(t.dtype, communication_data_type) == communication_data_type
+                    for t in small_bucket)
         ):
             return None
         return original(self, small_bucket, communication_data_type, rank=rank, log=log, divide=divide,

@@ -104,6 +104,3 @@ def _torchao_float8() -> SimpleNamespace:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     return SimpleNamespace(Float8LinearConfig=Float8LinearConfig, convert_to_float8_training=convert_to_float8_training)
-
-
-__all__ = ["FP8_CAPABILITY", "RECIPE", "apply_fp8", "convert_blocks", "float8_speeds_up", "fp8_problem"]

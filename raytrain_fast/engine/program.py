@@ -98,14 +98,14 @@ def build_program(
         optimizer = build_optimizer(list(model.parameters()), optim=config.optim, device=device)
         built = TorchEngine(model, optimizer, precision=config.engine.precision, grad_accum=batch.grad_accum,
                             grad_clip=config.optim.grad_clip)
-        return WorkerProgram(device=device, model=model, compiled=compiled, compile_line=compile_line, engine=built)
-    deepspeed_engine = build_engine(
-        model, engine=config.engine, optim=config.optim, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
-        world_size=batch.world_size, total_steps=config.train.steps, load_universal=load_universal, say_line=say,
-    )
-    if masters:  # float8 conversion keeps each layer's Parameter, so they are still the engine's
-        keep_as_master_weights(masters)
-    return WorkerProgram(device=device, model=model, compiled=compiled, compile_line=compile_line, engine=deepspeed_engine)
+    else:
+        built = build_engine(
+            model, engine=config.engine, optim=config.optim, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
+            world_size=batch.world_size, total_steps=config.train.steps, load_universal=load_universal, say_line=say,
+        )
+        if masters:  # float8 conversion keeps each layer's Parameter, so they are still the engine's
+            keep_as_master_weights(masters)
+    return WorkerProgram(device=device, model=model, compiled=compiled, compile_line=compile_line, engine=built)
 
 
 def keep_as_master_weights(values: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:

@@ -25,18 +25,8 @@ class StepRecorder(Protocol):
     def add_grad_norm(self, grad_norm: torch.Tensor | float | None) -> None: ...
 
 
-class _NoRecorder:
-    def begin_step(self) -> None:
-        pass
-
-    def lap(self, phase: str) -> None:
-        pass
-
-    def add_loss(self, loss: torch.Tensor) -> None:
-        pass
-
-    def add_grad_norm(self, grad_norm: torch.Tensor | float | None) -> None:
-        pass
+class _NoRecorder(StepRecorder):
+    """The protocol's own methods, which do nothing."""
 
 
 NO_RECORDER: StepRecorder = _NoRecorder()

@@ -108,7 +108,11 @@ class HealthMonitor:
             metrics.mark_health("non-finite window", step)
             self._act("on_nonfinite", step=step, what="a non-finite loss or gradient norm", loss=loss, grad=grad)
             return
-        self._check_divergence(step, loss, grad, metrics)
+        found = self.divergence.observe(step, loss) if self.divergence is not None else None
+        if found is not None:  # a finite divergence (loop/divergence.py), once per episode
+            metrics.emit(step, found.record())
+            metrics.mark_health("divergence", step)
+            self._act("on_divergence", step=step, what=f"a finite divergence: {found.describe()}", loss=loss, grad=grad)
         if self.config.on_spike == "off" or step <= self.warmup_steps:
             return
         spiked = [name for name, check, value in (("loss", self._loss, loss), ("gradient norm", self._grad, grad))
@@ -118,14 +122,6 @@ class HealthMonitor:
             metrics.mark_health("spike", step)
             what = f"a {' and '.join(spiked)} spike (median + {self.config.spike_mads:g} x MAD of the last windows)"
             self._act("on_spike", step=step, what=what, loss=loss, grad=grad)
-
-    def _check_divergence(self, step: int, loss: float, grad: float, metrics: Any) -> None:
-        """A finite divergence (loop/divergence.py): once per episode, a health/divergence record and the policy."""
-        found = self.divergence.observe(step, loss) if self.divergence is not None else None
-        if found is not None:
-            metrics.emit(step, found.record())
-            metrics.mark_health("divergence", step)
-            self._act("on_divergence", step=step, what=f"a finite divergence: {found.describe()}", loss=loss, grad=grad)
 
     def restart_at(self, step: int) -> None:
         """A rollback went back to the checkpoint at `step`: the divergence episode ends there."""

@@ -82,11 +82,6 @@ def dense_block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal).unsqueeze(1)
 
 
-def uses_flex_attention(device: torch.device | str) -> bool:
-    """Flex attention is the CUDA path; torch < 2.5 has none (the driver refuses that before workers start)."""
-    return torch.device(device).type == "cuda" and flex_attention_available()
-
-
 def flex_attention_available() -> bool:
     """torch >= 2.5 has flex attention."""
     return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
@@ -107,7 +102,7 @@ def flex_block_causal_mask(doc_ids: torch.Tensor) -> Any:
 def document_layout(tokens: torch.Tensor, masking: DocumentMasking, *, dtype: torch.dtype) -> DocumentLayout:
     """The positions and attention mask of a packed batch `tokens` (B, T), for activations of `dtype`."""
     doc_ids = document_ids(tokens, masking.eod_id)
-    if uses_flex_attention(tokens.device):
+    if tokens.device.type == "cuda" and flex_attention_available():  # torch < 2.5 has none: the driver refuses that
         mask = flex_block_causal_mask(doc_ids)
     else:
         # Additive, made once per forward for every block: SDPA would convert a bool mask in each call

@@ -27,21 +27,6 @@ CHUNKED_LOSS_MIN_VOCAB = 8192
 """`chunked_loss: auto` turns on from this vocabulary size."""
 
 
-def _rotary_tables(seq_len: int, head_dim: int, device: torch.device, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    # RoPE (Su et al. 2021): rotate channel pairs by position * theta_i, theta_i = base^(-2i/head_dim).
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
-    return angles.cos(), angles.sin()
-
-
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, H, T, hd); cos/sin: (T, hd/2), or (B, 1, T, hd/2) with document masking
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return rotated.flatten(-2)
-
-
 class CausalSelfAttention(nn.Module):
     """Causal self-attention, q|k|v in one matrix, with `kv_heads(config)` key/value heads (grouped-query
     when fewer than num_heads: llama only) of `head_size(config)`; rotary positions where the caller
@@ -57,7 +42,11 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return _apply_rotary(x, cos, sin)
+        # x: (B, H, T, hd); cos/sin: (T, hd/2), or (B, 1, T, hd/2) with document masking
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        return rotated.flatten(-2)
 
     def _normalize(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k  # (B, T, H, hd): the llama's per-head norms (qk_norm) go here
@@ -120,7 +109,8 @@ class GPT(nn.Module):
         self.token_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if self._learned_positions() else None
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(self._make_block(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(Block(config, self._make_norm, self.attention_class, self.mlp_class)
+                                    for _ in range(config.num_layers))
         self.norm_out = self._make_norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -143,14 +133,15 @@ class GPT(nn.Module):
     def _learned_positions(self) -> bool:
         return self.config.positions == "learned"
 
-    def _make_block(self, config: ModelConfig) -> nn.Module:
-        return Block(config, self._make_norm, self.attention_class, self.mlp_class)
-
     def _make_norm(self, config: ModelConfig) -> nn.Module:
         return nn.LayerNorm(config.d_model)
 
     def _make_rotary_tables(self, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rotary_tables(seq, head_size(self.config), device, self.config.rope_theta)
+        # RoPE (Su et al. 2021): rotate channel pairs by position * theta_i, theta_i = base^(-2i/head_dim).
+        head_dim, base = head_size(self.config), self.config.rope_theta
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+        angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
+        return angles.cos(), angles.sin()
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):

@@ -41,11 +41,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 def rotary_frequencies(config: ModelConfig, device: torch.device) -> torch.Tensor:
     """The hd/2 rotary frequencies of `config`, scaled as `model.rope_scaling` says, in the order of
     operations of transformers' `_compute_default/linear_scaling/llama3_parameters` (same fp32 values)."""
@@ -67,13 +62,6 @@ def rotary_frequencies(config: ModelConfig, device: torch.device) -> torch.Tenso
     return torch.where(medium, smoothed, scaled)
 
 
-def _llama_rotary_tables(seq_len: int, config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    # cos/sin (T, hd): the hd/2 frequencies twice, for the rotate-half layout.
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), rotary_frequencies(config, device))
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
-
-
 class GroupedQueryAttention(CausalSelfAttention):
     """The GPT's attention with grouped-query heads (`kv_heads`), rotary in the rotate-half layout
     (cos/sin: (T, hd), or (B, 1, T, hd) at positions inside each document: document masking), and
@@ -91,7 +79,8 @@ class GroupedQueryAttention(CausalSelfAttention):
         return self.q_norm(q), self.k_norm(k)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x * cos + _rotate_half(x) * sin
+        first, second = x.chunk(2, dim=-1)  # rotate half: each channel's pair is in the other half
+        return x * cos + torch.cat((-second, first), dim=-1) * sin
 
 
 class SwiGLU(nn.Module):
@@ -123,4 +112,8 @@ class Llama(GPT):
         return RMSNorm(config.d_model, config.norm_eps)
 
     def _make_rotary_tables(self, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return _llama_rotary_tables(seq, self.config, device)
+        # cos/sin (T, hd): the hd/2 frequencies twice, for the rotate-half layout.
+        positions = torch.arange(seq, device=device, dtype=torch.float32)
+        angles = torch.outer(positions, rotary_frequencies(self.config, device))
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()

@@ -95,14 +95,10 @@ class HangWatch:
             del self.ranks[rank]
             self._retired.add(pid)
 
-    def step_time_s(self) -> float | None:
-        """The median time per step seen in the heartbeats (None before any)."""
-        return statistics.median(self._step_s) if self._step_s else None
-
     def timeout_s(self) -> float:
         if self.setting != "auto":
             return float(self.setting)
-        step_s = self.step_time_s()
+        step_s = statistics.median(self._step_s) if self._step_s else None  # per step, as the heartbeats saw it
         return min(AUTO_MAX_S, max(self.min_timeout_s, AUTO_STEPS * step_s if step_s else self.min_timeout_s))
 
     def armed(self, now: float) -> bool:
@@ -141,7 +137,6 @@ class HangWatch:
 
 @dataclass(kw_only=True)
 class Thread:
-    header: str
     frames: list[str] = field(default_factory=list)
     """Innermost first, as py-spy prints them: `function (file:line)`."""
 
@@ -151,7 +146,7 @@ def parse_py_spy(text: str) -> list[Thread]:
     threads: list[Thread] = []
     for line in text.splitlines():
         if line.startswith("Thread "):
-            threads.append(Thread(header=line.strip()))
+            threads.append(Thread())
         elif threads and line.startswith(" ") and line.strip():
             threads[-1].frames.append(line.strip())
     return threads
@@ -160,10 +155,6 @@ def parse_py_spy(text: str) -> list[Thread]:
 def training_thread(threads: list[Thread]) -> Thread | None:
     """The thread running the step loop, if the dump has one."""
     return next((t for t in threads if any(name in frame for frame in t.frames for name in _LOOP_FRAMES)), None)
-
-
-def in_collective(thread: Thread) -> bool:
-    return any(path in frame for frame in thread.frames for path in _COLLECTIVE_FILES)
 
 
 def top_frame(thread: Thread | None) -> str:
@@ -192,7 +183,7 @@ class RankStack:
     def waiting(self) -> bool:
         """In a collective: waiting for the others, not the cause."""
         thread = self.thread
-        return thread is not None and in_collective(thread)
+        return thread is not None and any(path in frame for frame in thread.frames for path in _COLLECTIVE_FILES)
 
 
 def stuck_ranks(stacks: list[RankStack], *, beat_interval_s: float) -> list[int]:
