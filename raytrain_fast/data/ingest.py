@@ -100,11 +100,6 @@ class _Item:
 
 
 @dataclass
-class _Failure:
-    error: BaseException
-
-
-@dataclass
 class _Chunk:
     first_batch: int
     pieces: list[bytes]
@@ -151,7 +146,11 @@ class BatchIterator(Iterator):
         chunk_rows = int(max(map(window_rows, self.source_rows)) * _WINDOWS_PER_DATASET)
         self._batches_per_chunk = max(1, chunk_rows // (micro_batch * world_size))
         self._orders: list[dict[int, EpochOrder]] = [{} for _ in sources]
-        self._start_pipeline()
+        self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch_batches)  # groups of micro-batches, or an error
+        self._ready: collections.deque[_Item] = collections.deque()  # the group being taken
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name=f"batches-rank{self.rank}", daemon=True)
+        self._thread.start()  # the pipeline warms up while the caller builds its model
 
     def read_position(self, saved: dict[str, Any] | None) -> MixturePosition:
         """A saved position (None: the start) in this iterator's mixture."""
@@ -159,13 +158,6 @@ class BatchIterator(Iterator):
             return MixturePosition(sources=self.mixture)
         saved_position = MixturePosition.from_dict(saved, first=self.mixture[0], first_rows=int(self.source_sizes[0]))
         return saved_position.continued(self.mixture)
-
-    def _start_pipeline(self) -> None:
-        self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch_batches)  # of groups of micro-batches
-        self._ready: collections.deque[_Item] = collections.deque()  # the group being taken
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, name=f"batches-rank{self.rank}", daemon=True)
-        self._thread.start()  # the pipeline warms up while the caller builds its model
 
     @property
     def position(self) -> MixturePosition:
@@ -200,9 +192,9 @@ class BatchIterator(Iterator):
     def __next__(self) -> tuple[Any, Any]:
         if not self._ready:
             group = self._queue.get()
-            if isinstance(group, _Failure):
+            if isinstance(group, BaseException):
                 self._queue.put(group)  # every later next() raises too
-                raise group.error
+                raise group
             self._ready.extend(group)
         item = self._ready.popleft()
         self._position = item.position
@@ -280,7 +272,7 @@ class BatchIterator(Iterator):
                     raise self._damaged_shard(chunk) or error
                 first += self._batches_per_chunk
         except BaseException as error:  # handed to the caller's next()
-            self._put(_Failure(error))
+            self._put(error)
 
     def _damaged_shard(self, chunk: _Chunk) -> DataError | None:
         """After the pipeline failed on `chunk`: its shards read again here, in this process. A Ray
