@@ -14,8 +14,6 @@ from raytrain_fast.data.manifest import Manifest
 
 SHUFFLE_WINDOW_SHARDS = 16
 """Shards whose sequences are shuffled together (about 16M tokens at the default shard size)."""
-def _hash64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def shard_order(num_shards: int, *, seed: int, epoch: int) -> list[int]:
@@ -34,8 +32,9 @@ def _splitmix64(values: np.ndarray) -> np.ndarray:
 
 def window_permutation(length: int, *, seed: int, epoch: int, window: int) -> np.ndarray:
     """Positions 0..length-1 of a window in their shuffled order, drawn from (seed, epoch, window)."""
+    key = int.from_bytes(hashlib.blake2b(f"{seed}:{epoch}:{window}".encode(), digest_size=8).digest(), "little")
     with np.errstate(over="ignore"):
-        keys = _splitmix64(np.arange(length, dtype=np.uint64) ^ np.uint64(_hash64(f"{seed}:{epoch}:{window}")))
+        keys = _splitmix64(np.arange(length, dtype=np.uint64) ^ np.uint64(key))
     return np.argsort(keys, kind="stable")
 
 

@@ -288,7 +288,8 @@ class FileReader:
             try:
                 parquet = pq.ParquetFile(handle)
             except (OSError, pa.ArrowException) as error:
-                self.skip_reason = "empty file" if _is_empty(error) else f"not a Parquet file ({error})"
+                empty = "size is 0" in str(error) or "empty" in str(error).lower()
+                self.skip_reason = "empty file" if empty else f"not a Parquet file ({error})"
                 return
             problem = parquet_column_problem(parquet.schema_arrow, self.text_field)
             if problem:
@@ -324,10 +325,6 @@ class FileReader:
 def _not_text(head: bytes) -> str:
     """Why a file that starts with `head` holds no text ("": it may)."""
     return "empty file" if not head else "binary file (contains NUL bytes)" if b"\x00" in head else ""
-
-
-def _is_empty(error: Exception) -> bool:
-    return "size is 0" in str(error) or "empty" in str(error).lower()
 
 
 def parquet_text_column(schema: pa.Schema, text_field: str) -> str | None:
