@@ -59,12 +59,11 @@ class _Output:
     def resolve(cls, output: str, storage: StorageConfig) -> _Output:
         filesystem, root = resolve_filesystem(output, storage)
         display_root = output.rstrip("/") if "://" in output else root
-        if isinstance(filesystem, pafs.LocalFileSystem):
-            return cls(filesystem=filesystem, root=root, display_root=display_root, exclude=root)
+        local = isinstance(filesystem, pafs.LocalFileSystem)
         bucket = root.split("/", 1)[0]
-        if filesystem.get_file_info(bucket).type == pafs.FileType.NotFound:
+        if not local and filesystem.get_file_info(bucket).type == pafs.FileType.NotFound:
             raise DataError(f"output '{output}': bucket '{bucket}' does not exist (create it first)")
-        return cls(filesystem=filesystem, root=root, display_root=display_root, exclude=None)
+        return cls(filesystem=filesystem, root=root, display_root=display_root, exclude=root if local else None)
 
 
 def _holds_this_data(
