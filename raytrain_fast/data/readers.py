@@ -116,9 +116,8 @@ class _Records:
         """Keys of the JSON objects seen: the fix for a wrong field names one of them."""
 
     def count(self, problem: str, where: int, num: int = 1) -> None:
-        if num:
-            self.bad[problem] += num
-            self.first.setdefault(problem, where)
+        self.bad[problem] += num
+        self.first.setdefault(problem, where)
 
     def summary(self) -> str:
         return ", ".join(f"{n} {problem} (first at {self.unit} {self.first[problem]})" for problem, n in self.bad.items())
