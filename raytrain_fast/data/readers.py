@@ -66,26 +66,19 @@ def input_format(path: str) -> tuple[str, str | None]:
 
 
 class _HashingReader:
-    """A file object that hashes and counts what is read through it (a compressed file's own bytes)."""
+    """A file object that hashes what is read through it (a compressed file's own bytes)."""
 
     def __init__(self, raw) -> None:
-        self.raw, self.digest, self.num_bytes, self.closed = raw, hashlib.sha256(), 0, False
+        self.raw, self.digest, self.closed = raw, hashlib.sha256(), False
 
     def read(self, size: int = -1) -> bytes:
         data = self.raw.read() if size is None or size < 0 else self.raw.read(size)
         self.digest.update(data)
-        self.num_bytes += len(data)
         return data
 
     def drain(self) -> None:
         while self.read(_READ_BYTES):
             pass
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
 
     def close(self) -> None:
         self.closed = True
