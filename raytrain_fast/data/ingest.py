@@ -30,7 +30,7 @@ import pyarrow.fs as pafs
 
 from raytrain_fast._ray_compat import DATA_EXECUTOR_LOGGER
 from raytrain_fast.data.inputs import NODE_ID_LABEL
-from raytrain_fast.data.manifest import shard_locations
+from raytrain_fast.data.manifest import read_shard, shard_locations
 from raytrain_fast.data.mixture import (
     MixturePosition, MixtureSchedule, Source, identity, mixture_problems, mixture_rank_stream, window_cuts,
 )
@@ -60,8 +60,6 @@ class _ReadPieces:
         self.filesystems = filesystems
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
-        from raytrain_fast.data.manifest import read_shard
-
         tables = []
         for spec in batch["piece"]:
             paths, which, rows = pickle.loads(spec)

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from raytrain_fast.data.inputs import Listing, canonical_input, input_filesystems, list_sources, summarize_skipped
 from raytrain_fast.data.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, join_uri
@@ -144,8 +145,6 @@ def _check_inputs(listing: Listing, filesystems: dict[str, pafs.FileSystem], *, 
     if not any(s.size for s in listing.sources):
         raise DataError(f"the inputs hold no text ({len(listing.sources)} empty file(s): {listing.sources[0].uri}): add text to them."
                         f"\n{summarize_skipped(listing.skipped, limit=20)}".rstrip())
-    import pyarrow.parquet as pq
-
     source = next((s for s in listing.sources if input_format(s.path)[0] == "parquet" and s.size), None)
     if source is None:
         return

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+import pyarrow.fs as pafs
 
 from raytrain_fast.data.corpus import BYTE_VOCAB_SIZE, EOD_TOKEN
 from raytrain_fast.data.manifest import TokenizerInfo
@@ -141,8 +142,6 @@ def added_bos(with_special: list[int], plain: list[int]) -> int | None:
 
 
 def _is_directory(filesystem, path: str) -> bool:
-    import pyarrow.fs as pafs
-
     try:
         return filesystem.get_file_info(path).type == pafs.FileType.Directory
     except OSError:  # unreachable or refused: reading it below says so
