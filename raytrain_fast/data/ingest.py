@@ -30,7 +30,7 @@ import pyarrow.fs as pafs
 
 from raytrain_fast._ray_compat import DATA_EXECUTOR_LOGGER
 from raytrain_fast.data.inputs import NODE_ID_LABEL
-from raytrain_fast.data.manifest import shard_locations
+from raytrain_fast.data.manifest import read_shard, shard_locations
 from raytrain_fast.data.mixture import (
     MixturePosition, MixtureSchedule, Source, identity, mixture_problems, mixture_rank_stream, window_cuts,
 )
@@ -60,8 +60,6 @@ class _ReadPieces:
         self.filesystems = filesystems
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
-        from raytrain_fast.data.manifest import read_shard
-
         tables = []
         for spec in batch["piece"]:
             paths, which, rows = pickle.loads(spec)
@@ -97,11 +95,6 @@ class _Item:
     seq_ids: Any
     position: MixturePosition
     """Position after this batch (every rank has taken it)."""
-
-
-@dataclass
-class _Failure:
-    error: BaseException
 
 
 @dataclass
@@ -151,7 +144,11 @@ class BatchIterator(Iterator):
         chunk_rows = int(max(map(window_rows, self.source_rows)) * _WINDOWS_PER_DATASET)
         self._batches_per_chunk = max(1, chunk_rows // (micro_batch * world_size))
         self._orders: list[dict[int, EpochOrder]] = [{} for _ in sources]
-        self._start_pipeline()
+        self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch_batches)  # groups of micro-batches, or an error
+        self._ready: collections.deque[_Item] = collections.deque()  # the group being taken
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name=f"batches-rank{self.rank}", daemon=True)
+        self._thread.start()  # the pipeline warms up while the caller builds its model
 
     def read_position(self, saved: dict[str, Any] | None) -> MixturePosition:
         """A saved position (None: the start) in this iterator's mixture."""
@@ -159,13 +156,6 @@ class BatchIterator(Iterator):
             return MixturePosition(sources=self.mixture)
         saved_position = MixturePosition.from_dict(saved, first=self.mixture[0], first_rows=int(self.source_sizes[0]))
         return saved_position.continued(self.mixture)
-
-    def _start_pipeline(self) -> None:
-        self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch_batches)  # of groups of micro-batches
-        self._ready: collections.deque[_Item] = collections.deque()  # the group being taken
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, name=f"batches-rank{self.rank}", daemon=True)
-        self._thread.start()  # the pipeline warms up while the caller builds its model
 
     @property
     def position(self) -> MixturePosition:
@@ -200,9 +190,9 @@ class BatchIterator(Iterator):
     def __next__(self) -> tuple[Any, Any]:
         if not self._ready:
             group = self._queue.get()
-            if isinstance(group, _Failure):
+            if isinstance(group, BaseException):
                 self._queue.put(group)  # every later next() raises too
-                raise group.error
+                raise group
             self._ready.extend(group)
         item = self._ready.popleft()
         self._position = item.position
@@ -280,7 +270,7 @@ class BatchIterator(Iterator):
                     raise self._damaged_shard(chunk) or error
                 first += self._batches_per_chunk
         except BaseException as error:  # handed to the caller's next()
-            self._put(_Failure(error))
+            self._put(error)
 
     def _damaged_shard(self, chunk: _Chunk) -> DataError | None:
         """After the pipeline failed on `chunk`: its shards read again here, in this process. A Ray

@@ -12,6 +12,7 @@ going on from the sequences it had given (`before`): the accounting stays exact.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ import numpy as np
 from raytrain_fast.config.data import data_sources, source_name
 from raytrain_fast.data.manifest import Manifest, check_manifest_matches, load_manifest
 from raytrain_fast.data.order import EpochOrder, locate_absolute, rank_indexes, usable_rows
-from raytrain_fast.errors import DataError
+from raytrain_fast.errors import ConfigError, DataError
 
 logger = logging.getLogger("raytrain_fast")
 
@@ -251,7 +252,6 @@ def check_sources(config: Any, *, prepared: list[str] | None = None, loaded: Seq
     tokenizer that will prepare it suits the model and the other sources. `prepared`: the manifest
     URIs of prepare_sources (then every source loads); `loaded`: sources whose manifests were read."""
     from raytrain_fast.data.cache import STDLIB, is_prepared, text_problem
-    from raytrain_fast.errors import ConfigError
 
     data, storage = config.data, config.storage
     items = data_sources(data)
@@ -308,8 +308,6 @@ def init_from_tokenizer_problems(config: Any, ours: Any, *, fix: str) -> list[st
     against the tokenizer.json of a Hugging Face checkpoint.init_from: the model's ids mean that
     tokenizer's text. [] when they are the same, or when init_from holds no tokenizer.json (weights
     only: the run's tokenizer is the user's choice). `fix` ends the message."""
-    import hashlib
-
     from raytrain_fast.data.tokenizer import TOKENIZER_FILE
     from raytrain_fast.storage import resolve_filesystem
 

@@ -14,8 +14,6 @@ from raytrain_fast.data.manifest import Manifest
 
 SHUFFLE_WINDOW_SHARDS = 16
 """Shards whose sequences are shuffled together (about 16M tokens at the default shard size)."""
-def _hash64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def shard_order(num_shards: int, *, seed: int, epoch: int) -> list[int]:
@@ -34,8 +32,9 @@ def _splitmix64(values: np.ndarray) -> np.ndarray:
 
 def window_permutation(length: int, *, seed: int, epoch: int, window: int) -> np.ndarray:
     """Positions 0..length-1 of a window in their shuffled order, drawn from (seed, epoch, window)."""
+    key = int.from_bytes(hashlib.blake2b(f"{seed}:{epoch}:{window}".encode(), digest_size=8).digest(), "little")
     with np.errstate(over="ignore"):
-        keys = _splitmix64(np.arange(length, dtype=np.uint64) ^ np.uint64(_hash64(f"{seed}:{epoch}:{window}")))
+        keys = _splitmix64(np.arange(length, dtype=np.uint64) ^ np.uint64(key))
     return np.argsort(keys, kind="stable")
 
 
@@ -54,21 +53,16 @@ def window_rows(shard_rows: list[int]) -> float:
 class EpochOrder:
     """The global order of one epoch: stream offset -> (shard, row), windows computed on first use."""
 
-    def __init__(self, shard_rows: list[int], *, seed: int, epoch: int, window_shards: int = SHUFFLE_WINDOW_SHARDS) -> None:
+    def __init__(self, shard_rows: list[int], *, seed: int, epoch: int) -> None:
         self.seed, self.epoch = seed, epoch
         order = [s for s in shard_order(len(shard_rows), seed=seed, epoch=epoch) if shard_rows[s] > 0]
         self.order = np.asarray(order, dtype=np.int64)
         rows = np.asarray([shard_rows[s] for s in order], dtype=np.int64)
         self.shard_start = np.concatenate([[0], np.cumsum(rows)])  # stream offset of each ordered shard
-        self.window_start = self.shard_start[::window_shards]
+        self.window_start = self.shard_start[::SHUFFLE_WINDOW_SHARDS]
         if self.window_start[-1] != self.shard_start[-1]:
             self.window_start = np.append(self.window_start, self.shard_start[-1])
-        self.window_shards = window_shards
         self._permutations: dict[int, np.ndarray] = {}
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.shard_start[-1])
 
     def windows_of(self, offsets: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.window_start, offsets, side="right") - 1

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from raytrain_fast.data.inputs import Listing, canonical_input, input_filesystems, list_sources, summarize_skipped
 from raytrain_fast.data.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, join_uri
@@ -59,12 +60,11 @@ class _Output:
     def resolve(cls, output: str, storage: StorageConfig) -> _Output:
         filesystem, root = resolve_filesystem(output, storage)
         display_root = output.rstrip("/") if "://" in output else root
-        if isinstance(filesystem, pafs.LocalFileSystem):
-            return cls(filesystem=filesystem, root=root, display_root=display_root, exclude=root)
+        local = isinstance(filesystem, pafs.LocalFileSystem)
         bucket = root.split("/", 1)[0]
-        if filesystem.get_file_info(bucket).type == pafs.FileType.NotFound:
+        if not local and filesystem.get_file_info(bucket).type == pafs.FileType.NotFound:
             raise DataError(f"output '{output}': bucket '{bucket}' does not exist (create it first)")
-        return cls(filesystem=filesystem, root=root, display_root=display_root, exclude=None)
+        return cls(filesystem=filesystem, root=root, display_root=display_root, exclude=root if local else None)
 
 
 def _holds_this_data(
@@ -145,8 +145,6 @@ def _check_inputs(listing: Listing, filesystems: dict[str, pafs.FileSystem], *, 
     if not any(s.size for s in listing.sources):
         raise DataError(f"the inputs hold no text ({len(listing.sources)} empty file(s): {listing.sources[0].uri}): add text to them."
                         f"\n{summarize_skipped(listing.skipped, limit=20)}".rstrip())
-    import pyarrow.parquet as pq
-
     source = next((s for s in listing.sources if input_format(s.path)[0] == "parquet" and s.size), None)
     if source is None:
         return

@@ -66,26 +66,19 @@ def input_format(path: str) -> tuple[str, str | None]:
 
 
 class _HashingReader:
-    """A file object that hashes and counts what is read through it (a compressed file's own bytes)."""
+    """A file object that hashes what is read through it (a compressed file's own bytes)."""
 
     def __init__(self, raw) -> None:
-        self.raw, self.digest, self.num_bytes, self.closed = raw, hashlib.sha256(), 0, False
+        self.raw, self.digest, self.closed = raw, hashlib.sha256(), False
 
     def read(self, size: int = -1) -> bytes:
         data = self.raw.read() if size is None or size < 0 else self.raw.read(size)
         self.digest.update(data)
-        self.num_bytes += len(data)
         return data
 
     def drain(self) -> None:
         while self.read(_READ_BYTES):
             pass
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
 
     def close(self) -> None:
         self.closed = True
@@ -116,9 +109,8 @@ class _Records:
         """Keys of the JSON objects seen: the fix for a wrong field names one of them."""
 
     def count(self, problem: str, where: int, num: int = 1) -> None:
-        if num:
-            self.bad[problem] += num
-            self.first.setdefault(problem, where)
+        self.bad[problem] += num
+        self.first.setdefault(problem, where)
 
     def summary(self) -> str:
         return ", ".join(f"{n} {problem} (first at {self.unit} {self.first[problem]})" for problem, n in self.bad.items())
@@ -288,7 +280,8 @@ class FileReader:
             try:
                 parquet = pq.ParquetFile(handle)
             except (OSError, pa.ArrowException) as error:
-                self.skip_reason = "empty file" if _is_empty(error) else f"not a Parquet file ({error})"
+                empty = "size is 0" in str(error) or "empty" in str(error).lower()
+                self.skip_reason = "empty file" if empty else f"not a Parquet file ({error})"
                 return
             problem = parquet_column_problem(parquet.schema_arrow, self.text_field)
             if problem:
@@ -324,10 +317,6 @@ class FileReader:
 def _not_text(head: bytes) -> str:
     """Why a file that starts with `head` holds no text ("": it may)."""
     return "empty file" if not head else "binary file (contains NUL bytes)" if b"\x00" in head else ""
-
-
-def _is_empty(error: Exception) -> bool:
-    return "size is 0" in str(error) or "empty" in str(error).lower()
 
 
 def parquet_text_column(schema: pa.Schema, text_field: str) -> str | None:

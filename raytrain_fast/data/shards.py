@@ -17,6 +17,7 @@ from raytrain_fast.data.inputs import Listing, Source
 from raytrain_fast.data.manifest import MANIFEST_NAME, Manifest, Shard, Skipped, SourceFile, join_uri
 from raytrain_fast.data.tokenizing import Part, Progress
 from raytrain_fast.errors import DataError
+from raytrain_fast.storage import store_corruption_hint
 
 VAL_DIR = "val"
 
@@ -190,8 +191,6 @@ def read_manifest(filesystem: pafs.FileSystem, root: str, display_root: str) -> 
     try:
         data = json.loads(raw)
     except json.JSONDecodeError:
-        from raytrain_fast.storage import store_corruption_hint
-
         raise DataError(
             f"{display_root}/{MANIFEST_NAME} is not valid JSON. {store_corruption_hint(raw)} (delete it or pass --overwrite)."
         ) from None

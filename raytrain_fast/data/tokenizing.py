@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import os
 import pickle
@@ -23,6 +24,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from raytrain_fast._ray_compat import DATA_EXECUTOR_LOGGER, wait_for_ray_data_iterators
 from raytrain_fast.data.inputs import NODE_ID_LABEL, Source
 from raytrain_fast.data.readers import FileReader, input_format, verdict
 from raytrain_fast.data.tokenizer import TokenizerSpec
@@ -225,20 +227,14 @@ def ray_running():
     try:
         yield
     finally:
-        from raytrain_fast._ray_compat import wait_for_ray_data_iterators
-
         wait_for_ray_data_iterators()  # this process iterated the tokenized blocks itself
         ray.shutdown()
 
 
 def _quiet(context) -> None:
     """prepare-data prints its own progress: no Ray Data progress bars, start line or finish line."""
-    import logging
-
     context.enable_progress_bars = False
     context.print_on_execution_start = False
-    from raytrain_fast._ray_compat import DATA_EXECUTOR_LOGGER
-
     logging.getLogger(DATA_EXECUTOR_LOGGER).setLevel(logging.WARNING)
 
 

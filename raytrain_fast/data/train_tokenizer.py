@@ -19,7 +19,7 @@ from raytrain_fast.config.data import BYTE_VOCAB_SIZE, EOD_TOKEN
 from raytrain_fast.console import say
 from raytrain_fast.data.hf_tokenizer import BYTE_EOD_TEXT, byte_tokenizer_json, hf_tokenizer_files
 from raytrain_fast.data.manifest import Skipped, TokenizerInfo
-from raytrain_fast.data.inputs import list_inputs, summarize_skipped
+from raytrain_fast.data.inputs import canonical_input, list_inputs, summarize_skipped
 from raytrain_fast.data.readers import DEFAULT_TEXT_FIELD, FileReader
 from raytrain_fast.data.tokenizer import EOD_CANDIDATES, TOKENIZER_FILE, TokenizerSpec
 from raytrain_fast.errors import DataError
@@ -88,7 +88,7 @@ def _check_arguments(inputs: list[str], *, output: str, vocab_size: int, min_fre
 
 def _check_output(output: str, *, overwrite: bool) -> str:
     """The absolute output directory; refused when it is a file, or holds a tokenizer and not `overwrite`."""
-    out = os.path.abspath(os.path.expanduser(output[len("file://"):] if output.startswith("file://") else output))
+    out = canonical_input(output)  # a local path: _check_arguments refused any other URI
     if os.path.exists(out) and not os.path.isdir(out):
         raise DataError(f"output '{output}' exists and is not a directory")
     existing = [name for name in TOKENIZER_FILES if os.path.exists(os.path.join(out, name))]
@@ -100,15 +100,14 @@ def _check_output(output: str, *, overwrite: bool) -> str:
     return out
 
 
-def _import_tokenizers():
+def _import_tokenizers() -> None:
     try:
-        import tokenizers
+        import tokenizers  # noqa: F401
     except ImportError:
         raise DataError(
             "train-tokenizer needs the 'tokenizers' package, which is not installed: pip install tokenizers "
             "(or pip install -e '.[tokenizers]')"
         ) from None
-    return tokenizers
 
 
 def _byte_layout(json_text: str, eod_token: str) -> str:
@@ -131,7 +130,7 @@ def _byte_layout(json_text: str, eod_token: str) -> str:
 
 
 def _train(
-    tokenizers, listing, filesystems, *, vocab_size: int, min_frequency: int, eod_token: str, verbose: bool, text_field: str,
+    listing, filesystems, *, vocab_size: int, min_frequency: int, eod_token: str, verbose: bool, text_field: str,
 ) -> tuple[str, dict[str, int], list[Skipped]]:
     """(tokenizer.json text in the byte layout, counts of files/documents/bytes read, skipped inputs):
     the BpeTrainer reads every listed input through a FileReader, printing progress as it goes."""
@@ -159,9 +158,9 @@ def _train(
         if verbose and counts["documents"]:
             say(f"train-tokenizer: learning merges up to a vocabulary of {vocab_size:,} (no progress lines while it runs)", stderr=True)
 
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split; no prefix space: text round-trips
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -217,13 +216,13 @@ def train_tokenizer(
     started, storage = time.perf_counter(), storage or StorageConfig()
     _check_arguments(inputs, output=output, vocab_size=vocab_size, min_frequency=min_frequency, eod_token=eod_token)
     out = _check_output(output, overwrite=overwrite)
-    tokenizers = _import_tokenizers()
+    _import_tokenizers()
     listing, filesystems = list_inputs(inputs, storage, exclude=out)
     if not listing.sources:
         raise DataError(f"no input files to train on: check the --input paths.\n{summarize_skipped(listing.skipped, limit=20, listed=False)}")
 
     json_text, counts, skipped = _train(
-        tokenizers, listing, filesystems, vocab_size=vocab_size, min_frequency=min_frequency, eod_token=eod_token, verbose=verbose,
+        listing, filesystems, vocab_size=vocab_size, min_frequency=min_frequency, eod_token=eod_token, verbose=verbose,
         text_field=text_field,
     )
     info = _write(out, json_text, eod_token)

@@ -37,12 +37,6 @@ def evaluation_ids(num_available: int, count: int) -> np.ndarray:
     return np.arange(count, dtype=np.int64) * num_available // count
 
 
-def rank_share(ids: np.ndarray, *, rank: int, world_size: int) -> np.ndarray:
-    """Rank `rank`'s contiguous part of `ids` (shares differ by at most one sequence)."""
-    count = len(ids)
-    return ids[rank * count // world_size: (rank + 1) * count // world_size]
-
-
 def load_validation_tokens(
     manifest: Manifest, *, count: int, rank: int, world_size: int, storage: StorageConfig | None = None
 ) -> np.ndarray:
@@ -50,7 +44,8 @@ def load_validation_tokens(
     split = manifest.validation
     if split is None:
         raise DataError(f"the prepared data at {manifest.root} has no validation split; prepare it again")
-    wanted = rank_share(evaluation_ids(split.num_sequences, count), rank=rank, world_size=world_size)
+    ids = evaluation_ids(split.num_sequences, count)
+    wanted = ids[rank * count // world_size: (rank + 1) * count // world_size]  # shares differ by one sequence at most
     import pyarrow.parquet as pq
 
     filesystem, root = resolve_filesystem(manifest.root, storage or StorageConfig())

@@ -31,9 +31,6 @@ from raytrain_fast.storage.filesystem import (
 from raytrain_fast.storage.probe import call_with_timeout
 
 MARKER_PREFIX = ".raytrain-fast-write-check-"
-CONNECT_TIMEOUT_S = 2.0
-REQUEST_TIMEOUT_S = 5.0
-MAX_ATTEMPTS = 2
 READ_PROBE_TIMEOUT_S = 10.0
 """runs / export / report: one listing call, so a silent endpoint is reported after 10 s, not after
 every attempt's request timeout."""
@@ -67,9 +64,7 @@ def check_storage_readable(uri: str, storage: StorageConfig, *, setting: str = "
     def probe() -> pafs.FileType:
         if uri.startswith("s3://"):
             bucket, prefix = split_s3_uri(uri)
-            filesystem = build_s3_filesystem(
-                storage, connect_timeout_s=CONNECT_TIMEOUT_S, request_timeout_s=REQUEST_TIMEOUT_S, max_attempts=MAX_ATTEMPTS,
-            )
+            filesystem = build_s3_filesystem(storage, fail_fast=True)
             return filesystem.get_file_info(f"{bucket}/{prefix}".rstrip("/")).type
         filesystem, path = resolve_filesystem(uri, storage)
         return filesystem.get_file_info(path).type
@@ -119,8 +114,7 @@ def _check_s3(storage: StorageConfig, *, create_bucket: bool) -> None:
     if credentials is None:
         raise StorageError(missing_credentials_message(endpoint=endpoint, bucket=bucket))
     filesystem = build_s3_filesystem(
-        storage, credentials=credentials, connect_timeout_s=CONNECT_TIMEOUT_S, request_timeout_s=REQUEST_TIMEOUT_S,
-        max_attempts=MAX_ATTEMPTS, allow_bucket_creation=create_bucket,
+        storage, credentials=credentials, fail_fast=True, allow_bucket_creation=create_bucket
     )
     where = f"s3://{bucket}/{prefix}".rstrip("/")
     explain = functools.partial(

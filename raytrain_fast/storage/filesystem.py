@@ -57,6 +57,9 @@ def s3_region(storage: StorageConfig) -> str:
 
 
 CHECKSUM_ENV = ("AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION")
+CONNECT_TIMEOUT_S = 2.0
+REQUEST_TIMEOUT_S = 5.0
+MAX_ATTEMPTS = 2
 
 
 def request_checksums(storage: StorageConfig) -> str:
@@ -82,9 +85,7 @@ def build_s3_filesystem(
     storage: StorageConfig,
     *,
     credentials: S3Credentials | None = None,
-    connect_timeout_s: float | None = None,
-    request_timeout_s: float | None = None,
-    max_attempts: int | None = None,
+    fail_fast: bool = False,
     allow_bucket_creation: bool = False,
 ) -> pafs.S3FileSystem:
     """An S3FileSystem for `storage`.
@@ -92,8 +93,8 @@ def build_s3_filesystem(
     Credentials: `credentials` if given, else `resolve_credentials(storage)` (profile, environment,
     default chain). Fixed keys are passed to pyarrow (and so travel, pickled, with the filesystem
     to Ray workers); role-based temporary ones are left to pyarrow's own default chain, which
-    refreshes them. Timeouts and attempts: pyarrow's defaults unless given (check_storage uses
-    short ones to fail in seconds).
+    refreshes them. Timeouts and attempts: pyarrow's defaults, or with `fail_fast` the short ones
+    the storage checks use to fail in seconds (CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S, MAX_ATTEMPTS).
     """
     kwargs: dict = {
         "region": s3_region(storage),
@@ -111,12 +112,10 @@ def build_s3_filesystem(
         kwargs["access_key"], kwargs["secret_key"] = credentials.access_key, credentials.secret_key
         if credentials.session_token:
             kwargs["session_token"] = credentials.session_token
-    if connect_timeout_s is not None:
-        kwargs["connect_timeout"] = connect_timeout_s
-    if request_timeout_s is not None:
-        kwargs["request_timeout"] = request_timeout_s
-    if max_attempts is not None:
-        kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=max_attempts)
+    if fail_fast:
+        kwargs["connect_timeout"] = CONNECT_TIMEOUT_S
+        kwargs["request_timeout"] = REQUEST_TIMEOUT_S
+        kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=MAX_ATTEMPTS)
     return pafs.S3FileSystem(**kwargs)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -85,8 +86,6 @@ def _secret_names(names: frozenset[str]) -> tuple[str, ...]:
 
 
 def _secret_env_values() -> list[str]:
-    import os
-
     # Names are classified once per set of variables: this runs on every console write.
     names = _secret_names(frozenset(os.environ))
     values = {v for v in (os.environ.get(n, "") for n in names) if len(v) >= _SECRET_ENV_MIN_LEN}
