@@ -19,7 +19,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from raytrain_fast.checkpoint.layout import DEEPSPEED_TAG
+from raytrain_fast.checkpoint.layout import CONFIG_FILE, DEEPSPEED_TAG, STATE_FILE
 from raytrain_fast.console import say
 from raytrain_fast.errors import CheckpointError
 
@@ -85,7 +85,7 @@ def convert_to_universal(checkpoint_dir: str, output_dir: str) -> float:
             f"converting {checkpoint_dir} to a universal checkpoint failed: {error} Resume with the worker count that wrote it."
         ) from error
     for path in Path(checkpoint_dir).iterdir():
-        if path.is_file() and (path.name.startswith("rng_state_rank") or path.name in ("train_state.json", "config.yaml")):
+        if path.is_file() and (path.name.startswith("rng_state_rank") or path.name in (STATE_FILE, CONFIG_FILE)):
             shutil.copy2(path, output / path.name)
     return time.perf_counter() - start
 

@@ -8,7 +8,7 @@ all-gathers through a torch function torch 2.13 deprecates. All of it is process
 replacement is made only where the method is the one it was written against (the same signature and
 source sha256 as on `TESTED_DEEPSPEED`) and every module-level name it uses exists; else DeepSpeed's
 own stays, with one warning line naming the method and why. `engine.deepspeed_patches: off` turns
-them all off; `active_patches()` names those in force for the startup line. After the patches: the
+them all off; `apply_patches` returns those in force, for the startup line. After the patches: the
 private attributes set after a checkpoint load, DeepSpeed's names for its per-rank checkpoint files
 and torch's compiler switch, each with a fallback and one warning line.
 """
