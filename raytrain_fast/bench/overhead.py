@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from raytrain_fast._ray_compat import health_check_interval_s, worker_env_flags, workers_at_normal_priority
+from raytrain_fast._ray_compat import health_check_interval_s, worker_env_flags
 from raytrain_fast.bench.bare_loops import (
     IN_PROCESS_VARIANTS, bare, build_bare, in_fresh_process, timed_steps,
 )
@@ -33,6 +33,7 @@ from raytrain_fast.bench.overhead_setup import (
     model_parameters,
     run_config,
 )
+from raytrain_fast.launch.ray_address import ensure_ray
 
 
 def _typical(setup: OverheadSetup, *, report: bool, wandb_dir: str) -> dict[str, Any]:
@@ -200,16 +201,6 @@ def _window_statistics(records: list[dict[str, Any]], setup: OverheadSetup) -> d
         "window_steps": steps,
         "checkpoint_blocked_s": [r["checkpoint/blocked_s"] for _, _, _, r in windows if "checkpoint/blocked_s" in r],
     }
-
-
-def ensure_ray() -> None:
-    """A local Ray instance if none: workers at niceness 0 (Ray's default 15 would hand the CPU to
-    any other process), as `launch.trainer` starts it."""
-    import ray
-
-    if not ray.is_initialized():
-        workers_at_normal_priority()
-        ray.init(configure_logging=False, include_dashboard=False, log_to_driver=True)
 
 
 def variant_runners(setup: OverheadSetup, names: Sequence[str], *, storage_dir: str) -> dict[str, Callable[[], dict[str, Any]]]:

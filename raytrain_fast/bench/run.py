@@ -111,7 +111,8 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
     import contextlib
     import sys
 
-    from raytrain_fast.bench.overhead import drift_warning, ensure_ray, overhead_report
+    from raytrain_fast.bench.overhead import drift_warning, overhead_report
+    from raytrain_fast.launch.ray_address import ensure_ray
     from raytrain_fast.bench.overhead_setup import SIZE_DEFAULTS, VARIANTS, OverheadSetup
 
     shape = {"d_model": args.d_model, "num_layers": args.layers, "num_heads": args.heads}

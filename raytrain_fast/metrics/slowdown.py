@@ -75,7 +75,7 @@ class Alert:
 
 
 class SlowdownDetector:
-    def __init__(self, *, threshold: float = 0.10, num_windows: int = 3, warmup_steps: int = 50) -> None:
+    def __init__(self, *, threshold: float, num_windows: int, warmup_steps: int) -> None:
         self.threshold = threshold
         self.num_windows = num_windows
         self.warmup_steps = warmup_steps
@@ -254,6 +254,10 @@ class Stall:
         return self.step_s - self.base_s
 
 
+STALL_WINDOWS = 5
+"""How many windows before a window the stall detector takes the median of."""
+
+
 class StallDetector:
     """One log window far slower than the ones just before it: a stall, not a trend.
 
@@ -267,7 +271,7 @@ class StallDetector:
     rule; else unknown. Used live (TrainMetrics) and by the report.
     """
 
-    def __init__(self, *, factor: float = 2.5, num_windows: int = 5, warmup_steps: int = 50, min_lost_s: float = 1.0) -> None:
+    def __init__(self, *, factor: float, warmup_steps: int, num_windows: int = STALL_WINDOWS, min_lost_s: float = 1.0) -> None:
         self.factor = factor
         self.min_lost_s = min_lost_s
         self.num_windows = num_windows

@@ -9,7 +9,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from raytrain_fast.metrics.slowdown import StallDetector
+from raytrain_fast.config.metrics import MetricsConfig
+from raytrain_fast.metrics.slowdown import STALL_WINDOWS
 from raytrain_fast.report.findings.checkpoint_stall import CHECKPOINT_MAX_BLOCK_S
 from raytrain_fast.report.findings.data_bound import DATA_WAIT_FRAC
 from raytrain_fast.report.findings.memory_underused import MEMORY_UNDERUSED_FRAC
@@ -252,18 +253,18 @@ def _baseline_band(run: RunMetrics, axis, stall_thresholds: dict[int, float]) ->
     threshold as a band and the stall threshold as the detector applied it to each window (step ->
     seconds: a flat line at the baseline would claim a threshold no detector uses); returns the baseline in ms."""
     steady = [1e3 * v for _, v in zip(*run.series("time/step_s", steady=True))]
-    windows = int(run.setting("metrics", "slowdown_windows", 3) or 3)
+    windows = int(run.setting("metrics", "slowdown_windows", MetricsConfig.slowdown_windows))
     if len(steady) < windows:
         return None
     baseline = median(steady[:windows])
-    threshold = float(run.setting("metrics", "slowdown_threshold", 0.10) or 0.10)
+    threshold = float(run.setting("metrics", "slowdown_threshold", MetricsConfig.slowdown_threshold))
     axis.axhspan(baseline, baseline * (1 + threshold), color="tab:green", alpha=0.15, zorder=0,
                  label=f"baseline {baseline:,.0f} ms to +{threshold:.0%} (slowdown alert above)")
     if stall_thresholds:
         axis.plot(list(stall_thresholds), [1e3 * t for t in stall_thresholds.values()], drawstyle="steps-pre",
                   color="tab:purple", linestyle=":", linewidth=1,
                   label=f"stall threshold ({stall_factor(run):.1f}x the median of the "
-                        f"{StallDetector().num_windows} windows before)")
+                        f"{STALL_WINDOWS} windows before)")
     return baseline
 
 
