@@ -30,13 +30,30 @@ def fresh_env(home: Path) -> dict[str, str]:
     torch extensions cache. DeepSpeed's CPU backend JIT-compiles its shared-memory op for a process
     group of two ranks once per machine and user (~60 s of CPU on 2 cores); under a new HOME per test
     every such command would compile it again. The cache is the one the suite's own processes use."""
-    from torch.utils.cpp_extension import get_default_build_root
-
     home.mkdir(parents=True, exist_ok=True)
     return {
         "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8",
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(),
+        "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
     }
+
+
+def torch_extensions_dir() -> str:
+    """Where torch builds JIT extensions for this process: TORCH_EXTENSIONS_DIR, else a folder per
+    Python and accelerator under the user's cache (torch.utils.cpp_extension names it so only when the
+    variable is unset: setting the variable to the cache itself would build everything again beside it)."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return os.path.join(get_default_build_root(), f"{python}_{accelerator}")
 
 
 def shell(line: str, *, cwd: Path, home: Path, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
