@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from cpu_by_test import busy_seconds  # tools/ is this script's folder
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 KINDS = (  # (kind, a substring of the command line), first match wins
@@ -67,13 +69,6 @@ def kind_of(cmdline: str) -> str:
         if marker in cmdline:
             return kind
     return "other"
-
-
-def busy_seconds() -> float:
-    """CPU seconds the machine spent busy since boot (all cores)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / TICK
 
 
 def sample(seen: dict[int, dict]) -> None:
