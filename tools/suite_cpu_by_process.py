@@ -113,10 +113,7 @@ def main() -> int:
     counts = {"Ray Train runs (TrainController)": 0, "Ray instances (raylet)": 0, "`raytrain-fast` commands": 0}
     for key, record in seen.items():
         cpu = record["cpu"] - record["first_cpu"] if key in before else record["cpu"]
-        if key in before and "pytest" not in record["cmdline"]:
-            kind = "processes running before the command"
-        else:
-            kind = kind_of(record["cmdline"])
+        kind = "processes running before the command" if key in before else kind_of(record["cmdline"])
         by_kind[kind] = by_kind.get(kind, 0.0) + cpu
         if kind in ("other", "other Ray actors and tasks"):
             title = record["cmdline"][:60]

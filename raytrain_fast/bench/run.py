@@ -112,8 +112,8 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
     import sys
 
     from raytrain_fast.bench.overhead import drift_warning, overhead_report
-    from raytrain_fast.launch.ray_address import ensure_ray
     from raytrain_fast.bench.overhead_setup import SIZE_DEFAULTS, VARIANTS, OverheadSetup
+    from raytrain_fast.launch.ray_address import ensure_ray
 
     shape = {"d_model": args.d_model, "num_layers": args.layers, "num_heads": args.heads}
     given = {**shape, "steps": args.steps or None, "warmup_steps": args.warmup_steps, "log_every": args.log_every or None}
